@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv with both distributions installed editable, plus test tools.
+# Usage: source scripts/setup-venv.sh   (sets VENV)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+"$VENV/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis]"
+export VENV

@@ -1,0 +1,3 @@
+"""llm-backoff-shim: an admission-controlled OpenAI-compatible proxy for vLLM."""
+
+__version__ = "0.1.0"
