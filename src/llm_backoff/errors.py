@@ -14,7 +14,7 @@ class LLMBackoffError(Exception):
     """Base class of the errors llm_backoff raises on its own account."""
 
 
-class RateLimitTimeout(TimeoutError):
+class RateLimitTimeout(TimeoutError):  # noqa: N818 - the name is public API
     """A client-side limit (token bucket, limiter) could not grant the call in time.
 
     A ``TimeoutError`` so that generic timeout handling catches it; raised instead of

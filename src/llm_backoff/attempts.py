@@ -1,0 +1,185 @@
+"""The per-call retry state machine and the attempt history it records.
+
+One `RetryState` per logical call (never shared): it is told how each attempt
+ended and answers `Retry` (wait this long) or `GiveUp` (why). The checks, in order:
+
+1. the outcome is not retryable (see `classify`) -> give up;
+2. the server's hint exceeds ``max_retry_after`` -> give up at once;
+3. ``max_attempts`` reached -> give up;
+4. the wait (see `backoff`) would end at or past the deadline -> give up now rather
+   than sleep pointlessly and fail anyway;
+5. the retry budget (if any) refuses -> give up.
+
+Pure: the clock and random source are injected; the budget is the only object
+called out to, and only when everything else says retry, so a refused retry
+never spends budget credit.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .backoff import next_wait
+from .classify import Verdict
+from .limits import RetryBudgetLike
+from .policy import RetryPolicy
+
+Clock = Callable[[], float]
+
+#: Key of the attempt history in ``response.extensions`` and name of the attribute on exceptions.
+EXTENSION_KEY = "llm_backoff.attempts"
+ATTRIBUTE = "llm_backoff_attempts"
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """How one attempt of a call ended, and what came after it."""
+
+    number: int
+    """1-based."""
+    status: int | None
+    """HTTP status, or None when the attempt raised."""
+    error: str | None
+    """``"ReadTimeout: timed out"`` when the attempt raised, else None."""
+    reason: str
+    """The classification, e.g. ``"status 429"``."""
+    hint: float | None
+    """The server's hint in seconds, if any."""
+    wait: float | None
+    """Seconds waited after this attempt before the next; None for the last attempt."""
+    started: float
+    """Seconds from the start of the call to the start of this attempt."""
+    duration: float
+    """Seconds the attempt took."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    wait: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    reason: str
+
+
+Decision = Retry | GiveUp
+
+
+def describe_error(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class RetryState:
+    """Decides, attempt after attempt, whether one call goes on. Not thread-safe: one per call."""
+
+    def __init__(
+        self,
+        policy: RetryPolicy,
+        *,
+        clock: Clock,
+        rng: random.Random,
+        budget: RetryBudgetLike | None = None,
+    ) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._rng = rng
+        self._budget = budget
+        self.started_at = clock()
+        self._attempts: list[Attempt] = []
+        self._previous_wait: float | None = None
+        self.final_reason: str | None = None
+
+    @property
+    def attempt_number(self) -> int:
+        """The number of the attempt about to be made (or being made), 1-based."""
+        return len(self._attempts) + 1
+
+    @property
+    def history(self) -> tuple[Attempt, ...]:
+        return tuple(self._attempts)
+
+    def elapsed(self) -> float:
+        return self._clock() - self.started_at
+
+    def time_left(self) -> float | None:
+        """Seconds until the deadline (may be <= 0), or None without a deadline."""
+        if self.policy.deadline is None:
+            return None
+        return self.policy.deadline - self.elapsed()
+
+    def decide(
+        self,
+        verdict: Verdict,
+        *,
+        attempt_started: float,
+        status: int | None = None,
+        error: str | None = None,
+        hint: float | None = None,
+    ) -> Decision:
+        """Record the attempt that just ended and say what comes next."""
+        now = self._clock()
+        decision = self._decide(verdict, hint, now)
+        self._attempts.append(
+            Attempt(
+                number=len(self._attempts) + 1,
+                status=status,
+                error=error,
+                reason=verdict.reason,
+                hint=hint,
+                wait=decision.wait if isinstance(decision, Retry) else None,
+                started=attempt_started - self.started_at,
+                duration=now - attempt_started,
+            )
+        )
+        if isinstance(decision, Retry):
+            self._previous_wait = decision.wait
+        else:
+            self.final_reason = decision.reason
+        return decision
+
+    def _decide(self, verdict: Verdict, hint: float | None, now: float) -> Decision:
+        policy = self.policy
+        if not verdict.retryable:
+            return GiveUp(verdict.reason)
+        if hint is not None and hint > policy.max_retry_after:
+            return GiveUp(
+                f"{verdict.reason}: server asked to wait {hint:g} s, above max_retry_after "
+                f"({policy.max_retry_after:g} s)"
+            )
+        number = len(self._attempts) + 1
+        if number >= policy.max_attempts:
+            return GiveUp(f"{verdict.reason}: max_attempts ({policy.max_attempts}) reached")
+        wait = next_wait(policy, number - 1, hint, self._previous_wait, self._rng)
+        if policy.deadline is not None:
+            elapsed = now - self.started_at
+            if elapsed + wait >= policy.deadline:
+                return GiveUp(
+                    f"{verdict.reason}: waiting {wait:.3g} s would pass the {policy.deadline:g} s deadline "
+                    f"({elapsed:.3g} s elapsed)"
+                )
+        if self._budget is not None and not self._budget.try_spend():
+            return GiveUp(f"{verdict.reason}: retry budget exhausted")
+        return Retry(wait, verdict.reason)
+
+
+def format_history(attempts: tuple[Attempt, ...], final_reason: str | None = None) -> str:
+    """A multi-line summary for exception notes and logs."""
+    total = attempts[-1].started + attempts[-1].duration if attempts else 0.0
+    plural = "s" if len(attempts) != 1 else ""
+    lines = [f"llm_backoff: {len(attempts)} attempt{plural} in {total:.3g} s"]
+    if final_reason:
+        lines[0] += f", gave up: {final_reason}"
+    for a in attempts:
+        outcome = f"status {a.status}" if a.status is not None else (a.error or "error")
+        parts = [f"  #{a.number} {outcome}"]
+        if a.hint is not None:
+            parts.append(f"hint {a.hint:.3g} s")
+        if a.wait is not None:
+            parts.append(f"waited {a.wait:.3g} s")
+        lines.append(", ".join(parts))
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""Is this outcome worth another attempt, and why (a short reason for logs and history)?
+
+Statuses, in order of precedence:
+
+1. below 400: success, nothing to retry;
+2. 400, 401, 403, 404, 422: never (the same request cannot succeed later), whatever
+   the server's ``x-should-retry`` says;
+3. ``x-should-retry: false``: no;
+4. a 429 whose body says ``insufficient_quota``: no (waiting does not refill an account);
+5. ``x-should-retry: true``: yes, even for a status outside ``retry_statuses``;
+6. otherwise: yes iff the status is in ``policy.retry_statuses``.
+
+Exceptions: timeouts (connect, read, write, pool) are retried when
+``retry_timeouts``; connection failures (refused, reset, closed without a response,
+proxy) when ``retry_connection_errors``. Anything else (bad URL, local protocol
+misuse, our own ``RateLimitTimeout``) is not retried. httpx, httpx2 and openai
+exception types are recognised; a library that was never imported cannot have
+raised anything, so each is looked up in ``sys.modules`` instead of imported.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from .policy import NEVER_RETRY_STATUSES, RetryPolicy
+from .retry_after import MAX_HINT_BODY
+
+ErrorKind = Literal["timeout", "connection"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    retryable: bool
+    reason: str
+
+
+def parse_error_body(body: bytes | str | Mapping[str, object] | None) -> Mapping[str, object] | None:
+    """A JSON error body as a mapping; anything else (HTML, huge, broken) -> None."""
+    if body is None or isinstance(body, Mapping):
+        return body
+    if not body or len(body) > MAX_HINT_BODY:
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, Mapping) else None
+
+
+def is_insufficient_quota(body: Mapping[str, object] | None) -> bool:
+    """OpenAI's "you ran out of credit" 429: ``{"error": {"type"|"code": "insufficient_quota"}}``.
+
+    Also accepts the inner ``error`` object alone, which is what ``openai`` exposes as ``exc.body``.
+    """
+    if body is None:
+        return False
+    error = body.get("error")
+    for obj in (error if isinstance(error, Mapping) else None, body):
+        if obj is not None and "insufficient_quota" in (obj.get("code"), obj.get("type")):
+            return True
+    return False
+
+
+def classify_status(
+    policy: RetryPolicy,
+    status: int,
+    headers: Mapping[str, str],
+    body: Mapping[str, object] | None = None,
+) -> Verdict:
+    if status < 400:
+        return Verdict(False, f"status {status}")
+    if status in NEVER_RETRY_STATUSES:
+        return Verdict(False, f"status {status} is never retried")
+    should_retry = (headers.get("x-should-retry") or "").strip().lower()
+    if should_retry == "false":
+        return Verdict(False, f"status {status}, server sent x-should-retry: false")
+    if status == 429 and is_insufficient_quota(body):
+        return Verdict(False, "status 429 insufficient_quota (out of credit, not a rate limit)")
+    if should_retry == "true":
+        return Verdict(True, f"status {status}, server sent x-should-retry: true")
+    if status in policy.retry_statuses:
+        return Verdict(True, f"status {status}")
+    return Verdict(False, f"status {status} is not in retry_statuses")
+
+
+def error_kind(exc: BaseException) -> ErrorKind | None:
+    """``"timeout"``, ``"connection"`` or None (not a transport failure) for an exception."""
+    for name in ("httpx2", "httpx"):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        if isinstance(exc, module.TimeoutException):
+            return "timeout"
+        if isinstance(exc, (module.NetworkError, module.RemoteProtocolError, module.ProxyError)):
+            return "connection"
+    openai = sys.modules.get("openai")
+    if openai is not None:
+        # APITimeoutError subclasses APIConnectionError: test it first.
+        if isinstance(exc, openai.APITimeoutError):
+            return "timeout"
+        if isinstance(exc, openai.APIConnectionError):
+            return "connection"
+    anyio = sys.modules.get("anyio")
+    # httpx2 lets anyio's EndOfStream through when a TLS peer vanishes (the openai SDK maps it too).
+    if anyio is not None and isinstance(exc, anyio.EndOfStream):
+        return "connection"
+    if isinstance(exc, ConnectionError):
+        return "connection"
+    return None
+
+
+def classify_exception(policy: RetryPolicy, exc: BaseException) -> Verdict:
+    kind = error_kind(exc)
+    name = type(exc).__name__
+    if kind == "timeout":
+        return Verdict(policy.retry_timeouts, f"timeout ({name})")
+    if kind == "connection":
+        return Verdict(policy.retry_connection_errors, f"connection error ({name})")
+    return Verdict(False, f"{name} is not a transport failure")

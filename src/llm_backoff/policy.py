@@ -1,0 +1,75 @@
+"""`RetryPolicy`: the few knobs that decide how a call is retried.
+
+A frozen pydantic model so that one policy can be shared by many clients, threads
+and tasks, hashed, and logged. Invalid values are rejected at construction with a
+message naming the field; unknown fields are rejected too, so a typo such as
+``max_retries=`` fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+Jitter = Literal["full", "equal", "decorrelated", "none"]
+
+#: Statuses that no setting makes retryable: the same request cannot succeed later.
+NEVER_RETRY_STATUSES: frozenset[int] = frozenset({400, 401, 403, 404, 422})
+
+DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class RetryPolicy(BaseModel):
+    """How one logical call is retried.
+
+    The deadline, not the attempt count, is what normally ends retrying:
+    ``max_attempts`` (first attempt included) is a backstop for servers that
+    fail fast forever.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_attempts: StrictInt = Field(default=10, ge=1, description="total attempts, the first one included")
+    deadline: float | None = Field(
+        default=60.0, gt=0, allow_inf_nan=False, description="seconds for the whole call, waits included"
+    )
+    base_delay: float = Field(default=0.5, ge=0, allow_inf_nan=False)
+    max_delay: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+    jitter: Jitter = "full"
+    max_retry_after: float = Field(
+        default=120.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="a server hint above this many seconds means: do not retry, raise now",
+    )
+    retry_after_jitter: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="random extra wait of up to this fraction of a server hint",
+    )
+    retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
+    retry_connection_errors: StrictBool = True
+    retry_timeouts: StrictBool = True
+
+    @field_validator("retry_statuses")
+    @classmethod
+    def _check_statuses(cls, value: frozenset[int]) -> frozenset[int]:
+        bad = sorted(s for s in value if not 400 <= s <= 599)
+        if bad:
+            raise ValueError(f"retry_statuses must be HTTP error statuses (400-599), got {bad}")
+        never = sorted(value & NEVER_RETRY_STATUSES)
+        if never:
+            raise ValueError(
+                f"retry_statuses may not contain {never}: "
+                f"{sorted(NEVER_RETRY_STATUSES)} are never retried (the request itself is wrong)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_delays(self) -> RetryPolicy:
+        if self.max_delay < self.base_delay:
+            raise ValueError(f"max_delay ({self.max_delay}) must be >= base_delay ({self.base_delay})")
+        return self
