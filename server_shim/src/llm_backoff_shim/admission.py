@@ -1,0 +1,427 @@
+"""The admission decision: who goes upstream now, who waits, who is turned away.
+
+Pure and synchronous: no asyncio, no sockets; time comes from an injected clock.
+The asyncio edge (:mod:`llm_backoff_shim.waiting`) turns the tickets this controller
+hands out into awaitables and calls back on completion, disconnect and timeout.
+
+Model:
+
+- one bounded FIFO queue per traffic class, classes listed highest priority first
+  (``interactive`` before ``batch``); ``max_queue_total`` bounds all queues together;
+- a :class:`~llm_backoff_shim.limit.ConcurrencyLimit` caps requests in flight;
+- a :class:`ClassScheduler` picks the class whose head is admitted when a slot frees
+  (default :class:`StrictPriority`; reserved shares / anti-starvation plug in here);
+- :class:`AdmissionGate` checks run before a request may queue (SLO shedding, tenant
+  quotas, engine saturation plug in here) and may refuse it with their own code.
+
+Invariant kept by :meth:`AdmissionController._pump`: after every call, either no queued
+request can be admitted (the limit is reached or the scheduler holds the slot back)
+or every queue is empty. Every ticket ends in exactly one of RELEASED, CANCELLED,
+EXPIRED, so in-flight and queued counts return to zero whatever the mix of outcomes.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from llm_backoff_shim.estimator import DrainEstimator
+from llm_backoff_shim.limit import ConcurrencyLimit
+
+Clock = Callable[[], float]
+
+RejectCode = Literal["queue_full", "queue_timeout", "slo_shed", "tenant_rate_limited", "upstream_unavailable"]
+ErrorType = Literal["server_overloaded", "rate_limit_exceeded"]
+
+
+class UnknownClassError(ValueError):
+    """``x-request-class`` names a class this shim does not serve."""
+
+    def __init__(self, value: str, known: Sequence[str]) -> None:
+        super().__init__(f"unknown request class {value!r}; expected one of: {', '.join(known)}")
+        self.value = value
+        self.known = tuple(known)
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    """Queue bound and longest queue wait (seconds) of one traffic class."""
+
+    name: str
+    max_queue: int
+    max_queue_wait: float
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("class name must not be empty")
+        if self.max_queue < 0:
+            raise ValueError(f"class {self.name}: max_queue must be >= 0")
+        if not (self.max_queue_wait > 0 and math.isfinite(self.max_queue_wait)):
+            raise ValueError(f"class {self.name}: max_queue_wait must be a positive finite number")
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """What the decision may look at: the class, the caller's remaining budget (s), a tenant key."""
+
+    cls: str
+    budget: float | None = None
+    tenant: str | None = None
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refusal, ready for :mod:`llm_backoff_shim.rejection` to render (DESIGN.md protocol).
+
+    ``message`` is the reason only; the renderer appends ", retry in N s".
+    ``status`` None means the configured ``--reject-status``.
+    """
+
+    code: RejectCode
+    message: str
+    retry_after: float
+    queue_depth: int
+    type: ErrorType = "server_overloaded"
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class GateRefusal:
+    """A gate's "no". Without ``retry_after`` the controller's estimate is used."""
+
+    code: RejectCode
+    message: str
+    type: ErrorType = "server_overloaded"
+    retry_after: float | None = None
+    status: int | None = None
+
+
+class TicketState(enum.Enum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RELEASED = "released"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+class Outcome(enum.Enum):
+    """How an admitted request ended; only COMPLETED (a 2xx relayed in full) feeds the service-time estimate.
+
+    CLIENT_ERROR: the upstream answered 4xx (quick, says nothing about generation time);
+    OVERLOADED: the upstream itself refused as overloaded (a signal for adaptive limits).
+    """
+
+    COMPLETED = "completed"
+    CLIENT_ERROR = "client_error"
+    UPSTREAM_ERROR = "upstream_error"
+    OVERLOADED = "overloaded"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's place: queued, then admitted (holding a slot), then released."""
+
+    id: int
+    request: AdmissionRequest
+    arrived: float
+    deadline: float
+    state: TicketState = TicketState.QUEUED
+    admitted_at: float | None = None
+    rejection: Rejection | None = None
+
+    @property
+    def cls(self) -> str:
+        return self.request.cls
+
+    @property
+    def queue_time(self) -> float:
+        """Seconds spent queued (0 when admitted on arrival)."""
+        return 0.0 if self.admitted_at is None else self.admitted_at - self.arrived
+
+
+@dataclass
+class Dispatch:
+    """Tickets that left the queues in one step: now holding a slot, or dropped as expired."""
+
+    admitted: list[Ticket] = field(default_factory=list)
+    expired: list[Ticket] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.admitted or self.expired)
+
+
+class AdmissionView(Protocol):
+    """Read-only state offered to gates and schedulers."""
+
+    @property
+    def classes(self) -> tuple[str, ...]: ...
+
+    @property
+    def limit(self) -> int: ...
+
+    def now(self) -> float: ...
+
+    def in_flight(self, cls: str | None = None) -> int: ...
+
+    def queued(self, cls: str | None = None) -> int: ...
+
+    def policy(self, cls: str) -> ClassPolicy: ...
+
+
+class AdmissionGate(Protocol):
+    """A pre-admission check; return a refusal to turn the request away before it queues."""
+
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None: ...
+
+
+class ClassScheduler(Protocol):
+    """Chooses whose queue head takes the next free slot.
+
+    ``waiting`` lists the classes with queued requests, highest priority first. Return
+    one of them, or None to keep the slot free (e.g. reserved for another class).
+    """
+
+    def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None: ...
+
+
+class StrictPriority:
+    """Serve the highest-priority class with a queue. Starvation control comes later, as another scheduler."""
+
+    def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None:
+        return waiting[0] if waiting else None
+
+
+class AdmissionController:
+    """Per-class bounded FIFO queues in front of a concurrency limit (see module docstring)."""
+
+    def __init__(
+        self,
+        policies: Sequence[ClassPolicy],
+        *,
+        limit: ConcurrencyLimit,
+        estimator: DrainEstimator,
+        clock: Clock,
+        max_queue_total: int | None = None,
+        default_class: str | None = None,
+        scheduler: ClassScheduler | None = None,
+        gates: Iterable[AdmissionGate] = (),
+    ) -> None:
+        if not policies:
+            raise ValueError("at least one traffic class is needed")
+        names = [p.name for p in policies]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate class names: {names}")
+        self._policies = {p.name: p for p in policies}
+        self._classes = tuple(names)
+        self._default = names[0] if default_class is None else default_class
+        if self._default not in self._policies:
+            raise ValueError(f"default class {self._default!r} is not one of {names}")
+        if max_queue_total is not None and max_queue_total < 0:
+            raise ValueError("max_queue_total must be >= 0")
+        self._max_total = max_queue_total
+        self._limit = limit
+        self._estimator = estimator
+        self._clock = clock
+        self._scheduler: ClassScheduler = scheduler or StrictPriority()
+        self.gates: list[AdmissionGate] = list(gates)
+        # dicts keep insertion order: FIFO with O(1) removal of a cancelled ticket.
+        self._queues: dict[str, dict[int, Ticket]] = {name: {} for name in names}
+        self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
+        self._ids = itertools.count(1)
+
+    # -- view ------------------------------------------------------------------------------
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self._classes
+
+    @property
+    def default_class(self) -> str:
+        return self._default
+
+    @property
+    def limit(self) -> int:
+        return self._limit.limit
+
+    @property
+    def estimator(self) -> DrainEstimator:
+        return self._estimator
+
+    def now(self) -> float:
+        return self._clock()
+
+    def policy(self, cls: str) -> ClassPolicy:
+        return self._policies[cls]
+
+    def in_flight(self, cls: str | None = None) -> int:
+        return sum(self._in_flight.values()) if cls is None else self._in_flight[cls]
+
+    def queued(self, cls: str | None = None) -> int:
+        if cls is None:
+            return sum(len(q) for q in self._queues.values())
+        return len(self._queues[cls])
+
+    def ahead_of(self, cls: str) -> int:
+        """Requests that would be served before a newcomer of ``cls`` (strict-priority view)."""
+        index = self._classes.index(cls)
+        return sum(len(self._queues[c]) for c in self._classes[: index + 1])
+
+    def parse_class(self, header: str | None) -> str:
+        """Map an ``x-request-class`` value to a class; absent/blank -> the default class."""
+        if header is None or not header.strip():
+            return self._default
+        name = header.strip().lower()
+        if name not in self._policies:
+            raise UnknownClassError(header, self._classes)
+        return name
+
+    # -- decisions -------------------------------------------------------------------------
+    def submit(self, request: AdmissionRequest) -> Ticket | Rejection:
+        """Admit (ticket ADMITTED), queue (ticket QUEUED) or refuse a new request."""
+        cls = request.cls
+        if cls not in self._policies:
+            raise UnknownClassError(cls, self._classes)
+        for gate in self.gates:
+            refusal = gate.check(request, self)
+            if refusal is not None:
+                return self._from_gate(cls, refusal)
+        if request.budget is not None and request.budget <= 0:
+            return self._reject(cls, "queue_timeout", "request budget (x-request-timeout-ms) already spent")
+        now = self._clock()
+        policy = self._policies[cls]
+        wait = policy.max_queue_wait
+        deadline = now + (wait if request.budget is None else min(wait, request.budget))
+        ticket = Ticket(id=next(self._ids), request=request, arrived=now, deadline=deadline)
+        queue = self._queues[cls]
+        has_room = len(queue) < policy.max_queue and (
+            self._max_total is None or self.queued() < self._max_total
+        )
+        # Queued tentatively even when full: the pump admits it at once if a slot is
+        # usable (e.g. --max-queue 0 with an idle engine), else it is taken back out.
+        queue[ticket.id] = ticket
+        self._pump()
+        if ticket.state is TicketState.ADMITTED:
+            return ticket
+        if not has_room:
+            del queue[ticket.id]
+            ticket.state = TicketState.CANCELLED
+            return self._reject(cls, "queue_full", "server at capacity (queue full)")
+        if request.budget is not None and self._estimator.samples > 0:
+            expected = self._estimator.expected_wait(self.ahead_of(cls) - 1, self.limit, 0)
+            if expected > request.budget:
+                del queue[ticket.id]
+                ticket.state = TicketState.CANCELLED
+                return self._reject(
+                    cls,
+                    "queue_timeout",
+                    f"estimated queue wait {expected:.2f} s exceeds the request budget "
+                    f"{request.budget:.2f} s",
+                )
+        return ticket
+
+    def release(self, ticket: Ticket, outcome: Outcome) -> Dispatch:
+        """Give back the slot of an ADMITTED ticket; returns who moved up."""
+        if ticket.state is not TicketState.ADMITTED:
+            raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not admitted")
+        ticket.state = TicketState.RELEASED
+        self._in_flight[ticket.cls] -= 1
+        assert ticket.admitted_at is not None
+        service_time = self._clock() - ticket.admitted_at
+        if outcome is Outcome.COMPLETED:
+            self._estimator.observe_completion(ticket.cls, service_time)
+        self._limit.on_complete(
+            service_time=service_time,
+            in_flight=self.in_flight(),
+            overloaded=outcome is Outcome.OVERLOADED,
+        )
+        return self._pump()
+
+    def cancel(self, ticket: Ticket) -> Dispatch:
+        """The caller went away: leave the queue, or give back the slot (as ABORTED)."""
+        if ticket.state is TicketState.QUEUED:
+            del self._queues[ticket.cls][ticket.id]
+            ticket.state = TicketState.CANCELLED
+            return self._pump()
+        if ticket.state is TicketState.ADMITTED:
+            return self.release(ticket, Outcome.ABORTED)
+        return Dispatch()
+
+    def expire(self, ticket: Ticket) -> Rejection | None:
+        """The ticket's queue deadline passed: drop it with ``queue_timeout``.
+
+        None when it is no longer queued (admitted in the meantime): the caller proceeds.
+        """
+        if ticket.state is not TicketState.QUEUED:
+            return None
+        del self._queues[ticket.cls][ticket.id]
+        self._expire(ticket)
+        assert ticket.rejection is not None
+        return ticket.rejection
+
+    def upstream_unavailable(self, cls: str, detail: str) -> Rejection:
+        """The refusal for a request whose upstream could not be reached (always 503)."""
+        return Rejection(
+            code="upstream_unavailable",
+            message=f"upstream unavailable ({detail})",
+            retry_after=self._estimator.config.retry_after_min,
+            queue_depth=self.queued(cls),
+            status=503,
+        )
+
+    def overloaded_upstream(self, cls: str, detail: str) -> Rejection:
+        """The refusal for a request the engine itself turned away as overloaded (vLLM's 503)."""
+        return self._reject(cls, "queue_full", f"upstream engine at capacity ({detail})")
+
+    # -- internals -------------------------------------------------------------------------
+    def _pump(self) -> Dispatch:
+        dispatch = Dispatch()
+        now = self._clock()
+        while self.in_flight() < self._limit.limit:
+            waiting = [c for c in self._classes if self._queues[c]]
+            if not waiting:
+                break
+            cls = self._scheduler.pick(waiting, self)
+            if cls is None:
+                break
+            queue = self._queues[cls]
+            ticket = queue.pop(next(iter(queue)))
+            if ticket.deadline <= now:
+                # Its wait or the caller's budget ran out: never send it to the engine.
+                self._expire(ticket)
+                dispatch.expired.append(ticket)
+                continue
+            ticket.state = TicketState.ADMITTED
+            ticket.admitted_at = now
+            self._in_flight[cls] += 1
+            dispatch.admitted.append(ticket)
+        return dispatch
+
+    def _expire(self, ticket: Ticket) -> None:
+        ticket.state = TicketState.EXPIRED
+        budget = ticket.request.budget
+        if budget is not None and ticket.deadline - ticket.arrived >= budget:
+            why = "request budget (x-request-timeout-ms) ran out while queued"
+        else:
+            why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"
+        ticket.rejection = self._reject(ticket.cls, "queue_timeout", why)
+
+    def _reject(self, cls: str, code: RejectCode, why: str) -> Rejection:
+        hint = self._estimator.retry_after(cls, self.ahead_of(cls), self.limit)
+        return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))
+
+    def _from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:
+        hint = refusal.retry_after
+        if hint is None:
+            hint = self._estimator.retry_after(cls, self.ahead_of(cls), self.limit)
+        return Rejection(
+            code=refusal.code,
+            message=refusal.message,
+            retry_after=hint,
+            queue_depth=self.queued(cls),
+            type=refusal.type,
+            status=refusal.status,
+        )

@@ -1,0 +1,152 @@
+"""Assembles the shim: settings -> admission, estimator, metrics, upstream client, routes.
+
+``create_app(settings)`` returns a Starlette app whose lifespan opens and closes the
+upstream session. Routes: ``GET /health`` (the shim is up), ``GET /ready`` (the
+upstream answers its ready path), ``GET /metrics`` (Prometheus text),
+``GET /shim/state`` (live in-flight/queued per class, JSON, for the demo and
+operators) and everything under ``/v1/`` to the proxy. Other paths get an
+OpenAI-format 404.
+
+Tests and the demo read live state in-process with :func:`shim_state`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llm_backoff_shim.admission import AdmissionController, ClassPolicy
+from llm_backoff_shim.config import ShimSettings
+from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.limit import FixedLimit
+from llm_backoff_shim.metrics import CONTENT_TYPE, ShimMetrics
+from llm_backoff_shim.proxy import Proxy
+from llm_backoff_shim.upstream import UpstreamClient
+from llm_backoff_shim.waiting import AsyncAdmission
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class ClassState:
+    in_flight: int
+    queued: int
+
+
+@dataclass
+class ShimRuntime:
+    """Everything one shim app owns; reachable as ``app.state.shim``."""
+
+    settings: ShimSettings
+    controller: AdmissionController
+    admission: AsyncAdmission
+    metrics: ShimMetrics
+    upstream: UpstreamClient
+    proxy: Proxy
+
+    def snapshot(self) -> dict[str, ClassState]:
+        c = self.controller
+        return {cls: ClassState(in_flight=c.in_flight(cls), queued=c.queued(cls)) for cls in c.classes}
+
+
+def build_controller(settings: ShimSettings, clock: Clock) -> AdmissionController:
+    estimator = DrainEstimator(
+        EstimatorConfig(
+            retry_after_min=settings.retry_after_min,
+            retry_after_max=settings.retry_after_max,
+            initial_service_time=settings.initial_service_time,
+        ),
+        clock,
+    )
+    policies = [
+        ClassPolicy(name=name, max_queue=limits.max_queue, max_queue_wait=limits.max_queue_wait)
+        for name, limits in settings.class_limits().items()
+    ]
+    return AdmissionController(
+        policies,
+        limit=FixedLimit(settings.max_concurrency),
+        estimator=estimator,
+        clock=clock,
+        max_queue_total=settings.max_queue,
+        default_class=settings.default_class,
+    )
+
+
+def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
+    controller = build_controller(settings, clock)
+    admission = AsyncAdmission(controller, clock)
+    metrics = ShimMetrics(controller)
+    upstream = UpstreamClient(
+        settings.upstream_base,
+        connect_timeout=settings.upstream_connect_timeout,
+        read_timeout=settings.upstream_read_timeout,
+        keepalive=settings.upstream_keepalive,
+    )
+    proxy = Proxy(
+        upstream=upstream,
+        admission=admission,
+        metrics=metrics,
+        reject_status=settings.reject_status,
+        clock=clock,
+    )
+    runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        ok, reason = await upstream.ready(settings.ready_path)
+        return JSONResponse(
+            {"status": "ready" if ok else "unavailable", "detail": reason}, 200 if ok else 503
+        )
+
+    async def metrics_endpoint(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def state(request: Request) -> Response:
+        snapshot = runtime.snapshot()
+        return JSONResponse(
+            {
+                "limit": controller.limit,
+                "service_time_s": controller.estimator.service_time,
+                "classes": {
+                    cls: {"in_flight": s.in_flight, "queued": s.queued} for cls, s in snapshot.items()
+                },
+            }
+        )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await upstream.open()
+        try:
+            yield
+        finally:
+            await upstream.close()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics_endpoint, methods=["GET"]),
+            Route("/shim/state", state, methods=["GET"]),
+            # Proxy is a class instance, so Starlette hands it the raw ASGI call (all methods).
+            Route("/{path:path}", proxy),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.shim = runtime
+    return app
+
+
+def shim_state(app: Starlette) -> ShimRuntime:
+    """The live runtime of an app made by :func:`create_app`."""
+    runtime = app.state.shim
+    assert isinstance(runtime, ShimRuntime)
+    return runtime

@@ -1,0 +1,158 @@
+"""Drain rate and Retry-After estimates (pure; the clock is injected).
+
+The hint answers "when would a retry find room?". Room appears as requests ahead of
+the caller are admitted, i.e. at the rate slots free up. That rate is estimated from
+capacity by Little's law, ``slots / EWMA(service time)``, not from completions per
+second: after light traffic few completions were observed although every slot could
+turn over quickly, so a completions/s estimate would understate the drain rate and
+overstate the wait. Completions/s per class is still tracked, for the
+``drain_rate`` metric.
+
+Spreading: callers rejected in one burst are each told a different future slot.
+The estimator remembers the last slot it promised per class; the next rejection
+gets ``max(now + (ahead + 1) / rate, last_promised + 1 / rate)``, so the k-th caller
+of a burst hears roughly ``(ahead + k) / rate`` and retries come back at about the
+drain rate instead of in one wave. Once time passes the last promise the burst is
+over and hints start again from the queue alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """Knobs of :class:`DrainEstimator`.
+
+    ``initial_service_time`` is the prior used until the first completion is measured;
+    ``service_time_alpha`` is the EWMA weight of each new sample; ``rate_window`` is the
+    time constant (seconds) of the completions/s estimate.
+    """
+
+    retry_after_min: float = 1.0
+    retry_after_max: float = 30.0
+    initial_service_time: float = 1.0
+    service_time_alpha: float = 0.2
+    rate_window: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.retry_after_min <= self.retry_after_max):
+            raise ValueError("need 0 < retry_after_min <= retry_after_max")
+        if not self.initial_service_time > 0:
+            raise ValueError("initial_service_time must be > 0")
+        if not (0 < self.service_time_alpha <= 1):
+            raise ValueError("service_time_alpha must be in (0, 1]")
+        if not self.rate_window > 0:
+            raise ValueError("rate_window must be > 0")
+
+
+class _DecayingRate:
+    """Events per second with exponential forgetting (time constant ``tau``).
+
+    Each event adds ``1 / tau`` and the sum decays by ``exp(-dt / tau)``: a steady
+    stream of ``r`` events/s converges to ``r``.
+    """
+
+    __slots__ = ("_last", "_tau", "_value")
+
+    def __init__(self, tau: float) -> None:
+        self._tau = tau
+        self._value = 0.0
+        self._last: float | None = None
+
+    def _decayed(self, now: float) -> float:
+        if self._last is None:
+            return 0.0
+        return self._value * math.exp(-max(0.0, now - self._last) / self._tau)
+
+    def add(self, now: float) -> None:
+        self._value = self._decayed(now) + 1.0 / self._tau
+        self._last = now
+
+    def value(self, now: float) -> float:
+        return self._decayed(now)
+
+
+class DrainEstimator:
+    """Service time, drain rate and spread Retry-After hints for the shim's classes."""
+
+    def __init__(self, config: EstimatorConfig, clock: Clock) -> None:
+        self._config = config
+        self._clock = clock
+        self._service_time = config.initial_service_time
+        self._samples = 0
+        self._completions: dict[str, _DecayingRate] = {}
+        self._last_promised: dict[str, float] = {}
+
+    @property
+    def config(self) -> EstimatorConfig:
+        return self._config
+
+    @property
+    def service_time(self) -> float:
+        """EWMA of seconds from admission to completion (the prior until measured)."""
+        return self._service_time
+
+    @property
+    def samples(self) -> int:
+        """How many completions have been measured; 0 means estimates rest on the prior."""
+        return self._samples
+
+    def observe_completion(self, cls: str, service_time: float) -> None:
+        """Record a request that held a slot for ``service_time`` seconds and finished normally."""
+        now = self._clock()
+        if math.isfinite(service_time) and service_time >= 0:
+            alpha = self._config.service_time_alpha
+            if self._samples == 0:
+                # The prior is a guess: the first measurement replaces it outright.
+                self._service_time = service_time
+            else:
+                self._service_time += alpha * (service_time - self._service_time)
+            self._samples += 1
+        self._rate(cls).add(now)
+
+    def completion_rate(self, cls: str) -> float:
+        """Completions per second observed for ``cls`` (decaying average)."""
+        return self._rate(cls).value(self._clock())
+
+    def capacity_rate(self, slots: int) -> float:
+        """Slots freed per second when all ``slots`` are busy (Little's law)."""
+        # A zero EWMA (instant upstream) would make the rate infinite; 1 ms floors it.
+        return max(1, slots) / max(self._service_time, 1e-3)
+
+    def expected_wait(self, ahead: int, slots: int, free_slots: int) -> float:
+        """Seconds until a request with ``ahead`` others queued before it gets a slot."""
+        needed = ahead + 1 - max(0, free_slots)
+        if needed <= 0:
+            return 0.0
+        return needed / self.capacity_rate(slots)
+
+    def retry_after(self, cls: str, ahead: int, slots: int) -> float:
+        """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
+
+        Grows with ``ahead`` (the queued work that would be served before a retry) and
+        with the number of callers already told a slot in the current burst.
+        """
+        now = self._clock()
+        cfg = self._config
+        rate = self.capacity_rate(slots)
+        step = 1.0 / rate
+        promised = now + (max(0, ahead) + 1) * step
+        last = self._last_promised.get(cls)
+        if last is not None and last + step > promised:
+            promised = last + step
+        # Promises beyond the clamp are not kept: after a long overload the next
+        # burst should not inherit a backlog of hints nobody will honour.
+        self._last_promised[cls] = min(promised, now + cfg.retry_after_max)
+        return min(cfg.retry_after_max, max(cfg.retry_after_min, promised - now))
+
+    def _rate(self, cls: str) -> _DecayingRate:
+        rate = self._completions.get(cls)
+        if rate is None:
+            rate = self._completions[cls] = _DecayingRate(self._config.rate_window)
+        return rate

@@ -1,0 +1,378 @@
+"""The streaming relay: one ASGI endpoint for everything under ``/v1/``.
+
+For each request: validate the path (it must stay under ``/v1/`` after
+normalisation, so only the configured upstream's API is ever reachable), read the
+body, take a slot through admission for generation endpoints, forward method, path,
+query, headers (Authorization included; hop-by-hop stripped) and body, then relay
+status, headers and body chunk by chunk as the upstream sends them.
+
+Raw ASGI rather than a Starlette ``StreamingResponse`` because the relay must watch
+the client's connection the whole time: a disconnect while queued gives the queue
+place back at once, a disconnect mid-response aborts the upstream request (its
+socket is closed, so the engine sees the abort) and frees the slot. The slot is
+given back in ``finally`` on every path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import posixpath
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import anyio
+
+from llm_backoff_shim.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    Outcome,
+    Rejection,
+    UnknownClassError,
+)
+from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
+from llm_backoff_shim.metrics import ShimMetrics
+from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
+from llm_backoff_shim.upstream import UpstreamClient
+from llm_backoff_shim.waiting import AsyncAdmission, Grant
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Clock = Callable[[], float]
+
+log = logging.getLogger("llm_backoff_shim.proxy")
+
+#: POST to these paths goes through admission; everything else under /v1/ is forwarded directly.
+GENERATION_PATHS: frozenset[str] = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"}
+)
+
+#: Larger request bodies get a 413 instead of being buffered.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+#: How much of an upstream 503 body is read to explain the rejection.
+_OVERLOAD_BODY_LIMIT = 64 * 1024
+
+_PRE_RESPONSE_ERRORS = (aiohttp.ClientConnectionError, TimeoutError)
+
+
+class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
+    """The upstream failed after the response started; the client connection is aborted."""
+
+
+class _BodyTooLargeError(Exception):
+    pass
+
+
+def is_allowed_path(path: str) -> bool:
+    """Whether ``path`` (percent-decoded) stays under ``/v1/``: no dot segments, no backslashes."""
+    if not path.startswith("/v1/") or "\\" in path or "\x00" in path:
+        return False
+    normalised = posixpath.normpath(path)
+    if not normalised.startswith("/v1/"):
+        return False
+    return all(segment not in (".", "..") for segment in path.split("/"))
+
+
+def is_generation(method: str, path: str) -> bool:
+    return method == "POST" and path.rstrip("/") in GENERATION_PATHS
+
+
+def parse_budget(value: str | None) -> float | None:
+    """``x-request-timeout-ms`` -> seconds; None when absent. Raises ValueError when malformed."""
+    if value is None or not value.strip():
+        return None
+    millis = float(value.strip())
+    if not math.isfinite(millis) or millis < 0:
+        raise ValueError("must be a non-negative number of milliseconds")
+    return millis / 1000.0
+
+
+@dataclass
+class _Exchange:
+    """What the relay learned, for slot release and metrics."""
+
+    status: int | None = None
+    outcome: Outcome = Outcome.ABORTED
+    metric: str = "client_disconnected"
+    code: str = ""
+    retry_after: float | None = None
+
+
+class Proxy:
+    """ASGI app relaying ``/v1/...`` to the upstream through admission."""
+
+    def __init__(
+        self,
+        *,
+        upstream: UpstreamClient,
+        admission: AsyncAdmission,
+        metrics: ShimMetrics,
+        reject_status: int,
+        clock: Clock,
+    ) -> None:
+        self.upstream = upstream
+        self.admission = admission
+        self.metrics = metrics
+        self.reject_status = reject_status
+        self.clock = clock
+
+    @property
+    def controller(self) -> AdmissionController:
+        return self.admission.controller
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        arrival = self.clock()
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if not is_allowed_path(path):
+            await _answer(send, client_error(f"no such path {path!r}: the shim serves /v1/...", status=404))
+            return
+        headers: RawHeaders = list(scope["headers"])
+        gated = is_generation(method, path)
+        request: AdmissionRequest | None = None
+        if gated:
+            parsed = self._admission_request(headers)
+            if isinstance(parsed, ErrorResponse):
+                await _answer(send, parsed)
+                return
+            request = parsed
+        try:
+            body = await _read_body(receive)
+        except _BodyTooLargeError:
+            await _answer(send, client_error("request body too large", status=413))
+            return
+        if body is None:
+            return  # the client left before sending its whole request
+        forward = _ForwardRequest(
+            method=method,
+            url=self.upstream.url(scope.get("raw_path") or path.encode(), scope.get("query_string", b"")),
+            headers=strip_hop_by_hop(headers, request=True),
+            body=body,
+        )
+        if request is None:
+            await _watch_disconnect(receive, lambda: self._relay(forward, send, None, None, arrival))
+        else:
+            await self._gated(request, forward, receive, send, arrival)
+
+    def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
+        class_header = _header(headers, b"x-request-class")
+        try:
+            cls = self.controller.parse_class(class_header)
+        except UnknownClassError as exc:
+            return client_error(str(exc), param="x-request-class", code="invalid_request_class")
+        try:
+            budget = parse_budget(_header(headers, b"x-request-timeout-ms"))
+        except ValueError as exc:
+            return client_error(
+                f"invalid x-request-timeout-ms header: {exc}",
+                param="x-request-timeout-ms",
+                code="invalid_header",
+            )
+        return AdmissionRequest(cls=cls, budget=budget)
+
+    async def _gated(
+        self,
+        request: AdmissionRequest,
+        forward: _ForwardRequest,
+        receive: Receive,
+        send: Send,
+        arrival: float,
+    ) -> None:
+        cls = request.cls
+        grant: Grant | None = None
+        exchange = _Exchange()
+
+        async def work() -> None:
+            nonlocal grant
+            decision = await self.admission.acquire(request)
+            if isinstance(decision, Rejection):
+                exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
+                exchange.code, exchange.retry_after = decision.code, decision.retry_after
+                await _answer(send, rejection_response(decision, self.reject_status))
+                return
+            grant = decision
+            self.metrics.count(cls, "admitted")
+            self.metrics.queue_wait.labels(cls).observe(grant.queue_time)
+            await self._relay(forward, send, grant, exchange, arrival)
+
+        try:
+            await _watch_disconnect(receive, work)
+        finally:
+            if grant is not None:
+                self.admission.release(grant, exchange.outcome)
+            if exchange.metric == "rejected":
+                self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
+            else:
+                self.metrics.count(cls, exchange.metric)
+
+    async def _relay(
+        self,
+        forward: _ForwardRequest,
+        send: Send,
+        grant: Grant | None,
+        exchange: _Exchange | None,
+        arrival: float,
+    ) -> None:
+        exchange = exchange if exchange is not None else _Exchange()
+        cls = grant.ticket.cls if grant is not None else None
+        session = self.upstream.session
+        try:
+            context = session.request(
+                forward.method,
+                forward.url,
+                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in forward.headers],
+                data=forward.body if forward.body else None,
+                allow_redirects=False,
+            )
+            response = await context.__aenter__()
+        except _PRE_RESPONSE_ERRORS as exc:
+            await self._unavailable(send, cls, _describe(exc), exchange)
+            return
+        started = False
+        try:
+            if cls is not None:
+                self.metrics.time_to_first_byte.labels(cls).observe(self.clock() - arrival)
+            exchange.status = response.status
+            if response.status == 503:
+                await self._upstream_overloaded(send, cls, response, exchange)
+                return
+            headers = [(name.lower(), value) for name, value in strip_hop_by_hop(response.raw_headers)]
+            if grant is not None:
+                headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
+            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            started = True
+            try:
+                async for chunk in response.content.iter_any():
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
+                raise UpstreamStreamBroken(f"upstream failed mid-response: {_describe(exc)}") from exc
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            _classify(exchange, response.status)
+        finally:
+            if exchange.metric == "client_disconnected" and not response.content.is_eof():
+                response.close()  # the engine sees the connection drop and aborts the request
+            await context.__aexit__(None, None, None)
+            if not started and exchange.metric == "client_disconnected":
+                log.debug("client left before the upstream answered")
+
+    async def _unavailable(self, send: Send, cls: str | None, detail: str, exchange: _Exchange) -> None:
+        rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
+        exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "rejected"
+        exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
+        await _answer(send, rejection_response(rejection, self.reject_status))
+
+    async def _upstream_overloaded(
+        self, send: Send, cls: str | None, response: aiohttp.ClientResponse, exchange: _Exchange
+    ) -> None:
+        detail = _error_message(await response.content.read(_OVERLOAD_BODY_LIMIT))
+        if cls is None:
+            await self._unavailable(send, None, f"upstream answered 503: {detail}", exchange)
+            return
+        rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
+        exchange.outcome, exchange.metric = Outcome.OVERLOADED, "rejected"
+        exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
+        await _answer(send, rejection_response(rejection, self.reject_status))
+
+
+@dataclass(frozen=True)
+class _ForwardRequest:
+    method: str
+    url: Any
+    headers: RawHeaders
+    body: bytes
+
+
+def _classify(exchange: _Exchange, status: int) -> None:
+    if 200 <= status < 300:
+        exchange.outcome, exchange.metric = Outcome.COMPLETED, "completed"
+    elif status >= 500:
+        exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
+    else:
+        # Relayed as sent, but a quick 4xx says nothing about how long generation takes.
+        exchange.outcome, exchange.metric = Outcome.CLIENT_ERROR, "completed"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return f"cannot connect: {exc.os_error.strerror or type(exc.os_error).__name__}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return type(exc).__name__
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+        message = data["error"]["message"] if isinstance(data.get("error"), dict) else data.get("message")
+        if isinstance(message, str) and message:
+            return message[:300]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return text[:300] or "no detail"
+
+
+def _header(headers: RawHeaders, name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _BodyTooLargeError
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _watch_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+    """Run ``work`` and cancel it if the client disconnects first; True when it did.
+
+    After the request body is read, ``receive()`` only ever returns ``http.disconnect``
+    (uvicorn also returns it once the response is complete, hence the ``done`` flag).
+    """
+    done = False
+    disconnected = False
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not done:
+                        disconnected = True
+                        group.cancel_scope.cancel()
+                    return
+
+        group.start_soon(watch)
+        try:
+            await work()
+        finally:
+            done = True
+            group.cancel_scope.cancel()
+    return disconnected
+
+
+async def _answer(send: Send, response: ErrorResponse) -> None:
+    await send({"type": "http.response.start", "status": response.status, "headers": response.headers})
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})

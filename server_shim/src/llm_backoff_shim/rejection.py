@@ -1,0 +1,76 @@
+"""The shim's error answers, built in one place (DESIGN.md "The protocol between shim and SDK").
+
+Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds, >= 1,
+rounded up so a client that honours it never comes back early), ``retry-after-ms``
+(the same estimate in milliseconds, which the openai SDK reads first) and an
+OpenAI-format body whose ``error`` carries ``code``, ``retry_after_seconds`` and
+``queue_depth``. Client mistakes are 400s in the same OpenAI error shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+from llm_backoff_shim.admission import Rejection
+
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    """Status, raw headers and body of an answer the shim makes itself."""
+
+    status: int
+    headers: RawHeaders
+    body: bytes
+
+
+def retry_after_header(seconds: float) -> int:
+    """RFC 9110 delay-seconds: a whole number >= 1, never below the estimate."""
+    if not math.isfinite(seconds):
+        return 1
+    return max(1, math.ceil(seconds - 1e-9))
+
+
+def rejection_response(rejection: Rejection, default_status: int) -> ErrorResponse:
+    status = rejection.status if rejection.status is not None else default_status
+    whole = retry_after_header(rejection.retry_after)
+    millis = max(1, round(rejection.retry_after * 1000))
+    body = {
+        "error": {
+            "message": f"{rejection.message}, retry in {whole} s",
+            "type": rejection.type,
+            "param": None,
+            "code": rejection.code,
+            "retry_after_seconds": round(rejection.retry_after, 3),
+            "queue_depth": rejection.queue_depth,
+        }
+    }
+    headers = [
+        (b"retry-after", str(whole).encode()),
+        (b"retry-after-ms", str(millis).encode()),
+    ]
+    return _json(status, body, headers)
+
+
+def client_error(
+    message: str, *, param: str | None = None, code: str | None = None, status: int = 400
+) -> ErrorResponse:
+    """An OpenAI-format error for a request the shim will not forward."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    return _json(status, body, [])
+
+
+def _json(status: int, body: object, headers: RawHeaders) -> ErrorResponse:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    return ErrorResponse(
+        status=status,
+        headers=[
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            *headers,
+        ],
+        body=payload,
+    )
