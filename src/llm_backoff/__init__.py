@@ -1,3 +1,30 @@
-"""llm-backoff: resilient calls to self-hosted LLM endpoints."""
+"""llm-backoff: resilient calls to self-hosted LLM endpoints.
+
+``client = llm_backoff.wrap(openai.OpenAI(...), llm_backoff.RetryPolicy(deadline=30))``
+returns a client of the same class whose every request is retried with
+Retry-After-aware, jittered, deadline-bound backoff.
+"""
+
+from .attempts import Attempt
+from .errors import LLMBackoffError, RateLimitTimeout, UnsupportedClientError
+from .events import RetryEvent, RetryObservers
+from .policy import RetryPolicy
+from .strategies import retry_if_retryable, wait_retry_after
+from .wrap import retry_observers, wrap
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Attempt",
+    "LLMBackoffError",
+    "RateLimitTimeout",
+    "RetryEvent",
+    "RetryObservers",
+    "RetryPolicy",
+    "UnsupportedClientError",
+    "__version__",
+    "retry_if_retryable",
+    "retry_observers",
+    "wait_retry_after",
+    "wrap",
+]

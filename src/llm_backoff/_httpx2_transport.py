@@ -1,0 +1,115 @@
+"""The retrying transports for httpx2 (openai 3.x).
+
+Thin shells over `llm_backoff.transport.RetryEngine`; see that module for what an
+attempt does. This module imports ``httpx2`` and is only imported when a httpx2
+client is wrapped or one of these classes is asked for.
+
+``owns_inner`` decides whether closing the retry transport closes the wrapped one:
+True when you build ``httpx2.Client(transport=Httpx2RetryTransport(httpx2.HTTPTransport()))``
+yourself; False when `llm_backoff.wrap` shares the caller's connection pool, which
+must stay open for the client it was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx2
+
+from .policy import RetryPolicy
+from .transport import Flavor, RetryEngine, TailRecorder
+
+
+class _TailStream(httpx2.SyncByteStream):
+    def __init__(self, inner: httpx2.SyncByteStream, recorder: TailRecorder) -> None:
+        self._inner = inner
+        self._recorder = recorder
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._recorder.feed(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._recorder.settle()
+
+
+class _AsyncTailStream(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, recorder: TailRecorder) -> None:
+        self._inner = inner
+        self._recorder = recorder
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            self._recorder.feed(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            self._recorder.settle()
+
+
+SYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, tail_stream=_TailStream)
+ASYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, tail_stream=_AsyncTailStream)
+
+
+class Httpx2RetryTransport(httpx2.BaseTransport):
+    """A sync httpx2 transport that retries through ``inner`` under a `RetryPolicy`."""
+
+    def __init__(
+        self,
+        inner: httpx2.BaseTransport,
+        policy: RetryPolicy | None = None,
+        *,
+        engine: RetryEngine | None = None,
+        owns_inner: bool = True,
+        **engine_options: Any,
+    ) -> None:
+        if engine is not None and (policy is not None or engine_options):
+            raise TypeError("pass either engine= or policy/engine options, not both")
+        self.inner = inner
+        self.engine = engine if engine is not None else RetryEngine(policy, **engine_options)
+        self.owns_inner = owns_inner
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        response: httpx2.Response = self.engine.run_sync(request, self.inner.handle_request, SYNC_FLAVOR)
+        return response
+
+    def close(self) -> None:
+        if self.owns_inner:
+            self.inner.close()
+
+
+class AsyncHttpx2RetryTransport(httpx2.AsyncBaseTransport):
+    """An async httpx2 transport that retries through ``inner`` under a `RetryPolicy`."""
+
+    def __init__(
+        self,
+        inner: httpx2.AsyncBaseTransport,
+        policy: RetryPolicy | None = None,
+        *,
+        engine: RetryEngine | None = None,
+        owns_inner: bool = True,
+        **engine_options: Any,
+    ) -> None:
+        if engine is not None and (policy is not None or engine_options):
+            raise TypeError("pass either engine= or policy/engine options, not both")
+        self.inner = inner
+        self.engine = engine if engine is not None else RetryEngine(policy, **engine_options)
+        self.owns_inner = owns_inner
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response: httpx2.Response = await self.engine.run_async(
+            request, self.inner.handle_async_request, ASYNC_FLAVOR
+        )
+        return response
+
+    async def aclose(self) -> None:
+        if self.owns_inner:
+            await self.inner.aclose()

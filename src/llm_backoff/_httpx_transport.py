@@ -1,0 +1,115 @@
+"""The retrying transports for httpx (openai 2.x, or a legacy httpx client given to openai 3.x).
+
+Thin shells over `llm_backoff.transport.RetryEngine`; see that module for what an
+attempt does. This module imports ``httpx`` and is only imported when a httpx
+client is wrapped or one of these classes is asked for.
+
+``owns_inner`` decides whether closing the retry transport closes the wrapped one:
+True when you build ``httpx.Client(transport=HttpxRetryTransport(httpx.HTTPTransport()))``
+yourself; False when `llm_backoff.wrap` shares the caller's connection pool, which
+must stay open for the client it was given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from .policy import RetryPolicy
+from .transport import Flavor, RetryEngine, TailRecorder
+
+
+class _TailStream(httpx.SyncByteStream):
+    def __init__(self, inner: httpx.SyncByteStream, recorder: TailRecorder) -> None:
+        self._inner = inner
+        self._recorder = recorder
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._inner:
+            self._recorder.feed(chunk)
+            yield chunk
+
+    def close(self) -> None:
+        try:
+            self._inner.close()
+        finally:
+            self._recorder.settle()
+
+
+class _AsyncTailStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, recorder: TailRecorder) -> None:
+        self._inner = inner
+        self._recorder = recorder
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._inner:
+            self._recorder.feed(chunk)
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            self._recorder.settle()
+
+
+SYNC_FLAVOR = Flavor(byte_stream=httpx.ByteStream, tail_stream=_TailStream)
+ASYNC_FLAVOR = Flavor(byte_stream=httpx.ByteStream, tail_stream=_AsyncTailStream)
+
+
+class HttpxRetryTransport(httpx.BaseTransport):
+    """A sync httpx transport that retries through ``inner`` under a `RetryPolicy`."""
+
+    def __init__(
+        self,
+        inner: httpx.BaseTransport,
+        policy: RetryPolicy | None = None,
+        *,
+        engine: RetryEngine | None = None,
+        owns_inner: bool = True,
+        **engine_options: Any,
+    ) -> None:
+        if engine is not None and (policy is not None or engine_options):
+            raise TypeError("pass either engine= or policy/engine options, not both")
+        self.inner = inner
+        self.engine = engine if engine is not None else RetryEngine(policy, **engine_options)
+        self.owns_inner = owns_inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response: httpx.Response = self.engine.run_sync(request, self.inner.handle_request, SYNC_FLAVOR)
+        return response
+
+    def close(self) -> None:
+        if self.owns_inner:
+            self.inner.close()
+
+
+class AsyncHttpxRetryTransport(httpx.AsyncBaseTransport):
+    """An async httpx transport that retries through ``inner`` under a `RetryPolicy`."""
+
+    def __init__(
+        self,
+        inner: httpx.AsyncBaseTransport,
+        policy: RetryPolicy | None = None,
+        *,
+        engine: RetryEngine | None = None,
+        owns_inner: bool = True,
+        **engine_options: Any,
+    ) -> None:
+        if engine is not None and (policy is not None or engine_options):
+            raise TypeError("pass either engine= or policy/engine options, not both")
+        self.inner = inner
+        self.engine = engine if engine is not None else RetryEngine(policy, **engine_options)
+        self.owns_inner = owns_inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response: httpx.Response = await self.engine.run_async(
+            request, self.inner.handle_async_request, ASYNC_FLAVOR
+        )
+        return response
+
+    async def aclose(self) -> None:
+        if self.owns_inner:
+            await self.inner.aclose()

@@ -1,0 +1,473 @@
+"""The retrying HTTP transport: the seam where the policy meets the wire.
+
+httpx and httpx2 layer a ``Client`` (auth, redirects, cookies, event hooks) over a
+transport that turns one ``Request`` into one ``Response``. Retrying at that seam
+means every request an openai client makes (chat, embeddings, responses, files,
+pagination, streaming helpers) is covered without touching the client or the
+caller, and the caller's connection pool, TLS and proxy settings are reused as-is.
+
+This module holds the one engine that all four transports share (`RetryEngine`:
+sync and async loops over the pure `attempts.RetryState`). The transport classes
+themselves are thin and live next to their HTTP library so that neither library
+is imported unless it is used:
+
+- ``Httpx2RetryTransport`` / ``AsyncHttpx2RetryTransport`` (openai 3.x default),
+- ``HttpxRetryTransport`` / ``AsyncHttpxRetryTransport`` (openai 2.x, or a legacy
+  ``httpx`` client given to openai 3.x).
+
+They are importable from here (``from llm_backoff.transport import
+HttpxRetryTransport``) and are resolved on first access.
+
+Per attempt, the engine:
+
+- reads the request body once (so it can be replayed; uploads are held in memory);
+- asks the limiter (if any) for a permit, with the time left as its timeout;
+- sends ``x-request-timeout-ms`` (time left, ms, >= 1) and cuts the request's
+  connect/read/write/pool timeouts to the time left, when a deadline is set;
+- buffers JSON bodies and error bodies inside the attempt, so a connection that
+  drops half-way through a JSON answer counts as a failed attempt and is retried,
+  and the error body can be read for hints and ``insufficient_quota``. Other bodies
+  (server-sent events, audio, file downloads) are passed through unread: once such
+  a response has started, a failure is the caller's to see and is never retried,
+  so no output is ever duplicated;
+- records an `attempts.Attempt`; on success or on giving up, the history goes into
+  ``response.extensions["llm_backoff.attempts"]`` or onto the raised exception as
+  ``exc.llm_backoff_attempts`` plus an exception note.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from .attempts import (
+    ATTRIBUTE,
+    EXTENSION_KEY,
+    Decision,
+    GiveUp,
+    Retry,
+    RetryState,
+    describe_error,
+    format_history,
+)
+from .classify import Verdict, classify_exception, classify_status, parse_error_body
+from .errors import RateLimitTimeout
+from .events import RetryEvent, RetryHook, RetryObservers
+from .limits import CallLimiter, Permit, RetryBudgetLike
+from .policy import RetryPolicy
+from .retry_after import parse_hint
+from .testing import current_mode
+
+if TYPE_CHECKING:
+    from ._httpx2_transport import AsyncHttpx2RetryTransport, Httpx2RetryTransport
+    from ._httpx_transport import AsyncHttpxRetryTransport, HttpxRetryTransport
+
+__all__ = [
+    "AsyncHttpx2RetryTransport",
+    "AsyncHttpxRetryTransport",
+    "Httpx2RetryTransport",
+    "HttpxRetryTransport",
+    "RetryEngine",
+]
+
+logger = logging.getLogger("llm_backoff")
+
+REASON_KEY = "llm_backoff.reason"
+#: JSON bodies above this are not handed to ``permit.settle`` (they are not chat completions).
+MAX_SETTLE_BODY = 8 * 1024 * 1024
+#: How much of a server-sent-event stream ``permit.settle`` sees: the end, where ``usage`` is.
+SSE_TAIL = 64 * 1024
+
+
+class _Request(Protocol):
+    method: str
+    headers: MutableMapping[str, str]
+    extensions: dict[str, Any]
+
+    @property
+    def url(self) -> object: ...
+
+    @property
+    def content(self) -> bytes: ...
+
+
+class _Response(Protocol):
+    status_code: int
+    headers: MutableMapping[str, str]
+    extensions: dict[str, Any]
+    stream: Any
+
+    def close(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    """What differs between httpx and httpx2: the classes of streams we hand back."""
+
+    byte_stream: Callable[[bytes], Any]
+    tail_stream: Callable[[Any, TailRecorder], Any]
+
+
+class TailRecorder:
+    """Keeps the last `SSE_TAIL` bytes of a stream and settles the permit once, on close."""
+
+    def __init__(self, permit: Permit, status: int) -> None:
+        self._permit = permit
+        self._status = status
+        self._tail = bytearray()
+        self._settled = False
+
+    def feed(self, chunk: bytes) -> None:
+        self._tail += chunk
+        if len(self._tail) > 2 * SSE_TAIL:  # trim rarely: amortised O(1) per byte
+            del self._tail[: len(self._tail) - SSE_TAIL]
+
+    def settle(self) -> None:
+        if not self._settled:
+            self._settled = True
+            _settle(self._permit, self._status, bytes(self._tail[-SSE_TAIL:]))
+
+
+def _settle(permit: Permit | None, status: int | None, body: bytes | None) -> None:
+    if permit is None:
+        return
+    try:
+        permit.settle(status=status, body=body)
+    except Exception:
+        # A limiter bug must not turn a finished call into a failure.
+        logger.exception("llm_backoff: permit.settle raised")
+
+
+def _media_type(response: _Response) -> str:
+    return response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def _is_json(response: _Response) -> bool:
+    media = _media_type(response)
+    return media == "application/json" or media.endswith("+json")
+
+
+def _must_buffer(response: _Response) -> bool:
+    return response.status_code >= 400 or _is_json(response)
+
+
+def _decoded(response: _Response, raw: bytes) -> bytes | None:
+    """The body after content-encoding (gzip, br...) is undone; None if it cannot be."""
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    try:
+        scratch = type(response)(response.status_code, headers=response.headers, content=raw)  # type: ignore[call-arg]
+        return bytes(scratch.read())  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def _read_sync(stream: Any) -> bytes:
+    try:
+        return b"".join(stream)
+    finally:
+        stream.close()
+
+
+async def _read_async(stream: Any) -> bytes:
+    try:
+        return b"".join([chunk async for chunk in stream])
+    finally:
+        await stream.aclose()
+
+
+def annotate(exc: BaseException, attempts: tuple[Any, ...], reason: str | None) -> None:
+    """Put the attempt history on ``exc`` as an attribute and a note (once)."""
+    if getattr(exc, ATTRIBUTE, None) is not None:
+        return
+    setattr(exc, ATTRIBUTE, attempts)
+    exc._llm_backoff_reason = reason  # type: ignore[attr-defined]
+    note = format_history(attempts, reason)
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    else:  # Python 3.10: no add_note; keep the attribute 3.11+ tracebacks print
+        notes = list(getattr(exc, "__notes__", []))
+        notes.append(note)
+        exc.__notes__ = notes  # type: ignore[attr-defined]
+
+
+class RetryEngine:
+    """The policy, hooks, limits and clocks one transport applies to every request.
+
+    Shareable across threads and tasks: per-call state lives in a fresh
+    `RetryState`; the shared pieces (observers, limiter, budget) are thread-safe.
+    ``clock``/``wall_clock``/``rng``/``sleep``/``async_sleep`` are injectable for tests.
+    """
+
+    def __init__(
+        self,
+        policy: RetryPolicy | None = None,
+        *,
+        on_retry: RetryObservers | RetryHook | Iterable[RetryHook] | None = None,
+        request_class: str | None = None,
+        limiter: CallLimiter | None = None,
+        budget: RetryBudgetLike | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        async_sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+    ) -> None:
+        if request_class is not None and (not request_class or any(c in request_class for c in "\r\n")):
+            raise ValueError(f"request_class must be a non-empty header value, got {request_class!r}")
+        self.policy = policy if policy is not None else RetryPolicy()
+        self.observers: RetryObservers
+        if isinstance(on_retry, RetryObservers):
+            self.observers = on_retry
+        elif on_retry is None:
+            self.observers = RetryObservers()
+        elif callable(on_retry):
+            self.observers = RetryObservers([on_retry])
+        else:
+            self.observers = RetryObservers(on_retry)
+        self.request_class = request_class
+        self.limiter = limiter
+        self.budget = budget
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.rng = rng if rng is not None else random.Random()
+        self.sleep = sleep
+        self.async_sleep = async_sleep
+
+    # -- per call ------------------------------------------------------------------
+
+    def _new_state(self) -> tuple[RetryState, bool]:
+        policy = self.policy
+        mode = current_mode()
+        if mode is not None and mode.max_attempts is not None and mode.max_attempts < policy.max_attempts:
+            policy = policy.model_copy(update={"max_attempts": mode.max_attempts})
+        return RetryState(policy, clock=self.clock, rng=self.rng, budget=self.budget), mode is not None
+
+    def _begin_call(self, request: _Request) -> tuple[RetryState, bool, Any]:
+        state, instant = self._new_state()
+        if self.request_class is not None and "x-request-class" not in request.headers:
+            request.headers["x-request-class"] = self.request_class
+        if self.budget is not None:
+            self.budget.record_request()
+        return state, instant, request.extensions.get("timeout")
+
+    @staticmethod
+    def _limiter_timeout(state: RetryState) -> float | None:
+        left = state.time_left()
+        return None if left is None else max(0.0, left)
+
+    @staticmethod
+    def _stamp(request: _Request, state: RetryState, base_timeout: Any) -> None:
+        left = state.time_left()
+        if left is None:
+            return
+        left = max(left, 0.001)
+        request.headers["x-request-timeout-ms"] = str(max(1, int(left * 1000)))
+        if isinstance(base_timeout, dict):
+            cut = {k: left if v is None else min(float(v), left) for k, v in base_timeout.items()}
+        else:
+            cut = dict.fromkeys(("connect", "read", "write", "pool"), left)
+        request.extensions = {**request.extensions, "timeout": cut}
+
+    def _on_error(self, state: RetryState, exc: Exception, started: float, request: _Request) -> Decision:
+        verdict = classify_exception(state.policy, exc)
+        decision = state.decide(verdict, attempt_started=started, error=describe_error(exc))
+        self._report(state, decision, request, None)
+        if isinstance(decision, GiveUp):
+            annotate(exc, state.history, decision.reason)
+        return decision
+
+    def _on_response(
+        self, state: RetryState, response: _Response, raw: bytes | None, started: float, request: _Request
+    ) -> tuple[Decision, bytes | None]:
+        status = response.status_code
+        body: bytes | None = None
+        hint: float | None = None
+        if status < 400:
+            verdict = Verdict(False, f"status {status}")
+        else:
+            body = _decoded(response, raw) if raw is not None else None
+            data = parse_error_body(body)
+            parsed = parse_hint(response.headers, data, wall_clock=self.wall_clock)
+            hint = None if parsed is None else parsed.seconds
+            verdict = classify_status(state.policy, status, response.headers, data)
+        decision = state.decide(verdict, attempt_started=started, status=status, hint=hint)
+        self._report(state, decision, request, hint)
+        return decision, body
+
+    def _report(self, state: RetryState, decision: Decision, request: _Request, hint: float | None) -> None:
+        last = state.history[-1]
+        if isinstance(decision, Retry):
+            elapsed = state.elapsed()
+            logger.info(
+                "llm_backoff: %s %s attempt %d failed (%s); retrying in %.3g s%s",
+                request.method,
+                request.url,
+                last.number,
+                decision.reason,
+                decision.wait,
+                "" if hint is None else f" (server hint {hint:.3g} s)",
+            )
+            self.observers.emit(
+                RetryEvent(
+                    attempt=last.number,
+                    reason=decision.reason,
+                    wait=decision.wait,
+                    hint=hint,
+                    elapsed=elapsed,
+                    method=request.method,
+                    url=str(request.url),
+                )
+            )
+        elif last.number > 1 and (last.status is None or last.status >= 400):
+            logger.info(
+                "llm_backoff: %s %s giving up after %d attempts: %s",
+                request.method,
+                request.url,
+                last.number,
+                decision.reason,
+            )
+        else:
+            logger.debug(
+                "llm_backoff: %s %s attempt %d done: %s",
+                request.method,
+                request.url,
+                last.number,
+                decision.reason,
+            )
+
+    def _finish(
+        self,
+        response: _Response,
+        raw: bytes | None,
+        body: bytes | None,
+        permit: Permit | None,
+        state: RetryState,
+        flavor: Flavor,
+    ) -> None:
+        extensions = dict(response.extensions)
+        extensions[EXTENSION_KEY] = state.history
+        if state.final_reason is not None and response.status_code >= 400:
+            extensions[REASON_KEY] = state.final_reason
+        response.extensions = extensions
+        if permit is None:
+            return
+        if raw is not None:
+            if body is None:
+                body = _decoded(response, raw)
+            _settle(
+                permit,
+                response.status_code,
+                body if body is not None and len(body) <= MAX_SETTLE_BODY else None,
+            )
+        elif _media_type(response) == "text/event-stream":
+            response.stream = flavor.tail_stream(response.stream, TailRecorder(permit, response.status_code))
+        else:
+            _settle(permit, response.status_code, None)
+
+    # -- the two loops -------------------------------------------------------------
+
+    def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
+        """Send ``request`` through ``send`` (the wrapped transport) under the policy."""
+        state, instant, base_timeout = self._begin_call(request)
+        request.read()
+        while True:
+            permit: Permit | None = None
+            if self.limiter is not None:
+                try:
+                    permit = self.limiter.acquire_for(request, timeout=self._limiter_timeout(state))
+                except RateLimitTimeout as exc:
+                    annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
+                    raise
+            self._stamp(request, state, base_timeout)
+            started = self.clock()
+            raw: bytes | None = None
+            try:
+                response = send(request)
+                if _must_buffer(response):
+                    raw = _read_sync(response.stream)
+                    response.stream = flavor.byte_stream(raw)
+            except BaseException as exc:
+                _settle(permit, None, None)
+                if not isinstance(exc, Exception):
+                    raise
+                decision: Decision = self._on_error(state, exc, started, request)
+                if isinstance(decision, GiveUp):
+                    raise
+                if not instant:
+                    self.sleep(decision.wait)
+                continue
+            decision, body = self._on_response(state, response, raw, started, request)
+            if isinstance(decision, Retry):
+                _settle(permit, response.status_code, body)
+                response.close()
+                if not instant:
+                    self.sleep(decision.wait)
+                continue
+            self._finish(response, raw, body, permit, state, flavor)
+            return response
+
+    async def run_async(self, request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor) -> Any:
+        """The async twin of `run_sync`; keep the two in step."""
+        state, instant, base_timeout = self._begin_call(request)
+        await request.aread()
+        while True:
+            permit: Permit | None = None
+            if self.limiter is not None:
+                try:
+                    permit = await self.limiter.acquire_for_async(
+                        request, timeout=self._limiter_timeout(state)
+                    )
+                except RateLimitTimeout as exc:
+                    annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
+                    raise
+            self._stamp(request, state, base_timeout)
+            started = self.clock()
+            raw: bytes | None = None
+            try:
+                response = await send(request)
+                if _must_buffer(response):
+                    raw = await _read_async(response.stream)
+                    response.stream = flavor.byte_stream(raw)
+            except BaseException as exc:
+                _settle(permit, None, None)
+                if not isinstance(exc, Exception):
+                    raise
+                decision: Decision = self._on_error(state, exc, started, request)
+                if isinstance(decision, GiveUp):
+                    raise
+                if not instant:
+                    await self.async_sleep(decision.wait)
+                continue
+            decision, body = self._on_response(state, response, raw, started, request)
+            if isinstance(decision, Retry):
+                _settle(permit, response.status_code, body)
+                await response.aclose()
+                if not instant:
+                    await self.async_sleep(decision.wait)
+                continue
+            self._finish(response, raw, body, permit, state, flavor)
+            return response
+
+
+def __getattr__(name: str) -> Any:
+    # The transport classes import their HTTP library; resolve them only on demand.
+    if name in ("Httpx2RetryTransport", "AsyncHttpx2RetryTransport"):
+        from . import _httpx2_transport
+
+        return getattr(_httpx2_transport, name)
+    if name in ("HttpxRetryTransport", "AsyncHttpxRetryTransport"):
+        from . import _httpx_transport
+
+        return getattr(_httpx_transport, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
