@@ -82,7 +82,11 @@ def test_non_json_bodies_cost_nothing(raw: bytes) -> None:
 
 
 def test_usage_from_json_response() -> None:
-    resp = {"id": "x", "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}}
+    resp = {
+        "id": "x",
+        "choices": [],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42},
+    }
     assert usage_tokens(body(resp)) == 42
     assert usage_tokens(body({"usage": {"input_tokens": 5, "output_tokens": 7}})) == 12
     assert usage_tokens(body({"usage": None})) is None
