@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -61,7 +62,7 @@ def test_cubic_recovery_reaches_the_last_throttle_point_after_k_seconds() -> Non
         feed(ctl, clock, rps=20.0, seconds=0.1)
         rates.append(ctl.rate)
     # Concave climb: increasing, fast first, and still below w_max just before K.
-    assert all(b >= a for a, b in zip(rates, rates[1:], strict=False))
+    assert all(b >= a for a, b in itertools.pairwise(rates))
     assert rates[0] < w_max
     assert rates[-1] < w_max
     assert rates[1] - rates[0] > rates[-1] - rates[-2]
