@@ -371,6 +371,9 @@ class RetryEngine:
                 body if body is not None and len(body) <= MAX_SETTLE_BODY else None,
             )
         elif _media_type(response) == "text/event-stream":
+            if getattr(response, "is_closed", False):  # built from bytes (mocks): already read
+                _settle(permit, response.status_code, bytes(getattr(response, "content", b""))[-SSE_TAIL:])
+                return
             response.stream = flavor.tail_stream(response.stream, TailRecorder(permit, response.status_code))
         else:
             _settle(permit, response.status_code, None)
