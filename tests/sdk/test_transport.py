@@ -289,12 +289,16 @@ def test_event_stream_cut_midway_is_raised_not_retried(lib: ModuleType, fake_tim
     sse = lib.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
     handler, seen = scripted(lib, sse, ok(lib))
     received: list[bytes] = []
-    with sync_client(lib, handler, RetryPolicy(), fake_time) as client:
-        with client.stream("POST", "/v1/chat", json={"stream": True}) as response:
-            assert response.status_code == 200
-            with pytest.raises(lib.ReadError):
-                for chunk in response.iter_bytes():
-                    received.append(chunk)
+    with (
+        sync_client(lib, handler, RetryPolicy(), fake_time) as client,
+        client.stream("POST", "/v1/chat", json={"stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        chunks = response.iter_bytes()
+        received.append(next(chunks))
+        received.append(next(chunks))
+        with pytest.raises(lib.ReadError):
+            next(chunks)
     assert b"".join(received) == b"data: one\n\ndata: two\n\n"
     assert len(seen) == 1
 
@@ -302,9 +306,11 @@ def test_event_stream_cut_midway_is_raised_not_retried(lib: ModuleType, fake_tim
 def test_event_stream_rejected_before_start_is_retried(lib: ModuleType, fake_time: Any) -> None:
     sse = lib.Response(200, headers={"content-type": "text/event-stream"}, content=b"data: hi\n\n")
     handler, seen = scripted(lib, busy(lib, "1"), sse)
-    with sync_client(lib, handler, RetryPolicy(), fake_time) as client:
-        with client.stream("POST", "/v1/chat") as response:
-            assert response.read() == b"data: hi\n\n"
+    with (
+        sync_client(lib, handler, RetryPolicy(), fake_time) as client,
+        client.stream("POST", "/v1/chat") as response,
+    ):
+        assert response.read() == b"data: hi\n\n"
     assert len(seen) == 2
 
 
@@ -400,12 +406,14 @@ def test_limiter_sees_the_tail_of_an_event_stream_on_close(lib: ModuleType, fake
     chunks = [b"data: %d\n\n" % i for i in range(20_000)] + [b'data: {"usage": {"total_tokens": 3}}\n\n']
     sse = lib.Response(200, headers={"content-type": "text/event-stream"}, content=iter(chunks))
     handler, _ = scripted(lib, sse)
-    with sync_client(lib, handler, RetryPolicy(), fake_time, limiter=limiter) as client:
-        with client.stream("POST", "/v1/chat") as response:
-            parts = response.iter_raw()
-            first = next(parts)
-            assert [e[0] for e in limiter.log] == ["acquire"]  # not before the stream ends
-            body = first + b"".join(parts)
+    with (
+        sync_client(lib, handler, RetryPolicy(), fake_time, limiter=limiter) as client,
+        client.stream("POST", "/v1/chat") as response,
+    ):
+        parts = response.iter_raw()
+        first = next(parts)
+        assert [e[0] for e in limiter.log] == ["acquire"]  # not before the stream ends
+        body = first + b"".join(parts)
     assert body == b"".join(chunks)
     (_, status, tail) = limiter.log[-1]
     assert status == 200
@@ -417,9 +425,11 @@ def test_limiter_sees_the_tail_of_an_event_stream_on_close(lib: ModuleType, fake
 def test_limiter_timeout_propagates_typed_with_history(lib: ModuleType, fake_time: Any) -> None:
     limiter = FakeLimiter(refuse_after=1)
     handler, seen = scripted(lib, busy(lib, "1"), ok(lib))
-    with sync_client(lib, handler, RetryPolicy(), fake_time, limiter=limiter) as client:
-        with pytest.raises(RateLimitTimeout, match="no permit") as info:
-            client.get("/x")
+    with (
+        sync_client(lib, handler, RetryPolicy(), fake_time, limiter=limiter) as client,
+        pytest.raises(RateLimitTimeout, match="no permit") as info,
+    ):
+        client.get("/x")
     assert len(seen) == 1
     assert [a.status for a in info.value.llm_backoff_attempts] == [429]
 
@@ -529,10 +539,12 @@ async def test_async_json_cut_midway_is_retried_and_sse_cut_is_not(lib: ModuleTy
         200, headers={"content-type": "text/event-stream"}, stream=broken_stream(lib, [b"data: 1\n\n"])
     )
     handler, seen = scripted(lib, cut, sse, ok(lib))
-    async with async_client(lib, handler, RetryPolicy(), fake_time) as client:
-        async with client.stream("GET", "/x") as response:
-            with pytest.raises(lib.ReadError):
-                await response.aread()
+    async with (
+        async_client(lib, handler, RetryPolicy(), fake_time) as client,
+        client.stream("GET", "/x") as response,
+    ):
+        with pytest.raises(lib.ReadError):
+            await response.aread()
     assert len(seen) == 2  # the JSON cut was retried; the event stream cut was raised
 
 
@@ -540,7 +552,9 @@ async def test_async_sse_tail_settles_on_close(lib: ModuleType, fake_time: Any) 
     limiter = FakeLimiter()
     sse = lib.Response(200, headers={"content-type": "text/event-stream"}, content=b"data: [DONE]\n\n")
     handler, _ = scripted(lib, sse)
-    async with async_client(lib, handler, RetryPolicy(), fake_time, limiter=limiter) as client:
-        async with client.stream("GET", "/x") as response:
-            await response.aread()
+    async with (
+        async_client(lib, handler, RetryPolicy(), fake_time, limiter=limiter) as client,
+        client.stream("GET", "/x") as response,
+    ):
+        await response.aread()
     assert limiter.log[-1] == ("settle", 200, b"data: [DONE]\n\n")
