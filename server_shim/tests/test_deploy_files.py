@@ -12,18 +12,24 @@ Where a real validator exists on the machine (`docker compose config`,
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "server_shim" / "deploy"
@@ -691,8 +697,6 @@ def test_keda_scaled_object_scales_the_deployment_on_shim_metrics() -> None:
 
 
 def _dashboard() -> dict[str, Any]:
-    import json
-
     data: dict[str, Any] = json.loads(DASHBOARD.read_text())
     return data
 
@@ -765,10 +769,98 @@ def test_deploy_doc_references_files_flags_and_metrics_that_exist() -> None:
     assert paths
     missing = sorted(p for p in paths if not (REPO / p).exists())
     assert not missing
+    help_text = _serve_help()
+    flags = {*SERVE_FLAGS, "help"}
+    if help_text is not None:
+        flags |= set(re.findall(r"--([a-z][a-z0-9-]*)", help_text))
     for command in re.findall(r"llm-backoff-shim serve((?:[^\n]|\\\n)*)", doc):
         for flag in re.findall(r"--([a-z][a-z0-9-]*)", command):
-            assert flag in SERVE_FLAGS, f"`serve --{flag}` is not a shim flag"
+            assert flag in flags, f"`serve --{flag}` is not a shim flag"
     for name in set(re.findall(r"\bLLM_BACKOFF_SHIM_[A-Z_]+\b", doc)):
-        assert name in KNOWN_ENV, name
+        assert name in {env_name(f) for f in flags}, name
     for metric in set(re.findall(r"\bllm_backoff_shim_\w+", doc)):
         assert metric in exported_series() | HISTOGRAMS, metric
+
+
+# ----------------------------------------------------- the real shim, configured by the example
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _wait_for(url: str, deadline_s: float) -> httpx.Response:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            response = httpx.get(url, timeout=2, trust_env=False)
+            if response.status_code == 200:
+                return response
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {deadline_s} s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    # Output goes to a file: an unread pipe could fill and stall the server.
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_env_example_configures_a_real_shim_that_exports_the_dashboard_metrics(tmp_path: Path) -> None:
+    """Start `serve` from the example env file (upstream: the built-in simulator) and
+    check that the settings are accepted and /metrics has every metric the dashboard
+    and the KEDA triggers query, with the type the queries assume."""
+    script = Path(sys.executable).with_name("llm-backoff-shim")
+    if _serve_help() is None:
+        pytest.skip("llm-backoff-shim serve is not available in this checkout yet")
+    sim_port, shim_port = _free_port(), _free_port()
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    shim_env = {
+        **base_env,
+        **parse_env_file(ENV_EXAMPLE),
+        env_name("upstream"): f"http://127.0.0.1:{sim_port}",
+        env_name("port"): str(shim_port),
+        "LLM_BACKOFF_SHIM_LOG_LEVEL": "warning",
+    }
+    sim_args = [str(script), "sim", "--port", str(sim_port), "--ttft", "0.01", "--output-tokens", "4"]
+    sim_log, shim_log = tmp_path / "sim.log", tmp_path / "shim.log"
+    with _process(sim_args, base_env, sim_log), _process([str(script), "serve"], shim_env, shim_log):
+        base = f"http://127.0.0.1:{shim_port}"
+        try:
+            _wait_for(f"{base}/health", 30)
+            _wait_for(f"{base}/ready", 30)
+        except TimeoutError as exc:
+            logs = f"shim:\n{shim_log.read_text()}\nsim:\n{sim_log.read_text()}"
+            raise AssertionError(f"{exc}; settings from {ENV_EXAMPLE.name}\n{logs}") from None
+        completion = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+            timeout=30,
+            trust_env=False,
+        )
+        assert completion.status_code == 200, completion.text
+        exposition = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
+    families = {f.name: f.type for f in text_string_to_metric_families(exposition)}
+    for metric in sorted(SCALAR_METRICS | HISTOGRAMS):
+        if metric in HISTOGRAMS:
+            assert families.get(metric) == "histogram", metric
+        elif metric.endswith("_total"):
+            assert families.get(metric.removesuffix("_total")) == "counter", metric
+        else:
+            assert families.get(metric) == "gauge", metric
