@@ -130,6 +130,7 @@ class Ticket:
     request: AdmissionRequest
     arrived: float
     deadline: float
+    budget_bound: bool = False
     state: TicketState = TicketState.QUEUED
     admitted_at: float | None = None
     rejection: Rejection | None = None
@@ -294,8 +295,11 @@ class AdmissionController:
         now = self._clock()
         policy = self._policies[cls]
         wait = policy.max_queue_wait
-        deadline = now + (wait if request.budget is None else min(wait, request.budget))
-        ticket = Ticket(id=next(self._ids), request=request, arrived=now, deadline=deadline)
+        budget_bound = request.budget is not None and request.budget < wait
+        deadline = now + (request.budget if budget_bound and request.budget is not None else wait)
+        ticket = Ticket(
+            id=next(self._ids), request=request, arrived=now, deadline=deadline, budget_bound=budget_bound
+        )
         queue = self._queues[cls]
         has_room = len(queue) < policy.max_queue and (
             self._max_total is None or self.queued() < self._max_total
@@ -402,8 +406,7 @@ class AdmissionController:
 
     def _expire(self, ticket: Ticket) -> None:
         ticket.state = TicketState.EXPIRED
-        budget = ticket.request.budget
-        if budget is not None and ticket.deadline - ticket.arrived >= budget:
+        if ticket.budget_bound:
             why = "request budget (x-request-timeout-ms) ran out while queued"
         else:
             why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"

@@ -82,9 +82,7 @@ class ShimSettings(BaseSettings):
     default_class: Literal["interactive", "batch"] = Field(
         default="interactive", description="class of requests without an x-request-class header"
     )
-    reject_status: Literal[429, 503] = Field(
-        default=429, description="HTTP status of admission rejections: 429 or 503"
-    )
+    reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
     retry_after_min: float = Field(
         default=1.0, gt=0, le=86_400, description="smallest Retry-After hint, seconds"
     )
@@ -127,6 +125,14 @@ class ShimSettings(BaseSettings):
             raise ValueError("must be a base URL without query or fragment")
         if value.path not in (None, "", "/"):
             raise ValueError("must be a base URL without a path (the shim forwards /v1/... itself)")
+        return value
+
+    @field_validator("reject_status")
+    @classmethod
+    def _reject_status(cls, value: int) -> int:
+        # A Literal[429, 503] would refuse the string "503" from the environment.
+        if value not in (429, 503):
+            raise ValueError("must be 429 or 503")
         return value
 
     @field_validator(

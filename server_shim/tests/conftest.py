@@ -1,0 +1,245 @@
+"""Shared fixtures for the shim tests: a scriptable fake upstream and shim factories.
+
+The fake upstream is a small Starlette app on loopback whose behaviour each request
+picks through headers, so tests stay deterministic without sleeps:
+
+- ``x-fake-hold: 1``      park the request until the test calls ``upstream.release()``;
+- ``x-fake-status: 503``  answer with that status (JSON OpenAI-style error body);
+- ``x-fake-delay: 0.2``   sleep before answering;
+- ``x-fake-chunks: N``    stream N SSE chunks (with ``x-fake-step`` seconds between them,
+                          or, with ``x-fake-gated: 1``, each chunk after the first waits
+                          for ``upstream.step()``).
+
+It records what it received and counts requests in flight, their peak, completions
+and requests whose client (the shim) went away mid-way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
+from llm_backoff_shim.config import ShimSettings
+from llm_backoff_shim.serving import ServerThread
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+@dataclass
+class FakeUpstream:
+    received: list[Received] = field(default_factory=list)
+    in_flight: int = 0
+    peak: int = 0
+    completed: int = 0
+    client_gone: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _release: threading.Event = field(default_factory=threading.Event)
+    _steps: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(0))
+    url: str = ""
+
+    def release(self) -> None:
+        self._release.set()
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self._steps.release()
+
+    def paths(self) -> list[str]:
+        with self._lock:
+            return [r.path for r in self.received]
+
+    def _enter(self, request: Received) -> None:
+        with self._lock:
+            self.received.append(request)
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+
+    def _leave(self, *, completed: bool) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            if completed:
+                self.completed += 1
+            else:
+                self.client_gone += 1
+
+    async def _wait_thread_event(self, wait: Callable[[float], bool], request: Request | None = None) -> None:
+        while not wait(0):
+            if request is not None and await request.is_disconnected():
+                raise _ClientGoneError
+            await asyncio.sleep(0.005)
+
+    def build_app(self) -> Starlette:
+        async def generation(request: Request) -> Response:
+            body = await request.body()
+            self._enter(
+                Received(
+                    request.method,
+                    request.url.path,
+                    request.url.query,
+                    [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw],
+                    body,
+                )
+            )
+            headers = request.headers
+            chunks = int(headers.get("x-fake-chunks", "0"))
+            completed = handed_to_stream = False
+            try:
+                if headers.get("x-fake-hold"):
+                    await self._wait_thread_event(self._release.wait, request)
+                await asyncio.sleep(float(headers.get("x-fake-delay", "0")))
+                status = int(headers.get("x-fake-status", "200"))
+                if status != 200:
+                    completed = True
+                    return JSONResponse(
+                        {"error": {"message": f"fake upstream says {status}", "type": "x", "code": None}},
+                        status,
+                        headers={"x-upstream-marker": "yes"},
+                    )
+                if chunks > 0:
+                    handed_to_stream = True
+                    step = float(headers.get("x-fake-step", "0"))
+                    return StreamingResponse(
+                        self._sse(chunks, step, bool(headers.get("x-fake-gated"))),
+                        media_type="text/event-stream",
+                        headers={"x-upstream-marker": "yes", "cache-control": "no-cache"},
+                    )
+                completed = True
+                return JSONResponse(
+                    {"echo": json.loads(body) if body else None, "path": request.url.path},
+                    status_code=int(headers.get("x-fake-ok-status", "200")),
+                    headers={"x-upstream-marker": "yes", "set-cookie": "sticky=1; Path=/"},
+                )
+            except _ClientGoneError:
+                return Response(status_code=499)
+            finally:
+                if not handed_to_stream:
+                    self._leave(completed=completed)
+
+        async def models(request: Request) -> Response:
+            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+        async def health(request: Request) -> Response:
+            return Response(status_code=200)
+
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", generation, methods=["POST"]),
+                Route("/v1/completions", generation, methods=["POST"]),
+                Route("/v1/other/{rest:path}", generation, methods=["GET", "POST", "PUT", "DELETE"]),
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/health", health, methods=["GET"]),
+            ]
+        )
+
+    async def _sse(self, chunks: int, step: float, gated: bool) -> AsyncIterator[bytes]:
+        completed = False
+        try:
+            for i in range(chunks):
+                if i > 0:
+                    if gated:
+                        await self._wait_thread_event(self._steps.acquire)
+                    elif step:
+                        await asyncio.sleep(step)
+                yield f'data: {{"i": {i}}}\n\n'.encode()
+            yield b"data: [DONE]\n\n"
+            completed = True
+        finally:
+            self._leave(completed=completed)
+
+
+class _ClientGoneError(Exception):
+    pass
+
+
+@pytest.fixture
+def upstream() -> Iterator[FakeUpstream]:
+    fake = FakeUpstream()
+    with ServerThread(fake.build_app()) as server:
+        fake.url = server.url
+        try:
+            yield fake
+        finally:
+            fake.release()
+            fake.step(10_000)
+
+
+@dataclass
+class Shim:
+    server: ServerThread
+    runtime: ShimRuntime
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def state(self) -> dict[str, tuple[int, int]]:
+        """(in_flight, queued) per class, read on the shim's loop thread."""
+        loop = self.server.loop
+        assert loop is not None
+
+        async def read() -> dict[str, tuple[int, int]]:
+            return {cls: (s.in_flight, s.queued) for cls, s in self.runtime.snapshot().items()}
+
+        return asyncio.run_coroutine_threadsafe(read(), loop).result(5)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Samples of /metrics as {(name, sorted labels): value}, parsed by prometheus_client."""
+        import httpx
+
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return samples
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll ``predicate``; the timeout only bounds a broken test, it asserts no latency."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def make_shim() -> Iterator[Callable[..., Shim]]:
+    servers: list[ServerThread] = []
+
+    def factory(upstream_url: str, **settings: Any) -> Shim:
+        values: dict[str, Any] = {"upstream": upstream_url, "log_level": "warning"}
+        values.update(settings)
+        app = create_app(ShimSettings(**values))
+        server = ServerThread(app).start()
+        servers.append(server)
+        return Shim(server, shim_state(app))
+
+    yield factory
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def waiter() -> Callable[..., None]:
+    return wait_until

@@ -1,0 +1,360 @@
+"""The pure admission controller, with a fake clock: no asyncio, no sockets, no sleeps."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_backoff_shim.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    AdmissionView,
+    ClassPolicy,
+    GateRefusal,
+    Outcome,
+    Rejection,
+    Ticket,
+    TicketState,
+    UnknownClassError,
+)
+from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.limit import FixedLimit
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(
+    *,
+    limit: int = 2,
+    max_queue: int = 3,
+    max_wait: float = 10.0,
+    total: int | None = None,
+    batch_queue: int | None = None,
+    service: float = 1.0,
+) -> tuple[AdmissionController, FakeClock]:
+    clock = FakeClock()
+    est = DrainEstimator(
+        EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0, initial_service_time=service), clock
+    )
+    policies = [
+        ClassPolicy("interactive", max_queue, max_wait),
+        ClassPolicy("batch", max_queue if batch_queue is None else batch_queue, max_wait),
+    ]
+    return (
+        AdmissionController(
+            policies, limit=FixedLimit(limit), estimator=est, clock=clock, max_queue_total=total
+        ),
+        clock,
+    )
+
+
+def ticket(decision: Ticket | Rejection) -> Ticket:
+    assert isinstance(decision, Ticket), decision
+    return decision
+
+
+def rejection(decision: Ticket | Rejection) -> Rejection:
+    assert isinstance(decision, Rejection), decision
+    return decision
+
+
+def req(cls: str = "interactive", budget: float | None = None) -> AdmissionRequest:
+    return AdmissionRequest(cls=cls, budget=budget)
+
+
+def test_admits_up_to_the_limit_then_queues_then_rejects() -> None:
+    c, _ = make(limit=2, max_queue=3)
+    states = [ticket(c.submit(req())).state for _ in range(5)]
+    assert states == [TicketState.ADMITTED] * 2 + [TicketState.QUEUED] * 3
+    refused = rejection(c.submit(req()))
+    assert refused.code == "queue_full"
+    assert refused.queue_depth == 3
+    assert refused.type == "server_overloaded"
+    assert refused.status is None
+    assert (c.in_flight(), c.queued()) == (2, 3)
+
+
+def test_release_admits_the_queue_head_in_fifo_order() -> None:
+    c, clock = make(limit=1, max_queue=3)
+    running = ticket(c.submit(req()))
+    queued = [ticket(c.submit(req())) for _ in range(3)]
+    clock.now += 2.0
+    moved = c.release(running, Outcome.COMPLETED)
+    assert moved.admitted == [queued[0]]
+    assert queued[0].queue_time == pytest.approx(2.0)
+    assert c.release(queued[0], Outcome.COMPLETED).admitted == [queued[1]]
+
+
+def test_interactive_is_served_before_batch() -> None:
+    c, _ = make(limit=1, max_queue=5)
+    running = ticket(c.submit(req()))
+    batch = ticket(c.submit(req("batch")))
+    interactive = ticket(c.submit(req("interactive")))
+    assert c.release(running, Outcome.COMPLETED).admitted == [interactive]
+    assert c.release(interactive, Outcome.COMPLETED).admitted == [batch]
+
+
+def test_total_queue_bound_holds_across_classes() -> None:
+    c, _ = make(limit=1, max_queue=3, total=3)
+    ticket(c.submit(req()))
+    for cls in ("interactive", "batch", "batch"):
+        assert ticket(c.submit(req(cls))).state is TicketState.QUEUED
+    assert rejection(c.submit(req("interactive"))).code == "queue_full"
+    assert c.queued() == 3
+
+
+def test_zero_queue_admits_when_idle_and_rejects_when_busy() -> None:
+    c, _ = make(limit=1, max_queue=0)
+    first = ticket(c.submit(req()))
+    assert first.state is TicketState.ADMITTED
+    assert rejection(c.submit(req())).code == "queue_full"
+    assert c.queued() == 0
+    c.release(first, Outcome.COMPLETED)
+    assert ticket(c.submit(req())).state is TicketState.ADMITTED
+
+
+def test_cancel_frees_a_queue_place_and_an_admitted_slot() -> None:
+    c, _ = make(limit=1, max_queue=1)
+    running = ticket(c.submit(req()))
+    waiting = ticket(c.submit(req()))
+    assert c.cancel(waiting).admitted == []
+    assert waiting.state is TicketState.CANCELLED
+    assert c.queued() == 0
+    again = ticket(c.submit(req()))
+    moved = c.cancel(running)
+    assert moved.admitted == [again]
+    assert running.state is TicketState.RELEASED
+    assert c.cancel(running).admitted == []  # idempotent
+
+
+def test_aborted_and_failed_requests_do_not_feed_the_service_time() -> None:
+    c, clock = make(limit=1, service=1.0)
+    for outcome in (Outcome.ABORTED, Outcome.UPSTREAM_ERROR, Outcome.OVERLOADED, Outcome.CLIENT_ERROR):
+        t = ticket(c.submit(req()))
+        clock.now += 0.01
+        c.release(t, outcome)
+    assert c.estimator.samples == 0
+    t = ticket(c.submit(req()))
+    clock.now += 3.0
+    c.release(t, Outcome.COMPLETED)
+    assert c.estimator.service_time == pytest.approx(3.0)
+
+
+def test_release_twice_is_an_error() -> None:
+    c, _ = make()
+    t = ticket(c.submit(req()))
+    c.release(t, Outcome.COMPLETED)
+    with pytest.raises(ValueError, match="not admitted"):
+        c.release(t, Outcome.COMPLETED)
+
+
+def test_expire_drops_a_queued_ticket_with_queue_timeout() -> None:
+    c, clock = make(limit=1, max_queue=2, max_wait=5.0)
+    running = ticket(c.submit(req()))
+    waiting = ticket(c.submit(req()))
+    assert waiting.deadline == pytest.approx(clock.now + 5.0)
+    clock.now += 5.0
+    refused = c.expire(waiting)
+    assert refused is not None
+    assert refused.code == "queue_timeout"
+    assert "waited the maximum 5 s" in refused.message
+    assert c.queued() == 0
+    assert c.expire(running) is None  # admitted tickets are not expired
+
+
+def test_a_ticket_past_its_deadline_is_never_admitted() -> None:
+    c, clock = make(limit=1, max_queue=2, max_wait=5.0)
+    running = ticket(c.submit(req()))
+    stale = ticket(c.submit(req(budget=1.0)))
+    fresh = ticket(c.submit(req()))
+    clock.now += 2.0  # stale's budget is spent; its timer has not fired yet
+    moved = c.release(running, Outcome.COMPLETED)
+    assert moved.expired == [stale]
+    assert moved.admitted == [fresh]
+    assert stale.rejection is not None
+    assert stale.rejection.code == "queue_timeout"
+    assert "budget" in stale.rejection.message
+
+
+def test_budget_shorter_than_estimated_wait_is_refused_at_once() -> None:
+    c, clock = make(limit=1, max_queue=5)
+    first = ticket(c.submit(req()))
+    clock.now += 2.0
+    c.release(first, Outcome.COMPLETED)  # service time measured: 2 s
+    ticket(c.submit(req()))
+    refused = rejection(c.submit(req(budget=1.0)))
+    assert refused.code == "queue_timeout"
+    assert "estimated queue wait 2.00 s" in refused.message
+    assert c.queued() == 0
+    assert ticket(c.submit(req(budget=3.0))).state is TicketState.QUEUED
+
+
+def test_budget_is_not_judged_on_the_prior_alone() -> None:
+    c, _ = make(limit=1, max_queue=5, service=100.0)
+    ticket(c.submit(req()))
+    assert ticket(c.submit(req(budget=1.0))).state is TicketState.QUEUED
+
+
+def test_spent_budget_is_refused_even_when_idle() -> None:
+    c, _ = make()
+    assert rejection(c.submit(req(budget=0.0))).code == "queue_timeout"
+    assert c.in_flight() == 0
+
+
+def test_rejection_hint_grows_with_depth() -> None:
+    c, clock = make(limit=1, max_queue=50, batch_queue=0, service=1.0)
+    ticket(c.submit(req()))
+    hints = []
+    for _ in range(6):
+        clock.now += 100.0  # past any earlier promise: measure depth only, not burst spreading
+        hints.append(rejection(c.submit(req("batch"))).retry_after)
+        ticket(c.submit(req()))
+    assert hints == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+
+
+def test_parse_class() -> None:
+    c, _ = make()
+    assert c.parse_class(None) == "interactive"
+    assert c.parse_class("  ") == "interactive"
+    assert c.parse_class("Batch ") == "batch"
+    with pytest.raises(UnknownClassError, match="unknown request class 'vip'"):
+        c.parse_class("vip")
+    with pytest.raises(UnknownClassError):
+        c.submit(req("vip"))
+
+
+class Refuse:
+    def __init__(self, when_in_flight: int) -> None:
+        self.when = when_in_flight
+        self.seen: list[AdmissionRequest] = []
+
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None:
+        self.seen.append(request)
+        if view.in_flight() >= self.when:
+            return GateRefusal(code="slo_shed", message="shed", retry_after=7.0, status=503)
+        return None
+
+
+def test_gates_run_before_queueing_and_can_refuse_with_their_own_code() -> None:
+    c, _ = make(limit=4)
+    gate = Refuse(when_in_flight=1)
+    c.gates.append(gate)
+    ticket(c.submit(req()))
+    refused = rejection(c.submit(AdmissionRequest("batch", tenant="t1")))
+    assert (refused.code, refused.retry_after, refused.status) == ("slo_shed", 7.0, 503)
+    assert gate.seen[-1].tenant == "t1"
+    assert c.queued() == 0
+
+
+class HoldForInteractive:
+    """A scheduler that keeps the last slot for interactive (the hook reserved shares use)."""
+
+    def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None:
+        if "interactive" in waiting:
+            return "interactive"
+        return "batch" if view.in_flight() < view.limit - 1 else None
+
+
+def test_a_scheduler_may_hold_a_slot_back() -> None:
+    clock = FakeClock()
+    est = DrainEstimator(EstimatorConfig(), clock)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 5, 10.0), ClassPolicy("batch", 5, 10.0)],
+        limit=FixedLimit(2),
+        estimator=est,
+        clock=clock,
+        scheduler=HoldForInteractive(),
+    )
+    assert ticket(c.submit(req("batch"))).state is TicketState.ADMITTED
+    assert ticket(c.submit(req("batch"))).state is TicketState.QUEUED
+    assert ticket(c.submit(req("interactive"))).state is TicketState.ADMITTED
+
+
+def test_constructor_validates() -> None:
+    clock = FakeClock()
+    est = DrainEstimator(EstimatorConfig(), clock)
+    with pytest.raises(ValueError, match="at least one"):
+        AdmissionController([], limit=FixedLimit(1), estimator=est, clock=clock)
+    with pytest.raises(ValueError, match="duplicate"):
+        AdmissionController(
+            [ClassPolicy("a", 1, 1.0), ClassPolicy("a", 1, 1.0)],
+            limit=FixedLimit(1),
+            estimator=est,
+            clock=clock,
+        )
+    with pytest.raises(ValueError, match="default class"):
+        AdmissionController(
+            [ClassPolicy("a", 1, 1.0)], limit=FixedLimit(1), estimator=est, clock=clock, default_class="b"
+        )
+    with pytest.raises(ValueError, match="max_queue_wait"):
+        ClassPolicy("a", 1, 0.0)
+    with pytest.raises(ValueError, match=">= 1"):
+        FixedLimit(0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    limit=st.integers(1, 4),
+    max_queue=st.integers(0, 5),
+    steps=st.integers(1, 120),
+)
+def test_any_mix_of_outcomes_leaves_nothing_behind(seed: int, limit: int, max_queue: int, steps: int) -> None:
+    rng = random.Random(seed)
+    c, clock = make(limit=limit, max_queue=max_queue, total=max_queue + 1, max_wait=3.0)
+    live: list[Ticket] = []
+    admitted_order: dict[str, list[int]] = {"interactive": [], "batch": []}
+
+    def note(tickets: list[Ticket]) -> None:
+        for t in tickets:
+            admitted_order[t.cls].append(t.id)
+
+    for _ in range(steps):
+        clock.now += rng.choice([0.0, 0.1, 1.0, 4.0])
+        action = rng.random()
+        if action < 0.45:
+            budget = rng.choice([None, None, 0.5, 5.0])
+            decision = c.submit(req(rng.choice(["interactive", "batch"]), budget))
+            if isinstance(decision, Ticket):
+                live.append(decision)
+                if decision.state is TicketState.ADMITTED:
+                    admitted_order[decision.cls].append(decision.id)
+        elif live:
+            t = rng.choice(live)
+            if t.state is TicketState.ADMITTED:
+                note(c.release(t, rng.choice(list(Outcome))).admitted)
+            elif t.state is TicketState.QUEUED:
+                if rng.random() < 0.5:
+                    note(c.cancel(t).admitted)
+                elif clock.now >= t.deadline:
+                    c.expire(t)
+        assert c.in_flight() <= limit
+        assert c.queued() <= max_queue + 1
+        for cls in ("interactive", "batch"):
+            assert c.queued(cls) <= max_queue
+        assert c.in_flight() == sum(t.state is TicketState.ADMITTED for t in live)
+        assert c.queued() == sum(t.state is TicketState.QUEUED for t in live)
+        # A free slot with someone waiting never persists.
+        assert c.in_flight() == limit or c.queued() == 0
+    # Drain: everyone finishes or leaves.
+    for t in live:
+        if t.state is TicketState.QUEUED:
+            c.cancel(t)
+    for _ in range(len(live)):
+        for t in live:
+            if t.state is TicketState.ADMITTED:
+                c.release(t, Outcome.COMPLETED)
+    assert (c.in_flight(), c.queued()) == (0, 0)
+    # FIFO within a class: admission order follows arrival order.
+    for cls, ids in admitted_order.items():
+        assert ids == sorted(ids), cls

@@ -1,0 +1,161 @@
+"""The drain-rate / Retry-After estimator, driven by a fake clock (no sleeps)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+
+
+class FakeClock:
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make(**overrides: float) -> tuple[DrainEstimator, FakeClock]:
+    clock = FakeClock()
+    values = {"retry_after_min": 0.5, "retry_after_max": 60.0, "initial_service_time": 2.0}
+    values.update(overrides)
+    return DrainEstimator(EstimatorConfig(**values), clock), clock
+
+
+def test_capacity_rate_is_slots_over_service_time_little_law() -> None:
+    est, _ = make(initial_service_time=2.0)
+    assert est.capacity_rate(8) == pytest.approx(4.0)
+    est.observe_completion("interactive", 0.5)
+    # The first measurement replaces the prior outright.
+    assert est.service_time == pytest.approx(0.5)
+    assert est.capacity_rate(8) == pytest.approx(16.0)
+
+
+def test_service_time_is_an_ewma_after_the_first_sample() -> None:
+    est, _ = make(service_time_alpha=0.5)
+    est.observe_completion("interactive", 1.0)
+    est.observe_completion("interactive", 3.0)
+    assert est.service_time == pytest.approx(2.0)
+    est.observe_completion("batch", 4.0)
+    assert est.service_time == pytest.approx(3.0)
+    assert est.samples == 3
+
+
+def test_capacity_rate_beats_completion_rate_after_light_traffic() -> None:
+    # One request every 10 s, each taking 1 s, on 8 slots: completions/s says 0.1 but
+    # the engine could drain 8 per second. The Retry-After must follow capacity.
+    est, clock = make(initial_service_time=1.0)
+    for _ in range(5):
+        clock.advance(10.0)
+        est.observe_completion("interactive", 1.0)
+    assert est.completion_rate("interactive") < 0.2
+    assert est.capacity_rate(8) == pytest.approx(8.0)
+    hint = est.retry_after("interactive", ahead=7, slots=8)
+    assert hint == pytest.approx(1.0)  # (7 + 1) / 8 per second, not 8 / 0.1
+
+
+def test_completion_rate_converges_to_steady_rate_and_decays() -> None:
+    est, clock = make()
+    for _ in range(400):
+        clock.advance(0.25)
+        est.observe_completion("batch", 1.0)
+    steady = est.completion_rate("batch")
+    assert steady == pytest.approx(4.0, rel=0.05)
+    assert est.completion_rate("interactive") == 0.0
+    clock.advance(60.0)  # six time constants of the default 10 s window
+    assert est.completion_rate("batch") == pytest.approx(steady * math.exp(-6.0))
+
+
+def test_retry_after_grows_with_queue_depth() -> None:
+    hints = []
+    for ahead in range(0, 40, 4):
+        est, _ = make(initial_service_time=1.0)
+        hints.append(est.retry_after("interactive", ahead=ahead, slots=2))
+    assert hints == sorted(hints)
+    assert len(set(hints)) == len(hints)
+    assert hints[0] == pytest.approx(0.5)
+    assert hints[3] == pytest.approx((12 + 1) / 2)
+
+
+def test_burst_rejections_get_successive_slots() -> None:
+    est, _ = make(initial_service_time=1.0)
+    hints = [est.retry_after("interactive", ahead=3, slots=4) for _ in range(5)]
+    # rate 4/s: the k-th caller is told (ahead + k) / rate.
+    assert hints == pytest.approx([(3 + k) / 4 for k in range(1, 6)])
+
+
+def test_burst_ends_when_time_passes_the_last_promise() -> None:
+    est, clock = make(initial_service_time=1.0)
+    first = [est.retry_after("interactive", ahead=0, slots=1) for _ in range(3)]
+    assert first == pytest.approx([1.0, 2.0, 3.0])
+    clock.advance(10.0)
+    assert est.retry_after("interactive", ahead=0, slots=1) == pytest.approx(1.0)
+
+
+def test_bursts_are_tracked_per_class() -> None:
+    est, _ = make(initial_service_time=1.0)
+    est.retry_after("interactive", ahead=0, slots=1)
+    est.retry_after("interactive", ahead=0, slots=1)
+    assert est.retry_after("batch", ahead=0, slots=1) == pytest.approx(1.0)
+
+
+def test_hints_are_clamped_and_promises_beyond_the_clamp_are_dropped() -> None:
+    est, clock = make(retry_after_min=1.0, retry_after_max=5.0, initial_service_time=1.0)
+    assert est.retry_after("interactive", ahead=100, slots=1) == 5.0
+    assert est.retry_after("interactive", ahead=0, slots=10) == 5.0  # still inside the burst, at the cap
+    clock.advance(5.0)
+    # The capped promise expired with the clamp; a new burst starts from the queue alone.
+    assert est.retry_after("interactive", ahead=0, slots=10) == 1.0
+
+
+def test_expected_wait_counts_free_slots() -> None:
+    est, _ = make(initial_service_time=2.0)
+    assert est.expected_wait(ahead=0, slots=4, free_slots=1) == 0.0
+    assert est.expected_wait(ahead=2, slots=4, free_slots=3) == 0.0
+    assert est.expected_wait(ahead=3, slots=4, free_slots=0) == pytest.approx(4 / 2.0)
+
+
+def test_instant_upstream_does_not_divide_by_zero() -> None:
+    est, _ = make()
+    est.observe_completion("interactive", 0.0)
+    assert est.capacity_rate(4) == pytest.approx(4000.0)
+    assert est.retry_after("interactive", ahead=10, slots=4) == 0.5
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"retry_after_min": 0.0},
+        {"retry_after_min": 5.0, "retry_after_max": 1.0},
+        {"initial_service_time": 0.0},
+        {"service_time_alpha": 0.0},
+        {"service_time_alpha": 1.5},
+        {"rate_window": 0.0},
+    ],
+)
+def test_config_rejects_nonsense(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - several messages, one type
+        EstimatorConfig(**kwargs)
+
+
+@given(
+    ahead=st.integers(min_value=0, max_value=10_000),
+    slots=st.integers(min_value=1, max_value=512),
+    service=st.floats(min_value=0.0, max_value=600.0),
+    burst=st.integers(min_value=1, max_value=30),
+)
+def test_hints_always_inside_the_clamp_and_never_decrease_in_a_burst(
+    ahead: int, slots: int, service: float, burst: int
+) -> None:
+    est, _ = make(retry_after_min=1.0, retry_after_max=30.0)
+    est.observe_completion("interactive", service)
+    hints = [est.retry_after("interactive", ahead=ahead, slots=slots) for _ in range(burst)]
+    assert all(1.0 <= h <= 30.0 for h in hints)
+    assert hints == sorted(hints)
