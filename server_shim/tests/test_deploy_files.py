@@ -86,6 +86,13 @@ SHIM_LABELS = frozenset({"class", "outcome", "code"})
 # Labels Prometheus adds at scrape time (job/instance, Kubernetes service discovery).
 SCRAPE_LABELS = frozenset({"job", "instance", "namespace", "pod", "container"})
 REQUEST_CLASSES = frozenset({"interactive", "batch"})
+# Values of llm_backoff_shim_requests_total's labels: `code` is the rejection's
+# error code (DESIGN.md), empty for requests that were not rejected.
+OUTCOMES = frozenset({"admitted", "completed", "client_disconnected", "upstream_error", "rejected"})
+REJECTION_CODES = frozenset(
+    {"queue_full", "queue_timeout", "slo_shed", "tenant_rate_limited", "upstream_unavailable"}
+)
+LABEL_VALUES = {"class": REQUEST_CLASSES, "outcome": OUTCOMES, "code": REJECTION_CODES | {""}}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -137,10 +144,21 @@ def promql_problems(expr: str) -> list[str]:
             problems.append(f"histogram_quantile without a _bucket series in {expr!r}")
         if "le" not in labels:
             problems.append(f"histogram_quantile must keep the le label: {expr!r}")
-    for value in re.findall(r'class\s*=~?\s*"([^"]*)"', expr):
-        if not value.startswith("$") and value not in REQUEST_CLASSES:
-            problems.append(f"unknown class {value!r}")
+    for label, values in label_values_used(expr).items():
+        unknown = values - LABEL_VALUES.get(label, values)
+        problems += [f"{label}={value!r} is never exported" for value in sorted(unknown)]
     return problems
+
+
+def label_values_used(expr: str) -> dict[str, set[str]]:
+    """{label: values} matched by `label="v"` / `label=~"a|b"` (Grafana variables skipped)."""
+    used: dict[str, set[str]] = {}
+    for label, op, value in re.findall(r'([A-Za-z_]\w*)\s*(=~|=)\s*"([^"]*)"', expr):
+        if "$" in value:
+            continue
+        values = set(value.split("|")) if op == "=~" else {value}
+        used.setdefault(label, set()).update(values)
+    return used
 
 
 _INTERPOLATION = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -332,6 +350,8 @@ def all_env_names() -> Iterator[tuple[str, str]]:
         "histogram_quantile(0.9, sum(rate(llm_backoff_shim_queue_wait_seconds_bucket[1m])))",
         'llm_backoff_shim_queue_depth{class="bulk"}',
         "llm_backoff_shim_queue_wait",
+        'sum(rate(llm_backoff_shim_requests_total{code=~"429|503"}[5m]))',
+        'llm_backoff_shim_requests_total{outcome="shed"}',
     ],
 )
 def test_promql_check_flags_what_the_shim_does_not_export(expr: str) -> None:
@@ -822,6 +842,18 @@ def _process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subpro
                 proc.wait(timeout=10)
 
 
+def _image_healthcheck(port: int) -> int:
+    """Exit status of the Dockerfile's HEALTHCHECK command, run here against `port`."""
+    (healthcheck,) = [a for k, a in dockerfile_stages()[1][-1] if k == "HEALTHCHECK"]
+    command = json.loads(healthcheck[healthcheck.index("CMD") + len("CMD") :].strip())
+    assert command[0] == "python"
+    env = {**os.environ, env_name("port"): str(port)}
+    result = subprocess.run(
+        [sys.executable, *command[1:]], env=env, capture_output=True, timeout=30, check=False
+    )
+    return result.returncode
+
+
 def test_env_example_configures_a_real_shim_that_exports_the_dashboard_metrics(tmp_path: Path) -> None:
     """Start `serve` from the example env file (upstream: the built-in simulator) and
     check that the settings are accepted and /metrics has every metric the dashboard
@@ -856,7 +888,21 @@ def test_env_example_configures_a_real_shim_that_exports_the_dashboard_metrics(t
         )
         assert completion.status_code == 200, completion.text
         exposition = httpx.get(f"{base}/metrics", timeout=5, trust_env=False).text
-    families = {f.name: f.type for f in text_string_to_metric_families(exposition)}
+        assert _image_healthcheck(shim_port) == 0, "the image's HEALTHCHECK fails on a healthy shim"
+    assert _image_healthcheck(shim_port) != 0, "the image's HEALTHCHECK passes with no shim running"
+    parsed = list(text_string_to_metric_families(exposition))
+    families = {f.name: f.type for f in parsed}
+    exported: dict[str, set[str]] = {}
+    for family in parsed:
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                exported.setdefault(label, set()).add(value)
+    queries = [t["expr"] for p in _panels(_dashboard()) for t in p.get("targets", [])]
+    queries += [t["metadata"]["query"] for t in find(k8s_objects(), "ScaledObject")[0]["spec"]["triggers"]]
+    for query in queries:
+        for label, values in label_values_used(query).items():
+            if label in SHIM_LABELS:
+                assert values <= exported.get(label, set()), f"{label}={values - exported.get(label, set())}"
     for metric in sorted(SCALAR_METRICS | HISTOGRAMS):
         if metric in HISTOGRAMS:
             assert families.get(metric) == "histogram", metric
