@@ -58,7 +58,8 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 #: How much of an upstream 503 body is read to explain the rejection.
 _OVERLOAD_BODY_LIMIT = 64 * 1024
 
-_PRE_RESPONSE_ERRORS = (aiohttp.ClientConnectionError, TimeoutError)
+# Any failure before the upstream's status line: the request may be retried elsewhere or later.
+_PRE_RESPONSE_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
