@@ -5,7 +5,9 @@
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or
 not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM
 names + ``sim_*``), ``GET /sim/stats`` (JSON accounting) and ``POST /sim/reset`` (zero
-the counters; Prometheus histograms keep their history, as counters in Prometheus do).
+the accounting between benchmark runs: the ``sim_*`` and ``vllm:*_tokens_total`` counters
+restart from 0, which Prometheus reads as a counter reset; the latency histograms keep
+their history because prometheus_client histograms cannot be reset).
 
 Public API: :class:`SimConfig`, :func:`create_sim_app`, :func:`main`. The pieces live
 in ``sim_engine`` (scheduler model), ``sim_runtime`` (engine loop), ``sim_http``
