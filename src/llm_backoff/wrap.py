@@ -16,10 +16,13 @@ How the returned client is built, and why this way:
   headers/query and timeouts are carried over by openai itself, the result is of
   the very same class (``type(wrapped) is type(client)``), and the SDK's own retry
   loop is off, so attempts never multiply. The given client is not modified.
-- Ownership: the wrapped client shares the given client's connection pool. Closing
-  the wrapped client does not close that pool (the given client stays usable);
-  the pool is released when the given client is closed or garbage-collected, and
-  the wrapped client keeps a reference to it so that this cannot happen under it.
+- Ownership: the wrapped client shares the given client's connection pool and
+  keeps a reference to the given http client, so that its finaliser cannot close
+  the pool under us. Closing the wrapped client closes the pooled connections only
+  when openai created that http client itself (the usual ``wrap(OpenAI(...))``
+  case; the pool reopens connections on demand, so the given client stays usable,
+  and nothing lingers until garbage collection); an http client the caller passed
+  in belongs to the caller and is never closed by the wrapped client.
 - Attempt history on errors: the transport leaves the history on the response
   (``response.extensions["llm_backoff.attempts"]``) or on the transport exception;
   openai then raises its own exception (``RateLimitError``, ``APITimeoutError``...)
@@ -123,9 +126,11 @@ def retrying_http_client(http_client: Any, engine: RetryEngine, *, is_async: boo
     if http_client.is_closed:
         raise UnsupportedClientError("the openai client's http client is closed")
 
+    owns_pool = _made_by_openai(http_client)
+
     def retrying(transport: Any) -> Any:
         inner = getattr(transport, "inner", transport) if _is_retry_transport(transport) else transport
-        return retry_cls(inner, engine=engine, owns_inner=False)
+        return retry_cls(inner, engine=engine, owns_inner=owns_pool)
 
     new = _copy.copy(http_client)
     new.headers = http_client.headers  # the setter builds a fresh Headers
@@ -138,6 +143,28 @@ def retrying_http_client(http_client: Any, engine: RetryEngine, *, is_async: boo
     # Keep the pool's owner alive as long as we use its pool (its __del__ may close it).
     setattr(new, _ORIGIN_ATTR, getattr(http_client, _ORIGIN_ATTR, http_client))
     return new
+
+
+def _made_by_openai(http_client: object) -> bool:
+    """True for the http client openai builds itself when the caller passes none.
+
+    Closing the wrapped client then closes the pooled connections too, as closing an
+    unwrapped openai client would: otherwise they would linger until garbage
+    collection (for async clients, possibly on another event loop). The given client
+    stays usable: httpcore pools open new connections on demand after ``close()``.
+    A caller's own http client is never closed by us; its owner closes it.
+    """
+    from openai import _base_client
+
+    wrappers = tuple(
+        cls
+        for cls in (
+            getattr(_base_client, "SyncHttpxClientWrapper", None),
+            getattr(_base_client, "AsyncHttpxClientWrapper", None),
+        )
+        if isinstance(cls, type)
+    )
+    return isinstance(http_client, wrappers)
 
 
 def _is_retry_transport(transport: object) -> bool:
