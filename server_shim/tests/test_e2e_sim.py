@@ -1,0 +1,181 @@
+"""End-to-end: the shim on uvicorn in front of the vLLM-like simulator, real clients only.
+
+Loads are bounded in count (tens of requests) and the simulator is fast (a few ms per
+token), so each test takes well under a few seconds. No latency is asserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.sim import SimConfig, create_sim_app
+
+
+@pytest.fixture
+def sim_factory() -> Iterator[Callable[..., ServerThread]]:
+    servers: list[ServerThread] = []
+
+    def factory(**config: Any) -> ServerThread:
+        values: dict[str, Any] = {"ttft": 0.02, "itl": 0.005, "output_tokens": 20, "seed": 1}
+        values.update(config)
+        server = ServerThread(create_sim_app(SimConfig(**values))).start()
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in servers:
+        server.stop()
+
+
+def sim_stats(sim: ServerThread) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(sim.url + "/sim/stats", timeout=5).json()
+    return stats
+
+
+def test_openai_sdk_through_shim_streams_and_completes(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    sim = sim_factory(max_num_seqs=4)
+    shim = make_shim(sim.url, max_concurrency=2, max_queue=4)
+    client = openai.OpenAI(base_url=shim.url + "/v1", api_key="sk-test", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="sim-model", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert "x-queue-time-ms" in raw.headers
+    completion = raw.parse()
+    assert completion.choices[0].message.content == " ".join(f"token{i}" for i in range(20))
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == 20
+    chunks = list(
+        client.chat.completions.create(
+            model="sim-model",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.split() == [f"token{i}" for i in range(20)]
+    assert chunks[-1].usage is not None
+    assert [m.id for m in client.models.list()] == ["sim-model"]
+
+
+def test_stream_chunks_arrive_while_the_engine_is_still_generating(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    sim = sim_factory(output_tokens=100_000, itl=0.005)
+    shim = make_shim(sim.url)
+    client = openai.OpenAI(base_url=shim.url + "/v1", api_key="sk-test", max_retries=0)
+    stream = client.chat.completions.create(
+        model="sim-model", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    with stream:
+        firsts = [next(iter(stream)) for _ in range(3)]
+        # The engine has 100k tokens to go: these chunks were relayed, not buffered.
+        assert sim_stats(sim)["running"] == 1
+    assert "".join(c.choices[0].delta.content or "" for c in firsts).split()[:2] == ["token0", "token1"]
+
+
+def test_cap_holds_and_overflow_is_rejected_well_formed(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    sim = sim_factory(max_num_seqs=16, output_tokens=30)
+    shim = make_shim(sim.url, max_concurrency=3, max_queue=5, max_queue_wait=30)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            return list(
+                await asyncio.gather(
+                    *(client.post(shim.url + "/v1/chat/completions", json=body) for _ in range(30))
+                )
+            )
+
+    responses = asyncio.run(main())
+    ok = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code == 429]
+    assert len(ok) + len(rejected) == 30
+    assert len(ok) >= 8  # 3 in flight + 5 queued at the very least
+    assert rejected, "30 at once against 3 slots + 5 places must overflow"
+    for r in rejected:
+        error = r.json()["error"]
+        assert error["code"] == "queue_full"
+        assert 0 <= error["queue_depth"] <= 5
+        assert int(r.headers["retry-after"]) >= 1
+    stats = sim_stats(sim)
+    assert stats["peak_running"] <= 3  # the engine never saw more than the shim's cap
+    assert stats["requests_received"] == len(ok)
+    assert shim.state() == {"interactive": (0, 0), "batch": (0, 0)}
+
+
+def test_disconnect_mid_stream_aborts_in_the_engine(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any], waiter: Any
+) -> None:
+    sim = sim_factory(max_num_seqs=2, output_tokens=100_000, itl=0.01)
+    shim = make_shim(sim.url, max_concurrency=1, max_queue=0)
+    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    sock = socket.create_connection(("127.0.0.1", shim.server.port), timeout=10)
+    sock.sendall(request)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    waiter(lambda: sim_stats(sim)["running"] == 1, what="engine running the stream")
+    sock.close()
+    waiter(lambda: sim_stats(sim)["requests_aborted"] == 1, what="engine aborted the request")
+    waiter(lambda: shim.state()["interactive"] == (0, 0), what="shim slot freed")
+    assert sim_stats(sim)["running"] == 0
+
+
+def test_engine_overload_503_becomes_retryable_rejection(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    # The shim lets more through than the engine will queue: vLLM-style 503s come back
+    # to the client as 429 queue_full with a Retry-After instead of a bare 503.
+    sim = sim_factory(max_num_seqs=1, max_num_queued_reqs=2, output_tokens=40, itl=0.01)
+    shim = make_shim(sim.url, max_concurrency=6, max_queue=0)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+            return list(
+                await asyncio.gather(
+                    *(client.post(shim.url + "/v1/chat/completions", json=body) for _ in range(6))
+                )
+            )
+
+    responses = asyncio.run(main())
+    converted = [r for r in responses if r.status_code == 429]
+    assert converted
+    assert all(r.status_code in (200, 429) for r in responses)
+    assert sim_stats(sim)["requests_rejected"] >= len(converted)
+    for r in converted:
+        assert r.json()["error"]["code"] == "queue_full"
+        assert "upstream answered 503" in r.json()["error"]["message"]
+        assert int(r.headers["retry-after"]) >= 1
+    assert shim.state() == {"interactive": (0, 0), "batch": (0, 0)}
+
+
+def test_stopped_engine_gives_503(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    sim = sim_factory()
+    shim = make_shim(sim.url)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=10).status_code == 200
+    sim.stop()
+    response = httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=10)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "upstream_unavailable"
+    assert httpx.get(shim.url + "/ready", timeout=10).status_code == 503
+    assert shim.state() == {"interactive": (0, 0), "batch": (0, 0)}
