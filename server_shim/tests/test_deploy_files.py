@@ -691,6 +691,15 @@ def test_keda_scaled_object_scales_the_deployment_on_shim_metrics() -> None:
     (scaled,) = find(objects, "ScaledObject")
     assert scaled["apiVersion"] == "keda.sh/v1alpha1"
     spec = scaled["spec"]
+    # The CRD's field names (a typo would be dropped by the API server, not rejected).
+    spec_fields = {
+        "scaleTargetRef", "minReplicaCount", "maxReplicaCount", "idleReplicaCount", "pollingInterval",
+        "cooldownPeriod", "initialCooldownPeriod", "advanced", "fallback", "triggers",
+    }  # fmt: skip
+    trigger_fields = {"type", "name", "metadata", "metricType", "useCachedMetrics", "authenticationRef"}
+    assert set(spec) <= spec_fields
+    assert all(set(trigger) <= trigger_fields for trigger in spec["triggers"])
+    assert set(spec["advanced"]) <= {"horizontalPodAutoscalerConfig", "restoreToOriginalReplicaCount"}
     assert spec["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert scaled["metadata"]["namespace"] == deployment["metadata"]["namespace"]
     assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
