@@ -310,7 +310,7 @@ class RetryEngine:
         if isinstance(decision, Retry):
             elapsed = state.elapsed()
             logger.info(
-                "llm_backoff: %s %s attempt %d failed (%s); retrying in %.3g s%s",
+                "%s %s attempt %d failed (%s); retrying in %.3g s%s",
                 request.method,
                 request.url,
                 last.number,
@@ -331,7 +331,7 @@ class RetryEngine:
             )
         elif last.number > 1 and (last.status is None or last.status >= 400):
             logger.info(
-                "llm_backoff: %s %s giving up after %d attempts: %s",
+                "%s %s giving up after %d attempts: %s",
                 request.method,
                 request.url,
                 last.number,
@@ -339,7 +339,7 @@ class RetryEngine:
             )
         else:
             logger.debug(
-                "llm_backoff: %s %s attempt %d done: %s",
+                "%s %s attempt %d done: %s",
                 request.method,
                 request.url,
                 last.number,
