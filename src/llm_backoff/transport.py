@@ -22,8 +22,10 @@ Per attempt, the engine:
 
 - reads the request body once (so it can be replayed; uploads are held in memory);
 - asks the limiter (if any) for a permit, with the time left as its timeout;
-- sends ``x-request-timeout-ms`` (time left, ms, >= 1) and cuts the request's
-  connect/read/write/pool timeouts to the time left, when a deadline is set;
+- when a deadline is set, cuts the request's connect/read/write/pool timeouts to
+  the time left and sends ``x-request-timeout-ms``: the time left in ms (>= 1), or
+  the read timeout if that is shorter, since that is as long as we will wait for
+  the server to start answering;
 - buffers JSON bodies and error bodies inside the attempt, so a connection that
   drops half-way through a JSON answer counts as a failed attempt and is retried,
   and the error body can be read for hints and ``insufficient_quota``. Other bodies
@@ -272,12 +274,15 @@ class RetryEngine:
         if left is None:
             return
         left = max(left, 0.001)
-        request.headers["x-request-timeout-ms"] = str(max(1, int(left * 1000)))
         if isinstance(base_timeout, dict):
             cut = {k: left if v is None else min(float(v), left) for k, v in base_timeout.items()}
         else:
             cut = dict.fromkeys(("connect", "read", "write", "pool"), left)
         request.extensions = {**request.extensions, "timeout": cut}
+        # We stop waiting for the first byte after the read timeout: promising the server
+        # more patience than that would let it queue work nobody will collect.
+        patience = min(left, cut.get("read") or left)
+        request.headers["x-request-timeout-ms"] = str(max(1, int(patience * 1000)))
 
     def _on_error(self, state: RetryState, exc: Exception, started: float, request: _Request) -> Decision:
         verdict = classify_exception(state.policy, exc)

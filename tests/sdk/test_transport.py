@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextvars
 import gzip
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import ModuleType
@@ -129,6 +130,28 @@ def test_deadline_header_and_timeouts_shrink_with_time_left(lib: ModuleType, fak
     assert budgets == ["20000", "16000", "12000"]
     assert timeouts[0] == {"connect": 5.0, "read": 20.0, "write": 20.0, "pool": 20.0}
     assert timeouts[2] == {"connect": 5.0, "read": 12.0, "write": 12.0, "pool": 12.0}
+
+
+def test_timeout_header_is_capped_by_a_shorter_read_timeout(lib: ModuleType, fake_time: Any) -> None:
+    handler, seen = scripted(lib, ok(lib))
+    with sync_client(lib, handler, RetryPolicy(deadline=60), fake_time) as client:
+        client.get("/x", timeout=lib.Timeout(5.0, read=2.5))
+    assert seen[0].headers["x-request-timeout-ms"] == "2500"
+
+
+def test_each_retry_is_logged_at_info(
+    lib: ModuleType, fake_time: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    handler, _ = scripted(lib, busy(lib, "1"), ok(lib))
+    with (
+        caplog.at_level(logging.DEBUG, logger="llm_backoff"),
+        sync_client(lib, handler, RetryPolicy(), fake_time) as client,
+    ):
+        client.get("/x")
+    records = [r for r in caplog.records if r.name == "llm_backoff"]
+    assert [r.levelno for r in records] == [logging.INFO, logging.DEBUG]
+    assert "attempt 1 failed (status 429); retrying in" in records[0].getMessage()
+    assert "server hint 1 s" in records[0].getMessage()
 
 
 def test_no_deadline_sends_no_timeout_header(lib: ModuleType, fake_time: Any) -> None:
@@ -527,6 +550,7 @@ async def test_async_deadline_and_limiter(lib: ModuleType, fake_time: Any) -> No
 
     policy = RetryPolicy(deadline=10, retry_after_jitter=0)
     async with async_client(lib, recording, policy, fake_time, limiter=limiter) as client:
+        client.timeout = lib.Timeout(30.0)  # longer than the deadline: the deadline decides
         response = await client.get("/x")
     assert response.status_code == 200
     assert budgets == ["10000", "7000"]
