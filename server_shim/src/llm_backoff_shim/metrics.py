@@ -21,6 +21,20 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 OUTCOMES = ("admitted", "completed", "rejected", "client_disconnected", "upstream_error")
 REJECT_CODES = ("queue_full", "queue_timeout", "slo_shed", "tenant_rate_limited", "upstream_unavailable")
+#: Why the shim refused a request as malformed or hostile (``bad_requests_total{reason}``).
+BAD_REQUEST_REASONS = (
+    "malformed_json",
+    "unsupported_media_type",
+    "body_too_large",
+    "body_timeout",
+    "invalid_header",
+    "unknown_class",
+    "bad_path",
+    "unauthorized",
+    "header_timeout",
+    "headers_too_large",
+    "malformed_http",
+)
 
 _WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -90,6 +104,14 @@ class ShimMetrics:
             buckets=_RETRY_BUCKETS,
             registry=self.registry,
         )
+        self.bad_requests = Counter(
+            PREFIX + "bad_requests",
+            "Requests refused as malformed, hostile or unauthenticated, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in BAD_REQUEST_REASONS:
+            self.bad_requests.labels(reason)
         self.registry.register(_LiveState(controller, slo_state or (lambda _cls: 0)))
         self._prime(controller.classes)
 
@@ -112,6 +134,10 @@ class ShimMetrics:
     def rejected(self, cls: str, code: str, retry_after: float) -> None:
         self.requests.labels(cls, "rejected", code).inc()
         self.retry_after.labels(cls).observe(retry_after)
+
+    def bad_request(self, reason: str) -> None:
+        # An unlisted reason would be an unbounded label: fold it into the nearest bucket.
+        self.bad_requests.labels(reason if reason in BAD_REQUEST_REASONS else "malformed_http").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

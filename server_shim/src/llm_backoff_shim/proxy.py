@@ -33,7 +33,18 @@ from llm_backoff_shim.admission import (
     Rejection,
     UnknownClassError,
 )
+from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
+from llm_backoff_shim.intake import (
+    ClientGone,
+    Refusal,
+    check_api_key,
+    check_content_type,
+    check_declared_length,
+    check_json_object,
+    read_body,
+    reason_of,
+)
 from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
 from llm_backoff_shim.upstream import UpstreamClient
@@ -52,8 +63,11 @@ GENERATION_PATHS: frozenset[str] = frozenset(
     {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"}
 )
 
-#: Larger request bodies get a 413 instead of being buffered.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Larger request bodies get a 413 instead of being buffered (``--max-body-bytes``).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+
+#: RFC 9110 section 7.6.3: a proxy adds itself to ``Via`` in each message it forwards.
+VIA = (b"via", b"1.1 llm-backoff-shim")
 
 #: How much of an upstream 503 body is read to explain the rejection.
 _OVERLOAD_BODY_LIMIT = 64 * 1024
@@ -66,13 +80,12 @@ class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than
     """The upstream failed after the response started; the client connection is aborted."""
 
 
-class _BodyTooLargeError(Exception):
-    pass
-
-
 def is_allowed_path(path: str) -> bool:
     """Whether ``path`` (percent-decoded) stays under ``/v1/``: no dot segments, no backslashes."""
-    if not path.startswith("/v1/") or "\\" in path or "\x00" in path:
+    if not path.startswith("/v1/") or "\\" in path or "%" in path:
+        # "%" after decoding is double encoding: an upstream that decodes again must not see "..".
+        return False
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
         return False
     normalised = posixpath.normpath(path)
     if not normalised.startswith("/v1/"):
@@ -116,7 +129,13 @@ class Proxy:
         metrics: ShimMetrics,
         reject_status: int,
         clock: Clock,
+        api_keys: ApiKeys | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        body_timeout: float | None = None,
     ) -> None:
+        self.api_keys = api_keys if api_keys is not None else ApiKeys(())
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.upstream = upstream
         self.admission = admission
         self.metrics = metrics
@@ -134,34 +153,56 @@ class Proxy:
         path: str = scope["path"]
         method: str = scope["method"]
         if not is_allowed_path(path):
-            await _answer(send, client_error(f"no such path {path!r}: the shim serves /v1/...", status=404))
+            missing = client_error(f"no such path {path[:200]!r}: the shim serves /v1/...", status=404)
+            await self._refuse(send, Refusal("bad_path", missing))
             return
         headers: RawHeaders = list(scope["headers"])
+        refusal = check_api_key(self.api_keys, headers)
+        if refusal is not None:
+            await self._refuse(send, refusal)
+            return
         gated = is_generation(method, path)
         request: AdmissionRequest | None = None
         if gated:
             parsed = self._admission_request(headers)
             if isinstance(parsed, ErrorResponse):
-                await _answer(send, parsed)
+                await self._refuse(send, Refusal(reason_of(parsed), parsed))
                 return
             request = parsed
-        try:
-            body = await _read_body(receive)
-        except _BodyTooLargeError:
-            await _answer(send, client_error("request body too large", status=413))
+            refusal = check_content_type(headers)
+            if refusal is not None:
+                await self._refuse(send, refusal)
+                return
+        refusal = check_declared_length(headers, self.max_body_bytes)
+        if refusal is not None:
+            await self._refuse(send, refusal)
             return
-        if body is None:
+        try:
+            body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timeout)
+        except ClientGone:
             return  # the client left before sending its whole request
+        if isinstance(body, Refusal):
+            await self._refuse(send, body)
+            return
+        if gated:
+            refusal = check_json_object(body)
+            if refusal is not None:
+                await self._refuse(send, refusal)
+                return
         forward = _ForwardRequest(
             method=method,
             url=self.upstream.url(scope.get("raw_path") or path.encode(), scope.get("query_string", b"")),
-            headers=strip_hop_by_hop(headers, request=True),
+            headers=[*strip_hop_by_hop(headers, request=True), VIA],
             body=body,
         )
         if request is None:
             await _watch_disconnect(receive, lambda: self._relay(forward, send, None, None, arrival))
         else:
             await self._gated(request, forward, receive, send, arrival)
+
+    async def _refuse(self, send: Send, refusal: Refusal) -> None:
+        self.metrics.bad_request(refusal.reason)
+        await _answer(send, refusal.response)
 
     def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
         class_header = _header(headers, b"x-request-class")
@@ -246,6 +287,7 @@ class Proxy:
                 await self._upstream_overloaded(send, cls, response, exchange)
                 return
             headers = [(name.lower(), value) for name, value in strip_hop_by_hop(response.raw_headers)]
+            headers.append(VIA)
             if grant is not None:
                 headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
@@ -327,22 +369,6 @@ def _header(headers: RawHeaders, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise _BodyTooLargeError
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def _watch_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:

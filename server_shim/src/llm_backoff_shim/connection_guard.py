@@ -1,0 +1,163 @@
+"""Connection-level limits uvicorn does not have: a request-head read timeout and a head size cap.
+
+uvicorn bounds the idle time *between* requests (``timeout_keep_alive``) but not the
+time a client may take to send a request's head, and with httptools it does not bound
+the head's size at all. A slow-loris client (one header byte every few seconds) or a
+megabyte of headers would then hold a socket and memory for as long as it likes.
+
+:func:`guarded_protocol` returns a subclass of uvicorn's HTTP protocol class (the
+documented ``http=`` extension point of ``uvicorn.Config``) that:
+
+- starts a timer when a request head begins (connection opened, or first byte of the
+  next request on a kept-alive connection) and, if the head is not complete when it
+  fires, answers ``408`` in OpenAI error format and closes the connection;
+- counts the bytes of the head and answers ``431`` when they exceed ``max_head_bytes``;
+- answers uvicorn's own "Invalid HTTP request" (malformed request line, bad header
+  syntax, ...) with an OpenAI-format ``400`` instead of a plain-text one.
+
+Each event is reported through ``on_event(reason)`` so it is counted
+(``llm_backoff_shim_bad_requests_total{reason}``). The body of a request is the ASGI
+app's business (the proxy has its own body timeout and size limit).
+
+Head completion is detected the same way for both uvicorn implementations (h11 and
+httptools): each creates a new ``RequestResponseCycle`` as ``self.cycle`` when a head
+has been parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+OnEvent = Callable[[str], None]
+
+HEAD_TIMEOUT = "header_timeout"
+HEAD_TOO_LARGE = "headers_too_large"
+MALFORMED_HTTP = "malformed_http"
+
+
+def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    body = json.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
+        separators=(",", ":"),
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "content-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode("ascii")
+    return head + body
+
+
+def default_protocol_class() -> type[Any]:
+    """uvicorn's httptools protocol when httptools is installed (its ``auto`` choice), else h11."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # pragma: no cover - httptools comes with uvicorn[standard]
+        return H11Protocol
+    return HttpToolsProtocol
+
+
+def guarded_protocol(
+    base: type[Any] | None = None,
+    *,
+    head_timeout: float,
+    max_head_bytes: int,
+    on_event: OnEvent = lambda _reason: None,
+) -> type[Any]:
+    """A subclass of ``base`` (an uvicorn HTTP protocol class) enforcing the limits above."""
+    if not head_timeout > 0:
+        raise ValueError("head_timeout must be > 0")
+    if max_head_bytes < 1:
+        raise ValueError("max_head_bytes must be >= 1")
+    parent = base if base is not None else default_protocol_class()
+
+    class GuardedProtocol(parent):  # type: ignore[misc,valid-type]
+        _guard_timer: asyncio.TimerHandle | None = None
+        _guard_bytes = 0
+        _guard_cycle: object = None
+        _guard_closed = False
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            self._guard_start()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._guard_closed = True
+            self._guard_stop()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._guard_closed:
+                return
+            cycle = self.cycle
+            if self._guard_timer is None and (cycle is None or cycle.response_complete):
+                # First bytes of the next request on a kept-alive connection.
+                self._guard_start()
+            super().data_received(data)
+            if self._guard_timer is None or self._guard_closed:
+                return
+            if self.cycle is not self._guard_cycle:
+                self._guard_stop()  # a head was parsed; its body is the app's concern
+                return
+            self._guard_bytes += len(data)
+            if self._guard_bytes > max_head_bytes:
+                self._guard_reject(
+                    HEAD_TOO_LARGE,
+                    _raw_error(
+                        431,
+                        "Request Header Fields Too Large",
+                        f"request head larger than {max_head_bytes} bytes",
+                        HEAD_TOO_LARGE,
+                    ),
+                )
+
+        def send_400_response(self, msg: str) -> None:
+            if self._guard_closed:
+                return
+            self._guard_reject(
+                MALFORMED_HTTP,
+                _raw_error(400, "Bad Request", "invalid HTTP request", MALFORMED_HTTP),
+            )
+
+        # -- internals ---------------------------------------------------------------
+        def _guard_start(self) -> None:
+            self._guard_bytes = 0
+            self._guard_cycle = self.cycle
+            self._guard_timer = asyncio.get_running_loop().call_later(head_timeout, self._guard_expired)
+
+        def _guard_stop(self) -> None:
+            if self._guard_timer is not None:
+                self._guard_timer.cancel()
+                self._guard_timer = None
+
+        def _guard_expired(self) -> None:
+            self._guard_timer = None
+            if self._guard_closed or self.cycle is not self._guard_cycle:
+                return
+            self._guard_reject(
+                HEAD_TIMEOUT,
+                _raw_error(
+                    408,
+                    "Request Timeout",
+                    f"request head not received within {head_timeout:g} s",
+                    HEAD_TIMEOUT,
+                ),
+            )
+
+        def _guard_reject(self, reason: str, payload: bytes) -> None:
+            self._guard_stop()
+            self._guard_closed = True
+            on_event(reason)
+            transport = self.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(payload)
+                transport.close()
+
+    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{parent.__name__}"
+    return GuardedProtocol
