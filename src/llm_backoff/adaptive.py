@@ -37,25 +37,45 @@ class SendRateMeter:
     Same scheme as botocore's ``RateClocker``: count events, and each time a new
     time bucket starts fold ``count / bucket_span`` into an exponentially weighted
     average (weight ``smoothing`` for the newest bucket).
+
+    One change: botocore reports 0 until the first bucket completes, so a client
+    throttled in its first half-second of traffic drops to the floor and then
+    crawls back along the cubic from zero. Here, until a bucket has completed, the
+    rate is the count so far over the time since the first event (at least a tenth
+    of a bucket span), and the clock starts at the first event rather than at
+    creation, so a limiter built long before its first call does not look idle.
+    Early estimates err high on purpose: too high a rate is corrected within a few
+    responses by further 429s, too low a one only slowly by the cubic climb.
     """
 
-    __slots__ = ("_bucket_span", "_count", "_last_bucket", "_smoothing", "rate")
+    __slots__ = ("_bucket_span", "_count", "_first", "_last_bucket", "_smoothing", "_warm", "rate")
 
-    def __init__(self, now: float, *, smoothing: float = 0.8, bucket_span: float = 0.5) -> None:
+    def __init__(self, *, smoothing: float = 0.8, bucket_span: float = 0.5) -> None:
         self._smoothing = smoothing
         self._bucket_span = bucket_span
-        self._last_bucket = math.floor(now / bucket_span) * bucket_span
+        self._first: float | None = None
+        self._last_bucket = 0.0
         self._count = 0
+        self._warm = False
         self.rate = 0.0
 
     def record(self, now: float) -> float:
         bucket = math.floor(now / self._bucket_span) * self._bucket_span
+        if self._first is None:
+            self._first = now
+            self._last_bucket = bucket
         self._count += 1
         if bucket > self._last_bucket:
             current = self._count / (bucket - self._last_bucket)
-            self.rate = current * self._smoothing + self.rate * (1.0 - self._smoothing)
+            if self._warm:
+                self.rate = current * self._smoothing + self.rate * (1.0 - self._smoothing)
+            else:
+                self.rate = current
+                self._warm = True
             self._count = 0
             self._last_bucket = bucket
+        elif not self._warm:
+            self.rate = self._count / max(now - self._first, self._bucket_span / 10)
         return self.rate
 
 
@@ -90,7 +110,7 @@ class AdaptiveRate:
         self._beta = beta
         self._scale = scale
         now = clock()
-        self._meter = SendRateMeter(now)
+        self._meter = SendRateMeter()
         self._w_max = 0.0
         self._k = 0.0
         self._last_throttle = now

@@ -27,10 +27,20 @@ def feed(ctl: AdaptiveRate, clock: FakeClock, *, rps: float, seconds: float) -> 
 
 
 def test_meter_tracks_a_steady_rate() -> None:
-    meter = SendRateMeter(0.0)
+    meter = SendRateMeter()
     for i in range(1, 201):
         meter.record(i * 0.05)  # 20 per second for 10 s
     assert meter.rate == pytest.approx(20.0, rel=0.01)
+
+
+def test_meter_estimates_before_its_first_bucket_completes() -> None:
+    meter = SendRateMeter(bucket_span=0.5)
+    # Created long before traffic: idle time before the first event does not count.
+    for i in range(8):
+        meter.record(100.0 + i * 0.01)  # 8 events in 70 ms, within one bucket
+    assert meter.rate == pytest.approx(8 / 0.07)
+    meter2 = SendRateMeter(bucket_span=0.5)
+    assert meter2.record(5.0) == pytest.approx(1 / 0.05)  # one event: a tenth of a span
 
 
 def test_starts_unthrottled_and_enables_on_first_throttle() -> None:
