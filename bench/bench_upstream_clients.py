@@ -263,6 +263,7 @@ async def drive(
     import aiohttp
 
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]}).encode()
+    headers = {"content-type": "application/json", **headers}
     remaining = total
     done = errors = events = 0
     latencies: list[float] = []
@@ -281,8 +282,10 @@ async def drive(
                                 events += 1
                     else:
                         await response.read()
-                    if response.status >= 400 and response.status not in (429, 503):
+                    if response.status >= 300 and response.status not in (429, 503):
                         errors += 1
+                        if errors == 1:
+                            print(f"    first error: {response.status} {(await response.read())[:200]!r}")
             except aiohttp.ClientError:
                 errors += 1
             latencies.append(time.perf_counter() - start)

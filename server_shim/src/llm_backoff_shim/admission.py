@@ -266,6 +266,13 @@ class AdmissionController:
             return sum(len(q) for q in self._queues.values())
         return len(self._queues[cls])
 
+    def oldest_wait(self, cls: str) -> float:
+        """Seconds the head of ``cls``'s queue has waited so far (0 when the queue is empty)."""
+        queue = self._queues[cls]
+        if not queue:
+            return 0.0
+        return max(0.0, self._clock() - next(iter(queue.values())).arrived)
+
     def ahead_of(self, cls: str) -> int:
         """Requests that would be served before a newcomer of ``cls`` (strict-priority view)."""
         index = self._classes.index(cls)
@@ -379,6 +386,10 @@ class AdmissionController:
     def overloaded_upstream(self, cls: str, detail: str) -> Rejection:
         """The refusal for a request the engine itself turned away as overloaded (vLLM's 503)."""
         return self._reject(cls, "queue_full", f"upstream engine at capacity ({detail})")
+
+    def reschedule(self) -> Dispatch:
+        """Admit what can go now after a change the controller cannot see (a hold lifted, a limit grew)."""
+        return self._pump()
 
     # -- internals -------------------------------------------------------------------------
     def _pump(self) -> Dispatch:

@@ -13,6 +13,7 @@ Tests and the demo read live state in-process with :func:`shim_state`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llm_backoff_shim.admission import AdmissionController, ClassPolicy
+from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
@@ -66,7 +68,12 @@ def build_controller(settings: ShimSettings, clock: Clock) -> AdmissionControlle
         clock,
     )
     policies = [
-        ClassPolicy(name=name, max_queue=limits.max_queue, max_queue_wait=limits.max_queue_wait)
+        ClassPolicy(
+            name=name,
+            max_queue=limits.max_queue,
+            # A request queued for its whole time-to-first-token budget has missed it already.
+            max_queue_wait=min(limits.max_queue_wait, settings.ttft_slo.get(name, math.inf)),
+        )
         for name, limits in settings.class_limits().items()
     ]
     return AdmissionController(
@@ -76,6 +83,7 @@ def build_controller(settings: ShimSettings, clock: Clock) -> AdmissionControlle
         clock=clock,
         max_queue_total=settings.max_queue,
         default_class=settings.default_class,
+        scheduler=SharedSlots(ClassShares(reserved=settings.reserved_share, minimum=settings.min_share)),
     )
 
 

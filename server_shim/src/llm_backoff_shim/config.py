@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from pydantic import AnyHttpUrl, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "LLM_BACKOFF_SHIM_"
 
@@ -79,11 +81,96 @@ class ShimSettings(BaseSettings):
     batch_max_queue_wait: float | None = Field(
         default=None, gt=0, le=86_400, description="queue wait for class batch (default --max-queue-wait)"
     )
-    default_class: Literal["interactive", "batch"] = Field(
+    classes: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=DEFAULT_CLASSES,
+        description="traffic classes, highest priority first, comma-separated (x-request-class values)",
+    )
+    default_class: str = Field(
         default="interactive", description="class of requests without an x-request-class header"
     )
     reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
     retry_after_min: float = Field(
+    reserved_share: Annotated[dict[str, float], NoDecode] = Field(
+        default={"interactive": 0.25},
+        description="share of the in-flight slots that lower classes may never take, per class "
+        "(class=fraction,...; rounded up to whole slots)",
+    )
+    min_share: Annotated[dict[str, float], NoDecode] = Field(
+        default={"batch": 0.1},
+        description="share of the in-flight slots a class gets even while higher classes wait "
+        "(anti-starvation; class=fraction,...; rounded up to whole slots)",
+    )
+    ttft_slo: Annotated[dict[str, float], NoDecode] = Field(
+        default={},
+        description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
+        "turns on queue-time SLO shedding for the classes named",
+    )
+    slo_yellow_fraction: float = Field(
+        default=0.4, gt=0, lt=1, description="estimated wait / budget above which a growing queue is YELLOW"
+    )
+    slo_trend_window: float = Field(
+        default=1.0, gt=0, le=600, description="seconds over which 'the wait keeps growing' is judged"
+    )
+    forward_priority: bool = Field(
+        default=False,
+        description="set vLLM's 'priority' request field from the class (upstream runs "
+        "--scheduling-policy priority)",
+    )
+    class_priority: Annotated[dict[str, int], NoDecode] = Field(
+        default={},
+        description="vLLM priority per class, lower is served first (default: the class's position "
+        "in --classes, 0 for the first)",
+    )
+    tenants_file: Path | None = Field(
+        default=None,
+        description="JSON or TOML file: per-API-key (or tenant-header value) limits and allowed classes",
+    )
+    tenant_header: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$",
+        description="identify tenants by this request header instead of the API key",
+    )
+    tenant_requests_per_minute: float | None = Field(
+        default=None, gt=0, description="request limit of tenants the tenants file does not list"
+    )
+    tenant_tokens_per_minute: float | None = Field(
+        default=None, gt=0, description="LLM-token limit of tenants the tenants file does not list"
+    )
+    redis_url: str | None = Field(
+        default=None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="keep tenant buckets in this Redis so several shims enforce one quota",
+    )
+    engine_metrics: bool = Field(
+        default=False,
+        description="scrape the upstream's /metrics and admit nothing new while the engine is saturated",
+    )
+    engine_metrics_path: str = Field(
+        default="/metrics", pattern=r"^/", description="upstream path of the Prometheus metrics"
+    )
+    engine_poll_interval: float = Field(
+        default=0.25, gt=0, le=60, description="seconds between scrapes of the upstream's metrics"
+    )
+    engine_max_waiting: int = Field(
+        default=0, ge=0, description="saturated when the engine reports more waiting requests than this"
+    )
+    engine_max_kv_cache: float = Field(
+        default=0.95, gt=0, le=1, description="saturated when the engine's KV-cache usage (0..1) reaches this"
+    )
+    engine_stale_after: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="engine metrics older than this many seconds are ignored (the concurrency cap rules)",
+    )
+    adaptive_concurrency: bool = Field(
+        default=False,
+        description="adapt the concurrency limit to measured time to first byte (gradient), between "
+        "--min-concurrency and --max-concurrency",
+    )
+    min_concurrency: int = Field(
+        default=1, ge=1, le=100_000, description="lower bound of the adaptive concurrency limit"
+    )
         default=1.0, gt=0, le=86_400, description="smallest Retry-After hint, seconds"
     )
     retry_after_max: float = Field(
@@ -169,16 +256,14 @@ class ShimSettings(BaseSettings):
         return str(self.upstream).rstrip("/")
 
     def class_limits(self) -> dict[str, ClassLimits]:
-        """Queue bound and wait per class, highest priority first."""
-        return {
-            "interactive": ClassLimits(
-                max_queue=_pick(self.interactive_max_queue, self.max_queue),
-                max_queue_wait=_pick(self.interactive_max_queue_wait, self.max_queue_wait),
-            ),
-            "batch": ClassLimits(
-                max_queue=_pick(self.batch_max_queue, self.max_queue),
-                max_queue_wait=_pick(self.batch_max_queue_wait, self.max_queue_wait),
-            ),
+        """Queue bound and wait per class, highest priority first.
+
+        Classes other than ``interactive`` and ``batch`` use the shared ``max_queue`` /
+        ``max_queue_wait``.
+        """
+        overrides = {
+            "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
+            "batch": (self.batch_max_queue, self.batch_max_queue_wait),
         }
 
 
@@ -195,6 +280,13 @@ def _pick(value: Any, default: Any) -> Any:
 class ConfigError(ValueError):
     """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
 
+        "slo_yellow_fraction",
+        "slo_trend_window",
+        "tenant_requests_per_minute",
+        "tenant_tokens_per_minute",
+        "engine_poll_interval",
+        "engine_max_kv_cache",
+        "engine_stale_after",
 
 def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
@@ -202,6 +294,46 @@ def flag_name(field: str) -> str:
 
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _class_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip().lower() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("classes")
+    @classmethod
+    def _class_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one class is needed")
+        for name in value:
+            if not _CLASS_NAME.fullmatch(name):
+                raise ValueError(f"class name {name!r}: use lowercase letters, digits, '-' and '_'")
+        if len(set(value)) != len(value):
+            raise ValueError("class names must be unique")
+        return value
+
+    @field_validator("reserved_share", "min_share", "ttft_slo", "class_priority", mode="before")
+    @classmethod
+    def _class_map(cls, value: Any) -> Any:
+        return parse_class_map(value) if isinstance(value, str) else value
+
+    @field_validator("reserved_share", "min_share")
+    @classmethod
+    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, share in value.items():
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name}={share}: a share is a fraction between 0 and 1")
+        return value
+
+    @field_validator("ttft_slo")
+    @classmethod
+    def _budgets(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, budget in value.items():
+            if not (budget > 0 and math.isfinite(budget)):
+                raise ValueError(f"{name}={budget}: a budget is a positive number of seconds")
+        return value
+
 
 
 def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
@@ -211,10 +343,42 @@ def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParse
         "flight, keeps short bounded queues per traffic class and answers the rest at once with a 429 "
         "(or 503) carrying an estimated Retry-After. Every flag can also be set through the environment "
         f"variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_QUEUE=50); flags win.",
+        if self.default_class not in self.classes:
+            raise ValueError(
+                f"default_class {self.default_class!r} is not one of classes {list(self.classes)}"
+            )
+        for name in ("reserved_share", "min_share", "ttft_slo", "class_priority"):
+            unknown = sorted(set(getattr(self, name)) - set(self.classes))
+            if unknown:
+                raise ValueError(f"{name} names unknown classes {unknown}; classes are {list(self.classes)}")
+        if sum(self.reserved_share.values()) > 1.0:
+            raise ValueError("reserved_share adds up to more than 1")
+        if self.min_concurrency > self.max_concurrency:
+            raise ValueError(
+                f"min_concurrency ({self.min_concurrency}) must be <= "
+                f"max_concurrency ({self.max_concurrency})"
+            )
+        if self.tenants_file is not None:
+            # Imported here: tenants imports this module's parse helpers.
+            from llm_backoff_shim.tenants import TenantsFileError, load_tenants_file
+
+            try:
+                load_tenants_file(self.tenants_file, self.classes)
+            except TenantsFileError as exc:
+                raise ValueError(str(exc)) from None
     )
     for name, field in ShimSettings.model_fields.items():
         default = field.default
-        shown = "none" if default is None else str(default)
+        if default is None:
+            shown = "none"
+        elif isinstance(default, dict):
+            shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
+        elif isinstance(default, tuple):
+            shown = ",".join(default)
+        else:
+            shown = str(default)
+        # Booleans work as bare switches (--forward-priority) and with a value (... false).
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         parser.add_argument(
             flag_name(name),
             dest=name,
@@ -230,6 +394,45 @@ def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") 
 
     Raises :class:`ConfigError` with a one-line message on bad values; argparse itself
     exits (status 2) on unknown flags and prints ``--help``.
+        limits = {}
+        for name in self.classes:
+            queue, wait = overrides.get(name, (None, None))
+            limits[name] = ClassLimits(
+                max_queue=_pick(queue, self.max_queue), max_queue_wait=_pick(wait, self.max_queue_wait)
+            )
+        return limits
+
+    def vllm_priority(self) -> dict[str, int]:
+        """The ``priority`` each class sends to vLLM (lower is served first)."""
+        return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
+
+
+_CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+def parse_class_map(text: str) -> dict[str, str]:
+    """``"interactive=2, batch=60"`` -> ``{"interactive": "2", "batch": "60"}`` (pydantic converts values).
+
+    A JSON object is accepted too (convenient in environment files).
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON object: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        return {str(k).strip().lower(): v for k, v in data.items()}
+    result: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{item!r}: expected class=value pairs separated by commas")
+        result[name.strip().lower()] = value.strip()
+    return result
     """
     namespace = build_parser(prog).parse_args(list(argv))
     given = {key: value for key, value in vars(namespace).items() if value is not None}
@@ -252,3 +455,4 @@ def _describe(exc: ValidationError, from_flags: set[str]) -> str:
         else:
             problems.append(message)
     return "invalid configuration: " + "; ".join(problems)
+            **switch,

@@ -76,6 +76,10 @@ class AsyncAdmission:
         if grant.ticket.state is TicketState.ADMITTED:
             self._apply(self.controller.release(grant.ticket, outcome))
 
+    def reschedule(self) -> None:
+        """Let queued requests move after an outside change (engine recovered, SLO state, limit)."""
+        self._apply(self.controller.reschedule())
+
     def _on_deadline(self, ticket: Ticket) -> None:
         self._timers.pop(ticket.id, None)
         rejection = self.controller.expire(ticket)

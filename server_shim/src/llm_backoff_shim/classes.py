@@ -1,0 +1,113 @@
+"""Traffic classes sharing the in-flight slots: reservations, minimum shares, holds.
+
+:class:`SharedSlots` is the :class:`~llm_backoff_shim.admission.ClassScheduler` the
+shim runs with. Classes are listed highest priority first (``interactive``, ``batch``).
+When a slot frees and several classes have queued requests:
+
+1. **Minimum share first.** A class holding fewer slots than its minimum share
+   (``ceil(min_share * limit)``) takes the slot even if a higher class is waiting, so
+   batch work is never starved forever, however long an interactive flood lasts.
+2. **Then priority.** The highest-priority waiting class that *may* take the slot
+   gets it; within a class the queue is first come, first served (the controller's
+   FIFO).
+3. **Reservations.** A class may take a slot only if the slots still free afterwards
+   cover the unused reservations of every higher class. With ``interactive`` reserving
+   ``ceil(0.25 * limit)`` slots, a batch flood fills at most the other 75 % and an
+   interactive request arriving mid-flood finds a free slot at once. Reservations
+   never cover every slot: each class can always use at least one when the others
+   are idle, so a misconfigured reservation cannot starve a class forever.
+4. **Holds.** A predicate (``hold(cls)``) may keep a class from taking new slots at
+   all: engine saturation holds every class, a YELLOW/RED interactive SLO holds batch.
+   A held class still gets its minimum share unless the hold is for every class
+   (``hold(None)``, the engine is saturated: nothing new goes upstream).
+
+Pure: it reads the controller's view (limit, in-flight counts) and nothing else.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from llm_backoff_shim.admission import AdmissionView
+
+#: ``hold(None)``: hold every class; ``hold(cls)``: hold ``cls`` beyond its minimum share.
+HoldPredicate = Callable[[str | None], bool]
+
+
+def share_slots(share: float, limit: int) -> int:
+    """Slots a fractional share of ``limit`` stands for: rounded up, so any share > 0 is >= 1 slot."""
+    if share <= 0:
+        return 0
+    return min(limit, math.ceil(share * limit - 1e-9))
+
+
+@dataclass(frozen=True)
+class ClassShares:
+    """Fractions of the concurrency limit: ``reserved`` for a class, ``minimum`` guaranteed to it."""
+
+    reserved: Mapping[str, float] = field(default_factory=dict)
+    minimum: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind, shares in (("reserved", self.reserved), ("minimum", self.minimum)):
+            for cls, share in shares.items():
+                if not (0.0 <= share <= 1.0) or math.isnan(share):
+                    raise ValueError(f"{kind} share of class {cls!r} must be between 0 and 1, got {share}")
+        if sum(self.reserved.values()) > 1.0 + 1e-9:
+            raise ValueError("reserved shares add up to more than 1")
+
+
+class SharedSlots:
+    """Reserved shares, minimum shares and holds over strict priority (module docstring)."""
+
+    def __init__(self, shares: ClassShares, *, hold: HoldPredicate | None = None) -> None:
+        self._shares = shares
+        self._holds: list[HoldPredicate] = [hold] if hold is not None else []
+
+    def add_hold(self, hold: HoldPredicate) -> None:
+        self._holds.append(hold)
+
+    def held(self, cls: str | None) -> bool:
+        return any(h(cls) for h in self._holds)
+
+    def reserved_slots(self, cls: str, limit: int) -> int:
+        return share_slots(self._shares.reserved.get(cls, 0.0), limit)
+
+    def minimum_slots(self, cls: str, limit: int) -> int:
+        return share_slots(self._shares.minimum.get(cls, 0.0), limit)
+
+    def usable_slots(self, cls: str, view: AdmissionView) -> int:
+        """Slots ``cls`` could fill if every class above it stayed below its reservation."""
+        higher = view.classes[: view.classes.index(cls)]
+        return max(0, view.limit - sum(self.reserved_slots(h, view.limit) for h in higher))
+
+    def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None:
+        if not waiting or self.held(None):
+            return None
+        limit = view.limit
+        free = limit - view.in_flight()
+        if free <= 0:
+            return None
+        for cls in waiting:
+            if view.in_flight(cls) < self.minimum_slots(cls, limit):
+                return cls
+        for cls in waiting:
+            if self.held(cls):
+                continue
+            if free - 1 >= self._unused_reservations_above(cls, view):
+                return cls
+        return None
+
+    def _unused_reservations_above(self, cls: str, view: AdmissionView) -> int:
+        unused = reserved = 0
+        for higher in view.classes:
+            if higher == cls:
+                break
+            slots = self.reserved_slots(higher, view.limit)
+            reserved += slots
+            unused += max(0, slots - view.in_flight(higher))
+        # Reservations never take a lower class's last slot: an idle engine always serves it.
+        excess = reserved - (view.limit - 1)
+        return max(0, unused - max(0, excess))

@@ -1,0 +1,213 @@
+"""Reserved and minimum shares between traffic classes (pure controller, fake clock, no sleeps)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_backoff_shim.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    ClassPolicy,
+    Outcome,
+    Ticket,
+    TicketState,
+)
+from llm_backoff_shim.classes import ClassShares, SharedSlots, share_slots
+from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.limit import FixedLimit
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(
+    limit: int, *, reserved: float = 0.25, minimum: float = 0.0, queue: int = 100
+) -> tuple[AdmissionController, SharedSlots]:
+    clock = FakeClock()
+    scheduler = SharedSlots(ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}))
+    controller = AdmissionController(
+        [ClassPolicy("interactive", queue, 60.0), ClassPolicy("batch", queue, 60.0)],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=scheduler,
+    )
+    return controller, scheduler
+
+
+def submit(c: AdmissionController, cls: str) -> Ticket:
+    decision = c.submit(AdmissionRequest(cls))
+    assert isinstance(decision, Ticket), decision
+    return decision
+
+
+def test_share_slots_rounds_up_and_stays_within_the_limit() -> None:
+    assert share_slots(0.0, 8) == 0
+    assert share_slots(0.25, 8) == 2
+    assert share_slots(0.26, 8) == 3
+    assert share_slots(0.01, 8) == 1
+    assert share_slots(1.0, 3) == 3
+
+
+def test_shares_are_validated() -> None:
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        ClassShares(reserved={"interactive": 1.5})
+    with pytest.raises(ValueError, match="more than 1"):
+        ClassShares(reserved={"interactive": 0.7, "batch": 0.5})
+
+
+def test_a_batch_flood_leaves_the_reserved_slots_to_interactive() -> None:
+    c, _ = make(8, reserved=0.25)
+    batch = [submit(c, "batch") for _ in range(20)]
+    assert sum(t.state is TicketState.ADMITTED for t in batch) == 6
+    assert c.in_flight("batch") == 6
+    assert c.queued("batch") == 14
+    first = submit(c, "interactive")
+    second = submit(c, "interactive")
+    assert first.state is TicketState.ADMITTED
+    assert second.state is TicketState.ADMITTED
+    assert submit(c, "interactive").state is TicketState.QUEUED
+
+
+def test_without_a_reservation_batch_takes_every_slot() -> None:
+    c, _ = make(8, reserved=0.0)
+    for _ in range(10):
+        submit(c, "batch")
+    assert c.in_flight("batch") == 8
+    assert submit(c, "interactive").state is TicketState.QUEUED
+
+
+def test_interactive_beyond_its_reservation_does_not_lift_the_cap_on_batch() -> None:
+    c, _ = make(4, reserved=0.25)
+    interactive = [submit(c, "interactive") for _ in range(3)]
+    batch = [submit(c, "batch") for _ in range(4)]
+    # 3 interactive use more than their 1 reserved slot, so one slot is left for batch.
+    assert [t.state for t in batch] == [TicketState.ADMITTED] + [TicketState.QUEUED] * 3
+    assert c.release(interactive[0], Outcome.COMPLETED).admitted == [batch[1]]
+    assert c.release(interactive[1], Outcome.COMPLETED).admitted == [batch[2]]
+    # Batch is at limit - reserved = 3: the slot interactive frees now stays free for it.
+    assert c.release(interactive[2], Outcome.COMPLETED).admitted == []
+    assert (c.in_flight("batch"), c.in_flight("interactive"), c.queued("batch")) == (3, 0, 1)
+    assert submit(c, "interactive").state is TicketState.ADMITTED
+
+
+def test_interactive_is_served_first_when_both_wait() -> None:
+    c, _ = make(2, reserved=0.0)
+    holders = [submit(c, "interactive"), submit(c, "interactive")]
+    batch = submit(c, "batch")
+    interactive = submit(c, "interactive")
+    assert c.release(holders[0], Outcome.COMPLETED).admitted == [interactive]
+    assert batch.state is TicketState.QUEUED
+
+
+def test_minimum_share_keeps_batch_moving_under_an_interactive_flood() -> None:
+    c, _ = make(4, reserved=0.25, minimum=0.25)
+    holders = [submit(c, "interactive") for _ in range(4)]
+    batch = submit(c, "batch")
+    flood = [submit(c, "interactive") for _ in range(10)]
+    assert all(t.state is TicketState.QUEUED for t in [batch, *flood])
+    # Batch holds 0 < its 1 guaranteed slot: the next free slot is its, despite the flood.
+    assert c.release(holders[0], Outcome.COMPLETED).admitted == [batch]
+    # At its minimum share, batch waits behind interactive again.
+    second_batch = submit(c, "batch")
+    assert c.release(holders[1], Outcome.COMPLETED).admitted == [flood[0]]
+    assert second_batch.state is TicketState.QUEUED
+
+
+def test_minimum_share_applies_even_when_the_reservation_covers_every_slot() -> None:
+    c, _ = make(1, reserved=1.0, minimum=0.1)
+    assert submit(c, "batch").state is TicketState.ADMITTED
+
+
+def test_a_reservation_never_takes_the_last_slot_of_an_idle_engine() -> None:
+    c, _ = make(2, reserved=1.0, minimum=0.0)
+    assert [submit(c, "batch").state for _ in range(2)] == [TicketState.ADMITTED, TicketState.QUEUED]
+    assert submit(c, "interactive").state is TicketState.ADMITTED
+
+
+def test_a_hold_on_every_class_admits_nothing_until_rescheduled() -> None:
+    c, scheduler = make(4, reserved=0.0)
+    saturated = True
+    scheduler.add_hold(lambda cls: cls is None and saturated)
+    tickets = [submit(c, "interactive"), submit(c, "batch")]
+    assert all(t.state is TicketState.QUEUED for t in tickets)
+    saturated = False
+    moved = c.reschedule()
+    assert moved.admitted == tickets
+    assert c.in_flight() == 2
+
+
+def test_a_class_hold_stops_batch_beyond_its_minimum_share() -> None:
+    c, scheduler = make(4, reserved=0.0, minimum=0.25)
+    scheduler.add_hold(lambda cls: cls == "batch")
+    batch = [submit(c, "batch") for _ in range(3)]
+    assert [t.state for t in batch] == [TicketState.ADMITTED, TicketState.QUEUED, TicketState.QUEUED]
+    assert submit(c, "interactive").state is TicketState.ADMITTED
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    limit=st.integers(1, 12),
+    reserved=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
+    minimum=st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_random_traffic_keeps_the_shares(seed: int, limit: int, reserved: float, minimum: float) -> None:
+    """Batch never exceeds max(its minimum, limit - reserved) unless it got there before, and
+    whenever a decision is made, a waiting class below its minimum share is not left waiting."""
+    rng = random.Random(seed)
+    c, scheduler = make(limit, reserved=reserved, minimum=minimum, queue=1000)
+    r = min(scheduler.reserved_slots("interactive", limit), limit - 1)
+    m = scheduler.minimum_slots("batch", limit)
+    admitted: list[Ticket] = []
+    for _ in range(300):
+        if admitted and rng.random() < 0.45:
+            ticket = admitted.pop(rng.randrange(len(admitted)))
+            dispatch = c.release(ticket, Outcome.COMPLETED)
+        else:
+            ticket = submit(c, rng.choice(["interactive", "batch"]))
+            dispatch = c.reschedule()
+            if ticket.state is TicketState.ADMITTED:
+                admitted.append(ticket)
+        admitted.extend(dispatch.admitted)
+        assert c.in_flight() <= limit
+        assert c.in_flight("batch") <= max(m, limit - r)
+        if c.in_flight() < limit:
+            # A free slot left idle must be one that batch may not use.
+            assert c.queued("interactive") == 0
+            if c.queued("batch"):
+                assert c.in_flight("batch") >= m
+                assert limit - c.in_flight() - 1 < r - c.in_flight("interactive")
+    while admitted:
+        admitted.extend(c.release(admitted.pop(), Outcome.COMPLETED).admitted)
+    assert (c.in_flight(), c.queued()) == (0, 0)
+
+
+def test_class_flags_parse_maps_and_name_the_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_backoff_shim.config import ConfigError, load_settings
+
+    s = load_settings(["--classes", "interactive,batch,bulk", "--min-share", "bulk=0.1,batch=0.2"])
+    assert s.classes == ("interactive", "batch", "bulk")
+    assert s.min_share == {"bulk": 0.1, "batch": 0.2}
+    assert list(s.class_limits()) == ["interactive", "batch", "bulk"]
+    assert s.vllm_priority() == {"interactive": 0, "batch": 1, "bulk": 2}
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_RESERVED_SHARE", '{"interactive": 0.5}')
+    assert load_settings([]).reserved_share == {"interactive": 0.5}
+    for argv, message in [
+        (["--min-share", "nightly=0.1"], "unknown classes ['nightly']"),
+        (["--reserved-share", "interactive"], "expected class=value pairs"),
+        (["--reserved-share", "interactive=2"], "between 0 and 1"),
+        (["--classes", "interactive,Batch!"], "lowercase letters"),
+        (["--classes", "batch", "--min-share", ""], "default_class 'interactive' is not one of"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_settings(argv)
