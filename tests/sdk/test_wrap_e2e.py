@@ -303,3 +303,31 @@ async def test_many_tasks_share_one_wrapped_async_client(server: tuple[str, Beha
     assert results == ["hello world"] * 20
     assert len(b.seen) == 40
     await client.close()
+
+
+def test_closing_the_wrapped_client_leaves_the_given_one_usable(server: tuple[str, Behaviour]) -> None:
+    url, b = server
+    b.rejections = 0
+    original = openai.OpenAI(api_key="sk-test", base_url=f"{url}/v1")
+    wrapped = llm_backoff.wrap(original)
+    assert wrapped.chat.completions.create(model="m", messages=MESSAGES).choices[0].message.content
+    wrapped.close()
+    assert wrapped.is_closed()
+    assert not original.is_closed()
+    assert original.chat.completions.create(model="m", messages=MESSAGES).choices[0].message.content
+    with pytest.raises(RuntimeError, match="closed"):
+        wrapped.chat.completions.create(model="m", messages=MESSAGES)
+    original.close()
+
+
+async def test_closing_the_wrapped_async_client_leaves_the_given_one_usable(
+    server: tuple[str, Behaviour],
+) -> None:
+    url, b = server
+    b.rejections = 0
+    original = openai.AsyncOpenAI(api_key="sk-test", base_url=f"{url}/v1")
+    wrapped = llm_backoff.wrap(original)
+    assert (await wrapped.chat.completions.create(model="m", messages=MESSAGES)).choices
+    await wrapped.close()
+    assert (await original.chat.completions.create(model="m", messages=MESSAGES)).choices
+    await original.close()

@@ -88,8 +88,6 @@ class ShimSettings(BaseSettings):
     default_class: str = Field(
         default="interactive", description="class of requests without an x-request-class header"
     )
-    reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
-    retry_after_min: float = Field(
     reserved_share: Annotated[dict[str, float], NoDecode] = Field(
         default={"interactive": 0.25},
         description="share of the in-flight slots that lower classes may never take, per class "
@@ -171,6 +169,8 @@ class ShimSettings(BaseSettings):
     min_concurrency: int = Field(
         default=1, ge=1, le=100_000, description="lower bound of the adaptive concurrency limit"
     )
+    reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
+    retry_after_min: float = Field(
         default=1.0, gt=0, le=86_400, description="smallest Retry-After hint, seconds"
     )
     retry_after_max: float = Field(
@@ -232,54 +232,6 @@ class ShimSettings(BaseSettings):
         "upstream_keepalive",
         "interactive_max_queue_wait",
         "batch_max_queue_wait",
-    )
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
-    @model_validator(mode="after")
-    def _ranges(self) -> ShimSettings:
-        if self.retry_after_max < self.retry_after_min:
-            raise ValueError(
-                f"retry_after_max ({self.retry_after_max}) must be >= "
-                f"retry_after_min ({self.retry_after_min})"
-            )
-        if self.metrics_port is not None and self.metrics_port == self.port:
-            raise ValueError("metrics_port must differ from port")
-        return self
-
-    @property
-    def upstream_base(self) -> str:
-        """The upstream URL without a trailing slash, ready for ``base + "/v1/..."``."""
-        return str(self.upstream).rstrip("/")
-
-    def class_limits(self) -> dict[str, ClassLimits]:
-        """Queue bound and wait per class, highest priority first.
-
-        Classes other than ``interactive`` and ``batch`` use the shared ``max_queue`` /
-        ``max_queue_wait``.
-        """
-        overrides = {
-            "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
-            "batch": (self.batch_max_queue, self.batch_max_queue_wait),
-        }
-
-
-@dataclass(frozen=True)
-class ClassLimits:
-    max_queue: int
-    max_queue_wait: float
-
-
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-class ConfigError(ValueError):
-    """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
-
         "slo_yellow_fraction",
         "slo_trend_window",
         "tenant_requests_per_minute",
@@ -287,13 +239,13 @@ class ConfigError(ValueError):
         "engine_poll_interval",
         "engine_max_kv_cache",
         "engine_stale_after",
+    )
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
 
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
     @field_validator("classes", mode="before")
     @classmethod
     def _class_list(cls, value: Any) -> Any:
@@ -334,15 +286,15 @@ def env_name(field: str) -> str:
                 raise ValueError(f"{name}={budget}: a budget is a positive number of seconds")
         return value
 
-
-
-def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Admission-controlled OpenAI-compatible proxy in front of vLLM: caps what is in "
-        "flight, keeps short bounded queues per traffic class and answers the rest at once with a 429 "
-        "(or 503) carrying an estimated Retry-After. Every flag can also be set through the environment "
-        f"variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_QUEUE=50); flags win.",
+    @model_validator(mode="after")
+    def _ranges(self) -> ShimSettings:
+        if self.retry_after_max < self.retry_after_min:
+            raise ValueError(
+                f"retry_after_max ({self.retry_after_max}) must be >= "
+                f"retry_after_min ({self.retry_after_min})"
+            )
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError("metrics_port must differ from port")
         if self.default_class not in self.classes:
             raise ValueError(
                 f"default_class {self.default_class!r} is not one of classes {list(self.classes)}"
@@ -366,34 +318,23 @@ def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParse
                 load_tenants_file(self.tenants_file, self.classes)
             except TenantsFileError as exc:
                 raise ValueError(str(exc)) from None
-    )
-    for name, field in ShimSettings.model_fields.items():
-        default = field.default
-        if default is None:
-            shown = "none"
-        elif isinstance(default, dict):
-            shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
-        elif isinstance(default, tuple):
-            shown = ",".join(default)
-        else:
-            shown = str(default)
-        # Booleans work as bare switches (--forward-priority) and with a value (... false).
-        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
-        parser.add_argument(
-            flag_name(name),
-            dest=name,
-            default=None,
-            metavar=name.split("_")[-1].upper(),
-            help=f"{field.description} [env {env_name(name)}; default {shown}]",
-        )
-    return parser
+        return self
 
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL without a trailing slash, ready for ``base + "/v1/..."``."""
+        return str(self.upstream).rstrip("/")
 
-def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:
-    """Parse flags, merge them over the environment, validate.
+    def class_limits(self) -> dict[str, ClassLimits]:
+        """Queue bound and wait per class, highest priority first.
 
-    Raises :class:`ConfigError` with a one-line message on bad values; argparse itself
-    exits (status 2) on unknown flags and prints ``--help``.
+        Classes other than ``interactive`` and ``batch`` use the shared ``max_queue`` /
+        ``max_queue_wait``.
+        """
+        overrides = {
+            "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
+            "batch": (self.batch_max_queue, self.batch_max_queue_wait),
+        }
         limits = {}
         for name in self.classes:
             queue, wait = overrides.get(name, (None, None))
@@ -433,6 +374,66 @@ def parse_class_map(text: str) -> dict[str, str]:
             raise ValueError(f"{item!r}: expected class=value pairs separated by commas")
         result[name.strip().lower()] = value.strip()
     return result
+
+
+@dataclass(frozen=True)
+class ClassLimits:
+    max_queue: int
+    max_queue_wait: float
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class ConfigError(ValueError):
+    """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Admission-controlled OpenAI-compatible proxy in front of vLLM: caps what is in "
+        "flight, keeps short bounded queues per traffic class and answers the rest at once with a 429 "
+        "(or 503) carrying an estimated Retry-After. Every flag can also be set through the environment "
+        f"variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_QUEUE=50); flags win.",
+    )
+    for name, field in ShimSettings.model_fields.items():
+        default = field.default
+        if default is None:
+            shown = "none"
+        elif isinstance(default, dict):
+            shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
+        elif isinstance(default, tuple):
+            shown = ",".join(default)
+        else:
+            shown = str(default)
+        # Booleans work as bare switches (--forward-priority) and with a value (... false).
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
+        parser.add_argument(
+            flag_name(name),
+            dest=name,
+            default=None,
+            metavar=name.split("_")[-1].upper(),
+            help=f"{field.description} [env {env_name(name)}; default {shown}]",
+            **switch,
+        )
+    return parser
+
+
+def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:
+    """Parse flags, merge them over the environment, validate.
+
+    Raises :class:`ConfigError` with a one-line message on bad values; argparse itself
+    exits (status 2) on unknown flags and prints ``--help``.
     """
     namespace = build_parser(prog).parse_args(list(argv))
     given = {key: value for key, value in vars(namespace).items() if value is not None}
@@ -455,4 +456,3 @@ def _describe(exc: ValidationError, from_flags: set[str]) -> str:
         else:
             problems.append(message)
     return "invalid configuration: " + "; ".join(problems)
-            **switch,
