@@ -335,3 +335,65 @@ async def test_async_streaming_and_pagination(http: ModuleType) -> None:
     assert text == "xy"
     assert models == ["m1"]
     assert len(script.requests) == 4
+
+
+class _Permit:
+    def __init__(self, log: list[Any]) -> None:
+        self.log = log
+
+    def settle(self, *, status: int | None, body: bytes | None) -> None:
+        self.log.append(("settle", status))
+
+
+class _Limiter:
+    """Grants ``grants`` permits, then reports that the deadline would pass."""
+
+    def __init__(self, grants: int) -> None:
+        self.grants = grants
+        self.log: list[Any] = []
+
+    def acquire_for(self, request: Any, *, timeout: float | None) -> _Permit:
+        if self.grants <= 0:
+            raise llm_backoff.RateLimitTimeout(f"no capacity within {timeout:.1f} s")
+        self.grants -= 1
+        self.log.append(("acquire", request.method))
+        return _Permit(self.log)
+
+    async def acquire_for_async(self, request: Any, *, timeout: float | None) -> _Permit:
+        return self.acquire_for(request, timeout=timeout)
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.requests = 0
+        self.spent = 0
+
+    def record_request(self) -> None:
+        self.requests += 1
+
+    def try_spend(self) -> bool:
+        self.spent += 1
+        return True
+
+
+def test_limiter_and_budget_are_plumbed_through(http: ModuleType) -> None:
+    script = Script(http, rate_limited(), (200, models_page()))
+    limiter, budget = _Limiter(grants=3), _Budget()
+    wrapped = llm_backoff.wrap(make_client(http, script), limiter=limiter, budget=budget)
+    with instant_retries():
+        wrapped.models.list()
+    assert limiter.log == [("acquire", "GET"), ("settle", 429), ("acquire", "GET"), ("settle", 200)]
+    assert (budget.requests, budget.spent) == (1, 1)
+    # the next call gets the last permit, is rejected, and cannot get another one in time
+    script.answers = [rate_limited()]
+    with instant_retries(), pytest.raises(llm_backoff.RateLimitTimeout, match="no capacity") as info:
+        wrapped.models.list()
+    assert [a.status for a in info.value.llm_backoff_attempts] == [429]  # type: ignore[attr-defined]
+
+
+async def test_async_limiter_timeout_is_raised_typed(http: ModuleType) -> None:
+    script = Script(http, (200, models_page()))
+    wrapped = llm_backoff.wrap(make_client(http, script, is_async=True), limiter=_Limiter(grants=0))
+    with pytest.raises(llm_backoff.RateLimitTimeout):
+        await wrapped.models.list()
+    assert script.requests == []
