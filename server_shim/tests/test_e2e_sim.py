@@ -179,3 +179,38 @@ def test_stopped_engine_gives_503(
     assert response.json()["error"]["code"] == "upstream_unavailable"
     assert httpx.get(shim.url + "/ready", timeout=10).status_code == 503
     assert shim.state() == {"interactive": (0, 0), "batch": (0, 0)}
+
+
+def test_stream_cut_by_the_engine_is_not_passed_off_as_complete(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any], waiter: Any
+) -> None:
+    sim = sim_factory(stream_cut_rate=1.0, output_tokens=200)
+    shim = make_shim(sim.url)
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+
+    def read_all() -> int:
+        with httpx.stream("POST", shim.url + "/v1/chat/completions", json=body, timeout=10) as response:
+            assert response.status_code == 200
+            return sum(len(piece) for piece in response.iter_bytes())
+
+    with pytest.raises(httpx.HTTPError):
+        read_all()
+    waiter(lambda: shim.state()["interactive"] == (0, 0), what="slot freed")
+    samples = shim.metrics()
+    key = (
+        "llm_backoff_shim_requests_total",
+        tuple(sorted({"class": "interactive", "outcome": "upstream_error", "code": ""}.items())),
+    )
+    assert samples[key] == 1
+
+
+def test_engine_500_passes_through(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    sim = sim_factory(error_rate=1.0)
+    shim = make_shim(sim.url)
+    client = openai.OpenAI(base_url=shim.url + "/v1", api_key="sk-test", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert info.value.status_code == 500
+    assert "retry-after" not in info.value.response.headers
