@@ -1,0 +1,433 @@
+"""The load generator: real openai clients, one logical call per arrival, every HTTP attempt recorded.
+
+One run drives a list of :class:`~llm_backoff_shim.scenario.Arrival` against one
+base URL with one kind of client, and returns a :class:`RunResult` with:
+
+- a :class:`CallRecord` per call: class, start, time of the first content token,
+  end, outcome (``ok`` / ``error`` with the typed error's description /
+  ``deadline``), and its HTTP attempts;
+- an :class:`AttemptRecord` per HTTP attempt (sent, response headers received,
+  status), captured by :class:`CountingTransport`, which sits *below* openai's own
+  retry loop and below llm_backoff's retrying transport, so every attempt of either
+  is seen. It finds the call an attempt belongs to through a context variable: the
+  transport runs in the task of the call that sends;
+- :class:`Sample` s of the engine's and the proxy's queues, polled every ~200 ms;
+- the simulator's own accounting for the run (``/sim/stats`` after ``/sim/reset``).
+
+Calls stream (``stream_options.include_usage``) so that time to first token is
+measured the way an interactive user feels it. Each call is cut at its deadline by
+the caller (``asyncio.wait_for``), whatever the client does: a caller who gave up
+closes its connection, and the engine's work for it shows up as wasted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import importlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Literal
+
+import openai
+
+from llm_backoff import RetryPolicy, wrap
+from llm_backoff.budget import RetryBudget
+from llm_backoff_shim.scenario import Arrival, RequestClass, Scenario, Setup
+
+Outcome = Literal["ok", "error", "deadline"]
+REJECT_STATUSES = frozenset({429, 503})
+SAMPLE_EVERY = 0.2
+PROGRESS_EVERY = 1.0
+
+
+@dataclass
+class AttemptRecord:
+    number: int
+    sent: float
+    answered: float | None = None
+    status: int | None = None
+    error: str | None = None
+
+    @property
+    def rejected(self) -> bool:
+        return self.status in REJECT_STATUSES
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from sending to the response headers (None when no response came)."""
+        return None if self.answered is None else self.answered - self.sent
+
+
+@dataclass
+class CallRecord:
+    index: int
+    cls: RequestClass
+    scheduled: float
+    deadline: float
+    start: float = 0.0
+    first_token: float | None = None
+    end: float | None = None
+    outcome: Outcome | None = None
+    error: str | None = None
+    tokens: int = 0
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    engine_running: int | None
+    engine_waiting: int | None
+    proxy_queued: int | None
+    proxy_in_flight: int | None
+
+
+@dataclass
+class RunResult:
+    setup: Setup
+    scenario: Scenario
+    capacity: float
+    calls: list[CallRecord]
+    samples: list[Sample]
+    engine_stats: dict[str, Any]
+    elapsed: float
+    load_span: float
+
+
+@dataclass(frozen=True)
+class Progress:
+    t: float
+    sent: int
+    total: int
+    ok: int
+    failed: int
+    active: int
+    attempts: int
+    engine_waiting: int | None
+    proxy_queued: int | None
+
+
+_CURRENT_CALL: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar(
+    "llm_backoff_shim_loadgen_call", default=None
+)
+
+
+def http_library() -> ModuleType:
+    """``httpx2`` for openai 3.x, ``httpx`` for openai 2.x: the library openai's clients are built on."""
+    for klass in openai.DefaultAsyncHttpxClient.__mro__:
+        root = klass.__module__.split(".", 1)[0]
+        if root in ("httpx2", "httpx"):
+            return importlib.import_module(root)
+    raise RuntimeError("cannot tell which HTTP library this openai version uses")
+
+
+def bind_call(record: CallRecord) -> None:
+    """Attribute the HTTP attempts made from now on in this task (context) to ``record``."""
+    _CURRENT_CALL.set(record)
+
+
+class CountingTransport:
+    """Records every HTTP attempt on the current call, then hands the request on.
+
+    Duck-typed (``handle_async_request``/``aclose``) rather than subclassing one
+    library's base class, so the same class serves httpx and httpx2 clients.
+    """
+
+    def __init__(self, inner: Any, clock: Callable[[], float]) -> None:
+        self.inner = inner
+        self._clock = clock
+
+    async def handle_async_request(self, request: Any) -> Any:
+        call = _CURRENT_CALL.get()
+        record: AttemptRecord | None = None
+        if call is not None:
+            record = AttemptRecord(number=len(call.attempts) + 1, sent=self._clock())
+            call.attempts.append(record)
+        try:
+            response = await self.inner.handle_async_request(request)
+        except BaseException as exc:
+            if record is not None:
+                record.error = type(exc).__name__
+            raise
+        if record is not None:
+            record.answered = self._clock()
+            record.status = response.status_code
+        return response
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def __aenter__(self) -> CountingTransport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def describe_error(exc: BaseException) -> str:
+    """A short, typed description: ``429 queue_full``, ``503``, ``connection error``..."""
+    if isinstance(exc, openai.APIStatusError):
+        code = exc.code
+        if code is None and isinstance(exc.body, dict):
+            code = exc.body.get("code")
+        return f"{exc.status_code} {code}" if code else str(exc.status_code)
+    if isinstance(exc, openai.APITimeoutError):
+        return "client timeout"
+    if isinstance(exc, openai.APIConnectionError):
+        return "connection error"
+    return type(exc).__name__
+
+
+def _budget(scenario: Scenario) -> RetryBudget:
+    # One retry per first attempt, remembered for a whole call deadline: enough for a
+    # caller to come back at its Retry-After, not enough for a fleet to double again.
+    return RetryBudget(ratio=1.0, min_per_second=2.0, ttl=scenario.deadline)
+
+
+def build_clients(
+    setup: Setup, scenario: Scenario, base_url: str, http_client: Any
+) -> dict[RequestClass, openai.AsyncOpenAI]:
+    """One openai client per class, all sharing ``http_client`` (and its counting transport)."""
+    budget = _budget(scenario)
+    clients: dict[RequestClass, openai.AsyncOpenAI] = {}
+    classes: tuple[RequestClass, ...] = ("interactive", "batch")
+    for cls in classes:
+        if setup.client == "plain":
+            # What a team writes today: the defaults (2 retries), the deadline as timeout,
+            # and the class header, which any client can send and the engine ignores.
+            clients[cls] = openai.AsyncOpenAI(
+                base_url=base_url + "/v1",
+                api_key="demo",
+                http_client=http_client,
+                timeout=scenario.deadline,
+                default_headers={"x-request-class": cls},
+            )
+        else:
+            raw = openai.AsyncOpenAI(
+                base_url=base_url + "/v1", api_key="demo", http_client=http_client, timeout=scenario.deadline
+            )
+            clients[cls] = wrap(
+                raw, RetryPolicy(deadline=scenario.deadline), request_class=cls, budget=budget
+            )
+    return clients
+
+
+class LoadRun:
+    """One configuration against one scenario; :meth:`run` returns the records."""
+
+    def __init__(
+        self,
+        setup: Setup,
+        scenario: Scenario,
+        arrivals: Sequence[Arrival],
+        *,
+        target_url: str,
+        engine_url: str,
+        capacity: float,
+        shim_url: str | None = None,
+        model: str = "sim-model",
+        progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.setup = setup
+        self.scenario = scenario
+        self.arrivals = list(arrivals)
+        self.target_url = target_url
+        self.engine_url = engine_url
+        self.shim_url = shim_url
+        self.capacity = capacity
+        self.model = model
+        self._progress = progress
+        self._origin = 0.0
+        self.calls: list[CallRecord] = []
+        self.samples: list[Sample] = []
+        self._sent = 0
+
+    def clock(self) -> float:
+        return time.monotonic() - self._origin
+
+    async def run(self) -> RunResult:
+        http = http_library()
+        # Unbounded pool: straight at the engine every waiting caller holds a connection,
+        # and a pool limit would queue them in the client instead of in the engine.
+        limits = http.Limits(max_connections=None, max_keepalive_connections=64)
+        transport = CountingTransport(http.AsyncHTTPTransport(limits=limits), self.clock)
+        async with http.AsyncClient(timeout=5.0) as probe, http.AsyncClient(transport=transport) as shared:
+            await self._warm_up(shared)
+            await self._reset_engine(probe)
+            clients = build_clients(self.setup, self.scenario, self.target_url, shared)
+            self._origin = time.monotonic()
+            sampler = asyncio.create_task(self._sample(probe))
+            reporter = asyncio.create_task(self._report())
+            try:
+                await self._drive(clients)
+            finally:
+                sampler.cancel()
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
+            elapsed = self.clock()
+            stats = await self._settled_engine_stats(probe)
+        load_span = max((a.at for a in self.arrivals), default=0.0)
+        return RunResult(
+            self.setup, self.scenario, self.capacity, self.calls, self.samples, stats, elapsed, load_span
+        )
+
+    async def _drive(self, clients: dict[RequestClass, openai.AsyncOpenAI]) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        try:
+            for arrival in self.arrivals:
+                delay = arrival.at - self.clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                record = CallRecord(arrival.index, arrival.cls, arrival.at, self.scenario.deadline)
+                self.calls.append(record)
+                self._sent += 1
+                tasks.add(asyncio.create_task(self._call(clients[arrival.cls], record)))
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _call(self, client: openai.AsyncOpenAI, record: CallRecord) -> None:
+        bind_call(record)  # each task runs in its own copy of the context
+        record.start = self.clock()
+        try:
+            await asyncio.wait_for(self._stream(client, record), timeout=record.deadline)
+        except asyncio.TimeoutError:
+            record.outcome = "deadline"
+            record.error = f"deadline ({record.deadline:g} s)"
+        except Exception as exc:
+            record.outcome = "error"
+            record.error = describe_error(exc)
+        else:
+            record.outcome = "ok"
+        record.end = self.clock()
+
+    async def _stream(self, client: openai.AsyncOpenAI, record: CallRecord) -> None:
+        stream = await client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": f"call {record.index}"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async with stream:
+            async for chunk in stream:
+                if record.first_token is None and chunk.choices and chunk.choices[0].delta.content:
+                    record.first_token = self.clock()
+                if chunk.usage is not None:
+                    record.tokens = chunk.usage.completion_tokens
+
+    # -- side channels ------------------------------------------------------------------
+
+    async def _warm_up(self, http_client: Any) -> None:
+        # openai builds its resources and response models on first use; paying that
+        # inside the burst would show up as tens of ms of client lag on every call.
+        client = openai.AsyncOpenAI(
+            base_url=self.engine_url + "/v1", api_key="demo", http_client=http_client, max_retries=0
+        )
+        stream = await client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": "warm-up"}],
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=1,
+        )
+        async with stream:
+            async for _ in stream:
+                pass
+
+    async def _reset_engine(self, probe: Any) -> None:
+        response = await probe.post(self.engine_url + "/sim/reset")
+        response.raise_for_status()
+
+    async def _json(self, probe: Any, url: str) -> dict[str, Any] | None:
+        try:
+            response = await probe.get(url)
+            if response.status_code != 200:
+                return None
+            data = response.json()
+        except Exception:
+            # A missed sample is a gap in a plot, not a reason to abort the run.
+            return None
+        return data if isinstance(data, dict) else None
+
+    async def _sample(self, probe: Any) -> None:
+        while True:
+            t = self.clock()
+            engine = await self._json(probe, self.engine_url + "/sim/stats")
+            queued = in_flight = None
+            if self.shim_url is not None and self.setup.route == "shim":
+                state = await self._json(probe, self.shim_url + "/shim/state")
+                if state is not None:
+                    classes = state.get("classes", {}).values()
+                    queued = sum(int(c.get("queued", 0)) for c in classes)
+                    in_flight = sum(int(c.get("in_flight", 0)) for c in classes)
+            self.samples.append(
+                Sample(
+                    t,
+                    None if engine is None else int(engine["running"]),
+                    None if engine is None else int(engine["waiting"]),
+                    queued,
+                    in_flight,
+                )
+            )
+            await asyncio.sleep(max(0.0, SAMPLE_EVERY - (self.clock() - t)))
+
+    async def _report(self) -> None:
+        if self._progress is None:
+            return
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY)
+            self._progress(self.progress())
+
+    def progress(self) -> Progress:
+        done = [c for c in self.calls if c.outcome is not None]
+        last = self.samples[-1] if self.samples else None
+        return Progress(
+            t=self.clock(),
+            sent=self._sent,
+            total=len(self.arrivals),
+            ok=sum(1 for c in done if c.ok),
+            failed=sum(1 for c in done if not c.ok),
+            active=self._sent - len(done),
+            attempts=sum(len(c.attempts) for c in self.calls),
+            engine_waiting=None if last is None else last.engine_waiting,
+            proxy_queued=None if last is None else last.proxy_queued,
+        )
+
+    async def _settled_engine_stats(self, probe: Any, timeout: float = 5.0) -> dict[str, Any]:
+        """The engine's accounting once the callers' disconnects have reached it."""
+        end = time.monotonic() + timeout
+        stats: dict[str, Any] = {}
+        while True:
+            stats = await self._json(probe, self.engine_url + "/sim/stats") or stats
+            idle = stats.get("running") == 0 and stats.get("waiting") == 0
+            if idle or time.monotonic() > end:
+                return stats
+            await asyncio.sleep(0.1)
+
+
+def run_load(run: LoadRun) -> RunResult:
+    """Run ``run`` in a fresh event loop (a synchronous entry point for the CLI)."""
+    return asyncio.run(run.run())

@@ -1,0 +1,231 @@
+"""Servers the demo and the benchmark run as child processes on loopback.
+
+Why subprocesses: the load generator's CPU and GIL would otherwise distort the
+servers' latency. Each child is started on a free loopback port, waited for until its
+health URL answers, and always stopped (SIGTERM, then SIGKILL) when the ``with``
+block ends, Ctrl-C included. Their output goes to a log file that is shown when a
+child fails to start.
+
+Ports: we ask the kernel for a free port, close it and hand the number to the child.
+Another process could take it in between; the child then fails to bind and exits,
+and :meth:`ChildServer.start` retries on a fresh port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+
+START_ATTEMPTS = 3
+
+
+class ServerStartError(RuntimeError):
+    """A child server exited or did not become healthy in time; the message includes its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def cli_command(subcommand: str, *args: str) -> list[str]:
+    """``python -m llm_backoff_shim.cli <subcommand> ...`` with this very interpreter."""
+    return [sys.executable, "-m", "llm_backoff_shim.cli", subcommand, *args]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=0.5) as response:
+            return 200 <= int(response.status) < 300
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class ChildServer:
+    """A server process; ``command(port)`` builds its argv, ``health_path`` says when it is up."""
+
+    def __init__(
+        self,
+        name: str,
+        command: Callable[[int], Sequence[str]],
+        *,
+        health_path: str = "/health",
+        host: str = "127.0.0.1",
+        start_timeout: float = 20.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self._command = command
+        self._health_path = health_path
+        self.host = host
+        self._start_timeout = start_timeout
+        self._env = env
+        self.port = 0
+        self.argv: list[str] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+        # Closed in close(); the child writes to it for the whole life of this object.
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def launch(self) -> ChildServer:
+        """Start the process on a fresh port without waiting for it (see :meth:`wait_ready`)."""
+        self.port = free_port(self.host)
+        env = None if self._env is None else {**os.environ, **self._env}
+        self.argv = list(self._command(self.port))
+        self._proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        return self
+
+    def wait_ready(self) -> bool:
+        """True once the health URL answers; False if the process exits or the start times out."""
+        deadline = time.monotonic() + self._start_timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                return False
+            if _healthy(self.url + self._health_path):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def start(self) -> ChildServer:
+        """Launch and wait; on failure retry on a fresh port, then raise :class:`ServerStartError`."""
+        if self._proc is None:
+            self.launch()
+        for attempt in range(START_ATTEMPTS):
+            if self.wait_ready():
+                return self
+            last = self.log_tail()
+            self.stop()
+            if attempt + 1 == START_ATTEMPTS:
+                raise ServerStartError(f"{self.name} did not start on {self.host}; its output:\n{last}")
+            self.launch()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, limit: int = 2000) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        text = self._log.read().decode("utf-8", "replace")
+        self._log.seek(0, os.SEEK_END)
+        return text[-limit:]
+
+    def stop(self, grace: float = 3.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(grace)
+
+    def close(self) -> None:
+        self.stop()
+        self._log.close()
+
+    def __enter__(self) -> ChildServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def sim_server(sim_flags: Sequence[str]) -> ChildServer:
+    return ChildServer(
+        "simulator",
+        lambda port: cli_command("sim", "--host", "127.0.0.1", "--port", str(port), *sim_flags),
+    )
+
+
+def shim_server(upstream: ChildServer, shim_flags: Sequence[str]) -> ChildServer:
+    """A shim in front of ``upstream``, whose URL is read when the shim is launched."""
+    return ChildServer(
+        "shim",
+        lambda port: cli_command(
+            "serve",
+            "--upstream",
+            upstream.url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *shim_flags,
+        ),
+    )
+
+
+def start_stack(engine: ChildServer, proxies: Sequence[ChildServer]) -> None:
+    """Start an engine and the proxies in front of it, their start-ups overlapping.
+
+    A proxy launched before the engine had to move to another port is relaunched, so
+    every proxy points at the engine that is really running. Stops all on failure.
+    """
+    servers = [engine, *proxies]
+    try:
+        for server in servers:
+            server.launch()
+        engine.start()
+        for proxy in proxies:
+            if engine.url not in proxy.argv:
+                proxy.stop()
+                proxy.launch()
+            proxy.start()
+    except BaseException:
+        for server in servers:
+            server.close()
+        raise
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises KeyboardInterrupt, so ``finally`` clauses stop the children."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,264 @@
+"""The figures of one run and their plain-text tables (pure: records in, numbers and text out).
+
+Definitions (the issue names the figures; these are the exact rules used):
+
+- **success within deadline**: calls whose stream ended normally before the caller's
+  deadline, over all calls. A call cut at its deadline is a failure even if the engine
+  was still generating for it.
+- **TTFT**: from the moment the caller started the call (retries and waits included)
+  to the first content token, for interactive calls that succeeded. Percentiles are
+  nearest-rank (p99 of 50 values is the largest), so no value is interpolated.
+- **time to rejection**: from sending an HTTP attempt to receiving its 429/503
+  response headers, over every rejected attempt.
+- **attempts per success**: all HTTP attempts of all calls, over the successful calls.
+- **goodput**: successful calls per second over the run (from t = 0 until the last
+  caller has succeeded or given up), as a fraction of the engine's capacity. While
+  any caller is still waiting for an answer, every second the engine spends idle or
+  on a caller who already left counts against it.
+- **wasted engine work**: tokens the engine generated for requests whose caller had
+  already gone (the simulator's ``aborted_tokens``), as a share of all tokens it
+  generated. A caller never receives a completion after its deadline here: it closes
+  the connection at the deadline, so that work is counted by the engine as aborted.
+- **retry wave**: the most retries (attempts after a call's first) sent within any
+  100 ms window.
+- **admitted on first retry**: among calls whose first attempt was rejected and that
+  retried, the share whose second attempt was not rejected.
+- **failed fast**: failed calls that ended with a typed error before their deadline;
+  the others ran into the deadline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from llm_backoff_shim.loadgen import CallRecord, RunResult
+
+WAVE_WINDOW = 0.1
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
+    return ordered[min(rank, len(ordered)) - 1]
+
+
+def max_in_window(times: Iterable[float], window: float = WAVE_WINDOW) -> int:
+    """The largest number of ``times`` inside any half-open window ``[t, t + window)``."""
+    ordered = sorted(times)
+    best = 0
+    lo = 0
+    for hi, t in enumerate(ordered):
+        while ordered[lo] <= t - window:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+@dataclass(frozen=True)
+class Figures:
+    label: str
+    calls: int
+    interactive_calls: int
+    ok: int
+    ok_interactive: int
+    success_rate: float
+    failed_fast: int
+    failed_deadline: int
+    median_time_to_fail_fast: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+    ttft_budget: float
+    rejections: int
+    rejection_p99: float | None
+    attempts: int
+    attempts_per_success: float | None
+    retries: int
+    retry_wave: int
+    first_retry_admitted: float | None
+    first_retries: int
+    run_span: float
+    goodput: float
+    capacity: float
+    goodput_fraction: float
+    tokens_generated: int
+    wasted_tokens: int
+    wasted_fraction: float
+    engine_peak_waiting: int | None
+    proxy_peak_queued: int | None
+    errors: dict[str, int]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _first_retry_stats(calls: Sequence[CallRecord]) -> tuple[int, int]:
+    retried = admitted = 0
+    for call in calls:
+        if len(call.attempts) >= 2 and call.attempts[0].rejected:
+            retried += 1
+            second = call.attempts[1]
+            if second.status is not None and second.status < 400:
+                admitted += 1
+    return retried, admitted
+
+
+def figures(result: RunResult) -> Figures:
+    calls = result.calls
+    ok = [c for c in calls if c.ok]
+    interactive = [c for c in calls if c.cls == "interactive"]
+    ok_interactive = [c for c in ok if c.cls == "interactive"]
+    failed = [c for c in calls if not c.ok]
+    fast = [c for c in failed if c.outcome == "error"]
+    attempts = [a for c in calls for a in c.attempts]
+    rejected = [a.latency for a in attempts if a.rejected and a.latency is not None]
+    retry_times = [a.sent for c in calls for a in c.attempts[1:]]
+    retried, admitted = _first_retry_stats(calls)
+    window = max((c.end for c in calls if c.end is not None), default=0.0)
+    goodput = len(ok) / window if window > 0 else 0.0
+    stats = result.engine_stats
+    generated = int(stats.get("tokens_generated", 0))
+    wasted = int(stats.get("aborted_tokens", 0))
+    errors: dict[str, int] = {}
+    for c in failed:
+        key = c.error or c.outcome or "unknown"
+        errors[key] = errors.get(key, 0) + 1
+    engine_waiting = [s.engine_waiting for s in result.samples if s.engine_waiting is not None]
+    proxy_queued = [s.proxy_queued for s in result.samples if s.proxy_queued is not None]
+    return Figures(
+        label=result.setup.label,
+        calls=len(calls),
+        interactive_calls=len(interactive),
+        ok=len(ok),
+        ok_interactive=len(ok_interactive),
+        success_rate=len(ok) / len(calls) if calls else 0.0,
+        failed_fast=len(fast),
+        failed_deadline=len(failed) - len(fast),
+        median_time_to_fail_fast=percentile([c.duration for c in fast if c.duration is not None], 50),
+        ttft_p50=percentile([c.ttft for c in ok_interactive if c.ttft is not None], 50),
+        ttft_p99=percentile([c.ttft for c in ok_interactive if c.ttft is not None], 99),
+        ttft_budget=result.scenario.ttft_budget,
+        rejections=sum(1 for a in attempts if a.rejected),
+        rejection_p99=percentile(rejected, 99),
+        attempts=len(attempts),
+        attempts_per_success=len(attempts) / len(ok) if ok else None,
+        retries=len(retry_times),
+        retry_wave=max_in_window(retry_times),
+        first_retry_admitted=admitted / retried if retried else None,
+        first_retries=retried,
+        run_span=window,
+        goodput=goodput,
+        capacity=result.capacity,
+        goodput_fraction=goodput / result.capacity if result.capacity > 0 else 0.0,
+        tokens_generated=generated,
+        wasted_tokens=wasted,
+        wasted_fraction=wasted / generated if generated else 0.0,
+        engine_peak_waiting=max(engine_waiting, default=None),
+        proxy_peak_queued=max(proxy_queued, default=None),
+        errors=dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+    )
+
+
+# -- text ---------------------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value < 0.1:
+        return f"{value * 1000:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def rows(f: Figures) -> list[tuple[str, str]]:
+    """The table of one configuration: (figure, value) pairs in display order."""
+    failed = f.calls - f.ok
+    fail_note = (
+        f"{f.failed_fast} fast typed errors (median {_seconds(f.median_time_to_fail_fast)}), "
+        f"{f.failed_deadline} ran into the deadline"
+        if failed
+        else "none"
+    )
+    return [
+        ("success within deadline", f"{f.ok}/{f.calls} = {f.success_rate:.0%}"),
+        ("failures", fail_note),
+        (
+            "interactive TTFT p50 / p99",
+            f"{_seconds(f.ttft_p50)} / {_seconds(f.ttft_p99)} (budget {f.ttft_budget:g} s, "
+            f"{f.ok_interactive}/{f.interactive_calls} interactive ok)",
+        ),
+        ("p99 time to rejection", f"{_seconds(f.rejection_p99)} ({f.rejections} rejections)"),
+        (
+            "HTTP attempts per success",
+            "-"
+            if f.attempts_per_success is None
+            else f"{f.attempts_per_success:.2f} ({f.attempts} attempts)",
+        ),
+        (
+            "goodput",
+            f"{f.goodput:.2f}/s = {f.goodput_fraction:.0%} of capacity {f.capacity:.2f}/s "
+            f"(over the {f.run_span:.1f} s run)",
+        ),
+        (
+            "engine work wasted",
+            f"{f.wasted_tokens}/{f.tokens_generated} tokens = {f.wasted_fraction:.0%} (callers already gone)",
+        ),
+        ("largest retry wave", f"{f.retry_wave} retries in 100 ms ({f.retries} retries)"),
+        (
+            "admitted on first retry",
+            f"{_share(f.first_retry_admitted)} of {f.first_retries} rejected-then-retried calls",
+        ),
+        (
+            "peak queue (engine / proxy)",
+            f"{'-' if f.engine_peak_waiting is None else f.engine_peak_waiting} / "
+            f"{'-' if f.proxy_peak_queued is None else f.proxy_peak_queued}",
+        ),
+        ("errors seen", ", ".join(f"{k} x{v}" for k, v in f.errors.items()) or "none"),
+    ]
+
+
+def table(f: Figures) -> str:
+    pairs = rows(f)
+    width = max(len(k) for k, _ in pairs)
+    lines = [f"== {f.label} =="]
+    lines += [f"  {k:<{width}}  {v}" for k, v in pairs]
+    return "\n".join(lines)
+
+
+def comparison(all_figures: Sequence[Figures]) -> str:
+    """One compact side-by-side table of the headline figures."""
+    header = ["", *[f.label for f in all_figures]]
+    lines_data: list[list[str]] = [
+        ["success within deadline", *[f"{f.success_rate:.0%}" for f in all_figures]],
+        ["interactive TTFT p99", *[_seconds(f.ttft_p99) for f in all_figures]],
+        ["p99 time to rejection", *[_seconds(f.rejection_p99) for f in all_figures]],
+        [
+            "attempts per success",
+            *[
+                "-" if f.attempts_per_success is None else f"{f.attempts_per_success:.2f}"
+                for f in all_figures
+            ],
+        ],
+        ["goodput / capacity", *[f"{f.goodput_fraction:.0%}" for f in all_figures]],
+        ["wasted engine work", *[f"{f.wasted_fraction:.0%}" for f in all_figures]],
+        ["largest retry wave /100ms", *[str(f.retry_wave) for f in all_figures]],
+        ["failed fast / at deadline", *[f"{f.failed_fast} / {f.failed_deadline}" for f in all_figures]],
+    ]
+    table_rows = [header, *lines_data]
+    widths = [max(len(r[i]) for r in table_rows) for i in range(len(header))]
+    out = []
+    for n, r in enumerate(table_rows):
+        out.append(
+            "  ".join(cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(r))
+        )
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
