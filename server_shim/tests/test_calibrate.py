@@ -1,0 +1,475 @@
+"""``llm-backoff-shim calibrate``: flags, one step's statistics, and whole runs against the simulator.
+
+The end-to-end runs use the real simulator on loopback and the real openai client; they
+assert where the knee lands relative to the simulator's capacity, the bounds on requests
+and time, and the artefacts (JSON, serve flags, PNG), never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import shlex
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib.image
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llm_backoff_shim import calibrate
+from llm_backoff_shim.calibrate import (
+    LengthRange,
+    Sample,
+    api_base,
+    doubling_levels,
+    parse_steps,
+    steady_samples,
+    summarize,
+)
+from llm_backoff_shim.config import load_settings
+from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.sim import SimConfig, create_sim_app
+
+# -- flags -------------------------------------------------------------------------------
+
+
+def test_length_range_parses_fixed_and_ranged_lengths() -> None:
+    assert LengthRange.parse("256") == LengthRange(256, 256)
+    assert LengthRange.parse(" 128-512 ") == LengthRange(128, 512)
+    assert str(LengthRange(128, 512)) == "128-512"
+    assert str(LengthRange(7, 7)) == "7"
+    for bad in ("", "0", "-5", "5-4", "a", "1-2-3", "1.5"):
+        with pytest.raises(ValueError, match="expected"):
+            LengthRange.parse(bad)
+
+
+def test_length_draws_stay_in_range_and_repeat_with_the_seed() -> None:
+    spec = LengthRange(10, 20)
+    draws = [spec.draw(random.Random(3)) for _ in range(3)]
+    assert len(set(draws)) == 1
+    many = [spec.draw(rng) for rng in [random.Random(7)] for _ in range(500)]
+    assert min(many) == 10
+    assert max(many) == 20
+    assert LengthRange(5, 5).draw(random.Random()) == 5
+
+
+def test_levels_double_up_to_the_maximum() -> None:
+    assert doubling_levels(1) == [1]
+    assert doubling_levels(8) == [1, 2, 4, 8]
+    assert doubling_levels(6) == [1, 2, 4, 6]
+    assert parse_steps("1, 2,3,8") == [1, 2, 3, 8]
+    for bad in ("", "0,1", "2,2", "4,2", "x"):
+        with pytest.raises(ValueError, match=r"expected|increasing"):
+            parse_steps(bad)
+
+
+def test_upstream_url_with_or_without_v1() -> None:
+    assert api_base("http://127.0.0.1:8000") == ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000")
+    assert api_base("http://h:8000/v1/") == ("http://h:8000/v1", "http://h:8000")
+    assert api_base("https://gw.example/llm/v1") == ("https://gw.example/llm/v1", "https://gw.example/llm")
+    for bad in ("127.0.0.1:8000", "ftp://h/", "http://h:1/?a=1", "http://"):
+        with pytest.raises(ValueError, match="expected"):
+            api_base(bad)
+
+
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        calibrate.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: llm-backoff-shim calibrate")
+    for flag in (
+        "--upstream",
+        "--ttft-slo",
+        "--model",
+        "--api-key",
+        "--max-level",
+        "--steps",
+        "--prompt-tokens",
+        "--output-tokens",
+        "--step-seconds",
+        "--step-requests",
+        "--max-seconds",
+        "--out",
+        "--json",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--ttft-slo", "0"], "--ttft-slo: must be a positive number"),
+        (["--ttft-slo", "nan"], "--ttft-slo"),
+        (["--ttft-slo", "1", "--steps", "4,2"], "--steps: levels must be strictly increasing"),
+        (["--ttft-slo", "1", "--max-level", "0"], "--max-level"),
+        (["--ttft-slo", "1", "--prompt-tokens", "0"], "--prompt-tokens: expected 1 <= LOW <= HIGH"),
+        (["--ttft-slo", "1", "--output-tokens", "9-3"], "--output-tokens"),
+        (["--ttft-slo", "1", "--step-seconds", "-1"], "--step-seconds"),
+        (["--ttft-slo", "1", "--step-requests", "0"], "--step-requests"),
+        (["--ttft-slo", "1", "--step-seconds", "30", "--max-seconds", "10"], "--max-seconds (10) must be"),
+        (["--ttft-slo", "1", "--max-error-rate", "1"], "--max-error-rate"),
+        (["--ttft-slo", "1", "--model", " "], "--model: must not be empty"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(extra: list[str], fragment: str) -> None:
+    err = io.StringIO()
+    assert calibrate.main(["--upstream", "http://127.0.0.1:9", *extra], stderr=err) == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("llm-backoff-shim calibrate: invalid configuration: ")
+    assert fragment in lines[0]
+
+
+def test_bad_upstream_exits_2() -> None:
+    err = io.StringIO()
+    assert calibrate.main(["--upstream", "localhost:8000", "--ttft-slo", "1"], stderr=err) == 2
+    assert "--upstream: expected an http(s) URL" in err.getvalue()
+
+
+# -- one step's statistics -----------------------------------------------------------------
+
+
+def _ok(worker: int, seq: int, start: float, latency: float, ttft: float, itl: float = 0.01) -> Sample:
+    return Sample(worker, seq, start, start + latency, True, start + ttft, itl, output_tokens=10)
+
+
+def test_warm_up_requests_are_left_out_when_later_ones_exist() -> None:
+    first = _ok(0, 0, 0.0, 5.0, 4.0)
+    later = _ok(0, 1, 5.0, 1.0, 0.1)
+    failed = Sample(1, 1, 0.0, 0.1, False, error="HTTP 500: boom")
+    assert steady_samples([first, later, failed]) == [later]
+    assert steady_samples([first, failed]) == [first]  # only warm-up: better than nothing
+
+
+def test_summary_uses_littles_law_and_counts_failures() -> None:
+    samples = [
+        _ok(w, s, float(s), latency=0.5 + 0.1 * w, ttft=0.1 * (w + 1)) for w in range(4) for s in range(3)
+    ]
+    samples.append(Sample(3, 3, 9.0, 9.5, False, error="HTTP 503: queue full"))
+    stats = summarize(4, samples)
+    steady = [s for s in samples if s.ok and s.seq > 0]
+    mean_latency = sum(s.end - s.start for s in steady) / len(steady)
+    assert stats.requests == len(steady) == 8
+    assert stats.errors == 1
+    assert stats.throughput == pytest.approx(4 / mean_latency)
+    assert stats.output_tokens_per_s == pytest.approx(stats.throughput * 10)
+    assert stats.ttft_p50 == pytest.approx(0.25)
+    assert stats.ttft_p99 == pytest.approx(0.4, abs=0.01)
+    assert stats.latency_p99 <= 0.8 + 1e-9
+    assert stats.itl_p50 == pytest.approx(0.01)
+
+
+def test_summary_of_a_step_where_everything_failed() -> None:
+    stats = summarize(2, [Sample(0, 0, 0.0, 1.0, False, error="x"), Sample(1, 0, 0.0, 1.0, False, error="x")])
+    assert (stats.requests, stats.errors, stats.throughput) == (0, 2, 0.0)
+    assert stats.error_ratio == 1.0
+
+
+# -- whole runs ------------------------------------------------------------------------------
+
+
+def sim_server(**overrides: Any) -> ServerThread:
+    values: dict[str, Any] = {"max_num_seqs": 4, "ttft": 0.1, "itl": 0.01, "output_tokens": 10, "seed": 1}
+    values.update(overrides)
+    return ServerThread(create_sim_app(SimConfig(**values)))
+
+
+@pytest.fixture
+def sim() -> Iterator[ServerThread]:
+    with sim_server() as server:
+        yield server
+
+
+def sim_stats(server: ServerThread) -> dict[str, Any]:
+    data: dict[str, Any] = httpx.get(server.url + "/sim/stats", timeout=5).json()
+    return data
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = calibrate.main(argv, stdout=out, stderr=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path) -> None:
+    max_num_seqs = 4
+    status, out, err = run(
+        [
+            "--upstream",
+            sim.url,
+            "--ttft-slo",
+            "2",
+            "--steps",
+            "2,4,16",
+            "--step-seconds",
+            "0.8",
+            "--prompt-tokens",
+            "20-40",
+            "--output-tokens",
+            "10",
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+        ]
+    )
+    assert status == 0, err
+    result = json.loads(out)
+    levels = [step["concurrency"] for step in result["steps"]]
+    knee = result["knee"]["concurrency"]
+    # At or just under the engine's capacity, never above it: 16 workers queue 12 requests.
+    # (A p99 outlier on a busy machine may already stop the ramp at 4, with the knee at 2.)
+    assert max_num_seqs // 2 <= knee <= max_num_seqs
+    assert levels in ([2, 4], [2, 4, 16])
+    assert levels[-1] > knee
+    assert result["steps"][-1]["saturated"] is True
+    assert result["knee"]["limit"] == "saturation"
+    rec = result["recommendation"]
+    assert rec["max_concurrency"] == knee
+    assert rec["max_queue"] >= 1
+    assert 0 < rec["max_queue_wait"] <= 2
+    # The printed command is what `serve` accepts, with the same values.
+    argv = shlex.split(rec["command"])
+    assert argv[:2] == ["llm-backoff-shim", "serve"]
+    settings = load_settings(argv[2:])
+    assert str(settings.upstream).rstrip("/") == sim.url
+    assert (settings.max_concurrency, settings.max_queue, settings.max_queue_wait) == (
+        knee,
+        rec["max_queue"],
+        rec["max_queue_wait"],
+    )
+    # The sim completed what the statistics hold plus one warm-up request per worker, no more.
+    stats = sim_stats(sim)
+    assert all(step["errors"] == 0 for step in result["steps"])
+    measured = sum(step["requests"] for step in result["steps"])
+    assert stats["requests_completed"] == measured + sum(levels)
+    assert stats["peak_running"] == min(max_num_seqs, levels[-1])
+    assert stats["running"] == stats["waiting"] == 0
+    # The PNG is a real image.
+    png = Path(result["png"])
+    assert png == tmp_path / "out" / "calibrate.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 400
+    assert image.shape[1] > 400
+    # Progress: one line when a level starts and one when it ends.
+    assert err.count("running...") == len(levels)
+    assert f"[{len(levels)}/3] concurrency {levels[-1]:>4}: " in err
+
+
+def test_text_output_has_the_table_and_the_serve_command(tmp_path: Path) -> None:
+    with sim_server(max_num_seqs=2) as sim:
+        status, out, _ = run(
+            [
+                "--upstream",
+                sim.url + "/v1",
+                "--ttft-slo",
+                "3",
+                "--steps",
+                "1,8",
+                "--step-seconds",
+                "0.5",
+                "--prompt-tokens",
+                "10",
+                "--output-tokens",
+                "5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    assert status == 0
+    lines = out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("conc"))
+    assert "TTFT p99" in header
+    assert "ITL p50" in header
+    rows = [line.split() for line in lines if line[:5].strip() in ("1", "8")]
+    assert [row[0] for row in rows] == ["1", "8"]
+    assert "KNEE" in " ".join(rows[0])
+    assert "saturated" in " ".join(rows[1])
+    command = next(line.strip() for line in lines if line.strip().startswith("llm-backoff-shim serve"))
+    assert f"--upstream {sim.url} --max-concurrency 1 " in command
+    assert load_settings(shlex.split(command)[2:]).max_concurrency == 1
+    assert (tmp_path / "calibrate.png").stat().st_size > 0
+
+
+def test_requests_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> None:
+    # Long steps, but each level may start only 5 requests: the run ends once they finish.
+    status, out, _ = run(
+        [
+            "--upstream",
+            sim.url,
+            "--ttft-slo",
+            "5",
+            "--steps",
+            "1,2",
+            "--step-requests",
+            "5",
+            "--step-seconds",
+            "120",
+            "--output-tokens",
+            "3",
+            "--prompt-tokens",
+            "5",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ]
+    )
+    assert status == 0
+    result = json.loads(out)
+    assert sim_stats(sim)["requests_received"] == 10
+    # Warm-up (each worker's first request) is received but left out of the statistics.
+    assert [s["requests"] for s in result["steps"]] == [4, 3]
+
+
+def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
+    # Answers of 2000 tokens at 10 ms each never finish within the 1.5 s cap.
+    with sim_server(output_tokens=2000, itl=0.01, ttft=0.0) as sim:
+        status, out, err = run(
+            [
+                "--upstream",
+                sim.url,
+                "--ttft-slo",
+                "5",
+                "--steps",
+                "2,4",
+                "--step-seconds",
+                "1",
+                "--max-seconds",
+                "1.5",
+                "--output-tokens",
+                "2000",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+        result = json.loads(out)
+        assert status == 1
+        assert result["steps"] == []
+        assert result["recommendation"] is None
+        assert result["stopped"] == "--max-seconds 1.5 reached during concurrency 2"
+        assert "cut by --max-seconds" in err
+        assert result["png"] is None
+        # The cancelled streams were closed: the engine aborts them instead of generating on.
+        stats = _wait_for_idle(sim)
+        assert stats["requests_aborted"] == 2
+        assert stats["requests_completed"] == 0
+
+
+def _wait_for_idle(sim: ServerThread) -> dict[str, Any]:
+    import time
+
+    # Bounded poll: the disconnects reach the engine asynchronously; 5 s only bounds a broken test.
+    end = time.monotonic() + 5
+    stats = sim_stats(sim)
+    while (stats["running"] or stats["waiting"]) and time.monotonic() < end:
+        time.sleep(0.02)
+        stats = sim_stats(sim)
+    assert stats["running"] == stats["waiting"] == 0
+    return stats
+
+
+def test_slo_out_of_reach_stops_after_the_first_level(tmp_path: Path) -> None:
+    with sim_server(ttft=0.3) as sim:
+        status, out, _ = run(
+            [
+                "--upstream",
+                sim.url,
+                "--ttft-slo",
+                "0.1",
+                "--max-level",
+                "64",
+                "--step-seconds",
+                "0.5",
+                "--output-tokens",
+                "3",
+                "--prompt-tokens",
+                "5",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+    result = json.loads(out)
+    assert status == 1
+    assert [s["concurrency"] for s in result["steps"]] == [1]
+    assert result["steps"][0]["within_slo"] is False
+    assert result["knee"] is None
+    assert "over the 0.1 s SLO already at concurrency 1" in result["reason"]
+    assert result["stopped"].startswith("past the knee at concurrency 1")
+    assert Path(result["png"]).exists()  # the curves still help to see why
+
+
+def refusing_upstream() -> Starlette:
+    async def chat(_: Request) -> Response:
+        body = {"error": {"message": "invalid api key", "type": "auth", "param": None, "code": 401}}
+        return JSONResponse(body, status_code=401)
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": []})
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ]
+    )
+
+
+def test_an_upstream_that_refuses_everything_gets_no_recommendation(tmp_path: Path) -> None:
+    with ServerThread(refusing_upstream()) as server:
+        status, out, err = run(["--upstream", server.url, "--ttft-slo", "1", "--out", str(tmp_path)])
+        assert status == 1
+        assert "lists no model; pass --model" in err
+        assert out == ""
+
+        status, out, err = run(
+            [
+                "--upstream",
+                server.url,
+                "--model",
+                "m",
+                "--ttft-slo",
+                "1",
+                "--steps",
+                "1,2",
+                "--step-seconds",
+                "0.3",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+    assert status == 1
+    result = json.loads(out)
+    assert [s["concurrency"] for s in result["steps"]] == [1]
+    assert result["steps"][0]["errors"] >= 1
+    assert result["steps"][0]["first_error"].startswith("HTTP 401: ")
+    assert result["stopped"] == "every request failed at concurrency 1"
+    assert result["reason"] == "every request failed at concurrency 1"
+    assert "first error: HTTP 401" in err
+
+
+def test_an_unreachable_upstream_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    status, out, err = run(
+        ["--upstream", f"http://127.0.0.1:{port}", "--ttft-slo", "1", "--out", str(tmp_path)]
+    )
+    assert status == 1
+    assert out == ""
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"llm-backoff-shim calibrate: cannot list models at http://127.0.0.1:{port}: ")
+    )
