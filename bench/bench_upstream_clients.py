@@ -318,12 +318,15 @@ def measure_variant(kind: str, upstream: str, opts: argparse.Namespace) -> dict[
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         asyncio.run(drive(url, total=200, concurrency=16, headers={}))  # warm-up: pool, caches
         for concurrency in opts.concurrency:
+            before = cpu_seconds(proc.pid)
             load = asyncio.run(drive(url, total=opts.requests, concurrency=concurrency, headers={}))
+            result[f"cpu_us@{concurrency}"] = (cpu_seconds(proc.pid) - before) / max(1, load.done) * 1e6
             result[f"rps@{concurrency}"] = load.rate
             result["errors"] = result.get("errors", 0) + load.errors
             print(
                 f"  {kind:8} json  c={concurrency:<3} {load.rate:8.0f} req/s "
-                f"({load.done} in {load.seconds:.1f} s)"
+                f"({load.done} in {load.seconds:.1f} s), "
+                f"relay CPU {result[f'cpu_us@{concurrency}']:.0f} us/req"
             )
         before = cpu_seconds(proc.pid)
         sse_headers = {"x-chunks": str(opts.chunks), "x-gap": "0.002"}
@@ -400,16 +403,17 @@ def main() -> int:
     base = results.get("aiohttp")
     print()
     print(
-        "| relay | req/s @8 | req/s @64 | CPU µs per SSE event | errors "
-        "| req/s @64 vs aiohttp | µs/event vs aiohttp |"
+        "| relay | req/s @8 | req/s @64 | CPU µs/request @64 | CPU µs per SSE event | errors "
+        "| req/s @64 vs aiohttp | µs/request vs aiohttp | µs/event vs aiohttp |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kind, r in results.items():
         ratio_rps = f"{r['rps@64'] / base['rps@64']:.2f}x" if base else "-"
         ratio_cpu = f"{r['us_per_event'] / base['us_per_event']:.2f}x" if base else "-"
+        ratio_req = f"{r['cpu_us@64'] / base['cpu_us@64']:.2f}x" if base else "-"
         print(
-            f"| {kind} | {r['rps@8']:.0f} | {r['rps@64']:.0f} | {r['us_per_event']:.1f} | {r['errors']:.0f} "
-            f"| {ratio_rps} | {ratio_cpu} |"
+            f"| {kind} | {r['rps@8']:.0f} | {r['rps@64']:.0f} | {r['cpu_us@64']:.0f} "
+            f"| {r['us_per_event']:.1f} | {r['errors']:.0f} | {ratio_rps} | {ratio_req} | {ratio_cpu} |"
         )
     if rejections:
         print()
