@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_backoff_shim.config import ShimSettings
+from llm_backoff_shim.config import load_settings
 from llm_backoff_shim.knee import (
     KneeInputError,
     KneeRule,
@@ -244,13 +244,7 @@ def test_recommended_flags_are_valid_shim_settings() -> None:
     knee = find_knee(engine_ramp(DOUBLING, slots=16), KneeRule(ttft_slo=2.0))
     assert knee.step is not None
     rec = recommend(knee.step, 2.0)
-    flags = rec.serve_flags()
-    values = dict(zip(flags[::2], flags[1::2], strict=True))
-    shim = ShimSettings(
-        max_concurrency=values["--max-concurrency"],
-        max_queue=values["--max-queue"],
-        max_queue_wait=values["--max-queue-wait"],
-    )
+    shim = load_settings(rec.serve_flags())
     assert (shim.max_concurrency, shim.max_queue, shim.max_queue_wait) == (
         rec.max_concurrency,
         rec.max_queue,
