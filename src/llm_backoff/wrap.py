@@ -31,6 +31,9 @@ How the returned client is built, and why this way:
   subclass, no patching of openai) to copy that history onto the openai exception
   as ``exc.llm_backoff_attempts`` plus an exception note. ``copy``/``with_options``
   on the returned client are wrapped the same way, so derived clients keep this.
+- A limiter's `RateLimitTimeout` reaches the caller as itself: openai 2.x turns
+  any exception from its http client into ``APIConnectionError``, so the hook
+  unwraps that one case.
 - Wrapping a wrapped client replaces the policy instead of nesting retries.
 """
 
@@ -45,7 +48,7 @@ from typing import Any, TypeVar
 import openai
 
 from .attempts import ATTRIBUTE, EXTENSION_KEY
-from .errors import UnsupportedClientError
+from .errors import RateLimitTimeout, UnsupportedClientError
 from .events import RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
 from .policy import RetryPolicy
@@ -196,6 +199,14 @@ def annotate_openai_error(exc: BaseException) -> None:
         annotate(exc, *found)
 
 
+def _own_timeout(exc: BaseException) -> RateLimitTimeout | None:
+    """Our `RateLimitTimeout` when openai wrapped it (2.x turns any exception into APIConnectionError)."""
+    cause = exc.__cause__
+    if isinstance(exc, openai.APIConnectionError) and isinstance(cause, RateLimitTimeout):
+        return cause
+    return None
+
+
 def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> None:
     request = client.request
     hooked: Callable[..., Any]
@@ -206,6 +217,9 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
             try:
                 return await request(*args, **kwargs)
             except BaseException as exc:
+                own = _own_timeout(exc)
+                if own is not None:
+                    raise own from None
                 annotate_openai_error(exc)
                 raise
 
@@ -216,6 +230,9 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
             try:
                 return request(*args, **kwargs)
             except BaseException as exc:
+                own = _own_timeout(exc)
+                if own is not None:
+                    raise own from None
                 annotate_openai_error(exc)
                 raise
 
