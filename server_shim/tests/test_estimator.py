@@ -91,6 +91,15 @@ def test_burst_rejections_get_successive_slots() -> None:
     assert hints == pytest.approx([(3 + k) / 4 for k in range(1, 6)])
 
 
+def test_fast_drain_bursts_are_spread_above_the_minimum() -> None:
+    # 4 slots, 0.1 s each: 40 slots/s, far faster than the 0.5 s minimum hint. Telling
+    # everyone "0.5 s" would bring them back in one wave; instead they get 25 ms apart.
+    est, _ = make(retry_after_min=0.5)
+    est.observe_completion("interactive", 0.1)
+    hints = [est.retry_after("interactive", ahead=0, slots=4) for _ in range(4)]
+    assert hints == pytest.approx([0.5, 0.525, 0.55, 0.575])
+
+
 def test_burst_ends_when_time_passes_the_last_promise() -> None:
     est, clock = make(initial_service_time=1.0)
     first = [est.retry_after("interactive", ahead=0, slots=1) for _ in range(3)]

@@ -10,9 +10,10 @@ overstate the wait. Completions/s per class is still tracked, for the
 
 Spreading: callers rejected in one burst are each told a different future slot.
 The estimator remembers the last slot it promised per class; the next rejection
-gets ``max(now + (ahead + 1) / rate, last_promised + 1 / rate)``, so the k-th caller
-of a burst hears roughly ``(ahead + k) / rate`` and retries come back at about the
-drain rate instead of in one wave. Once time passes the last promise the burst is
+gets ``max(now + max(min, (ahead + 1) / rate), last_promised + 1 / rate)``, so the
+k-th caller of a burst hears roughly ``(ahead + k) / rate`` (or, when the engine
+drains faster than the minimum hint, ``min + (k - 1) / rate``) and retries come back
+at about the drain rate instead of in one wave. Once time passes the last promise the burst is
 over and hints start again from the queue alone.
 """
 
@@ -142,7 +143,9 @@ class DrainEstimator:
         cfg = self._config
         rate = self.capacity_rate(slots)
         step = 1.0 / rate
-        promised = now + (max(0, ahead) + 1) * step
+        # Nobody may come back before the minimum, so the burst's slots start there:
+        # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.
+        promised = now + max(cfg.retry_after_min, (max(0, ahead) + 1) * step)
         last = self._last_promised.get(cls)
         if last is not None and last + step > promised:
             promised = last + step
