@@ -27,9 +27,10 @@ from llm_backoff_shim.admission import AdmissionController, ClassPolicy
 from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.limit import FixedLimit
+from llm_backoff_shim.limit import ConcurrencyLimit
 from llm_backoff_shim.metrics import CONTENT_TYPE, ShimMetrics
 from llm_backoff_shim.proxy import Proxy
+from llm_backoff_shim.traffic_policy import TrafficPolicy, build_traffic_policy, concurrency_limit
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.waiting import AsyncAdmission
 
@@ -52,13 +53,16 @@ class ShimRuntime:
     metrics: ShimMetrics
     upstream: UpstreamClient
     proxy: Proxy
+    policy: TrafficPolicy | None = None
 
     def snapshot(self) -> dict[str, ClassState]:
         c = self.controller
         return {cls: ClassState(in_flight=c.in_flight(cls), queued=c.queued(cls)) for cls in c.classes}
 
 
-def build_controller(settings: ShimSettings, clock: Clock) -> AdmissionController:
+def build_controller(
+    settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None
+) -> AdmissionController:
     estimator = DrainEstimator(
         EstimatorConfig(
             retry_after_min=settings.retry_after_min,
@@ -78,7 +82,7 @@ def build_controller(settings: ShimSettings, clock: Clock) -> AdmissionControlle
     ]
     return AdmissionController(
         policies,
-        limit=FixedLimit(settings.max_concurrency),
+        limit=limit if limit is not None else concurrency_limit(settings),
         estimator=estimator,
         clock=clock,
         max_queue_total=settings.max_queue,
@@ -88,23 +92,31 @@ def build_controller(settings: ShimSettings, clock: Clock) -> AdmissionControlle
 
 
 def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
-    controller = build_controller(settings, clock)
+    limit = concurrency_limit(settings)
+    controller = build_controller(settings, clock, limit)
     admission = AsyncAdmission(controller, clock)
-    metrics = ShimMetrics(controller)
     upstream = UpstreamClient(
         settings.upstream_base,
         connect_timeout=settings.upstream_connect_timeout,
         read_timeout=settings.upstream_read_timeout,
         keepalive=settings.upstream_keepalive,
     )
+    policy = build_traffic_policy(settings, controller, admission, upstream, clock, limit=limit)
+    metrics = ShimMetrics(controller, slo_state=policy.slo_state)
+    metrics.registry.register(policy.collector())
     proxy = Proxy(
         upstream=upstream,
         admission=admission,
         metrics=metrics,
         reject_status=settings.reject_status,
         clock=clock,
+        api_keys=settings.api_keys(),
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout=settings.body_read_timeout,
+        hooks=policy.hooks,
+        on_first_byte=policy.on_first_byte,
     )
-    runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy)
+    runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -133,17 +145,26 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await upstream.open()
+        policy.start()
         try:
             yield
         finally:
+            await policy.stop()
             await upstream.close()
 
     app = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
-            Route("/metrics", metrics_endpoint, methods=["GET"]),
-            Route("/shim/state", state, methods=["GET"]),
+            # With --metrics-port these two live only on the separate listener (see ops_server).
+            *(
+                [
+                    Route("/metrics", metrics_endpoint, methods=["GET"]),
+                    Route("/shim/state", state, methods=["GET"]),
+                ]
+                if settings.metrics_port is None
+                else []
+            ),
             # Proxy is a class instance, so Starlette hands it the raw ASGI call (all methods).
             Route("/{path:path}", proxy),
         ],

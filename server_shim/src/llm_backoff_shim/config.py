@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, ValidationError, field_validator, model_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from llm_backoff_shim.auth import ApiKeys, read_keys_file
 
 ENV_PREFIX = "LLM_BACKOFF_SHIM_"
 
@@ -204,6 +206,54 @@ class ShimSettings(BaseSettings):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="uvicorn log level"
     )
+    metrics_host: str | None = Field(
+        default=None,
+        min_length=1,
+        description="address of the --metrics-port listener (default --host); with --metrics-port set, "
+        "/metrics and /shim/state are served only there",
+    )
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1, le=1024**3, description="largest request body; larger ones get a 413"
+    )
+    body_read_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        le=3_600,
+        description="seconds a client may take to send a request body (408 after)",
+    )
+    header_read_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        le=3_600,
+        description="seconds a client may take to send a request line and headers (408 after)",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="largest request line + headers; larger ones get a 431",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="require this key as 'Authorization: Bearer <key>' (prefer the environment variable)",
+    )
+    api_keys_file: str | None = Field(
+        default=None, min_length=1, description="file of accepted API keys, one per line ('#' comments)"
+    )
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_keys_file(value)  # fail at start-up, not on the first request
+        return value
+
+    def api_keys(self) -> ApiKeys:
+        """The keys clients must present; empty (authentication off) when none is configured."""
+        keys = [] if self.api_key is None else [self.api_key.get_secret_value()]
+        if self.api_keys_file is not None:
+            keys += read_keys_file(self.api_keys_file)
+        return ApiKeys(keys)
 
     @field_validator("upstream")
     @classmethod

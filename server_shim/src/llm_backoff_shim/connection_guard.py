@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,9 @@ OnEvent = Callable[[str], None]
 HEAD_TIMEOUT = "header_timeout"
 HEAD_TOO_LARGE = "headers_too_large"
 MALFORMED_HTTP = "malformed_http"
+
+# The blank line ending a request head (bare LF tolerated, as lenient parsers do).
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
 
 
 def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
@@ -82,6 +86,7 @@ def guarded_protocol(
         _guard_bytes = 0
         _guard_cycle: object = None
         _guard_closed = False
+        _guard_tail = b""
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -99,23 +104,28 @@ def guarded_protocol(
             if self._guard_timer is None and (cycle is None or cycle.response_complete):
                 # First bytes of the next request on a kept-alive connection.
                 self._guard_start()
-            super().data_received(data)
-            if self._guard_timer is None or self._guard_closed:
-                return
-            if self.cycle is not self._guard_cycle:
-                self._guard_stop()  # a head was parsed; its body is the app's concern
-                return
-            self._guard_bytes += len(data)
-            if self._guard_bytes > max_head_bytes:
-                self._guard_reject(
-                    HEAD_TOO_LARGE,
-                    _raw_error(
-                        431,
-                        "Request Header Fields Too Large",
-                        f"request head larger than {max_head_bytes} bytes",
+            if self._guard_timer is not None:
+                # Judge the head's size before the parser sees it, so an oversized head never
+                # becomes a request (parsers hand the whole head over at once).
+                seen = self._guard_tail + data
+                end = _HEAD_END.search(seen)
+                head_part = len(data) if end is None else max(0, end.end() - len(self._guard_tail))
+                self._guard_bytes += head_part
+                self._guard_tail = seen[-3:]
+                if self._guard_bytes > max_head_bytes:
+                    self._guard_reject(
                         HEAD_TOO_LARGE,
-                    ),
-                )
+                        _raw_error(
+                            431,
+                            "Request Header Fields Too Large",
+                            f"request head larger than {max_head_bytes} bytes",
+                            HEAD_TOO_LARGE,
+                        ),
+                    )
+                    return
+            super().data_received(data)
+            if self._guard_timer is not None and self.cycle is not self._guard_cycle:
+                self._guard_stop()  # a head was parsed; its body is the app's concern
 
         def send_400_response(self, msg: str) -> None:
             if self._guard_closed:
@@ -128,6 +138,7 @@ def guarded_protocol(
         # -- internals ---------------------------------------------------------------
         def _guard_start(self) -> None:
             self._guard_bytes = 0
+            self._guard_tail = b""
             self._guard_cycle = self.cycle
             self._guard_timer = asyncio.get_running_loop().call_later(head_timeout, self._guard_expired)
 

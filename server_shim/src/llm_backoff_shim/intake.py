@@ -86,10 +86,18 @@ def check_content_type(headers: RawHeaders) -> Refusal | None:
     )
 
 
+def _closing(response: ErrorResponse) -> ErrorResponse:
+    # The rest of the body is never read: close the connection rather than drain it.
+    response.headers.append((b"connection", b"close"))
+    return response
+
+
 def _too_large(limit: int) -> Refusal:
     return Refusal(
         "body_too_large",
-        client_error(f"request body larger than {limit} bytes", code="request_too_large", status=413),
+        _closing(
+            client_error(f"request body larger than {limit} bytes", code="request_too_large", status=413)
+        ),
     )
 
 
@@ -119,7 +127,11 @@ async def read_body(receive: Receive, *, limit: int, time_limit: float | None) -
     assert scope.cancelled_caught
     return Refusal(
         "body_timeout",
-        client_error(f"request body not received within {time_limit:g} s", code="body_timeout", status=408),
+        _closing(
+            client_error(
+                f"request body not received within {time_limit:g} s", code="body_timeout", status=408
+            )
+        ),
     )
 
 

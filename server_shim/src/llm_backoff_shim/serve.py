@@ -1,9 +1,11 @@
 """``llm-backoff-shim serve``: parse settings, build the app, run uvicorn.
 
 uvicorn runs without its own ``server``/``date`` headers (the upstream's come through
-and must not be duplicated), on uvloop and httptools when installed. The optional
-``--metrics-port`` is served by prometheus_client's own small HTTP server thread,
-so scrapes never compete with proxied traffic on the event loop.
+and must not be duplicated), on uvloop and httptools when installed, with the
+request-head timeout and size cap of :mod:`llm_backoff_shim.connection_guard`. The
+optional ``--metrics-port`` (on ``--metrics-host``) is served by
+:class:`~llm_backoff_shim.ops_server.OpsServer` in its own thread, so scrapes never
+compete with proxied traffic on the event loop.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import sys
 from typing import Any
 
 import uvicorn
-from prometheus_client import start_http_server
+from starlette.applications import Starlette
 
 from llm_backoff_shim.app import create_app, shim_state
 from llm_backoff_shim.config import ConfigError, ShimSettings, load_settings
+from llm_backoff_shim.connection_guard import guarded_protocol
 
 
 def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
@@ -34,6 +37,28 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
     }
 
 
+def connection_options(app: Starlette) -> dict[str, Any]:
+    """uvicorn options that bound request heads in time and size (counted in the app's metrics)."""
+    runtime = shim_state(app)
+    settings = runtime.settings
+    base: type[Any]
+    if importlib.util.find_spec("httptools"):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        base = HttpToolsProtocol
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        base = H11Protocol
+    protocol = guarded_protocol(
+        base,
+        head_timeout=settings.header_read_timeout,
+        max_head_bytes=settings.max_header_bytes,
+        on_event=runtime.metrics.bad_request,
+    )
+    return {"http": protocol}
+
+
 def main(argv: list[str]) -> int:
     prog = "llm-backoff-shim serve"
     try:
@@ -43,15 +68,16 @@ def main(argv: list[str]) -> int:
         return 2
     app = create_app(settings)
     if settings.metrics_port is not None:
+        from llm_backoff_shim.ops_server import OpsServer
+
+        host = settings.metrics_host or settings.host
         try:
-            start_http_server(
-                settings.metrics_port, addr=settings.host, registry=shim_state(app).metrics.registry
-            )
+            OpsServer(shim_state(app), host, settings.metrics_port).start()
         except OSError as exc:
-            print(f"{prog}: cannot serve metrics on port {settings.metrics_port}: {exc}", file=sys.stderr)
+            print(f"{prog}: cannot serve metrics on {host}:{settings.metrics_port}: {exc}", file=sys.stderr)
             return 2
     try:
-        uvicorn.run(app, **uvicorn_options(settings))
+        uvicorn.run(app, **{**uvicorn_options(settings), **connection_options(app)})
     except OSError as exc:
         print(f"{prog}: cannot serve on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2
