@@ -252,6 +252,10 @@ class AdmissionController:
     def estimator(self) -> DrainEstimator:
         return self._estimator
 
+    @property
+    def scheduler(self) -> ClassScheduler:
+        return self._scheduler
+
     def now(self) -> float:
         return self._clock()
 

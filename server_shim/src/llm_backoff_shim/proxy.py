@@ -20,7 +20,7 @@ import logging
 import math
 import posixpath
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -47,6 +47,7 @@ from llm_backoff_shim.intake import (
 )
 from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
+from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
@@ -132,7 +133,13 @@ class Proxy:
         api_keys: ApiKeys | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         body_timeout: float | None = None,
+        hooks: RequestHooks | None = None,
+        on_first_byte: Callable[[float, int], None] | None = None,
     ) -> None:
+        # Classes by tenant, quotas, SLO headers, vLLM priority (issue 5); none by default.
+        self.hooks = hooks if hooks is not None else RequestHooks()
+        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
+        self.on_first_byte = on_first_byte
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
@@ -207,9 +214,12 @@ class Proxy:
     def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
         class_header = _header(headers, b"x-request-class")
         try:
-            cls = self.controller.parse_class(class_header)
+            chosen = self.hooks.choose_class(headers, class_header, self.controller)
         except UnknownClassError as exc:
             return client_error(str(exc), param="x-request-class", code="invalid_request_class")
+        if isinstance(chosen, ErrorResponse):
+            return chosen
+        cls, tenant = chosen
         try:
             budget = parse_budget(_header(headers, b"x-request-timeout-ms"))
         except ValueError as exc:
@@ -218,7 +228,7 @@ class Proxy:
                 param="x-request-timeout-ms",
                 code="invalid_header",
             )
-        return AdmissionRequest(cls=cls, budget=budget)
+        return AdmissionRequest(cls=cls, budget=budget, tenant=tenant)
 
     async def _gated(
         self,
@@ -231,25 +241,36 @@ class Proxy:
         cls = request.cls
         grant: Grant | None = None
         exchange = _Exchange()
+        scope = self.hooks.scope(request, forward.body, str(forward.url.path))
 
         async def work() -> None:
-            nonlocal grant
+            nonlocal grant, forward
+            refusal = await scope.admit()
+            if refusal is not None:
+                exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
+                exchange.code, exchange.retry_after = refusal.code, refusal.retry_after
+                await _answer(send, refusal.response)
+                return
+            if scope.body is not forward.body:
+                forward = replace(forward, body=scope.body)
             decision = await self.admission.acquire(request)
             if isinstance(decision, Rejection):
                 exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
                 exchange.code, exchange.retry_after = decision.code, decision.retry_after
-                await _answer(send, rejection_response(decision, self.reject_status))
+                response = rejection_response(decision, self.reject_status)
+                await _answer(send, with_headers(response, scope.response_headers()))
                 return
             grant = decision
             self.metrics.count(cls, "admitted")
             self.metrics.queue_wait.labels(cls).observe(grant.queue_time)
-            await self._relay(forward, send, grant, exchange, arrival)
+            await self._relay(forward, send, grant, exchange, arrival, scope)
 
         try:
             await _watch_disconnect(receive, work)
         finally:
             if grant is not None:
                 self.admission.release(grant, exchange.outcome)
+            await scope.finish(served=grant is not None, status=exchange.status)
             if exchange.metric == "rejected":
                 self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
             else:
@@ -262,6 +283,7 @@ class Proxy:
         grant: Grant | None,
         exchange: _Exchange | None,
         arrival: float,
+        scope: RequestScope | None = None,
     ) -> None:
         exchange = exchange if exchange is not None else _Exchange()
         cls = grant.ticket.cls if grant is not None else None
@@ -282,6 +304,8 @@ class Proxy:
         try:
             if cls is not None:
                 self.metrics.time_to_first_byte.labels(cls).observe(self.clock() - arrival)
+            if grant is not None and self.on_first_byte is not None and grant.ticket.admitted_at is not None:
+                self.on_first_byte(self.clock() - grant.ticket.admitted_at, self.controller.in_flight())
             exchange.status = response.status
             if response.status == 503:
                 await self._upstream_overloaded(send, cls, response, exchange)
@@ -290,10 +314,14 @@ class Proxy:
             headers.append(VIA)
             if grant is not None:
                 headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
+            if scope is not None:
+                headers += scope.response_headers()
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             started = True
             try:
                 async for chunk in response.content.iter_any():
+                    if scope is not None:
+                        scope.observe(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except (aiohttp.ClientError, TimeoutError) as exc:
                 exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"

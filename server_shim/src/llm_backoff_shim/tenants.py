@@ -208,7 +208,10 @@ class TenantDirectory:
         )
 
     def identify(self, headers: Sequence[tuple[bytes, bytes]]) -> Tenant:
-        identity = self._identity(headers)
+        return self.identify_id(self._identity(headers))
+
+    def identify_id(self, identity: str) -> Tenant:
+        """The tenant behind an identity :meth:`identify` produced (a key hash or header value)."""
         entry = self._entries.get(identity)
         if entry is None:
             return Tenant(identity, None, self.default)
