@@ -103,6 +103,11 @@ class RetryState:
     def history(self) -> tuple[Attempt, ...]:
         return tuple(self._attempts)
 
+    @property
+    def last(self) -> Attempt:
+        """The attempt recorded last (only valid after the first `decide`)."""
+        return self._attempts[-1]
+
     def elapsed(self) -> float:
         return self._clock() - self.started_at
 

@@ -311,7 +311,7 @@ class RetryEngine:
         return decision, body
 
     def _report(self, state: RetryState, decision: Decision, request: _Request, hint: float | None) -> None:
-        last = state.history[-1]
+        last = state.last
         if isinstance(decision, Retry):
             elapsed = state.elapsed()
             logger.info(
@@ -342,7 +342,7 @@ class RetryEngine:
                 last.number,
                 decision.reason,
             )
-        else:
+        elif logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "%s %s attempt %d done: %s",
                 request.method,
