@@ -30,7 +30,10 @@ How the returned client is built, and why this way:
   paginator and streaming helper calls, is wrapped on the instance only (no
   subclass, no patching of openai) to copy that history onto the openai exception
   as ``exc.llm_backoff_attempts`` plus an exception note. ``copy``/``with_options``
-  on the returned client are wrapped the same way, so derived clients keep this.
+  on the returned client are wrapped the same way, so derived clients keep this
+  (and inherit ``max_retries=0``; a caller who sets ``max_retries`` again on a
+  derived client gets openai's retries on top, each one a fresh llm_backoff call
+  with its own deadline).
 - A limiter's `RateLimitTimeout` reaches the caller as itself: openai 2.x turns
   any exception from its http client into ``APIConnectionError``, so the hook
   unwraps that one case.
