@@ -129,6 +129,14 @@ def test_bad_flags_exit_2_with_one_line(extra: list[str], fragment: str) -> None
     assert fragment in lines[0]
 
 
+def test_slo_defaults_to_two_seconds() -> None:
+    args = calibrate.build_parser().parse_args(["--upstream", "http://127.0.0.1:8000"])
+    config = calibrate.config_from_args(args)
+    assert config.ttft_slo == 2.0
+    assert config.levels == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert (config.step_seconds, config.step_requests, config.max_seconds) == (20.0, 1000, 600.0)
+
+
 def test_bad_upstream_exits_2() -> None:
     err = io.StringIO()
     assert calibrate.main(["--upstream", "localhost:8000", "--ttft-slo", "1"], stderr=err) == 2

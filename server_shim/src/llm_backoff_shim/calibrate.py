@@ -41,6 +41,7 @@ from .knee import Knee, KneeRule, Recommendation, StepStats, find_knee, recommen
 
 PROG = "llm-backoff-shim calibrate"
 PNG_NAME = "calibrate.png"
+DEFAULT_TTFT_SLO = 2.0
 
 #: Short common English words: about one token each with the usual BPE tokenizers, so
 #: ``--prompt-tokens`` maps to a word count. Random order per request defeats prefix caching.
@@ -165,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--upstream", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
-    p.add_argument("--ttft-slo", type=float, required=True, help="p99 time-to-first-token SLO, seconds")
+    p.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=DEFAULT_TTFT_SLO,
+        help="p99 time-to-first-token SLO, seconds (the default is a common interactive target: set yours)",
+    )
     p.add_argument("--model", default=None, help="model to ask for (default: the first of /v1/models)")
     p.add_argument(
         "--api-key",
