@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llm_backoff_shim import calibrate
+from llm_backoff_shim import calibrate, cli
 from llm_backoff_shim.calibrate import (
     LengthRange,
     Sample,
@@ -174,6 +174,7 @@ def test_summary_uses_littles_law_and_counts_failures() -> None:
     assert stats.ttft_p99 == pytest.approx(0.4, abs=0.01)
     assert stats.latency_p99 <= 0.8 + 1e-9
     assert stats.itl_p50 == pytest.approx(0.01)
+    assert stats.mean_output_tokens == 10
 
 
 def test_summary_of_a_step_where_everything_failed() -> None:
@@ -273,28 +274,20 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     assert f"[{len(levels)}/3] concurrency {levels[-1]:>4}: " in err
 
 
-def test_text_output_has_the_table_and_the_serve_command(tmp_path: Path) -> None:
+def test_text_output_through_the_cli_has_the_table_and_the_serve_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with sim_server(max_num_seqs=2) as sim:
-        status, out, _ = run(
-            [
-                "--upstream",
-                sim.url + "/v1",
-                "--ttft-slo",
-                "3",
-                "--steps",
-                "1,8",
-                "--step-seconds",
-                "0.5",
-                "--prompt-tokens",
-                "10",
-                "--output-tokens",
-                "5",
-                "--out",
-                str(tmp_path),
-            ]
-        )
+        status = cli.main(
+            ["calibrate", "--upstream", sim.url + "/v1", "--ttft-slo", "3", "--steps", "1,8",
+             "--step-seconds", "0.5", "--prompt-tokens", "10", "--output-tokens", "5", "--out", str(tmp_path)]
+        )  # fmt: skip
     assert status == 0
+    out = capsys.readouterr().out
     lines = out.splitlines()
+    # The simulator counts about a token per 4 characters plus 4 for the chat template.
+    assert "prompt 10 / output 5 tokens asked (" in lines[0]
+    assert "/ 5 on average by the upstream's count)" in lines[0]
     header = next(line for line in lines if line.lstrip().startswith("conc"))
     assert "TTFT p99" in header
     assert "ITL p50" in header
@@ -306,6 +299,22 @@ def test_text_output_has_the_table_and_the_serve_command(tmp_path: Path) -> None
     assert f"--upstream {sim.url} --max-concurrency 1 " in command
     assert load_settings(shlex.split(command)[2:]).max_concurrency == 1
     assert (tmp_path / "calibrate.png").stat().st_size > 0
+
+
+def test_an_unwritable_png_is_reported_and_the_result_still_printed(
+    sim: ServerThread, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    status, out, err = run(
+        ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "1", "--step-requests", "2",
+         "--output-tokens", "3", "--prompt-tokens", "5", "--out", str(blocker / "sub"), "--json"]
+    )  # fmt: skip
+    assert status == 0
+    assert f"cannot write {blocker / 'sub' / 'calibrate.png'}" in err
+    result = json.loads(out)
+    assert result["png"] is None
+    assert result["recommendation"]["max_concurrency"] == 1
 
 
 def test_requests_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> None:

@@ -278,7 +278,7 @@ def ramps(draw: st.DrawFn) -> list[StepStats]:
     return steps
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(ramp=ramps(), slo=st.floats(0.01, 30), max_e=st.floats(0.1, 5))
 def test_any_knee_meets_the_slo_and_precedes_every_saturated_level(
     ramp: list[StepStats], slo: float, max_e: float

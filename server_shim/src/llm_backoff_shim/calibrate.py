@@ -372,6 +372,8 @@ def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
         latency_p50=percentile(latencies, 50),
         latency_p99=percentile(latencies, 99),
         output_tokens_per_s=throughput * mean_output,
+        mean_prompt_tokens=float(np.mean([s.prompt_tokens for s in used])),
+        mean_output_tokens=mean_output,
     )
 
 
@@ -639,11 +641,22 @@ def render_table(outcome: Outcome) -> str:
     return "\n".join(lines)
 
 
+def _counted(steps: Sequence[StepStats]) -> str:
+    """What the upstream's usage reported, to check the one-word-one-token prompt estimate."""
+    measured = [s for s in steps if s.requests]
+    if not measured or not any(s.mean_prompt_tokens for s in measured):
+        return ""
+    weight = sum(s.requests for s in measured)
+    prompt = sum(s.mean_prompt_tokens * s.requests for s in measured) / weight
+    output = sum(s.mean_output_tokens * s.requests for s in measured) / weight
+    return f" ({prompt:.0f} / {output:.0f} on average by the upstream's count)"
+
+
 def render_text(outcome: Outcome) -> str:
     cfg = outcome.config
     lines = [
         f"upstream {outcome.upstream}, model {outcome.model!r}, p99 TTFT SLO {cfg.ttft_slo:g} s, "
-        f"prompt {cfg.prompt_tokens} / output {cfg.output_tokens} tokens",
+        f"prompt {cfg.prompt_tokens} / output {cfg.output_tokens} tokens asked{_counted(outcome.steps)}",
         "",
         render_table(outcome),
         "",
@@ -689,6 +702,10 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
         "prompt_tokens": str(cfg.prompt_tokens),
         "output_tokens": str(cfg.output_tokens),
         "levels": list(cfg.levels),
+        "step_seconds": cfg.step_seconds,
+        "step_requests": cfg.step_requests,
+        "max_seconds": cfg.max_seconds,
+        "seed": cfg.seed,
         "steps": steps,
         "stopped": outcome.stopped,
         "knee": None

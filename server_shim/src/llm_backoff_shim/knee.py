@@ -83,6 +83,9 @@ class StepStats:
     latency_p50: float
     latency_p99: float
     output_tokens_per_s: float = 0.0
+    #: Mean tokens per request as the upstream counted them (its ``usage``; 0 if it sent none).
+    mean_prompt_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
 
     @property
     def error_ratio(self) -> float:
@@ -198,6 +201,8 @@ def _validate(steps: Sequence[StepStats]) -> None:
             "latency_p50",
             "latency_p99",
             "output_tokens_per_s",
+            "mean_prompt_tokens",
+            "mean_output_tokens",
         ):
             value = getattr(step, name)
             if not (math.isfinite(value) and value >= 0):
