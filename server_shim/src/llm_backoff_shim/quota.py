@@ -74,8 +74,8 @@ def reset_duration(seconds: float) -> str:
     if seconds <= 0:
         return "0s"
     if seconds < 1:
-        return f"{max(1, math.ceil(seconds * 1000))}ms"
-    total = math.ceil(seconds * 1000) / 1000
+        return f"{max(1, math.ceil(seconds * 1000 - 1e-6))}ms"
+    total = math.ceil(seconds * 1000 - 1e-6) / 1000
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
     text = f"{secs:.3f}".rstrip("0").rstrip(".") + "s"
