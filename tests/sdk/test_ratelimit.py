@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import threading
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llm_backoff.errors import RateLimitTimeout
 from llm_backoff.limits import CallLimiter, Permit
@@ -401,3 +404,35 @@ def test_adaptive_never_above_configured_ceiling() -> None:
     rate = limiter.adaptive_rate
     assert rate is not None
     assert rate <= 5.0
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rate=st.floats(0.1, 1000),
+    capacity=st.floats(1, 100),
+    ops=st.lists(st.tuples(st.floats(0, 2), st.floats(0, 1), st.booleans()), max_size=60),
+)
+def test_reservations_are_fifo_and_never_exceed_rate_plus_burst(
+    rate: float, capacity: float, ops: list[tuple[float, float, bool]]
+) -> None:
+    clock = FakeClock(0.0)
+    bucket = TokenBucket(rate=rate, capacity=capacity, clock=clock)
+    slots: list[tuple[float, float]] = []
+    for dt, fraction, non_blocking in ops:
+        clock.now += dt
+        amount = fraction * capacity
+        if non_blocking:
+            if bucket.try_acquire(amount):
+                slots.append((clock.now, amount))
+        else:
+            slots.append((clock.now + bucket.reserve(amount), amount))
+    # FIFO: every grant's slot is no earlier than the one before it.
+    assert all(a[0] <= b[0] + 1e-9 for a, b in itertools.pairwise(slots))
+    # Never more than the burst plus the refill up to any grant's slot.
+    granted = 0.0
+    for slot, amount in slots:
+        granted += amount
+        assert granted <= capacity + rate * slot + 1e-6 * (1 + granted)
