@@ -1,0 +1,156 @@
+"""Engine-aware admission: metric parsing, the saturation detector, and a saturated simulator end to end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from llm_backoff_shim.engine_watch import (
+    EngineSample,
+    SaturationConfig,
+    SaturationDetector,
+    parse_engine_metrics,
+)
+from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.sim import SimConfig, create_sim_app
+
+VLLM_TEXT = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 7.0
+vllm:num_requests_running{engine="1",model_name="m"} 8.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 0.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 3.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.97
+"""
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_parse_sums_engines_and_takes_the_fullest_kv_cache() -> None:
+    sample = parse_engine_metrics(VLLM_TEXT)
+    assert sample == EngineSample(waiting=3.0, running=15.0, kv_cache=0.97)
+
+
+def test_parse_reads_the_older_gpu_cache_name_and_refuses_non_vllm_text() -> None:
+    old = "vllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.5\n"
+    assert parse_engine_metrics(old) == EngineSample(0.0, 0.0, 0.5)
+    with pytest.raises(ValueError, match="num_requests_waiting"):
+        parse_engine_metrics("http_requests_total 5\n")
+
+
+def test_detector_saturates_on_waiting_or_kv_cache_and_forgets_stale_metrics() -> None:
+    clock = FakeClock()
+    detector = SaturationDetector(SaturationConfig(max_waiting=2, max_kv_cache=0.9, stale_after=1.0), clock)
+    assert detector.stale()
+    assert not detector.saturated()  # nothing known: the concurrency cap rules
+    detector.observe(EngineSample(waiting=2, running=8, kv_cache=0.5))
+    assert not detector.saturated()
+    detector.observe(EngineSample(waiting=3, running=8, kv_cache=0.5))
+    assert detector.saturated()
+    assert detector.hold(None)
+    assert not detector.hold("batch")  # a class-level hold is not what saturation means
+    detector.observe(EngineSample(waiting=0, running=8, kv_cache=0.9))
+    assert detector.saturated()
+    clock.now += 1.5
+    assert detector.stale()
+    assert not detector.saturated()
+    detector.observe(EngineSample(waiting=0, running=1, kv_cache=None))
+    assert not detector.saturated()
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_kv_cache"):
+        SaturationConfig(max_kv_cache=1.5)
+    with pytest.raises(ValueError, match="stale_after"):
+        SaturationConfig(stale_after=0)
+
+
+@pytest.fixture
+def sim() -> Iterator[ServerThread]:
+    # One sequence at a time; a full answer takes about 1 s, a 3-token one a few ms.
+    config = SimConfig(max_num_seqs=1, ttft=0.01, itl=0.005, output_tokens=200, seed=9)
+    with ServerThread(create_sim_app(config)) as server:
+        yield server
+
+
+def post(url: str, max_tokens: int | None = None) -> httpx.Response:
+    body: dict[str, Any] = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def test_a_saturated_engine_stops_admission_until_it_recovers(
+    sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    shim = make_shim(
+        sim.url, max_concurrency=4, engine_metrics=True, engine_poll_interval=0.02, engine_stale_after=5
+    )
+    policy = shim.runtime.policy
+    assert policy is not None
+    detector = policy.detector
+    assert detector is not None
+    waiter(lambda: detector.last is not None, what="first scrape")
+    assert not detector.saturated()
+    with ThreadPoolExecutor(6) as pool:
+        # Someone else (not through the shim) fills the engine: one running, one waiting.
+        direct = [pool.submit(post, sim.url) for _ in range(2)]
+        waiter(detector.saturated, what="the shim to see the engine's waiting request")
+        through = [pool.submit(post, shim.url, 3) for _ in range(3)]
+        waiter(lambda: shim.state()["interactive"] == (0, 3), what="3 queued in the shim")
+        # The shim has free slots (4) yet sends nothing while the engine says it is saturated.
+        assert detector.saturated()
+        assert shim.state()["interactive"] == (0, 3)
+        answers = [f.result() for f in through]
+        assert all(f.result().status_code == 200 for f in direct)
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert all(int(a.headers["x-queue-time-ms"]) > 0 for a in answers)
+    samples = shim.metrics()
+    assert samples[("llm_backoff_shim_engine_metrics_stale", ())] == 0
+    assert ("llm_backoff_shim_engine_waiting", ()) in samples
+    waiter(lambda: shim.state()["interactive"] == (0, 0), what="slots back")
+
+
+def test_an_upstream_without_metrics_falls_back_to_the_concurrency_cap(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    shim = make_shim(upstream.url, max_concurrency=2, engine_metrics=True, engine_poll_interval=0.02)
+    policy = shim.runtime.policy
+    assert policy is not None
+    assert policy.watch is not None
+    waiter(lambda: policy.watch is not None and policy.watch.failures >= 2, what="failed scrapes")
+    assert policy.detector is not None
+    assert policy.detector.stale()
+    headers = {"x-fake-hold": "1"}
+    with ThreadPoolExecutor(3) as pool:
+        futures = [
+            pool.submit(
+                httpx.post,
+                shim.url + "/v1/chat/completions",
+                json={"model": "m"},
+                headers=headers,
+                timeout=30,
+            )
+            for _ in range(3)
+        ]
+        # Not unlimited: the cap of 2 still holds. Not stuck: 2 go upstream.
+        waiter(lambda: shim.state()["interactive"] == (2, 1), what="2 in flight, 1 queued")
+        upstream.release()
+        assert [f.result().status_code for f in futures] == [200, 200, 200]
+    assert shim.metrics()[("llm_backoff_shim_engine_metrics_stale", ())] == 1
