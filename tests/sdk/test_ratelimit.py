@@ -189,7 +189,7 @@ async def test_async_waiters_are_served_in_arrival_order() -> None:
 
 
 async def test_cancelled_async_waiter_gives_its_tokens_back() -> None:
-    clock_bucket = TokenBucket(rate=1.0, capacity=3.0)
+    clock_bucket = TokenBucket(rate=0.1, capacity=3.0)
     clock_bucket.acquire(3)
     task = asyncio.create_task(clock_bucket.acquire_async(3))
     await asyncio.sleep(0.01)

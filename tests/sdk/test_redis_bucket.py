@@ -64,20 +64,21 @@ def test_starts_full_then_refuses_and_times_out_fast(url: str, key: str) -> None
 
 
 def test_reservations_queue_in_order(url: str, key: str) -> None:
-    bucket = RedisTokenBucket(url, key, rate=1.0, capacity=10)
+    bucket = RedisTokenBucket(url, key, rate=0.1, capacity=10)
     try:
         assert bucket.reserve(10) == 0.0
         big = bucket.reserve(5)
         small = bucket.reserve(1)
-        assert 4.5 < big < 5.0 + 1e-6
-        assert small == pytest.approx(big + 1.0, abs=0.05)
+        # Slow refill, so seconds of scheduling delay on a busy machine barely matter.
+        assert 45.0 < big <= 50.0 + 1e-6
+        assert small == pytest.approx(big + 10.0, abs=0.5)
         assert bucket.try_acquire() is False
     finally:
         bucket.close()
 
 
 def test_state_is_stamped_with_redis_server_time_and_expires(url: str, key: str) -> None:
-    bucket = RedisTokenBucket(url, key, rate=100.0, capacity=10)
+    bucket = RedisTokenBucket(url, key, rate=1.0, capacity=10)
     client = redis.Redis.from_url(url)
     try:
         before = server_time(url)
@@ -85,16 +86,16 @@ def test_state_is_stamped_with_redis_server_time_and_expires(url: str, key: str)
         after = server_time(url)
         stamp = float(client.hget(bucket_key(key, "bucket"), "t"))
         assert before <= stamp <= after
-        # Full again after 50 ms: the key expires soon after instead of lingering.
-        assert 0 < client.pttl(bucket_key(key, "bucket")) <= 1100
+        # Full again after 5 s: the key expires a second later instead of lingering.
+        assert 0 < client.pttl(bucket_key(key, "bucket")) <= 6000
     finally:
         client.close()
         bucket.close()
 
 
 def test_refund_and_charge_are_shared(url: str, key: str) -> None:
-    a = RedisTokenBucket(url, key, rate=0.01, capacity=10)
-    b = RedisTokenBucket(url, key, rate=0.01, capacity=10)
+    a = RedisTokenBucket(url, key, rate=0.001, capacity=10)
+    b = RedisTokenBucket(url, key, rate=0.001, capacity=10)
     try:
         assert a.try_acquire(10)
         assert not b.try_acquire(1)
