@@ -225,8 +225,12 @@ class RedisStore:
             await self._run_async(-1.0, [0.0] * len(self._specs), None)
 
     def close(self) -> None:
-        if self._owns_client:
-            self._client.close()
+        """Send queued corrections, then close the synchronous client (if we made it)."""
+        try:
+            self.flush()
+        finally:
+            if self._owns_client:
+                self._client.close()
 
     async def aclose(self) -> None:
         """Flush queued corrections and close the current event loop's async client."""
