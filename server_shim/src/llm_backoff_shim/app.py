@@ -82,7 +82,7 @@ def build_controller(
     ]
     return AdmissionController(
         policies,
-        limit=limit if limit is not None else concurrency_limit(settings),
+        limit=limit if limit is not None else concurrency_limit(settings, clock),
         estimator=estimator,
         clock=clock,
         max_queue_total=settings.max_queue,
@@ -92,7 +92,7 @@ def build_controller(
 
 
 def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
-    limit = concurrency_limit(settings)
+    limit = concurrency_limit(settings, clock)
     controller = build_controller(settings, clock, limit)
     admission = AsyncAdmission(controller, clock)
     upstream = UpstreamClient(

@@ -42,11 +42,11 @@ from llm_backoff_shim.waiting import AsyncAdmission
 Clock = Callable[[], float]
 
 
-def concurrency_limit(settings: ShimSettings) -> ConcurrencyLimit:
+def concurrency_limit(settings: ShimSettings, clock: Clock) -> ConcurrencyLimit:
     if not settings.adaptive_concurrency:
         return FixedLimit(settings.max_concurrency)
     return GradientLimit(
-        GradientConfig(min_limit=settings.min_concurrency, max_limit=settings.max_concurrency)
+        GradientConfig(min_limit=settings.min_concurrency, max_limit=settings.max_concurrency), clock
     )
 
 
