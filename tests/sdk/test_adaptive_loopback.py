@@ -68,8 +68,13 @@ class Server:
 
 def run_fleet(url: str, make_limiter: Callable[[], RateLimiter | None], seconds: float) -> None:
     policy = RetryPolicy(max_attempts=3, deadline=1.0, base_delay=0.02, max_delay=0.2)
-    ready = threading.Barrier(CLIENTS + 1)
     stop = [0.0]
+
+    def start_clock() -> None:
+        stop[0] = time.monotonic() + seconds
+
+    # The window starts once every client is built (slow on a busy machine).
+    ready = threading.Barrier(CLIENTS + 1, action=start_clock)
 
     def client_loop() -> None:
         limiter = make_limiter()
@@ -89,7 +94,6 @@ def run_fleet(url: str, make_limiter: Callable[[], RateLimiter | None], seconds:
     threads = [threading.Thread(target=client_loop) for _ in range(CLIENTS)]
     for t in threads:
         t.start()
-    stop[0] = time.monotonic() + seconds
     ready.wait()
     for t in threads:
         t.join(seconds + 30)
