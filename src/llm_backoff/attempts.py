@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .backoff import next_wait
 from .classify import Verdict
@@ -33,9 +33,12 @@ EXTENSION_KEY = "llm_backoff.attempts"
 ATTRIBUTE = "llm_backoff_attempts"
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """How one attempt of a call ended, and what came after it."""
+class Attempt(NamedTuple):
+    """How one attempt of a call ended, and what came after it.
+
+    An immutable record (a named tuple: cheap to build on every call, hashable,
+    comparable, and printable in logs).
+    """
 
     number: int
     """1-based."""
@@ -55,14 +58,12 @@ class Attempt:
     """Seconds the attempt took."""
 
 
-@dataclass(frozen=True, slots=True)
-class Retry:
+class Retry(NamedTuple):
     wait: float
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class GiveUp:
+class GiveUp(NamedTuple):
     reason: str
 
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from .policy import NEVER_RETRY_STATUSES, RetryPolicy
 from .retry_after import MAX_HINT_BODY
@@ -32,8 +31,9 @@ from .retry_after import MAX_HINT_BODY
 ErrorKind = Literal["timeout", "connection"]
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(NamedTuple):
+    """Retry or not, and a short reason for logs and the attempt history."""
+
     retryable: bool
     reason: str
 

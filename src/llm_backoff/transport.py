@@ -275,10 +275,11 @@ class RetryEngine:
             return
         left = max(left, 0.001)
         if isinstance(base_timeout, dict):
-            cut = {k: left if v is None else min(float(v), left) for k, v in base_timeout.items()}
+            cut = {k: left if v is None or v > left else v for k, v in base_timeout.items()}
         else:
             cut = dict.fromkeys(("connect", "read", "write", "pool"), left)
-        request.extensions = {**request.extensions, "timeout": cut}
+        # httpx/httpx2 give every Request its own extensions dict: updating it is safe.
+        request.extensions["timeout"] = cut
         # We stop waiting for the first byte after the read timeout: promising the server
         # more patience than that would let it queue work nobody will collect.
         patience = min(left, cut.get("read") or left)
