@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +24,8 @@ from llm_backoff_shim.admission import (
 from llm_backoff_shim.classes import ClassShares, SharedSlots, share_slots
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
+from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.sim import SimConfig, create_sim_app
 
 
 class FakeClock:
@@ -211,3 +218,96 @@ def test_class_flags_parse_maps_and_name_the_bad_value(monkeypatch: pytest.Monke
     ]:
         with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             load_settings(argv)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _post(url: str, cls: str, hold: bool = False) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-request-class": cls, **({"x-fake-hold": "1"} if hold else {})},
+        timeout=60,
+    )
+
+
+def test_a_batch_flood_leaves_interactive_a_free_slot(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    """The engine is held busy by batch work (deterministic, no timing): interactive requests
+    still find the reserved slot at once, and batch completes once the engine moves again."""
+    shim = make_shim(upstream.url, max_concurrency=4, max_queue=100, reserved_share="interactive=0.25")
+    with ThreadPoolExecutor(24) as pool:
+        flood = [pool.submit(_post, shim.url, "batch", True) for _ in range(20)]
+        waiter(lambda: shim.state()["batch"] == (3, 17), what="batch holding 3 of 4 slots, 17 queued")
+        probes = [_post(shim.url, "interactive") for _ in range(4)]
+        assert shim.state()["batch"] == (3, 17)
+        upstream.release()
+        assert [f.result().status_code for f in flood] == [200] * 20
+    assert [p.status_code for p in probes] == [200] * 4
+    # Admitted on arrival every time: no interactive request waited behind the flood.
+    assert [p.headers["x-queue-time-ms"] for p in probes] == ["0"] * 4
+    assert upstream.peak == 4  # three batch + the interactive probe in the reserved slot
+    waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="all slots back")
+
+
+def test_without_a_reservation_interactive_waits_but_goes_first(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    shim = make_shim(upstream.url, max_concurrency=4, max_queue=100, reserved_share="", min_share="")
+    with ThreadPoolExecutor(24) as pool:
+        flood = [pool.submit(_post, shim.url, "batch", True) for _ in range(20)]
+        waiter(lambda: shim.state()["batch"] == (4, 16), what="batch holding every slot")
+        probe = pool.submit(_post, shim.url, "interactive")
+        waiter(lambda: shim.state()["interactive"] == (0, 1), what="interactive queued")
+        upstream.release()
+        answer = probe.result()
+        assert [f.result().status_code for f in flood] == [200] * 20
+    assert answer.status_code == 200
+    assert int(answer.headers["x-queue-time-ms"]) > 0
+    # It was first in line: the upstream saw it right after the four batch requests held at the start.
+    order = [r.headers for r in upstream.received]
+    classes = [dict(h).get("x-request-class") for h in order]
+    assert classes[:5] == ["batch"] * 4 + ["interactive"]
+
+
+def test_the_simulator_serves_a_mixed_flood_through_the_shares(
+    make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    """Against the vLLM-like simulator: a batch flood with interactive requests mixed in; every
+    request of both classes completes, interactive ones within their 2 s budget (x-slo-state green)."""
+    config = SimConfig(max_num_seqs=4, ttft=0.02, itl=0.002, output_tokens=10, seed=2)
+    with ServerThread(create_sim_app(config)) as sim:
+        shim = make_shim(
+            sim.url,
+            max_concurrency=4,
+            max_queue=100,
+            batch_max_queue_wait=60,
+            ttft_slo="interactive=2",
+        )
+        with ThreadPoolExecutor(34) as pool:
+            flood = [pool.submit(_post, shim.url, "batch") for _ in range(30)]
+            probes = [pool.submit(_post, shim.url, "interactive") for _ in range(4)]
+            answers = [f.result() for f in probes]
+            assert [f.result().status_code for f in flood] == [200] * 30
+    assert [a.status_code for a in answers] == [200] * 4
+    assert {a.headers["x-slo-state"] for a in answers} <= {"green", "yellow"}
+    waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="all slots back")
+
+
+def test_forward_priority_sets_vllm_priority_from_the_class(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    plain = make_shim(upstream.url)
+    forwarding = make_shim(upstream.url, forward_priority=True, class_priority="batch=10")
+    body = {"model": "m", "messages": [], "priority": -100}
+    for shim in (plain, forwarding):
+        for cls in ("interactive", "batch"):
+            answer = httpx.post(
+                shim.url + "/v1/chat/completions", json=body, headers={"x-request-class": cls}, timeout=10
+            )
+            assert answer.status_code == 200
+    sent = [json.loads(r.body)["priority"] for r in upstream.received]
+    # Off by default: the body goes through untouched; on: the class decides, not the caller.
+    assert sent == [-100, -100, 0, 10]
