@@ -24,9 +24,10 @@ its samples say nothing about more load. An upstream overload answer (vLLM's 503
 cuts the limit by ``backoff`` at once.
 
 TTFB is measured from admission (not arrival: time queued in the shim is not engine
-latency) to the upstream's response headers: for a streamed request the engine's time
-to first token, for a non-streamed one the whole generation, which the baseline then
-reflects too. Pure: time comes from the injected clock.
+latency) to the first byte of the response *body* (vLLM sends a stream's headers at
+once, even while the request waits in the engine): for a streamed request the engine's
+time to first token, for a non-streamed one the whole generation, which the baseline
+then reflects too. Pure: time comes from the injected clock.
 """
 
 from __future__ import annotations

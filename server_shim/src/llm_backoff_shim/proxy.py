@@ -305,8 +305,6 @@ class Proxy:
         try:
             if cls is not None:
                 self.metrics.time_to_first_byte.labels(cls).observe(self.clock() - arrival)
-            if grant is not None and self.on_first_byte is not None and grant.ticket.admitted_at is not None:
-                self.on_first_byte(self.clock() - grant.ticket.admitted_at, self.controller.in_flight())
             exchange.status = response.status
             if response.status == 503:
                 await self._upstream_overloaded(send, cls, response, exchange)
@@ -320,7 +318,11 @@ class Proxy:
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             started = True
             try:
+                first = True
                 async for chunk in response.content.iter_any():
+                    if first:
+                        first = False
+                        self._first_body_byte(grant)
                     if scope is not None:
                         scope.observe(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -335,6 +337,12 @@ class Proxy:
             await context.__aexit__(None, None, None)
             if not started and exchange.metric == "client_disconnected":
                 log.debug("client left before the upstream answered")
+
+    def _first_body_byte(self, grant: Grant | None) -> None:
+        # The first *body* byte: vLLM sends a stream's headers before its first token, even
+        # while the request waits in the engine, so the header time says nothing about load.
+        if grant is not None and self.on_first_byte is not None and grant.ticket.admitted_at is not None:
+            self.on_first_byte(self.clock() - grant.ticket.admitted_at, self.controller.in_flight())
 
     async def _unavailable(self, send: Send, cls: str | None, detail: str, exchange: _Exchange) -> None:
         rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
