@@ -92,39 +92,52 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_serve_help_explains_every_flag() -> None:
-    result = run_cli("serve", "--help")
-    assert result.returncode == 0
+def test_serve_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["serve", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
     for flag in ("--upstream", "--max-concurrency", "--max-queue", "--max-queue-wait", "--reject-status"):
-        assert flag in result.stdout
-    assert "LLM_BACKOFF_SHIM_RETRY_AFTER_MAX" in result.stdout
-    assert "most generation requests in flight upstream at once" in result.stdout
+        assert flag in out
+    assert "LLM_BACKOFF_SHIM_RETRY_AFTER_MAX" in out
+    assert "most generation requests in flight upstream at once" in out
 
 
-def test_serve_with_bad_value_exits_2_without_traceback() -> None:
-    result = run_cli("serve", "--max-queue", "-1")
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert result.stderr.strip().count("\n") == 0
-    assert "--max-queue=-1" in result.stderr
+def test_serve_with_bad_value_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--max-queue", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0
+    assert err.startswith("llm-backoff-shim serve: invalid configuration: --max-queue=-1")
 
 
-def test_serve_with_bad_env_exits_2() -> None:
-    result = run_cli("serve", env={"LLM_BACKOFF_SHIM_RETRY_AFTER_MIN": "0"})
-    assert result.returncode == 2
-    assert "LLM_BACKOFF_SHIM_RETRY_AFTER_MIN=0" in result.stderr
+def test_serve_with_bad_env_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_RETRY_AFTER_MIN", "0")
+    assert cli.main(["serve"]) == 2
+    assert "LLM_BACKOFF_SHIM_RETRY_AFTER_MIN=0" in capsys.readouterr().err
 
 
-def test_dispatcher_usage_and_unknown_subcommand() -> None:
+def test_dispatcher_usage_and_unknown_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--help"]) == 0
+    assert "serve" in capsys.readouterr().out
     assert cli.main([]) == 2
     assert cli.main(["frobnicate"]) == 2
+    assert "unknown subcommand 'frobnicate'" in capsys.readouterr().err
 
 
-def test_dispatcher_reaches_the_simulator() -> None:
-    result = run_cli("sim", "--help")
-    assert result.returncode == 0
-    assert "--max-num-seqs" in result.stdout
+def test_dispatcher_reaches_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["sim", "--help"])
+    assert info.value.code == 0
+    assert "--max-num-seqs" in capsys.readouterr().out
+
+
+def test_console_script_exits_2_without_traceback() -> None:
+    result = run_cli("serve", "--reject-status", "500")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "--reject-status=500" in result.stderr
 
 
 def test_serve_starts_and_answers_health_and_metrics_port() -> None:
