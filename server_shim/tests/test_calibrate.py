@@ -12,6 +12,7 @@ import json
 import random
 import shlex
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -232,11 +233,16 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     )
     assert status == 0, err
     result = json.loads(out)
+    seen = [
+        (s["concurrency"], round(s["throughput"], 2), round(s["latency_p99"], 3), s["elasticity"])
+        for s in result["steps"]
+    ]
+    assert result["knee"] is not None, seen
     levels = [step["concurrency"] for step in result["steps"]]
     knee = result["knee"]["concurrency"]
     # At or just under the engine's capacity, never above it: 16 workers queue 12 requests.
     # (A p99 outlier on a busy machine may already stop the ramp at 4, with the knee at 2.)
-    assert max_num_seqs // 2 <= knee <= max_num_seqs
+    assert max_num_seqs // 2 <= knee <= max_num_seqs, seen
     assert levels in ([2, 4], [2, 4, 16])
     assert levels[-1] > knee
     assert result["steps"][-1]["saturated"] is True
@@ -383,8 +389,6 @@ def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
 
 
 def _wait_for_idle(sim: ServerThread) -> dict[str, Any]:
-    import time
-
     # Bounded poll: the disconnects reach the engine asynchronously; 5 s only bounds a broken test.
     end = time.monotonic() + 5
     stats = sim_stats(sim)
