@@ -26,22 +26,30 @@ class FakeClock:
 def probed(config: GradientConfig, baseline: float = 0.1) -> tuple[GradientLimit, FakeClock]:
     clock = FakeClock()
     limit = GradientLimit(config, clock)
-    assert limit.probing
-    for _ in range(config.probe_samples):
-        limit.on_sample(baseline, config.min_limit)
     assert not limit.probing
+    assert limit.baseline is None
+    limit.on_sample(baseline, config.min_limit)
     assert limit.baseline == pytest.approx(baseline)
     return limit, clock
 
 
-def test_the_baseline_is_the_median_at_minimum_concurrency() -> None:
+def test_the_baseline_is_the_lowest_sample_then_the_median_of_each_probe() -> None:
     clock = FakeClock()
-    limit = GradientLimit(GradientConfig(min_limit=2, probe_samples=3), clock)
+    limit = GradientLimit(GradientConfig(min_limit=2, probe_samples=3, probe_interval=10), clock)
+    assert limit.limit == 2
+    limit.on_sample(0.3, 2)
+    limit.on_sample(0.2, 2)
+    limit.on_sample(0.4, 2)
+    assert limit.baseline == pytest.approx(0.2)
+    clock.now += 10
+    limit.on_sample(0.4, 2)  # starts a probe (this sample is its first)
+    assert limit.probing
     assert limit.limit == 2
     limit.on_sample(5.0, 9)  # a leftover from higher concurrency: ignored
-    for ttfb in (0.3, 0.1, 0.2):
-        limit.on_sample(ttfb, 2)
-    assert limit.baseline == pytest.approx(0.2)
+    limit.on_sample(0.5, 2)
+    limit.on_sample(0.6, 2)
+    assert not limit.probing
+    assert limit.baseline == pytest.approx(0.5)  # the engine got slower: the probe says so
 
 
 def test_flat_latency_at_full_use_grows_the_limit_up_to_the_max() -> None:
@@ -85,9 +93,9 @@ def test_overload_backs_off_at_once_and_probes_recur() -> None:
     limit.on_sample(0.1, 5)
     assert limit.probing
     assert limit.limit == 1
-    for _ in range(10):
-        limit.on_sample(0.3, 1)  # the engine got slower: the new baseline says so
-    assert limit.baseline == pytest.approx(0.3)
+    for _ in range(5):
+        limit.on_sample(0.3, 1)
+    assert not limit.probing
     assert limit.limit == int(limit.estimate)
 
 

@@ -6,12 +6,14 @@ above it requests wait inside the engine and TTFB climbs. :class:`GradientLimit`
 finds the knee from latency alone, as Envoy's adaptive concurrency filter does,
 with two tiny state machines:
 
-**Baseline (minRTT).** The no-load TTFB is measured, not assumed: at start and then
-every ``probe_interval`` seconds the limit drops to ``min_limit`` until
-``probe_samples`` requests have been measured at that concurrency; their median is
-the baseline. (A running average of all samples, as Netflix's Gradient2 keeps, would
-follow the latency up under sustained load and let the limit creep past the knee;
-re-measuring is what keeps the reference honest.)
+**Baseline (minRTT).** The no-load TTFB is measured, not assumed. From the start it
+is the lowest sample seen (the limit starts at ``min_limit``, so the first samples
+are taken without load); every ``probe_interval`` seconds the limit drops to
+``min_limit`` until ``probe_samples`` requests have been measured at that concurrency,
+and their median replaces it, so an engine that became slower is noticed too. (A
+running average of all samples, as Netflix's Gradient2 keeps, would follow the
+latency up under sustained load and let the limit creep past the knee; re-measuring
+at low concurrency, as Envoy does, keeps the reference honest.)
 
 **Gradient.** Every other sample moves the limit, smoothed like Gradient2::
 
@@ -46,8 +48,8 @@ class GradientConfig:
     max_limit: int = 64
     buffer: float = 0.25
     smoothing: float = 0.2
-    probe_interval: float = 30.0
-    probe_samples: int = 10
+    probe_interval: float = 60.0
+    probe_samples: int = 5
     backoff: float = 0.9
 
     def __post_init__(self) -> None:
@@ -73,8 +75,8 @@ class GradientLimit:
         self._clock = clock
         self._estimate = float(config.min_limit)
         self._baseline: float | None = None
-        self._probe: list[float] | None = []  # None: not probing
-        self._next_probe = math.inf
+        self._probe: list[float] | None = None  # None: not probing
+        self._next_probe = clock() + config.probe_interval
 
     @property
     def limit(self) -> int:
@@ -89,7 +91,7 @@ class GradientLimit:
 
     @property
     def baseline(self) -> float | None:
-        """The measured no-load TTFB (None until the first probe finished)."""
+        """The measured no-load TTFB (None before the first sample)."""
         return self._baseline
 
     @property
@@ -106,7 +108,7 @@ class GradientLimit:
         if self._probe is not None:
             self._probe_sample(ttfb, in_flight, now)
             return
-        assert self._baseline is not None
+        self._baseline = ttfb if self._baseline is None else min(self._baseline, ttfb)
         cfg = self.config
         if in_flight < self._estimate / 2:
             return
