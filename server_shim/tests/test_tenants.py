@@ -381,3 +381,22 @@ def test_quota_state_is_per_app(sim: ServerThread) -> None:
     tenant = Tenant("x", None, TenantLimits(requests_per_minute=1))
     assert asyncio.run(p1.quotas.take(tenant, 0)).granted
     assert asyncio.run(p2.quotas.take(tenant, 0)).granted
+
+
+def test_an_unreachable_redis_answers_503_and_leaks_nothing(
+    sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    pytest.importorskip("redis")
+    from llm_backoff_shim.serving import free_socket
+
+    closed = free_socket()
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    shim = make_shim(sim.url, tenant_requests_per_minute=10, redis_url=f"redis://127.0.0.1:{port}/0")
+    answer = chat(shim.url, "sk-a")
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["code"] == "upstream_unavailable"
+    assert "quota store" in error["message"]
+    assert int(answer.headers["retry-after"]) >= 1
+    waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="nothing held")

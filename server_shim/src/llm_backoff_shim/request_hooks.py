@@ -110,7 +110,19 @@ class _PolicyScope(RequestScope):
         if quotas is None or self.tenant is None:
             return None
         estimate = estimate_tokens(self.body, path=self.path)
-        decision = await quotas.take(self.tenant, estimate)
+        try:
+            decision = await quotas.take(self.tenant, estimate)
+        except Exception as exc:  # redis.RedisError and friends: the store, not the request, failed
+            # A shared quota that cannot be checked is not silently skipped: 503, retry soon.
+            log.warning("tenant quota store unavailable: %s: %s", type(exc).__name__, exc)
+            rejection = Rejection(
+                code="upstream_unavailable",
+                message=f"tenant quota store unavailable ({type(exc).__name__})",
+                retry_after=self.policies.controller.estimator.config.retry_after_min,
+                queue_depth=self.policies.controller.queued(self.request.cls),
+                status=503,
+            )
+            return HookRefusal(rejection_response(rejection, 503), rejection.code, rejection.retry_after)
         self.quota_headers = decision.headers
         if decision.granted:
             self.charge = decision.charge
@@ -142,7 +154,10 @@ class _PolicyScope(RequestScope):
         if quotas is None or self.charge is None:
             return
         used = usage_tokens(bytes(self._tail)) if served else None
-        await quotas.settle(self.charge, served=served, status=status, used_tokens=used)
+        try:
+            await quotas.settle(self.charge, served=served, status=status, used_tokens=used)
+        except Exception as exc:  # the answer is out already; a lost correction only skews the quota
+            log.warning("tenant quota correction lost: %s: %s", type(exc).__name__, exc)
 
 
 class ShimPolicies(RequestHooks):
