@@ -162,73 +162,102 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load-test an OpenAI-compatible upstream (vLLM, the simulator) with a closed-loop "
         "concurrency ramp, find the knee (the highest level whose p99 TTFT meets --ttft-slo before "
         "p99 latency grows faster than throughput) and print the `llm-backoff-shim serve` flags it "
-        "implies, a table of the steps and a PNG of the curves. Bounded in time and requests.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "implies, a table of the steps and a PNG of the curves. Bounded in time and requests. "
+        "Exit status: 0 with a recommendation, 1 without one, 2 on bad flags.",
     )
-    p.add_argument("--upstream", required=True, help="base URL of the engine, e.g. http://127.0.0.1:8000")
-    p.add_argument(
+    add = p.add_argument
+    add("--upstream", required=True, metavar="URL", help="base URL of the engine, e.g. http://127.0.0.1:8000")
+    add(
         "--ttft-slo",
         type=float,
         default=DEFAULT_TTFT_SLO,
-        help="p99 time-to-first-token SLO, seconds (the default is a common interactive target: set yours)",
+        metavar="SECONDS",
+        help="p99 time-to-first-token SLO; the default, %(default)s s, is a common interactive "
+        "target: set yours",
     )
-    p.add_argument("--model", default=None, help="model to ask for (default: the first of /v1/models)")
-    p.add_argument(
+    add("--model", help="model to ask for (default: the first of /v1/models)")
+    add(
         "--api-key",
-        default=None,
-        help="bearer token for the upstream (default: $OPENAI_API_KEY, else 'EMPTY' as vLLM accepts)",
+        metavar="KEY",
+        help="bearer token (default: $OPENAI_API_KEY, else 'EMPTY' as vLLM accepts)",
     )
-    p.add_argument("--max-level", type=int, default=256, help="highest concurrency of the 1, 2, 4, ... ramp")
-    p.add_argument(
-        "--steps", default=None, help="explicit concurrency levels, e.g. 1,2,4,6,8 (overrides --max-level)"
+    add(
+        "--max-level",
+        type=int,
+        default=256,
+        metavar="N",
+        help="top of the 1, 2, 4, ... ramp (default %(default)s)",
     )
-    p.add_argument(
+    add(
+        "--steps",
+        metavar="N,N,...",
+        help="explicit concurrency levels, e.g. 1,2,4,6,8 (overrides --max-level)",
+    )
+    add(
         "--prompt-tokens",
         default="512",
-        help="prompt length in tokens: N, or LOW-HIGH drawn uniformly (seeded)",
+        metavar="N|LOW-HIGH",
+        help="prompt length, fixed or drawn uniformly (seeded) (default %(default)s)",
     )
-    p.add_argument(
-        "--output-tokens", default="128", help="answer length in tokens (max_tokens): N or LOW-HIGH (seeded)"
+    add(
+        "--output-tokens",
+        default="128",
+        metavar="N|LOW-HIGH",
+        help="answer length (max_tokens), fixed or drawn uniformly (seeded) (default %(default)s)",
     )
-    p.add_argument(
-        "--step-seconds", type=float, default=20.0, help="seconds each level keeps starting requests"
+    add(
+        "--step-seconds",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="how long each level keeps starting requests (default %(default)s)",
     )
-    p.add_argument("--step-requests", type=int, default=1000, help="most requests started per level")
-    p.add_argument(
+    add(
+        "--step-requests",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="most requests per level (default %(default)s)",
+    )
+    add(
         "--max-seconds",
         type=float,
         default=600.0,
-        help="cap on the whole run; requests still running are cancelled",
+        metavar="SECONDS",
+        help="cap on the whole run; requests still running then are cancelled (default %(default)s)",
     )
-    p.add_argument(
-        "--request-timeout", type=float, default=300.0, help="seconds before one request counts as failed"
+    add(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="one request fails after this long (default %(default)s)",
     )
-    p.add_argument(
+    add(
         "--no-ignore-eos",
         dest="ignore_eos",
         action="store_false",
-        help="do not send vLLM's ignore_eos (needed for upstreams that refuse unknown fields; "
-        "answers may then end before --output-tokens)",
+        help="do not send vLLM's ignore_eos (for upstreams that refuse unknown fields; answers may "
+        "then end before --output-tokens)",
     )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the prompt/output length draws and prompt words"
-    )
-    p.add_argument(
+    add("--seed", type=int, default=0, help="seed of the length draws and prompt words (default %(default)s)")
+    add(
         "--max-elasticity",
         type=float,
         default=1.0,
-        help="a level is past the knee when ln(p99 latency growth) / ln(throughput growth) exceeds this",
+        metavar="E",
+        help="a level is past the knee when ln(latency growth) / ln(throughput growth) exceeds E "
+        "(default %(default)s)",
     )
-    p.add_argument(
+    add(
         "--max-error-rate",
         type=float,
         default=0.01,
-        help="a level with a larger share of failed requests is past the knee",
+        metavar="FRACTION",
+        help="a level with a larger share of failed requests is past the knee (default %(default)s)",
     )
-    p.add_argument("--out", default=".", help=f"directory for {PNG_NAME}")
-    p.add_argument(
-        "--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)"
-    )
+    add("--out", default=".", metavar="DIR", help=f"directory for {PNG_NAME} (default: the current one)")
+    add("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     return p
 
 
