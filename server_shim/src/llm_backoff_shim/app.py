@@ -17,11 +17,13 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from llm_backoff_shim.admission import AdmissionController, ClassPolicy
 from llm_backoff_shim.classes import ClassShares, SharedSlots
@@ -30,6 +32,7 @@ from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import ConcurrencyLimit
 from llm_backoff_shim.metrics import CONTENT_TYPE, ShimMetrics
 from llm_backoff_shim.proxy import Proxy
+from llm_backoff_shim.rejection import client_error
 from llm_backoff_shim.traffic_policy import TrafficPolicy, build_traffic_policy, concurrency_limit
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.waiting import AsyncAdmission
@@ -142,6 +145,12 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
             }
         )
 
+    async def not_found(request: Request, exc: Exception) -> Response:
+        # Paths no route pattern can match (a decoded CR/LF) reach Starlette's own plain 404.
+        metrics.bad_request("bad_path")
+        answer = client_error("no such path: the shim serves /v1/...", status=404)
+        return Response(answer.body, status_code=404, media_type="application/json")
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await upstream.open()
@@ -152,7 +161,8 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
             await policy.stop()
             await upstream.close()
 
-    app = Starlette(
+    app = _ShimApp(
+        proxy,
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
@@ -169,9 +179,32 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
             Route("/{path:path}", proxy),
         ],
         lifespan=lifespan,
+        exception_handlers={404: not_found},
     )
     app.state.shim = runtime
     return app
+
+
+class _ShimApp(Starlette):
+    """Starlette for the control routes; ``/v1/`` requests go straight to the proxy.
+
+    The proxy answers its own errors, so on the relay path Starlette's router and
+    middleware (error and exception wrappers around every ``send``) would only cost
+    CPU (bench/bench_proxy.py). A path with a newline still goes through Starlette,
+    where no route matches it.
+    """
+
+    def __init__(self, proxy: Proxy, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._proxy = proxy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            if path.startswith("/v1/") and "\n" not in path:
+                await self._proxy(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def shim_state(app: Starlette) -> ShimRuntime:
