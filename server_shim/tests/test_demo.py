@@ -101,7 +101,8 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
         section = proc.stdout.split(f"== {label} ==", 1)[1].split("==", 1)[0]
         assert f"{r['ok']}/{r['calls']} = {r['success_rate']:.0%}" in section, label
         assert f"{r['wasted_tokens']}/{r['tokens_generated']} tokens" in section, label
-        assert f"({r['rejections']} rejections)" in section, label
+        assert f"({r['rejections']} rejections" in section, label
+        assert sum(r["rejections_by_code"].values()) == r["rejections"], label
         assert f"{r['retry_wave']} retries in 100 ms ({r['retries']} retries)" in section, label
     direct, shim_plain, shim_backoff = runs
     # The engine has no admission control of its own: straight at it nobody is rejected,

@@ -122,7 +122,7 @@ def test_figures_from_known_records() -> None:
             1,
             "interactive",
             "ok",
-            AttemptRecord(1, 0.0, 0.02, 429),
+            AttemptRecord(1, 0.0, 0.02, 429, code="queue_full"),
             AttemptRecord(2, 2.0, 2.01, 200),
             start=0.0,
             first_token=2.5,
@@ -133,8 +133,8 @@ def test_figures_from_known_records() -> None:
             2,
             "batch",
             "error",
-            AttemptRecord(1, 0.0, 0.005, 429),
-            AttemptRecord(2, 2.04, 2.045, 429),
+            AttemptRecord(1, 0.0, 0.005, 429, code="queue_full"),
+            AttemptRecord(2, 2.04, 3.045, 429, code="queue_timeout"),
             start=0.0,
             end=2.05,
             error="429 queue_full",
@@ -157,7 +157,10 @@ def test_figures_from_known_records() -> None:
     assert f.success_rate == 0.5
     assert (f.ttft_p50, f.ttft_p99) == (0.5, 2.5)
     assert f.rejections == 3
-    assert f.rejection_p99 == pytest.approx(0.02)
+    assert f.rejection_p50 == pytest.approx(0.02)
+    assert f.rejection_p99 == pytest.approx(1.005)  # the one that waited in the queue
+    assert f.queue_full_p99 == pytest.approx(0.02)
+    assert f.rejections_by_code == {"429 queue_full": 2, "429 queue_timeout": 1}
     assert (f.attempts, f.retries) == (6, 2)
     assert f.attempts_per_success == 3.0
     assert f.retry_wave == 2  # retries at 2.0 and 2.04 s
@@ -210,7 +213,9 @@ async def test_counting_transport_sees_every_attempt_of_either_retry_loop(kind: 
         pytest.skip("this openai version is not built on httpx2")
     handler, seen = _rejecting_once()
     ticks = iter(range(100))
-    transport = CountingTransport(httpx2.MockTransport(handler), lambda: float(next(ticks)))
+    transport = CountingTransport(
+        httpx2.MockTransport(handler), lambda: float(next(ticks)), httpx2.ByteStream
+    )
     async with httpx2.AsyncClient(transport=transport) as http:
         client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="k", http_client=http, max_retries=2)
         if kind == "llm_backoff":
@@ -228,6 +233,8 @@ async def test_counting_transport_sees_every_attempt_of_either_retry_loop(kind: 
     assert [a.number for a in record.attempts] == [1, 2]
     assert all(a.latency is not None and a.latency > 0 for a in record.attempts)
     assert record.attempts[0].rejected
+    assert record.attempts[0].code == "queue_full"
+    assert record.attempts[1].code is None
     assert not record.attempts[1].rejected
     assert len(seen) == 3
     if kind == "llm_backoff":

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import contextvars
 import importlib
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class AttemptRecord:
     answered: float | None = None
     status: int | None = None
     error: str | None = None
+    code: str | None = None
+    """``error.code`` of an error answer (``queue_full``, ``queue_timeout``...), when it has one."""
 
     @property
     def rejected(self) -> bool:
@@ -149,9 +152,10 @@ class CountingTransport:
     library's base class, so the same class serves httpx and httpx2 clients.
     """
 
-    def __init__(self, inner: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, inner: Any, clock: Callable[[], float], byte_stream: Callable[[bytes], Any]) -> None:
         self.inner = inner
         self._clock = clock
+        self._byte_stream = byte_stream
 
     async def handle_async_request(self, request: Any) -> Any:
         call = _CURRENT_CALL.get()
@@ -168,6 +172,16 @@ class CountingTransport:
         if record is not None:
             record.answered = self._clock()
             record.status = response.status_code
+            if response.status_code >= 400:
+                # Error bodies are small: read the raw bytes here and hand the layers
+                # above a replayable stream of the same bytes.
+                stream = response.stream
+                try:
+                    raw = b"".join([chunk async for chunk in stream])
+                finally:
+                    await stream.aclose()
+                response.stream = self._byte_stream(raw)
+                record.code = error_code(raw)
         return response
 
     async def aclose(self) -> None:
@@ -178,6 +192,17 @@ class CountingTransport:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def error_code(body: bytes) -> str | None:
+    """``error.code`` of an OpenAI-format error body, or None."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    error = data.get("error") if isinstance(data, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def describe_error(exc: BaseException) -> str:
@@ -266,7 +291,7 @@ class LoadRun:
         # Unbounded pool: straight at the engine every waiting caller holds a connection,
         # and a pool limit would queue them in the client instead of in the engine.
         limits = http.Limits(max_connections=None, max_keepalive_connections=64)
-        transport = CountingTransport(http.AsyncHTTPTransport(limits=limits), self.clock)
+        transport = CountingTransport(http.AsyncHTTPTransport(limits=limits), self.clock, http.ByteStream)
         async with http.AsyncClient(timeout=5.0) as probe, http.AsyncClient(transport=transport) as shared:
             await self._warm_up(shared)
             await self._reset_engine(probe)

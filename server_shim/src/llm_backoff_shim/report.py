@@ -9,7 +9,10 @@ Definitions (the issue names the figures; these are the exact rules used):
   to the first content token, for interactive calls that succeeded. Percentiles are
   nearest-rank (p99 of 50 values is the largest), so no value is interpolated.
 - **time to rejection**: from sending an HTTP attempt to receiving its 429/503
-  response headers, over every rejected attempt.
+  response headers (as the client sees it, so the load generator's own event-loop
+  lag is included), over every rejected attempt. That includes requests that waited
+  in a proxy's queue and were then turned away (``queue_timeout``); the ``queue_full``
+  answers alone show how fast a refusal at arrival is.
 - **attempts per success**: all HTTP attempts of all calls, over the successful calls.
 - **goodput**: successful calls per second over the run (from t = 0 until the last
   caller has succeeded or given up), as a fraction of the engine's capacity. While
@@ -74,7 +77,10 @@ class Figures:
     ttft_p99: float | None
     ttft_budget: float
     rejections: int
+    rejection_p50: float | None
     rejection_p99: float | None
+    queue_full_p99: float | None
+    rejections_by_code: dict[str, int]
     attempts: int
     attempts_per_success: float | None
     retries: int
@@ -116,6 +122,12 @@ def figures(result: RunResult) -> Figures:
     fast = [c for c in failed if c.outcome == "error"]
     attempts = [a for c in calls for a in c.attempts]
     rejected = [a.latency for a in attempts if a.rejected and a.latency is not None]
+    at_arrival = [a.latency for a in attempts if a.code == "queue_full" and a.latency is not None]
+    by_code: dict[str, int] = {}
+    for a in attempts:
+        if a.rejected:
+            key = f"{a.status} {a.code}" if a.code else str(a.status)
+            by_code[key] = by_code.get(key, 0) + 1
     retry_times = [a.sent for c in calls for a in c.attempts[1:]]
     retried, admitted = _first_retry_stats(calls)
     window = max((c.end for c in calls if c.end is not None), default=0.0)
@@ -143,7 +155,10 @@ def figures(result: RunResult) -> Figures:
         ttft_p99=percentile([c.ttft for c in ok_interactive if c.ttft is not None], 99),
         ttft_budget=result.scenario.ttft_budget,
         rejections=sum(1 for a in attempts if a.rejected),
+        rejection_p50=percentile(rejected, 50),
         rejection_p99=percentile(rejected, 99),
+        queue_full_p99=percentile(at_arrival, 99),
+        rejections_by_code=dict(sorted(by_code.items(), key=lambda kv: -kv[1])),
         attempts=len(attempts),
         attempts_per_success=len(attempts) / len(ok) if ok else None,
         retries=len(retry_times),
@@ -195,7 +210,16 @@ def rows(f: Figures) -> list[tuple[str, str]]:
             f"{_seconds(f.ttft_p50)} / {_seconds(f.ttft_p99)} (budget {f.ttft_budget:g} s, "
             f"{f.ok_interactive}/{f.interactive_calls} interactive ok)",
         ),
-        ("p99 time to rejection", f"{_seconds(f.rejection_p99)} ({f.rejections} rejections)"),
+        (
+            "time to rejection p50 / p99",
+            f"{_seconds(f.rejection_p50)} / {_seconds(f.rejection_p99)} ({f.rejections} rejections"
+            + (f"; queue_full only: p99 {_seconds(f.queue_full_p99)}" if f.queue_full_p99 is not None else "")
+            + ")",
+        ),
+        (
+            "rejections by code",
+            ", ".join(f"{k} x{v}" for k, v in f.rejections_by_code.items()) or "none",
+        ),
         (
             "HTTP attempts per success",
             "-"
@@ -221,7 +245,7 @@ def rows(f: Figures) -> list[tuple[str, str]]:
             f"{'-' if f.engine_peak_waiting is None else f.engine_peak_waiting} / "
             f"{'-' if f.proxy_peak_queued is None else f.proxy_peak_queued}",
         ),
-        ("errors seen", ", ".join(f"{k} x{v}" for k, v in f.errors.items()) or "none"),
+        ("calls failed with", ", ".join(f"{k} x{v}" for k, v in f.errors.items()) or "none"),
     ]
 
 

@@ -1,0 +1,346 @@
+"""The overload benchmark (issue 7): the same seeded load, several client/proxy set-ups, side by side.
+
+    .venv/bin/python bench/bench_overload.py            # ~15 min: burst 200, 2x for 30 s, 1.2x for 30 s
+    .venv/bin/python bench/bench_overload.py --quick    # ~2 min: smaller loads, same shape
+
+Scenarios run against the simulator at a fixed capacity (8 slots, 1.2 s per request,
+6.67 requests/s), 30 s deadline per call. Set-ups per scenario:
+
+- direct + plain openai: ``AsyncOpenAI`` (2 retries) straight at the engine;
+- shim + plain openai;
+- shim + llm_backoff: ``wrap(AsyncOpenAI(...), RetryPolicy(deadline=30), budget=...)``;
+- haproxy + plain openai: HAProxy in front with ``maxconn 8`` and a timed queue
+  (``timeout queue`` = the shim's queue wait), when ``haproxy`` is installed; skipped
+  with a printed reason otherwise.
+
+Every server is a child process on loopback; the load generator is
+``llm_backoff_shim.loadgen`` (the demo's). Prints progress, a table per cell, a
+comparison per scenario, the targets of the issue checked against the
+shim + llm_backoff cells, writes one PNG per scenario and a Markdown section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from llm_backoff_shim.demo import ProgressLine, shim_flags
+from llm_backoff_shim.loadgen import LoadRun, RunResult, run_load
+from llm_backoff_shim.plots import save_plot
+from llm_backoff_shim.procs import (
+    ChildServer,
+    ServerStartError,
+    shim_server,
+    sigterm_as_interrupt,
+    sim_server,
+)
+from llm_backoff_shim.report import Figures, comparison, figures, table
+from llm_backoff_shim.scenario import (
+    DIRECT_PLAIN,
+    SHIM_BACKOFF,
+    SHIM_PLAIN,
+    EngineShape,
+    Scenario,
+    Setup,
+    arrivals,
+)
+
+HAPROXY_PLAIN = Setup("haproxy + plain openai", "peer", "plain")
+SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF, HAPROXY_PLAIN)
+TTFT_BUDGET = 10.0
+
+
+def scenarios(quick: bool) -> list[Scenario]:
+    if quick:
+        return [
+            Scenario("burst", burst=60, rate_factor=0, duration=0, deadline=10, ttft_budget=5),
+            Scenario("poisson-2x", burst=0, rate_factor=2.0, duration=10, deadline=10, ttft_budget=5),
+            Scenario("poisson-1.2x", burst=0, rate_factor=1.2, duration=10, deadline=10, ttft_budget=5),
+        ]
+    return [
+        Scenario("burst", burst=200, rate_factor=0, duration=0, deadline=30, ttft_budget=TTFT_BUDGET),
+        Scenario("poisson-2x", burst=0, rate_factor=2.0, duration=30, deadline=30, ttft_budget=TTFT_BUDGET),
+        Scenario("poisson-1.2x", burst=0, rate_factor=1.2, duration=30, deadline=30, ttft_budget=TTFT_BUDGET),
+    ]
+
+
+# -- the peer ---------------------------------------------------------------------------------
+
+
+def haproxy_config(port: int, upstream_port: int, queue_timeout: float, slots: int) -> str:
+    return f"""global
+    maxconn 4096
+
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 120s
+    timeout server 120s
+    timeout queue {int(queue_timeout * 1000)}ms
+
+frontend fe
+    bind 127.0.0.1:{port}
+    default_backend engine
+
+backend engine
+    server sim 127.0.0.1:{upstream_port} maxconn {slots}
+"""
+
+
+def haproxy_server(upstream: ChildServer, workdir: Path, queue_timeout: float, slots: int) -> ChildServer:
+    binary = shutil.which("haproxy") or "/usr/sbin/haproxy"
+
+    def command(port: int) -> list[str]:
+        path = workdir / f"haproxy-{port}.cfg"
+        path.write_text(haproxy_config(port, upstream.port, queue_timeout, slots))
+        return [binary, "-db", "-f", str(path)]
+
+    return ChildServer("haproxy", command)
+
+
+def peer_missing() -> str | None:
+    if shutil.which("haproxy") is None and not Path("/usr/sbin/haproxy").exists():
+        return "haproxy is not installed (apt-get install haproxy)"
+    return None
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    scenario: Scenario
+    figures: Figures
+
+
+def run_scenario(
+    scenario: Scenario, shape: EngineShape, setups: Sequence[Setup], seed: int, workdir: Path
+) -> list[RunResult]:
+    calls = arrivals(scenario, shape.capacity, random.Random(seed))
+    print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
+    results: list[RunResult] = []
+    with sim_server(shape.sim_flags()) as sim:
+        for setup in setups:
+            front: ChildServer | None = None
+            if setup.route == "shim":
+                front = shim_server(sim, shim_flags(shape, scenario))
+            elif setup.route == "peer":
+                front = haproxy_server(sim, workdir, scenario.ttft_budget, shape.slots)
+            with contextlib.ExitStack() as stack:
+                if front is not None:
+                    stack.enter_context(front)
+                print(f"- {setup.label}", flush=True)
+                line = ProgressLine(sys.stderr, f"{scenario.name} / {setup.label}")
+                run = LoadRun(
+                    setup,
+                    scenario,
+                    calls,
+                    target_url=sim.url if front is None else front.url,
+                    engine_url=sim.url,
+                    shim_url=front.url if setup.route == "shim" and front is not None else None,
+                    capacity=shape.capacity,
+                    progress=line,
+                )
+                result = run_load(run)
+                line.done()
+            results.append(result)
+            print(table(figures(result)) + f"\n  (run took {result.elapsed:.1f} s)", flush=True)
+    return results
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    scenario: str
+    text: str
+    check: Callable[[Figures], bool | None]
+
+
+def _le(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value <= limit
+
+
+def _ge(value: float | None, limit: float) -> bool | None:
+    return None if value is None else value >= limit
+
+
+TARGETS: tuple[Target, ...] = (
+    Target("burst", "success within deadline >= 95%", lambda f: f.success_rate >= 0.95),
+    Target("burst", "<= 2 HTTP attempts per request on average", lambda f: f.attempts / f.calls <= 2.0),
+    Target("burst", "<= 10 retries in any 100 ms window", lambda f: f.retry_wave <= 10),
+    Target("poisson-2x", "goodput >= 95% of capacity", lambda f: f.goodput_fraction >= 0.95),
+    Target("poisson-2x", "interactive p99 TTFT within its budget", lambda f: _le(f.ttft_p99, f.ttft_budget)),
+    Target("*", "p99 time to rejection <= 10 ms", lambda f: _le(f.rejection_p99, 0.010)),
+    Target("*", "zero wasted engine work", lambda f: f.wasted_tokens == 0),
+    Target("*", ">= 80% admitted on their first retry", lambda f: _ge(f.first_retry_admitted, 0.8)),
+    Target(
+        "poisson-2x",
+        "those not served fail fast with a typed error (no deadline timeouts)",
+        lambda f: f.failed_deadline == 0,
+    ),
+)
+
+
+def check_targets(cells: Sequence[Cell]) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for target in TARGETS:
+        for cell in cells:
+            if cell.figures.label != SHIM_BACKOFF.label:
+                continue
+            if target.scenario not in ("*", cell.scenario.name):
+                continue
+            verdict = target.check(cell.figures)
+            mark = "n/a" if verdict is None else ("met" if verdict else "MISSED")
+            rows.append((cell.scenario.name, target.text, mark, _evidence(target.text, cell.figures)))
+    return rows
+
+
+def _evidence(text: str, f: Figures) -> str:
+    if "success" in text:
+        return f"{f.ok}/{f.calls} = {f.success_rate:.1%}"
+    if "attempts" in text:
+        return f"{f.attempts}/{f.calls} = {f.attempts / f.calls:.2f}"
+    if "retries in any" in text:
+        return f"{f.retry_wave}"
+    if "goodput" in text:
+        return f"{f.goodput_fraction:.1%}"
+    if "TTFT" in text:
+        return (
+            f"p99 {f.ttft_p99 if f.ttft_p99 is None else round(f.ttft_p99, 2)} s, budget {f.ttft_budget:g} s"
+        )
+    if "rejection" in text:
+        return "-" if f.rejection_p99 is None else f"{f.rejection_p99 * 1000:.1f} ms"
+    if "wasted" in text:
+        return f"{f.wasted_tokens} tokens ({f.wasted_fraction:.1%})"
+    if "first retry" in text:
+        share = "-" if f.first_retry_admitted is None else f"{f.first_retry_admitted:.0%}"
+        return f"{share} of {f.first_retries}"
+    return f"{f.failed_fast} fast, {f.failed_deadline} at deadline"
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 0.1 else f"{value:.2f} s"
+
+
+def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
+    header = "| figure | " + " | ".join(f.label for f in cells) + " |"
+    rule = "|---|" + "---:|" * len(cells)
+    rows = [
+        ("success within deadline", [f"{f.ok}/{f.calls} = {f.success_rate:.0%}" for f in cells]),
+        ("interactive TTFT p50 / p99", [f"{_s(f.ttft_p50)} / {_s(f.ttft_p99)}" for f in cells]),
+        ("p99 time to rejection", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
+        (
+            "attempts per success",
+            ["-" if f.attempts_per_success is None else f"{f.attempts_per_success:.2f}" for f in cells],
+        ),
+        ("attempts per call", [f"{f.attempts / f.calls:.2f}" for f in cells]),
+        ("goodput / capacity", [f"{f.goodput_fraction:.0%}" for f in cells]),
+        ("wasted engine work (tokens)", [f"{f.wasted_fraction:.0%} ({f.wasted_tokens})" for f in cells]),
+        ("largest retry wave (per 100 ms)", [str(f.retry_wave) for f in cells]),
+        (
+            "admitted on first retry",
+            [
+                "-"
+                if f.first_retry_admitted is None
+                else f"{f.first_retry_admitted:.0%} of {f.first_retries}"
+                for f in cells
+            ],
+        ),
+        ("failed fast / at deadline", [f"{f.failed_fast} / {f.failed_deadline}" for f in cells]),
+        (
+            "peak queue engine / proxy",
+            [
+                f"{f.engine_peak_waiting} / {'-' if f.proxy_peak_queued is None else f.proxy_peak_queued}"
+                for f in cells
+            ],
+        ),
+    ]
+    lines = [f"#### {scenario.name}: {scenario.describe(cells[0].capacity)}", "", header, rule]
+    lines += [f"| {name} | " + " | ".join(values) + " |" for name, values in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller loads (10 s instead of 30 s)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", type=Path, default=Path("docs/img"), help="folder for PNGs and JSON")
+    p.add_argument("--only", default="", help="comma-separated scenario names to run (default: all)")
+    args = p.parse_args(argv)
+    shape = EngineShape()
+    chosen = scenarios(args.quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        chosen = [s for s in chosen if s.name in wanted]
+        if not chosen:
+            p.error(f"--only {args.only}: no such scenario")
+    setups = list(SETUPS)
+    missing = peer_missing()
+    if missing:
+        print(f"peer skipped: {missing}", flush=True)
+        setups.remove(HAPROXY_PLAIN)
+    print(
+        f"Engine: {shape.slots} slots, {shape.service_time:.2f} s per request, "
+        f"capacity {shape.capacity:.2f}/s; "
+        f"shim flags: {' '.join(shim_flags(shape, chosen[0]))}",
+        flush=True,
+    )
+    started = time.monotonic()
+    cells: list[Cell] = []
+    markdown: list[str] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if args.quick else ""
+    try:
+        with sigterm_as_interrupt(), tempfile.TemporaryDirectory() as tmp:
+            for scenario in chosen:
+                results = run_scenario(scenario, shape, setups, args.seed, Path(tmp))
+                figs = [figures(r) for r in results]
+                cells += [Cell(scenario, f) for f in figs]
+                print(f"\n{scenario.name}, side by side:\n{comparison(figs)}", flush=True)
+                png = save_plot(
+                    results,
+                    args.out / f"overload-{scenario.name}{suffix}.png",
+                    title=f"overload benchmark, {scenario.name}: {scenario.describe(shape.capacity)}",
+                )
+                print(f"plot: {png}", flush=True)
+                markdown.append(markdown_cells(scenario, figs) + f"\n\n![{scenario.name}]({png.name})")
+    except KeyboardInterrupt:
+        print("\ninterrupted; servers stopped", file=sys.stderr)
+        return 130
+    except ServerStartError as exc:
+        print(f"bench_overload: {exc}", file=sys.stderr)
+        return 1
+    rows = check_targets(cells)
+    print("\nTargets (shim + llm_backoff cells):")
+    for scenario_name, text, mark, evidence in rows:
+        print(f"  [{mark:>6}] {scenario_name:<13} {text}: {evidence}")
+    md_targets = ["| scenario | target | result | measured |", "|---|---|---|---|"]
+    md_targets += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    report = "\n\n".join(markdown) + "\n\n" + "\n".join(md_targets) + "\n"
+    (args.out / f"overload-bench{suffix}.md").write_text(report)
+    (args.out / f"overload-bench{suffix}.json").write_text(
+        json.dumps([{"scenario": c.scenario.name, **c.figures.as_dict()} for c in cells], indent=1) + "\n"
+    )
+    print(f"\nMarkdown: {args.out / f'overload-bench{suffix}.md'}")
+    print(f"Total {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
