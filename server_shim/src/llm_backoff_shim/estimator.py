@@ -118,8 +118,12 @@ class DrainEstimator:
         self._rate(cls).add(now)
 
     def completion_rate(self, cls: str) -> float:
-        """Completions per second observed for ``cls`` (decaying average)."""
-        return self._rate(cls).value(self._clock())
+        """Completions per second observed for ``cls`` (decaying average).
+
+        Read-only, so a metrics thread may call it while the event loop records completions.
+        """
+        rate = self._completions.get(cls)
+        return 0.0 if rate is None else rate.value(self._clock())
 
     def capacity_rate(self, slots: int) -> float:
         """Slots freed per second when all ``slots`` are busy (Little's law)."""

@@ -11,6 +11,19 @@ the client's connection the whole time: a disconnect while queued gives the queu
 place back at once, a disconnect mid-response aborts the upstream request (its
 socket is closed, so the engine sees the abort) and frees the slot. The slot is
 given back in ``finally`` on every path.
+
+Choices where the protocol is silent:
+
+- only POSTs to :data:`GENERATION_PATHS` are admission-controlled, counted in the
+  ``requests_total`` metric and carry ``x-queue-time-ms``; ``x-request-class`` and
+  ``x-request-timeout-ms`` are validated (400 when malformed) only there;
+- an upstream 503 on a generation request (vLLM's ``--max-num-queued-reqs``
+  answer) becomes a ``queue_full`` rejection with the configured status and an
+  estimated Retry-After, the upstream's message kept in ours; on other paths it is
+  a 503 ``upstream_unavailable``. Other upstream statuses pass through untouched;
+- any failure before the upstream's status line (refused, reset, timed out) is a
+  503 ``upstream_unavailable`` with Retry-After; a failure mid-response aborts the
+  client connection so a cut stream is never passed off as complete.
 """
 
 from __future__ import annotations
