@@ -60,10 +60,11 @@ from .attempts import (
 )
 from .classify import Verdict, classify_exception, classify_status, parse_error_body
 from .errors import RateLimitTimeout
-from .events import RetryEvent, RetryHook, RetryObservers
+from .events import CallObservers, RetryEvent, RetryHook, RetryObservers
 from .limits import CallLimiter, Permit, RetryBudgetLike
 from .policy import RetryPolicy
 from .retry_after import parse_hint
+from .stats import ClientStats
 from .testing import current_mode
 
 if TYPE_CHECKING:
@@ -208,6 +209,7 @@ class RetryEngine:
 
     Shareable across threads and tasks: per-call state lives in a fresh
     `RetryState`; the shared pieces (observers, limiter, budget) are thread-safe.
+    ``stats`` counts what this engine did; ``watchers`` (stats first) see every call.
     ``clock``/``wall_clock``/``rng``/``sleep``/``async_sleep`` are injectable for tests.
     """
 
@@ -245,6 +247,9 @@ class RetryEngine:
         self.rng = rng if rng is not None else random.Random()
         self.sleep = sleep
         self.async_sleep = async_sleep
+        self.stats = ClientStats()
+        self.watchers = CallObservers([self.stats])
+        self._budget_probe = _BudgetProbe(self)
 
     # -- per call ------------------------------------------------------------------
 
@@ -253,7 +258,8 @@ class RetryEngine:
         mode = current_mode()
         if mode is not None and mode.max_attempts is not None and mode.max_attempts < policy.max_attempts:
             policy = policy.model_copy(update={"max_attempts": mode.max_attempts})
-        return RetryState(policy, clock=self.clock, rng=self.rng, budget=self.budget), mode is not None
+        budget = self._budget_probe if self.budget is not None else None
+        return RetryState(policy, clock=self.clock, rng=self.rng, budget=budget), mode is not None
 
     def _begin_call(self, request: _Request) -> tuple[RetryState, bool, Any]:
         state, instant = self._new_state()
@@ -324,17 +330,17 @@ class RetryEngine:
                 decision.wait,
                 "" if hint is None else f" (server hint {hint:.3g} s)",
             )
-            self.observers.emit(
-                RetryEvent(
-                    attempt=last.number,
-                    reason=decision.reason,
-                    wait=decision.wait,
-                    hint=hint,
-                    elapsed=elapsed,
-                    method=request.method,
-                    url=str(request.url),
-                )
+            event = RetryEvent(
+                attempt=last.number,
+                reason=decision.reason,
+                wait=decision.wait,
+                hint=hint,
+                elapsed=elapsed,
+                method=request.method,
+                url=str(request.url),
             )
+            self.observers.emit(event)
+            self.watchers.retrying(event)
         elif last.number > 1 and (last.status is None or last.status >= 400):
             logger.info(
                 "%s %s giving up after %d attempts: %s",
@@ -386,18 +392,45 @@ class RetryEngine:
 
     # -- the two loops -------------------------------------------------------------
 
+    def _ended(self, state: RetryState, outcome: BaseException | int) -> None:
+        if isinstance(outcome, int):
+            verdict = "ok" if outcome < 400 else "failed"
+        else:
+            verdict = "failed" if isinstance(outcome, Exception) else "cancelled"
+        self.watchers.call_ended(verdict, len(state.history))
+
     def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
         """Send ``request`` through ``send`` (the wrapped transport) under the policy."""
         state, instant, base_timeout = self._begin_call(request)
+        try:
+            response = self._loop_sync(request, send, flavor, state, instant, base_timeout)
+        except BaseException as exc:
+            self._ended(state, exc)
+            raise
+        self._ended(state, response.status_code)
+        return response
+
+    def _loop_sync(
+        self,
+        request: Any,
+        send: Callable[[Any], Any],
+        flavor: Flavor,
+        state: RetryState,
+        instant: bool,
+        base_timeout: Any,
+    ) -> Any:
         request.read()
         while True:
             permit: Permit | None = None
             if self.limiter is not None:
+                asked = self.clock()
                 try:
                     permit = self.limiter.acquire_for(request, timeout=self._limiter_timeout(state))
                 except RateLimitTimeout as exc:
+                    self.watchers.limiter_waited(self.clock() - asked, granted=False)
                     annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
                     raise
+                self.watchers.limiter_waited(self.clock() - asked, granted=True)
             self._stamp(request, state, base_timeout)
             started = self.clock()
             raw: bytes | None = None
@@ -429,17 +462,37 @@ class RetryEngine:
     async def run_async(self, request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor) -> Any:
         """The async twin of `run_sync`; keep the two in step."""
         state, instant, base_timeout = self._begin_call(request)
+        try:
+            response = await self._loop_async(request, send, flavor, state, instant, base_timeout)
+        except BaseException as exc:
+            self._ended(state, exc)
+            raise
+        self._ended(state, response.status_code)
+        return response
+
+    async def _loop_async(
+        self,
+        request: Any,
+        send: Callable[[Any], Awaitable[Any]],
+        flavor: Flavor,
+        state: RetryState,
+        instant: bool,
+        base_timeout: Any,
+    ) -> Any:
         await request.aread()
         while True:
             permit: Permit | None = None
             if self.limiter is not None:
+                asked = self.clock()
                 try:
                     permit = await self.limiter.acquire_for_async(
                         request, timeout=self._limiter_timeout(state)
                     )
                 except RateLimitTimeout as exc:
+                    self.watchers.limiter_waited(self.clock() - asked, granted=False)
                     annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
                     raise
+                self.watchers.limiter_waited(self.clock() - asked, granted=True)
             self._stamp(request, state, base_timeout)
             started = self.clock()
             raw: bytes | None = None
@@ -467,6 +520,27 @@ class RetryEngine:
                 continue
             self._finish(response, raw, body, permit, state, flavor)
             return response
+
+
+class _BudgetProbe:
+    """The engine's retry budget as `RetryState` sees it: refusals are reported to the watchers."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: RetryEngine) -> None:
+        self._engine = engine
+
+    def record_request(self) -> None:
+        budget = self._engine.budget
+        if budget is not None:
+            budget.record_request()
+
+    def try_spend(self) -> bool:
+        budget = self._engine.budget
+        if budget is None or budget.try_spend():
+            return True
+        self._engine.watchers.budget_refused()
+        return False
 
 
 def __getattr__(name: str) -> Any:

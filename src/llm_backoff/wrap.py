@@ -52,9 +52,10 @@ import openai
 
 from .attempts import ATTRIBUTE, EXTENSION_KEY
 from .errors import RateLimitTimeout, UnsupportedClientError
-from .events import RetryHook, RetryObservers
+from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
 from .policy import RetryPolicy
+from .stats import ClientStats
 from .transport import REASON_KEY, RetryEngine, annotate
 
 ClientT = TypeVar("ClientT", openai.OpenAI, openai.AsyncOpenAI)
@@ -66,7 +67,7 @@ def wrap(
     client: ClientT,
     policy: RetryPolicy | None = None,
     *,
-    on_retry: RetryHook | Iterable[RetryHook] | None = None,
+    on_retry: RetryObservers | RetryHook | Iterable[RetryHook] | None = None,
     request_class: str | None = None,
     limiter: CallLimiter | None = None,
     budget: RetryBudgetLike | None = None,
@@ -96,11 +97,25 @@ def wrap(
 
 def retry_observers(client: openai.OpenAI | openai.AsyncOpenAI) -> RetryObservers:
     """The hook list of a wrapped client, to subscribe a stats collector after the fact."""
-    transport = getattr(client._client, "_transport", None)
+    return _engine_of(client).observers
+
+
+def client_stats(client: openai.OpenAI | openai.AsyncOpenAI) -> ClientStats:
+    """The live counters of a wrapped client (shared with its ``copy()``/``with_options()`` clients)."""
+    return _engine_of(client).stats
+
+
+def call_observers(client: openai.OpenAI | openai.AsyncOpenAI) -> CallObservers:
+    """The `CallObserver` list of a wrapped client (``llm_backoff.otel.instrument`` subscribes here)."""
+    return _engine_of(client).watchers
+
+
+def _engine_of(client: object) -> RetryEngine:
+    transport = getattr(getattr(client, "_client", None), "_transport", None)
     engine = getattr(transport, "engine", None)
     if not isinstance(engine, RetryEngine):
         raise UnsupportedClientError("this client was not made by llm_backoff.wrap()")
-    return engine.observers
+    return engine
 
 
 def _retry_transport_class(http_client: object, *, is_async: bool) -> type[Any]:
