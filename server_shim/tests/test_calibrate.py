@@ -446,6 +446,72 @@ def refusing_upstream() -> Starlette:
     )
 
 
+def recording_upstream(bodies: list[dict[str, Any]], auth: list[str]) -> Starlette:
+    """A minimal streaming chat upstream that keeps every request body and Authorization header."""
+
+    def chunk(delta: dict[str, Any] | None, usage: dict[str, int] | None = None) -> bytes:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": None}]
+        body = {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "rec",
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    async def chat(request: Request) -> Response:
+        bodies.append(await request.json())
+        auth.append(request.headers.get("authorization", ""))
+        parts = [
+            chunk({"role": "assistant", "content": ""}),  # vLLM's role chunk carries no token
+            chunk({"content": "a"}),
+            chunk({"content": " b"}),
+            chunk(None, {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}),
+            b"data: [DONE]\n\n",
+        ]
+        return Response(b"".join(parts), media_type="text/event-stream")
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "rec", "object": "model"}, {"id": "other"}]})
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ]
+    )
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_requests_on_the_wire(ignore_eos: bool, tmp_path: Path) -> None:
+    bodies: list[dict[str, Any]] = []
+    auth: list[str] = []
+    flags = ["--ttft-slo", "5", "--steps", "1", "--step-requests", "6", "--api-key", "sk-test", "--json",
+             "--prompt-tokens", "3-9", "--output-tokens", "4-6", "--out", str(tmp_path)]  # fmt: skip
+    with ServerThread(recording_upstream(bodies, auth)) as server:
+        status, out, _ = run(["--upstream", server.url, *flags, *([] if ignore_eos else ["--no-ignore-eos"])])
+    assert status == 0
+    assert len(bodies) == 6
+    assert set(auth) == {"Bearer sk-test"}
+    for body in bodies:
+        assert body["model"] == "rec"  # the first model /v1/models lists
+        assert body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        assert 4 <= body["max_tokens"] <= 6
+        assert ("ignore_eos" in body) is ignore_eos
+        words = body["messages"][0]["content"].split()
+        assert 3 <= len(words) <= 9
+        assert set(words) <= set(calibrate.WORDS)
+    assert len({b["messages"][0]["content"] for b in bodies}) > 1  # prompts differ: no prefix-cache hits
+    step = json.loads(out)["steps"][0]
+    assert step["mean_prompt_tokens"] == 7  # the upstream's count, not the request's
+    assert step["mean_output_tokens"] == 2
+    assert step["requests"] == 5  # the first request is warm-up
+
+
 def test_an_upstream_that_refuses_everything_gets_no_recommendation(tmp_path: Path) -> None:
     with ServerThread(refusing_upstream()) as server:
         status, out, err = run(["--upstream", server.url, "--ttft-slo", "1", "--out", str(tmp_path)])
