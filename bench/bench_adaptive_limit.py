@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from llm_backoff_shim.procs import shim_server, sim_server
+from llm_backoff_shim.procs import shim_server, sigterm_as_interrupt, sim_server
 
 KNEE = 8
 SIM_FLAGS = [
@@ -61,6 +61,7 @@ class Phase:
     completions: int = 0
     errors: int = 0
     limits: list[tuple[float, float]] = field(default_factory=list)
+    engine_waiting: list[tuple[float, float]] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -88,22 +89,34 @@ async def _client(
             phase.completions += 1
 
 
-async def _watch_limit(
-    session: aiohttp.ClientSession, url: str, phase: Phase, start: float, end: float
+async def _gauge(session: aiohttp.ClientSession, url: str, prefix: str) -> float | None:
+    async with session.get(url + "/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[-1])
+    return None
+
+
+async def _watch(
+    session: aiohttp.ClientSession, shim: str, sim: str, phase: Phase, start: float, end: float
 ) -> None:
+    """The shim's limit and the engine's own waiting queue, every 0.25 s."""
     while time.monotonic() < end:
         try:
-            async with session.get(url + "/metrics") as response:
-                text = await response.text()
-            for line in text.splitlines():
-                if line.startswith("llm_backoff_shim_concurrency_limit "):
-                    phase.limits.append((time.monotonic() - start, float(line.split()[1])))
+            limit = await _gauge(session, shim, "llm_backoff_shim_concurrency_limit ")
+            waiting = await _gauge(session, sim, "vllm:num_requests_waiting")
+            now = time.monotonic() - start
+            if limit is not None:
+                phase.limits.append((now, limit))
+            if waiting is not None:
+                phase.engine_waiting.append((now, waiting))
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(0.25)
 
 
-async def _drive(url: str, phase: Phase, duration: float, warm: float) -> None:
+async def _drive(url: str, sim: str, phase: Phase, duration: float, warm: float) -> None:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -111,7 +124,7 @@ async def _drive(url: str, phase: Phase, duration: float, warm: float) -> None:
         end = start + duration
         progress = asyncio.create_task(_progress(phase, start, end))
         await asyncio.gather(
-            _watch_limit(session, url, phase, start, end),
+            _watch(session, url, sim, phase, start, end),
             *(_client(session, url, phase, start, end, warm) for _ in range(CLIENTS)),
         )
         progress.cancel()
@@ -153,23 +166,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"simulator: {' '.join(SIM_FLAGS)} (knee = {KNEE} sequences); {CLIENTS} streaming clients",
         file=sys.stderr,
     )
-    with sim_server(SIM_FLAGS) as sim:
+    with sigterm_as_interrupt(), sim_server(SIM_FLAGS) as sim:
         for phase in phases:
             with shim_server(sim, [*common, *phase.flags]) as shim:
                 print(f"{phase.name}: {duration:.0f} s ({warm:.0f} s warm-up not counted)", file=sys.stderr)
-                asyncio.run(_drive(shim.url, phase, duration, warm))
+                asyncio.run(_drive(shim.url, sim.url, phase, duration, warm))
     base = phases[0]
     base_rate = base.completions / base.seconds
     base_p50 = _pct(base.ttft, 0.5)
     print()
-    print("| shim | completions/s | vs fixed 8 | TTFT p50 (s) | TTFT p95 (s) | p50 vs fixed 8 | errors |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| shim | completions/s | vs fixed 8 | TTFT p50 (s) | TTFT p95 (s) | p50 vs fixed 8 "
+        "| waiting in the engine (mean) | errors |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for phase in phases:
         rate = phase.completions / phase.seconds
         p50, p95 = _pct(phase.ttft, 0.5), _pct(phase.ttft, 0.95)
+        waiting = [w for t, w in phase.engine_waiting if t >= warm]
+        engine = f"{statistics.fmean(waiting):.1f}" if waiting else "-"
         print(
             f"| {phase.name} | {rate:.1f} | {rate / base_rate:.2f}x | {p50:.3f} | {p95:.3f} | "
-            f"{p50 / base_p50:.2f}x | {phase.errors} |"
+            f"{p50 / base_p50:.2f}x | {engine} | {phase.errors} |"
         )
     adaptive = phases[-1]
     settled = [limit for t, limit in adaptive.limits if t >= warm]
