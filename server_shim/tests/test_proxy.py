@@ -558,3 +558,25 @@ def test_many_mixed_outcomes_leave_no_slot_behind(
     waiter(lambda: upstream.in_flight == 0, what="upstream idle")
     assert upstream.peak <= 3
     assert shim.runtime.admission.waiting == 0
+
+
+def test_burst_rejections_are_told_successive_slots(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Any
+) -> None:
+    # One slot, 1 s service-time prior: slots free at 1/s, so the k-th caller turned
+    # away in a burst is told about k seconds, not the same number as everyone else.
+    shim = make_shim(upstream.url, max_concurrency=1, max_queue=0, initial_service_time=1.0)
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post_chat, shim.url, HOLD)
+        waiter(lambda: shim.state()["interactive"] == (1, 0), what="slot taken")
+        burst = [post_chat(shim.url) for _ in range(5)]
+        upstream.release()
+        assert held.result().status_code == 200
+    hints = [r.json()["error"]["retry_after_seconds"] for r in burst]
+    assert all(r.status_code == 429 for r in burst)
+    assert hints == sorted(hints)
+    assert len(set(hints)) == 5
+    assert [int(r.headers["retry-after"]) for r in burst] == sorted(
+        int(r.headers["retry-after"]) for r in burst
+    )
+    assert int(burst[-1].headers["retry-after"]) > int(burst[0].headers["retry-after"])
