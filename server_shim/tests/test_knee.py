@@ -182,6 +182,20 @@ def test_ttft_growth_counts_above_the_noise_floor() -> None:
     assert judge([a, b], KneeRule(ttft_slo=1.0, latency_floor=0.0))[1].saturated
 
 
+def test_a_lone_slow_request_is_not_a_knee() -> None:
+    # Shaped like a simulator run on a busy machine: one request at concurrency 4 had its
+    # first token late (p99 TTFT 0.62 s) while the median barely moved.
+    a = StepStats(2, 16, 0, 1.60, 0.216, 0.234, 0.026, 0.027, 1.25, 1.40)
+    b = StepStats(4, 24, 0, 2.79, 0.260, 0.617, 0.029, 0.031, 1.40, 1.74)
+    rule = KneeRule(ttft_slo=1.0)
+    assert not judge([a, b], rule)[1].saturated
+    assert find_knee([a, b], rule).step is b
+    # When the median moves as well, every request is waiting: that is a knee.
+    queued = StepStats(4, 24, 0, 2.79, 0.560, 0.617, 0.029, 0.031, 1.70, 1.74)
+    assert judge([a, queued], rule)[1].saturated
+    assert find_knee([a, queued], rule).step is a
+
+
 @pytest.mark.parametrize(
     "steps",
     [

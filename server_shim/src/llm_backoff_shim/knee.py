@@ -8,13 +8,14 @@ The rule, exactly:
 
 1. Between two consecutive steps ``a`` -> ``b`` the *elasticity* of a latency ``L``
    with respect to throughput ``X`` (completed requests per second) is
-   ``ln(L_b / L_a) / ln(X_b / X_a)``. It is computed for two latencies, the p99
-   end-to-end request latency and the p99 TTFT (raised to ``latency_floor``, 20 ms by
-   default, so scheduling jitter on a tiny TTFT does not count as growth), and the
-   step's elasticity ``E`` is the larger. ``E <= 1``: the extra concurrency bought at
-   least as much throughput as it cost in latency. ``E > 1``: latency now grows faster
-   than throughput. A latency that did not grow gives 0; a latency that grew while
-   throughput did not gives ``inf``.
+   ``ln(L_b / L_a) / ln(X_b / X_a)``: 0 if the latency did not grow, ``inf`` if it
+   grew while throughput did not. It is taken for the end-to-end request latency and
+   for TTFT (raised to ``latency_floor``, 20 ms by default, so jitter on a tiny TTFT is
+   not growth), each at p50 and at p99. A latency counts as growing faster than
+   throughput only if both its p50 and its p99 do (the smaller of the two), and the
+   step's elasticity ``E`` is the larger of the two latencies'. ``E <= 1``: the extra
+   concurrency bought at least as much throughput as it cost in latency. ``E > 1``:
+   latency now grows faster than throughput.
 2. A step *ends the efficient region* when its elasticity exceeds
    ``max_elasticity`` (default 1) or more than ``max_error_ratio`` of its requests
    failed (an upstream that sheds load, e.g. vLLM's 503 "queue full", is past
@@ -23,6 +24,11 @@ The rule, exactly:
    efficient region whose p99 TTFT is within the SLO and whose errors are within
    ``max_error_ratio``. No such step: no knee, no recommendation (the SLO cannot be
    met even at the lowest level measured).
+
+Why p50 and p99 together: with a few dozen requests per step the p99 is nearly the
+maximum, and one request delayed by a busy client machine would fake a knee; an engine
+past capacity delays every request, so the median moves too. A tail that degrades on
+its own is still caught by the SLO, which is checked on the p99.
 
 Why two latencies: below capacity vLLM's TTFT barely moves while its inter-token
 latency grows with the batch, which only the whole request's latency shows; once
@@ -173,10 +179,22 @@ def elasticity(before: StepStats, after: StepStats, latency_floor: float = 0.02)
     if before.requests == 0 or before.throughput <= 0 or before.latency_p99 <= 0:
         # Nothing to compare with: the earlier step failed, so this one is judged on its own.
         return 0.0
-    whole = _log_ratio_elasticity(before.latency_p99, after.latency_p99, before.throughput, after.throughput)
     floor = max(latency_floor, 1e-9)
-    first = _log_ratio_elasticity(
-        max(before.ttft_p99, floor), max(after.ttft_p99, floor), before.throughput, after.throughput
+
+    def of(latency_a: float, latency_b: float, *, lowest: float = 1e-9) -> float:
+        return _log_ratio_elasticity(
+            max(latency_a, lowest), max(latency_b, lowest), before.throughput, after.throughput
+        )
+
+    # The typical request and the tail must both outgrow throughput: one slow request in a
+    # small sample moves the p99 alone, while a saturated engine delays everyone.
+    whole = min(
+        of(before.latency_p50, after.latency_p50),
+        of(before.latency_p99, after.latency_p99),
+    )
+    first = min(
+        of(before.ttft_p50, after.ttft_p50, lowest=floor),
+        of(before.ttft_p99, after.ttft_p99, lowest=floor),
     )
     return max(whole, first)
 
