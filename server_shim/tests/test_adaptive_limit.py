@@ -23,10 +23,15 @@ class FakeClock:
         return self.now
 
 
+def probing(limit: GradientLimit) -> bool:
+    # A call, not the property: mypy would narrow the property across on_sample() calls.
+    return limit.probing
+
+
 def probed(config: GradientConfig, baseline: float = 0.1) -> tuple[GradientLimit, FakeClock]:
     clock = FakeClock()
     limit = GradientLimit(config, clock)
-    assert not limit.probing
+    assert not probing(limit)
     assert limit.baseline is None
     limit.on_sample(baseline, config.min_limit)
     assert limit.baseline == pytest.approx(baseline)
@@ -43,12 +48,12 @@ def test_the_baseline_is_the_lowest_sample_then_the_median_of_each_probe() -> No
     assert limit.baseline == pytest.approx(0.2)
     clock.now += 10
     limit.on_sample(0.4, 2)  # starts a probe (this sample is its first)
-    assert limit.probing
+    assert probing(limit)
     assert limit.limit == 2
     limit.on_sample(5.0, 9)  # a leftover from higher concurrency: ignored
     limit.on_sample(0.5, 2)
     limit.on_sample(0.6, 2)
-    assert not limit.probing
+    assert not probing(limit)
     assert limit.baseline == pytest.approx(0.5)  # the engine got slower: the probe says so
 
 
@@ -91,11 +96,11 @@ def test_overload_backs_off_at_once_and_probes_recur() -> None:
     assert limit.estimate == pytest.approx(before * 0.9)
     clock.now += 31
     limit.on_sample(0.1, 5)
-    assert limit.probing
+    assert probing(limit)
     assert limit.limit == 1
     for _ in range(5):
         limit.on_sample(0.3, 1)
-    assert not limit.probing
+    assert not probing(limit)
     assert limit.limit == int(limit.estimate)
 
 

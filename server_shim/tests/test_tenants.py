@@ -344,7 +344,7 @@ def test_class_map_and_unknown_or_forbidden_classes(
     samples = shim.metrics()
 
     def completed(cls: str) -> float:
-        return samples[
+        return samples[  # type: ignore[no-any-return]
             ("llm_backoff_shim_requests_total", (("class", cls), ("code", ""), ("outcome", "completed")))
         ]
 
@@ -371,8 +371,9 @@ def test_two_shims_share_one_quota_through_redis(sim: ServerThread, make_shim: C
 
 def test_quota_state_is_per_app(sim: ServerThread) -> None:
     # Two apps in one process do not share local buckets (no global state).
-    first = create_app(ShimSettings(upstream=sim.url, tenant_requests_per_minute=1))
-    second = create_app(ShimSettings(upstream=sim.url, tenant_requests_per_minute=1))
+    values: dict[str, Any] = {"upstream": sim.url, "tenant_requests_per_minute": 1}
+    first = create_app(ShimSettings(**values))
+    second = create_app(ShimSettings(**values))
     p1, p2 = shim_state(first).policy, shim_state(second).policy
     assert p1 is not None
     assert p2 is not None
