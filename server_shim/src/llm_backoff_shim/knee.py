@@ -272,7 +272,7 @@ def find_knee(steps: Sequence[StepStats], rule: KneeRule) -> Knee:
     elif nxt == end:
         limit = "saturation"
         reason = (
-            f"from concurrency {knee.concurrency} to {steps[nxt].concurrency} p99 latency grew faster "
+            f"from concurrency {knee.concurrency} to {steps[nxt].concurrency} latency grew faster "
             f"than throughput (elasticity {_fmt_e(verdicts[nxt].elasticity)} > {rule.max_elasticity:g})"
         )
     else:
