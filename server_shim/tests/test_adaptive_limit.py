@@ -149,8 +149,8 @@ def test_the_shim_runs_with_an_adaptive_limit_and_exports_it(
         return httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=30).status_code
 
     with ThreadPoolExecutor(8) as pool:
-        statuses = list(pool.map(call, range(60)))
-    assert statuses == [200] * 60
+        statuses = list(pool.map(call, range(24)))
+    assert statuses == [200] * 24
     policy = shim.runtime.policy
     assert policy is not None
     limit = policy.limit
