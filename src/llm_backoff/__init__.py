@@ -5,22 +5,33 @@ returns a client of the same class whose every request is retried with
 Retry-After-aware, jittered, deadline-bound backoff.
 """
 
+from .adaptive import AdaptiveRate
 from .attempts import Attempt
+from .budget import RetryBudget
 from .errors import LLMBackoffError, RateLimitTimeout, UnsupportedClientError
 from .events import RetryEvent, RetryObservers
 from .policy import RetryPolicy
+from .ratelimit import RateLimiter, RequestTooLargeError, TokenBucket
+from .redis_bucket import RedisRateLimiter, RedisTokenBucket
 from .strategies import retry_if_retryable, wait_retry_after
 from .wrap import retry_observers, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveRate",
     "Attempt",
     "LLMBackoffError",
     "RateLimitTimeout",
+    "RateLimiter",
+    "RedisRateLimiter",
+    "RedisTokenBucket",
+    "RequestTooLargeError",
+    "RetryBudget",
     "RetryEvent",
     "RetryObservers",
     "RetryPolicy",
+    "TokenBucket",
     "UnsupportedClientError",
     "__version__",
     "retry_if_retryable",
