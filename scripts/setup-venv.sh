@@ -9,5 +9,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis]"
+# This machine's pip config names local mirrors that may not exist; its warnings about them are noise.
+"$VENV/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis]" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 export VENV

@@ -36,7 +36,8 @@ echo "== pytest (openai 3.x)"
 echo "== installing .venv-openai2 (openai 2.x on httpx)"
 VENV2="$ROOT/.venv-openai2"
 [ -x "$VENV2/bin/python" ] || python3 -m venv "$VENV2"
-"$VENV2/bin/python" -m pip install -q -e "$ROOT[test,redis]" "openai>=2,<3" httpx
+"$VENV2/bin/python" -m pip install -q -e "$ROOT[test,redis]" "openai>=2,<3" httpx \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 "$VENV2/bin/python" -c 'import openai; print("openai", openai.__version__)'
 echo "== pytest tests/sdk (openai 2.x)"
 "$VENV2/bin/pytest" -q -p no:cacheprovider tests/sdk -m "not openai3"
