@@ -204,7 +204,16 @@ class ShimSettings(BaseSettings):
         default="/health", pattern=r"^/", description="upstream path probed by GET /ready (vLLM: /health)"
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        default="info", description="uvicorn log level"
+        default="info", description="log level of the shim and uvicorn (request lines are info)"
+    )
+    log_format: Literal["plain", "json"] = Field(
+        default="plain",
+        description="log line format: plain (key=value request lines) or json (one object per line)",
+    )
+    access_log: bool = Field(
+        default=True,
+        description="log one line per /v1/ request to stdout (class, outcome, status, timings; never "
+        "keys or prompts)",
     )
     metrics_host: str | None = Field(
         default=None,
@@ -468,11 +477,17 @@ def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParse
             shown = str(default)
         # Booleans work as bare switches (--forward-priority) and with a value (... false).
         switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
+        if field.annotation is bool:
+            metavar = "BOOL"
+        elif isinstance(default, dict):
+            metavar = "CLASS=VALUE,..."
+        else:
+            metavar = name.split("_")[-1].upper()
         parser.add_argument(
             flag_name(name),
             dest=name,
             default=None,
-            metavar=name.split("_")[-1].upper(),
+            metavar=metavar,
             help=f"{field.description} [env {env_name(name)}; default {shown}]",
             **switch,
         )
