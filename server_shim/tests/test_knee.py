@@ -182,18 +182,47 @@ def test_ttft_growth_counts_above_the_noise_floor() -> None:
     assert judge([a, b], KneeRule(ttft_slo=1.0, latency_floor=0.0))[1].saturated
 
 
+def _measured(
+    c: int, x: float, ttft: tuple[float, float, float], latency: tuple[float, float, float]
+) -> StepStats:
+    """A step with TTFT and latency given as (p50, p90, p99)."""
+    return StepStats(
+        concurrency=c,
+        requests=30,
+        errors=0,
+        throughput=x,
+        ttft_p50=ttft[0],
+        ttft_p90=ttft[1],
+        ttft_p99=ttft[2],
+        itl_p50=0.03,
+        itl_p99=0.035,
+        latency_p50=latency[0],
+        latency_p90=latency[1],
+        latency_p99=latency[2],
+    )
+
+
 def test_a_lone_slow_request_is_not_a_knee() -> None:
-    # Shaped like a simulator run on a busy machine: one request at concurrency 4 had its
-    # first token late (p99 TTFT 0.62 s) while the median barely moved.
-    a = StepStats(2, 16, 0, 1.60, 0.216, 0.234, 0.026, 0.027, 1.25, 1.40)
-    b = StepStats(4, 24, 0, 2.79, 0.260, 0.617, 0.029, 0.031, 1.40, 1.74)
+    # Shaped like a simulator run on a busy machine: one request in 28 at concurrency 4 got
+    # its first token late (p99 TTFT 0.62 s) while the p90 barely moved.
+    a = _measured(2, 1.60, (0.216, 0.228, 0.234), (1.25, 1.32, 1.40))
+    b = _measured(4, 2.79, (0.260, 0.275, 0.617), (1.40, 1.48, 1.74))
     rule = KneeRule(ttft_slo=1.0)
     assert not judge([a, b], rule)[1].saturated
     assert find_knee([a, b], rule).step is b
-    # When the median moves as well, every request is waiting: that is a knee.
-    queued = StepStats(4, 24, 0, 2.79, 0.560, 0.617, 0.029, 0.031, 1.70, 1.74)
-    assert judge([a, queued], rule)[1].saturated
-    assert find_knee([a, queued], rule).step is a
+    # Without p90s the same p99 is taken at its word.
+    bare = [StepStats(**{**s.__dict__, "ttft_p90": None, "latency_p90": None}) for s in (a, b)]
+    assert judge(bare, rule)[1].saturated
+
+
+def test_one_worker_over_the_slots_is_a_knee_though_the_median_holds() -> None:
+    # 9 workers on 8 slots (simulator, --steps 6,7,8,9,10): one request in nine waits a whole
+    # service time; the median TTFT barely moves, the p90 and p99 do, throughput gains 6 %.
+    at8 = _measured(8, 4.91, (0.264, 0.300, 0.355), (1.62, 1.65, 1.68))
+    at9 = _measured(9, 5.23, (0.273, 1.350, 1.599), (1.66, 2.70, 2.89))
+    knee = find_knee([at8, at9], KneeRule(ttft_slo=3.0))
+    assert knee.step is at8
+    assert knee.limit == "saturation"
 
 
 @pytest.mark.parametrize(
@@ -270,11 +299,13 @@ def test_recommended_flags_are_valid_shim_settings() -> None:
 def ramps(draw: st.DrawFn) -> list[StepStats]:
     n = draw(st.integers(1, 8))
     levels = sorted(draw(st.sets(st.integers(1, 512), min_size=n, max_size=n)))
+    with_p90 = draw(st.booleans())
     steps = []
     for c in levels:
         ok = draw(st.integers(0, 200))
         ttft = draw(st.floats(0.001, 20))
         latency = ttft + draw(st.floats(0.0, 60))
+        tail = draw(st.floats(0.5, 1.0)) if with_p90 else None
         steps.append(
             StepStats(
                 concurrency=c,
@@ -287,6 +318,8 @@ def ramps(draw: st.DrawFn) -> list[StepStats]:
                 itl_p99=0.02,
                 latency_p50=latency / 2,
                 latency_p99=latency,
+                ttft_p90=None if tail is None else ttft * tail,
+                latency_p90=None if tail is None else latency * tail,
             )
         )
     return steps

@@ -403,6 +403,8 @@ def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
         output_tokens_per_s=throughput * mean_output,
         mean_prompt_tokens=float(np.mean([s.prompt_tokens for s in used])),
         mean_output_tokens=mean_output,
+        ttft_p90=percentile(ttfts, 90),
+        latency_p90=percentile(latencies, 90),
     )
 
 

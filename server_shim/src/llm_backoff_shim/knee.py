@@ -11,11 +11,11 @@ The rule, exactly:
    ``ln(L_b / L_a) / ln(X_b / X_a)``: 0 if the latency did not grow, ``inf`` if it
    grew while throughput did not. It is taken for the end-to-end request latency and
    for TTFT (raised to ``latency_floor``, 20 ms by default, so jitter on a tiny TTFT is
-   not growth), each at p50 and at p99. A latency counts as growing faster than
-   throughput only if both its p50 and its p99 do (the smaller of the two), and the
-   step's elasticity ``E`` is the larger of the two latencies'. ``E <= 1``: the extra
-   concurrency bought at least as much throughput as it cost in latency. ``E > 1``:
-   latency now grows faster than throughput.
+   not growth), each at p99 and, when measured, at p90: a latency counts as growing
+   faster than throughput only if its p99 and its p90 both do (the smaller of the
+   two). The step's elasticity ``E`` is the larger of the two latencies'. ``E <= 1``:
+   the extra concurrency bought at least as much throughput as it cost in latency.
+   ``E > 1``: latency now grows faster than throughput.
 2. A step *ends the efficient region* when its elasticity exceeds
    ``max_elasticity`` (default 1) or more than ``max_error_ratio`` of its requests
    failed (an upstream that sheds load, e.g. vLLM's 503 "queue full", is past
@@ -25,10 +25,11 @@ The rule, exactly:
    ``max_error_ratio``. No such step: no knee, no recommendation (the SLO cannot be
    met even at the lowest level measured).
 
-Why p50 and p99 together: with a few dozen requests per step the p99 is nearly the
-maximum, and one request delayed by a busy client machine would fake a knee; an engine
-past capacity delays every request, so the median moves too. A tail that degrades on
-its own is still caught by the SLO, which is checked on the p99.
+Why the p90 next to the p99: with a few dozen requests per step the p99 is nearly the
+maximum, and one request delayed by a busy client machine would fake a knee. A tail
+worth acting on holds a tenth of the requests or more and moves the p90 too: one
+worker over the engine's slots at 9 workers for 8 slots already does, while the
+median barely moves, which is why the median is not the confirmation.
 
 Why two latencies: below capacity vLLM's TTFT barely moves while its inter-token
 latency grows with the batch, which only the whole request's latency shows; once
@@ -92,6 +93,9 @@ class StepStats:
     #: Mean tokens per request as the upstream counted them (its ``usage``; 0 if it sent none).
     mean_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
+    #: p90s confirm that a p99 rise is a tail, not one slow request; None: not measured.
+    ttft_p90: float | None = None
+    latency_p90: float | None = None
 
     @property
     def error_ratio(self) -> float:
@@ -186,16 +190,16 @@ def elasticity(before: StepStats, after: StepStats, latency_floor: float = 0.02)
             max(latency_a, lowest), max(latency_b, lowest), before.throughput, after.throughput
         )
 
-    # The typical request and the tail must both outgrow throughput: one slow request in a
-    # small sample moves the p99 alone, while a saturated engine delays everyone.
-    whole = min(
-        of(before.latency_p50, after.latency_p50),
-        of(before.latency_p99, after.latency_p99),
-    )
-    first = min(
-        of(before.ttft_p50, after.ttft_p50, lowest=floor),
-        of(before.ttft_p99, after.ttft_p99, lowest=floor),
-    )
+    def tail(p90_a: float | None, p90_b: float | None, p99_a: float, p99_b: float, lowest: float) -> float:
+        # One slow request in a small sample moves the p99 alone; a tail that matters
+        # (a tenth of the requests or more) moves the p90 as well.
+        e99 = of(p99_a, p99_b, lowest=lowest)
+        if p90_a is None or p90_b is None:
+            return e99
+        return min(of(p90_a, p90_b, lowest=lowest), e99)
+
+    whole = tail(before.latency_p90, after.latency_p90, before.latency_p99, after.latency_p99, 1e-9)
+    first = tail(before.ttft_p90, after.ttft_p90, before.ttft_p99, after.ttft_p99, floor)
     return max(whole, first)
 
 
@@ -221,8 +225,12 @@ def _validate(steps: Sequence[StepStats]) -> None:
             "output_tokens_per_s",
             "mean_prompt_tokens",
             "mean_output_tokens",
+            "ttft_p90",
+            "latency_p90",
         ):
             value = getattr(step, name)
+            if value is None and name.endswith("_p90"):
+                continue
             if not (math.isfinite(value) and value >= 0):
                 raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
 
