@@ -10,7 +10,9 @@ documented ``http=`` extension point of ``uvicorn.Config``) that:
 
 - starts a timer when a request head begins (connection opened, or first byte of the
   next request on a kept-alive connection) and, if the head is not complete when it
-  fires, answers ``408`` in OpenAI error format and closes the connection;
+  fires, answers ``408`` in OpenAI error format and closes the connection; a new
+  connection that has sent nothing at all by then is closed quietly and not counted
+  (a client's idle pooled connection looks exactly like that);
 - counts the bytes of the head and answers ``431`` when they exceed ``max_head_bytes``;
 - answers uvicorn's own "Invalid HTTP request" (malformed request line, bad header
   syntax, ...) with an OpenAI-format ``400`` instead of a plain-text one.
@@ -150,6 +152,13 @@ def guarded_protocol(
         def _guard_expired(self) -> None:
             self._guard_timer = None
             if self._guard_closed or self.cycle is not self._guard_cycle:
+                return
+            if self._guard_bytes == 0:
+                # Never a byte: an idle connection (a client pool's spare), not a bad request.
+                # Closed quietly, as uvicorn closes idle kept-alive ones; a stray 408 would be
+                # read as the answer to the next request the client sends on it.
+                self._guard_closed = True
+                self.transport.close()
                 return
             self._guard_reject(
                 HEAD_TIMEOUT,
