@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -123,7 +124,12 @@ class Cell:
 
 
 def run_scenario(
-    scenario: Scenario, shape: EngineShape, setups: Sequence[Setup], seed: int, workdir: Path
+    scenario: Scenario,
+    shape: EngineShape,
+    setups: Sequence[Setup],
+    seed: int,
+    workdir: Path,
+    loads: list[float],
 ) -> list[RunResult]:
     calls = arrivals(scenario, shape.capacity, random.Random(seed))
     print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
@@ -138,7 +144,11 @@ def run_scenario(
             with contextlib.ExitStack() as stack:
                 if front is not None:
                     stack.enter_context(front)
-                print(f"- {setup.label}", flush=True)
+                load = os.getloadavg()[0]
+                loads.append(load)
+                print(
+                    f"- {setup.label} (machine load average {load:.1f} on {os.cpu_count()} CPUs)", flush=True
+                )
                 line = ProgressLine(sys.stderr, f"{scenario.name} / {setup.label}")
                 run = LoadRun(
                     setup,
@@ -304,12 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     cells: list[Cell] = []
     markdown: list[str] = []
+    loads: list[float] = []
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     try:
         with sigterm_as_interrupt(), tempfile.TemporaryDirectory() as tmp:
             for scenario in chosen:
-                results = run_scenario(scenario, shape, setups, args.seed, Path(tmp))
+                results = run_scenario(scenario, shape, setups, args.seed, Path(tmp), loads)
                 figs = [figures(r) for r in results]
                 cells += [Cell(scenario, f) for f in figs]
                 print(f"\n{scenario.name}, side by side:\n{comparison(figs)}", flush=True)
@@ -332,7 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  [{mark:>6}] {scenario_name:<13} {text}: {evidence}")
     md_targets = ["| scenario | target | result | measured |", "|---|---|---|---|"]
     md_targets += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    report = "\n\n".join(markdown) + "\n\n" + "\n".join(md_targets) + "\n"
+    load_note = (
+        f"Machine load average (1 min) when each cell started: {min(loads):.1f} to {max(loads):.1f} "
+        f"on {os.cpu_count()} CPUs."
+    )
+    report = "\n\n".join([load_note, *markdown]) + "\n\n" + "\n".join(md_targets) + "\n"
     (args.out / f"overload-bench{suffix}.md").write_text(report)
     (args.out / f"overload-bench{suffix}.json").write_text(
         json.dumps([{"scenario": c.scenario.name, **c.figures.as_dict()} for c in cells], indent=1) + "\n"

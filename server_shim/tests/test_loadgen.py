@@ -37,16 +37,36 @@ from llm_backoff_shim.scenario import (
 )
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
+from llm_backoff_shim.sim_engine import EngineParams, SimEngine
 
 # -- scenario -------------------------------------------------------------------------------
 
 
 def test_engine_capacity_is_slots_over_service_time() -> None:
-    shape = EngineShape(slots=8, ttft=0.2, itl=0.05, output_tokens=20)
+    shape = EngineShape(slots=8, ttft=0.25, itl=0.05, output_tokens=20)
     assert shape.service_time == pytest.approx(1.2)
     assert shape.capacity == pytest.approx(8 / 1.2)
     flags = shape.sim_flags()
     assert flags[flags.index("--itl-batch-factor") + 1] == "0"
+
+
+def test_service_time_matches_the_simulated_engine() -> None:
+    """The printed capacity must be the engine's real one: drive the sim's scheduler on a fake clock."""
+    shape = EngineShape()
+    now = [0.0]
+    engine = SimEngine(
+        EngineParams(max_num_seqs=shape.slots, ttft=shape.ttft, itl=shape.itl, itl_batch_factor=0.0),
+        lambda: now[0],
+    )
+    seqs = [engine.add(f"r{i}", max_tokens=shape.output_tokens) for i in range(shape.slots * 3)]
+    while (due := engine.next_event_time()) is not None:
+        now[0] = due
+        engine.step()
+    finished = [s.finished_at for s in seqs]
+    assert all(t is not None for t in finished)
+    # Three full batches back to back: the last one ends at 3 service times.
+    assert max(t for t in finished if t is not None) == pytest.approx(3 * shape.service_time)
+    assert engine.stats.requests_completed == 3 * shape.slots
 
 
 def test_arrivals_are_reproducible_and_shaped_like_the_scenario() -> None:

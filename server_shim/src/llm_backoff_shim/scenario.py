@@ -7,7 +7,7 @@ same load (same instants, same classes).
 Choices made here (written down because the issue does not fix them):
 
 - The simulated engine runs with ``itl_batch_factor = 0`` so that its capacity is
-  exactly ``slots / (ttft + output_tokens * itl)`` requests/s; the figure printed is
+  exactly ``slots / (ttft + (output_tokens - 1) * itl)`` requests/s; the figure printed is
   then the true ceiling and goodput can be read against it without a model of batching.
 - The burst arrives at t = 0 and the Poisson arrivals start right after it, so the
   engine never gets the time to drain the burst before the sustained overload.
@@ -33,7 +33,7 @@ class EngineShape:
     """The simulator's settings (8 slots, 1.2 s per request by default)."""
 
     slots: int = 8
-    ttft: float = 0.2
+    ttft: float = 0.25
     itl: float = 0.05
     output_tokens: int = 20
 
@@ -45,8 +45,11 @@ class EngineShape:
 
     @property
     def service_time(self) -> float:
-        """Seconds one request holds a slot (the engine's batch does not slow tokens down)."""
-        return self.ttft + self.output_tokens * self.itl
+        """Seconds one request holds a slot: first token at ``ttft``, then one per ``itl``.
+
+        The batch does not slow tokens down (``itl_batch_factor`` 0), so this holds at any load.
+        """
+        return self.ttft + (self.output_tokens - 1) * self.itl
 
     @property
     def capacity(self) -> float:
