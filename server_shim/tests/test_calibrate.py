@@ -560,3 +560,18 @@ def test_an_unreachable_upstream_is_one_clear_line(tmp_path: Path) -> None:
         .splitlines()[-1]
         .startswith(f"llm-backoff-shim calibrate: cannot list models at http://127.0.0.1:{port}: ")
     )
+
+
+def test_a_silent_upstream_is_bounded_by_the_time_cap(tmp_path: Path) -> None:
+    # A listening socket nobody answers: connections open, no response ever comes.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        status, out, err = run(
+            ["--upstream", url, "--ttft-slo", "1", "--step-seconds", "0.5", "--max-seconds", "1",
+             "--out", str(tmp_path)]
+        )  # fmt: skip
+    assert status == 1
+    assert out == ""
+    assert f"{url}/v1/models did not answer within 1 s (or pass --model)" in err

@@ -582,10 +582,20 @@ async def run_ramp(
         timeout=config.request_timeout,
         http_client=_http_client(max(config.levels)),
     )
+    run_deadline = clock() + config.max_seconds
     async with client:
-        model = config.model or await _pick_model(client, shim_upstream)
+        if config.model:
+            model = config.model
+        else:
+            # Inside the run's time cap too: a black-holed host must not hang the command.
+            limit = min(config.request_timeout, config.max_seconds)
+            try:
+                model = await asyncio.wait_for(_pick_model(client, shim_upstream), timeout=limit)
+            except asyncio.TimeoutError:
+                raise CalibrateError(
+                    f"{shim_upstream}/v1/models did not answer within {limit:g} s (or pass --model)"
+                ) from None
         driver = Driver(client, model, config, clock, random.Random(config.seed))
-        run_deadline = clock() + config.max_seconds
         steps: list[StepStats] = []
         first_errors: dict[int, str] = {}
         stopped = "all levels measured"
