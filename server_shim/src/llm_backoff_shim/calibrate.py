@@ -377,7 +377,8 @@ def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
     Throughput is ``concurrency / mean latency``: Little's law for a closed loop with no
     think time, where every worker always has one request outstanding. Unlike counting
     completions in a window it needs no window and stays accurate when a step holds only
-    a few long requests.
+    a few long requests. Failed requests are left out of it, which overstates a level
+    with many fast failures; such a level is past the knee by its error share anyway.
     """
     used = steady_samples(samples)
     errors = sum(1 for s in samples if not s.ok)
