@@ -126,6 +126,11 @@ class SseRun:
         return self.events / self.seconds
 
     @property
+    def events_per_read(self) -> float:
+        """Above 1 when events reach the client batched (the relay fell behind and coalesced)."""
+        return self.events / max(self.reads, 1)
+
+    @property
     def cores(self) -> float | None:
         return None if self.cpu_s is None else self.cpu_s / self.seconds
 
@@ -382,7 +387,7 @@ def run(args: argparse.Namespace) -> Results:
                         )
                         progress(
                             f"sse {phase:<6} {name:<6} {s.events_per_s:9,.0f} events/s"
-                            f"  {s.events / max(s.reads, 1):4.1f} events/read  errors {s.errors}{cpu}"
+                            f"  {s.events_per_read:4.1f} events/read  errors {s.errors}{cpu}"
                         )
     return results
 
@@ -453,6 +458,11 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
         "SSE events/s relayed, 64 streams flat out",
         {t: _sse(results, t, "max", "events_per_s") for t in targets},
         ",.0f",
+    )
+    row(
+        "  events per read at the client",
+        {t: _sse(results, t, "max", "events_per_read") for t in targets},
+        ".1f",
     )
     row("  proxy cores used", {t: _sse(results, t, "max", "cores") for t in proxies}, ".2f")
     row(

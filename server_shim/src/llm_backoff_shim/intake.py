@@ -22,9 +22,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
-
 from llm_backoff_shim.auth import ApiKeys, bearer_token, key_id
+from llm_backoff_shim.deadline import MoveOnAfter
 from llm_backoff_shim.rejection import ErrorResponse, client_error
 
 Message = MutableMapping[str, Any]
@@ -112,7 +111,7 @@ async def read_body(receive: Receive, *, limit: int, time_limit: float | None) -
     """The whole body, or a refusal (too large, too slow). Raises :class:`ClientGone`."""
     chunks: list[bytes] = []
     size = 0
-    with anyio.move_on_after(time_limit) as scope:
+    with MoveOnAfter(time_limit) as deadline:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
@@ -124,7 +123,7 @@ async def read_body(receive: Receive, *, limit: int, time_limit: float | None) -
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-    assert scope.cancelled_caught
+    assert deadline.expired
     return Refusal(
         "body_timeout",
         _closing(
