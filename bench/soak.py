@@ -1,0 +1,164 @@
+"""The longer soak with faults (opt-in; the CI-sized one is server_shim/tests/test_soak.py).
+
+    .venv/bin/python bench/soak.py --requests 20000 --seconds 300
+    .venv/bin/python bench/soak.py --quick          # 1500 requests, about a minute
+
+Three runs in one invocation, each with its own simulator and shim on 127.0.0.1 (see
+``llm_backoff_shim.soak``), so the SDK's numbers sit side by side:
+
+1. ``mix``: every kind of client through the shim (plain httpx with and without a
+   budget, streams, clients leaving while queued or mid-stream, wrapped openai clients
+   with deadlines, plain and streaming), the simulator injecting 500s, resets, slow
+   first bytes and cut streams;
+2. ``sdk-direct``: only wrapped openai clients, straight to the faulty simulator;
+3. ``sdk-shim``: the same clients through the shim.
+
+For each: requests, outcomes, faults injected by kind, disconnects, hangs (calls past
+their deadline + grace), duplicated stream output, retries after a stream began, the
+leak audit (gauges, waiting futures, asyncio tasks, file descriptors) and resident
+memory after warm-up, every tenth of the run, and after. Exit status 1 if anything
+leaked, hung or duplicated. ``--json PATH`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from llm_backoff_shim.soak import SoakConfig, SoakReport, run_soak
+
+SDK_ONLY = (("sdk", 0.5), ("sdk_stream", 0.5))
+
+
+def _progress(name: str) -> Any:
+    started = time.monotonic()
+
+    def say(line: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f} s] {name}: {line}", flush=True)
+
+    return say
+
+
+def _share(report: SoakReport, prefix: str) -> str:
+    n = sum(v for k, v in report.outcomes.items() if k.startswith(prefix))
+    return f"{n} ({100 * n / max(1, report.requests):.1f} %)"
+
+
+def _table(runs: dict[str, SoakReport]) -> str:
+    names = list(runs)
+    rows: list[tuple[str, list[str]]] = []
+
+    def row(label: str, cell: Any) -> None:
+        rows.append((label, [str(cell(r)) for r in runs.values()]))
+
+    row("requests", lambda r: r.requests)
+    row("seconds", lambda r: f"{r.seconds:.0f}")
+    row(
+        "faults injected (500 / reset / slow first byte / stream cut)",
+        lambda r: " / ".join(
+            str(r.faults.get(k, 0)) for k in ("errors", "resets", "slow_first_byte", "stream_cuts")
+        ),
+    )
+    row(
+        "client disconnects (queued / mid-stream)",
+        lambda r: f"{r.outcomes['client_left']} / {r.outcomes['client_left_stream']}",
+    )
+    row("succeeded", lambda r: _share(r, "ok"))
+    row("HTTP error answers (429/503/500...)", lambda r: _share(r, "status:"))
+    row("SDK error raised after retrying", lambda r: _share(r, "sdk_"))
+    row("transport error (cut stream, reset)", lambda r: _share(r, "error:"))
+    row("hangs past deadline + grace", lambda r: r.hangs)
+    row("untyped errors", lambda r: len(r.untyped))
+    row("duplicated stream output", lambda r: r.duplicate_streams)
+    row("retries after a stream began", lambda r: r.retries_after_stream_start)
+    row(
+        "gauges after (in flight, queued)",
+        lambda r: "0" if not any(r.gauges_after.values()) else r.gauges_after,
+    )
+    row(
+        "tasks shim/sim before -> after",
+        lambda r: (
+            f"{r.baseline.tasks_shim}/{r.baseline.tasks_sim} -> {r.after.tasks_shim}/{r.after.tasks_sim}"
+            if r.baseline and r.after
+            else "-"
+        ),
+    )
+    row(
+        "file descriptors before -> after",
+        lambda r: f"{r.baseline.fds} -> {r.after.fds}" if r.baseline and r.after else "-",
+    )
+    row(
+        "RSS MiB after warm-up -> after",
+        lambda r: f"{r.baseline.rss_mib:.1f} -> {r.after.rss_mib:.1f}" if r.baseline and r.after else "-",
+    )
+    row("leaks found", lambda r: len(r.leaks()))
+    width = max(len(label) for label, _ in rows)
+    lines = [
+        "| " + "measure".ljust(width) + " | " + " | ".join(names) + " |",
+        "| " + "-" * width + " |" + "|".join(" --- " for _ in names) + "|",
+    ]
+    lines += ["| " + label.ljust(width) + " | " + " | ".join(cells) + " |" for label, cells in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=20000,
+        help="requests of the mixed run (the SDK runs get a fifth each)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=300.0, help="stop sending new requests after this long, per run"
+    )
+    parser.add_argument("--concurrency", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="1500 requests, 60 s cap")
+    parser.add_argument("--json", help="write all figures to this file")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.seconds = 1500, 60.0
+    base = SoakConfig(
+        requests=args.requests, seconds=args.seconds, concurrency=args.concurrency, seed=args.seed
+    )
+    sdk_requests = max(200, args.requests // 5)
+    plans = {
+        "mix": base,
+        "sdk-direct": replace(base, requests=sdk_requests, kinds=SDK_ONLY, through_shim=False),
+        "sdk-shim": replace(base, requests=sdk_requests, kinds=SDK_ONLY),
+    }
+    runs: dict[str, SoakReport] = {}
+    for name, config in plans.items():
+        print(
+            f"== {name}: {config.requests} requests, at most {config.seconds:g} s, "
+            f"concurrency {config.concurrency}",
+            flush=True,
+        )
+        runs[name] = run_soak(config, progress=_progress(name))
+        print(json.dumps(runs[name].summary(), indent=1), flush=True)
+    print()
+    print(_table(runs))
+    rss = runs["mix"].rss_samples
+    if rss:
+        print(f"\nmix RSS every tenth (requests sent, MiB): {rss}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({name: r.summary() for name, r in runs.items()}, out, indent=1)
+    bad = [
+        name
+        for name, r in runs.items()
+        if r.leaks() or r.hangs or r.late or r.untyped or r.duplicate_streams or r.retries_after_stream_start
+    ]
+    if bad:
+        print(f"\nFAILED: {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
