@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,8 +21,6 @@ from llm_backoff_shim.admission import (
 from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
-from llm_backoff_shim.serving import ServerThread
-from llm_backoff_shim.sim import SimConfig, create_sim_app
 from llm_backoff_shim.slo import SloConfig, SloGate, SloState, SloTracker
 
 
@@ -191,64 +189,74 @@ def test_config_is_validated() -> None:
 # --------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture
-def sim() -> Iterator[ServerThread]:
-    # One engine slot, 0.2 s per request: a queue of a handful is seconds of wait.
-    config = SimConfig(max_num_seqs=1, ttft=0.05, itl=0.01, output_tokens=15, seed=3)
-    with ServerThread(create_sim_app(config)) as server:
-        yield server
-
-
 def chat(url: str, headers: dict[str, str] | None = None) -> httpx.Response:
     return httpx.post(
         url + "/v1/chat/completions",
-        json={"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]},
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
         headers=headers or {},
         timeout=30,
     )
 
 
+HOLD = {"x-fake-hold": "1"}
+
+
 def test_red_sheds_with_a_correct_retry_after_and_reports_the_state(
-    sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
 ) -> None:
+    """The engine holds every request (deterministic): the queue grows one by one until a newcomer's
+    estimated wait reaches the 5 s budget; from then on newcomers are shed with slo_shed."""
     shim = make_shim(
-        sim.url,
+        upstream.url,
         max_concurrency=1,
         max_queue=50,
-        ttft_slo="interactive=1",
-        initial_service_time=0.2,
+        ttft_slo="interactive=5",
+        initial_service_time=1.0,  # one completion per second: k queued = about k + 1 s of wait
         retry_after_max=60,
     )
-    calm = chat(shim.url)
-    assert calm.status_code == 200
-    assert calm.headers["x-slo-state"] == "green"
+    # No request before the flood: a measured instant completion would replace the 1 s prior.
     with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(chat, shim.url) for _ in range(12)]
-        results = [f.result() for f in futures]
-    shed = [r for r in results if r.status_code == 429]
-    served = [r for r in results if r.status_code == 200]
-    assert shed, "a queue of 12 against a 1 s budget at ~0.2 s per request must shed"
-    assert served, "the head of the queue is within budget and must be served"
-    for response in shed:
+        futures = [pool.submit(chat, shim.url, HOLD)]
+        waiter(lambda: shim.state()["interactive"] == (1, 0), what="the engine busy")
+        shed: httpx.Response | None = None
+        for queued in range(1, 12):
+            futures.append(pool.submit(chat, shim.url, HOLD))
+            waiter(
+                lambda q=queued: shim.state()["interactive"][1] == q or futures[-1].done(),
+                what="queued or answered",
+            )
+            if futures[-1].done():
+                shed = futures.pop().result()
+                break
+        assert shed is not None, "a queue of 11 one-second requests must exceed a 5 s budget"
+        queue_length = shim.state()["interactive"][1]
+        assert 3 <= queue_length <= 5  # RED at about 4 s of estimated wait + the head's time so far
+        again = chat(shim.url)  # still RED: shed at once, never queued
+        upstream.release()
+        served = [f.result() for f in futures]
+    assert [r.status_code for r in served] == [200] * len(served)
+    for response in (shed, again):
+        assert response.status_code == 429
         error = response.json()["error"]
         assert error["code"] == "slo_shed"
+        assert "RED" in error["message"]
         assert response.headers["x-slo-state"] == "red"
         hint = error["retry_after_seconds"]
-        # Whole seconds, never earlier than the estimate, and at least the excess over the budget.
+        # Whole seconds, never earlier than the estimate, and past the excess over the budget.
         assert int(response.headers["retry-after"]) >= hint
         assert int(response.headers["retry-after"]) - hint < 1
         assert int(response.headers["retry-after-ms"]) == pytest.approx(hint * 1000, abs=1)
+        # A retry is useful once the queue ahead has drained: (queued + 1) slots at 1 s each.
+        assert hint >= queue_length + 1 - 0.01
     waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="queues drained")
     samples = shim.metrics()
     key = (
         "llm_backoff_shim_requests_total",
         (("class", "interactive"), ("code", "slo_shed"), ("outcome", "rejected")),
     )
-    assert samples[key] == len(shed)
-    state = samples[("llm_backoff_shim_slo_state", (("class", "interactive"),))]
-    assert state in (0, 1, 2)
-    # After the queue drained, the class is GREEN again and requests are served.
+    assert samples[key] == 2
+    # The queue drained: GREEN again, in the gauge and on the next answer.
+    assert samples[("llm_backoff_shim_slo_state", (("class", "interactive"),))] == 0
     after = chat(shim.url)
     assert after.status_code == 200
     assert after.headers["x-slo-state"] == "green"
-    assert shim.metrics()[("llm_backoff_shim_slo_state", (("class", "interactive"),))] == 0
