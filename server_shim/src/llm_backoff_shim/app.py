@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from llm_backoff_shim.access_log import AccessLog
 from llm_backoff_shim.admission import AdmissionController, ClassPolicy
 from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.config import ShimSettings
@@ -118,6 +119,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         body_timeout=settings.body_read_timeout,
         hooks=policy.hooks,
         on_first_byte=policy.on_first_byte,
+        access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy)
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import aiohttp
 
+from llm_backoff_shim.access_log import AccessLog, AccessRecord, request_id
 from llm_backoff_shim.admission import (
     AdmissionController,
     AdmissionRequest,
@@ -131,6 +132,12 @@ class _Exchange:
     metric: str = "client_disconnected"
     code: str = ""
     retry_after: float | None = None
+    # For the access log: the status the client got, and where the time went.
+    sent: int | None = None
+    queue_time: float | None = None
+    upstream_start: float | None = None
+    first_byte: float | None = None
+    upstream_end: float | None = None
 
 
 class Proxy:
@@ -149,7 +156,9 @@ class Proxy:
         body_timeout: float | None = None,
         hooks: RequestHooks | None = None,
         on_first_byte: Callable[[float, int], None] | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
+        self.access_log = access_log
         # Classes by tenant, quotas, SLO headers, vLLM priority (issue 5); none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
@@ -173,42 +182,44 @@ class Proxy:
         arrival = self.clock()
         path: str = scope["path"]
         method: str = scope["method"]
+        record = self._record(scope, method, path, arrival)
         if not is_allowed_path(path):
             missing = client_error(f"no such path {path[:200]!r}: the shim serves /v1/...", status=404)
-            await self._refuse(send, Refusal("bad_path", missing))
+            await self._refuse(send, Refusal("bad_path", missing), record)
             return
         headers: RawHeaders = list(scope["headers"])
         refusal = check_api_key(self.api_keys, headers)
         if refusal is not None:
-            await self._refuse(send, refusal)
+            await self._refuse(send, refusal, record)
             return
         gated = is_generation(method, path)
         request: AdmissionRequest | None = None
         if gated:
             parsed = self._admission_request(headers)
             if isinstance(parsed, ErrorResponse):
-                await self._refuse(send, Refusal(reason_of(parsed), parsed))
+                await self._refuse(send, Refusal(reason_of(parsed), parsed), record)
                 return
             request = parsed
             refusal = check_content_type(headers)
             if refusal is not None:
-                await self._refuse(send, refusal)
+                await self._refuse(send, refusal, record)
                 return
         refusal = check_declared_length(headers, self.max_body_bytes)
         if refusal is not None:
-            await self._refuse(send, refusal)
+            await self._refuse(send, refusal, record)
             return
         try:
             body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timeout)
         except ClientGone:
+            self._log(record, _Exchange())
             return  # the client left before sending its whole request
         if isinstance(body, Refusal):
-            await self._refuse(send, body)
+            await self._refuse(send, body, record)
             return
         if gated:
             refusal = check_json_object(body)
             if refusal is not None:
-                await self._refuse(send, refusal)
+                await self._refuse(send, refusal, record)
                 return
         forward = _ForwardRequest(
             method=method,
@@ -217,13 +228,47 @@ class Proxy:
             body=body,
         )
         if request is None:
-            await _watch_disconnect(receive, lambda: self._relay(forward, send, None, None, arrival))
+            exchange = _Exchange()
+            try:
+                await _watch_disconnect(receive, lambda: self._relay(forward, send, None, exchange, arrival))
+            finally:
+                self._log(record, exchange)
         else:
-            await self._gated(request, forward, receive, send, arrival)
+            await self._gated(request, forward, receive, send, arrival, record)
 
-    async def _refuse(self, send: Send, refusal: Refusal) -> None:
+    async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
         self.metrics.bad_request(refusal.reason)
-        await _answer(send, refusal.response)
+        exchange = _Exchange(metric="bad_request", code=refusal.reason)
+        await _answer(send, refusal.response, exchange)
+        self._log(record, exchange)
+
+    def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
+        if self.access_log is None or not self.access_log.enabled:
+            return None
+        client = scope.get("client")
+        return AccessRecord(
+            method=method,
+            path=path,
+            arrival=arrival,
+            request_id=request_id(_raw_header(scope["headers"], b"x-request-id")),
+            client=str(client[0]) if client else None,
+        )
+
+    def _log(
+        self,
+        record: AccessRecord | None,
+        exchange: _Exchange,
+        cls: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        if record is None or self.access_log is None:
+            return
+        record.cls, record.tenant = cls, None if tenant in (None, "-") else tenant
+        record.outcome, record.code, record.status = exchange.metric, exchange.code or None, exchange.sent
+        record.queue_time, record.retry_after = exchange.queue_time, exchange.retry_after
+        record.upstream_start, record.first_byte = exchange.upstream_start, exchange.first_byte
+        record.upstream_end = exchange.upstream_end
+        self.access_log.write(record)
 
     def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
         class_header = _header(headers, b"x-request-class")
@@ -251,6 +296,7 @@ class Proxy:
         receive: Receive,
         send: Send,
         arrival: float,
+        record: AccessRecord | None = None,
     ) -> None:
         cls = request.cls
         grant: Grant | None = None
@@ -263,18 +309,21 @@ class Proxy:
             if refusal is not None:
                 exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
                 exchange.code, exchange.retry_after = refusal.code, refusal.retry_after
-                await _answer(send, refusal.response)
+                await _answer(send, refusal.response, exchange)
                 return
             if scope.body is not forward.body:
                 forward = replace(forward, body=scope.body)
+            queued_at = self.clock()
             decision = await self.admission.acquire(request)
             if isinstance(decision, Rejection):
                 exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
                 exchange.code, exchange.retry_after = decision.code, decision.retry_after
+                exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
-                await _answer(send, with_headers(response, scope.response_headers()))
+                await _answer(send, with_headers(response, scope.response_headers()), exchange)
                 return
             grant = decision
+            exchange.queue_time = grant.queue_time
             self.metrics.count(cls, "admitted")
             self.metrics.queue_wait.labels(cls).observe(grant.queue_time)
             await self._relay(forward, send, grant, exchange, arrival, scope)
@@ -289,6 +338,7 @@ class Proxy:
                 self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
             else:
                 self.metrics.count(cls, exchange.metric)
+            self._log(record, exchange, cls, request.tenant)
 
     async def _relay(
         self,
@@ -302,6 +352,7 @@ class Proxy:
         exchange = exchange if exchange is not None else _Exchange()
         cls = grant.ticket.cls if grant is not None else None
         session = self.upstream.session
+        exchange.upstream_start = self.clock()
         try:
             context = session.request(
                 forward.method,
@@ -312,12 +363,14 @@ class Proxy:
             )
             response = await context.__aenter__()
         except _PRE_RESPONSE_ERRORS as exc:
+            exchange.upstream_end = self.clock()
             await self._unavailable(send, cls, _describe(exc), exchange)
             return
         started = False
+        exchange.first_byte = self.clock()
         try:
             if cls is not None:
-                self.metrics.time_to_first_byte.labels(cls).observe(self.clock() - arrival)
+                self.metrics.time_to_first_byte.labels(cls).observe(exchange.first_byte - arrival)
             exchange.status = response.status
             if response.status == 503:
                 await self._upstream_overloaded(send, cls, response, exchange)
@@ -330,6 +383,7 @@ class Proxy:
                 headers += scope.response_headers()
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             started = True
+            exchange.sent = response.status
             try:
                 first = True
                 async for chunk in response.content.iter_any():
@@ -348,6 +402,7 @@ class Proxy:
             if exchange.metric == "client_disconnected" and not response.content.is_eof():
                 response.close()  # the engine sees the connection drop and aborts the request
             await context.__aexit__(None, None, None)
+            exchange.upstream_end = self.clock()
             if not started and exchange.metric == "client_disconnected":
                 log.debug("client left before the upstream answered")
 
@@ -361,7 +416,7 @@ class Proxy:
         rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
         exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "rejected"
         exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
-        await _answer(send, rejection_response(rejection, self.reject_status))
+        await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
     async def _upstream_overloaded(
         self, send: Send, cls: str | None, response: aiohttp.ClientResponse, exchange: _Exchange
@@ -373,7 +428,7 @@ class Proxy:
         rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
         exchange.outcome, exchange.metric = Outcome.OVERLOADED, "rejected"
         exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
-        await _answer(send, rejection_response(rejection, self.reject_status))
+        await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
 
 @dataclass(frozen=True)
@@ -412,6 +467,13 @@ def _error_message(body: bytes) -> str:
         pass
     text = body.decode("utf-8", "replace").strip()
     return text[:300] or "no detail"
+
+
+def _raw_header(headers: RawHeaders, name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
 
 
 def _header(headers: RawHeaders, name: bytes) -> str | None:
@@ -467,6 +529,8 @@ def _still_cancelling(task: asyncio.Task[Any]) -> bool:
     return False  # 3.10 cannot tell; a shutdown cancel arriving in the same instant is absorbed
 
 
-async def _answer(send: Send, response: ErrorResponse) -> None:
+async def _answer(send: Send, response: ErrorResponse, exchange: _Exchange | None = None) -> None:
     await send({"type": "http.response.start", "status": response.status, "headers": response.headers})
+    if exchange is not None:
+        exchange.sent = response.status
     await send({"type": "http.response.body", "body": response.body, "more_body": False})

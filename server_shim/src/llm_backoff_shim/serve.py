@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
+from llm_backoff_shim.access_log import logging_config
 from llm_backoff_shim.app import create_app, shim_state
 from llm_backoff_shim.config import ConfigError, ShimSettings, load_settings
 from llm_backoff_shim.connection_guard import guarded_protocol
@@ -27,6 +28,9 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
         "host": settings.host,
         "port": settings.port,
         "log_level": settings.log_level,
+        # The shim's one line per request (access_log) replaces uvicorn's access log.
+        "log_config": logging_config(settings.log_format, settings.log_level),
+        "access_log": False,
         "server_header": False,
         "date_header": False,
         "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",

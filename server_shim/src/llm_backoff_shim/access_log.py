@@ -1,0 +1,223 @@
+"""One structured line per ``/v1/`` request: what happened, how long each part took.
+
+The proxy fills an :class:`AccessRecord` as the request goes and hands it to
+:class:`AccessLog` when it is over (whatever the path: relayed, rejected, refused as
+malformed, or abandoned by the client). Fields:
+
+==================  =================================================================
+``method, path``    the request line, path only (the query string is never logged)
+``class``           the traffic class (``-`` for requests that do not queue)
+``outcome``         ``completed``, ``rejected``, ``client_disconnected``,
+                    ``upstream_error``, ``bad_request``
+``code``            rejection code (``queue_full``...) or bad-request reason
+``status``          the HTTP status sent to the client (none if it left first)
+``queue_ms``        time queued for a slot (admitted or rejected after queueing)
+``ttfb_ms``         arrival to the upstream's response head
+``upstream_ms``     request sent upstream to the end of the relayed response (or
+                    to the moment it was abandoned)
+``total_ms``        arrival to the end
+``retry_after_s``   the hint given with a rejection
+``tenant``          the tenant identity as the shim keys it: a 12-hex-digit hash of
+                    the API key, or the configured tenant header's value
+``request_id``      the client's ``x-request-id``, when short and printable
+``client``          the peer address
+==================  =================================================================
+
+Never logged: API keys or any other header (except ``x-request-id``), query strings,
+request or response bodies (prompts, completions).
+
+Two renderings (``--log-format``): ``plain`` (``key=value`` pairs after the time and
+request line, easy to read and to grep) and ``json`` (one object per line, for log
+shippers). Lines go to the ``llm_backoff_shim.access`` logger at INFO; ``serve``
+sends that logger to stdout with nothing added (see :func:`logging_config`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+LogFormat = Literal["plain", "json"]
+
+LOGGER_NAME = "llm_backoff_shim.access"
+
+#: ``x-request-id`` values outside this shape are dropped rather than escaped.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+_PLAIN_SAFE = re.compile(r"[^\s\"\\=]+")
+_MAX_PATH = 200
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """What one request did; the proxy fills it in as it goes (times from its monotonic clock)."""
+
+    method: str
+    path: str
+    arrival: float
+    cls: str | None = None
+    tenant: str | None = None
+    outcome: str = "client_disconnected"
+    code: str | None = None
+    status: int | None = None
+    queue_time: float | None = None
+    upstream_start: float | None = None
+    first_byte: float | None = None
+    upstream_end: float | None = None
+    retry_after: float | None = None
+    request_id: str | None = None
+    client: str | None = None
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 1)
+
+
+def request_id(raw: bytes | None) -> str | None:
+    """A client's ``x-request-id`` if it is a plain token; anything else is not logged."""
+    if raw is None:
+        return None
+    value = raw.decode("latin-1").strip()
+    return value if _REQUEST_ID.fullmatch(value) else None
+
+
+class AccessLog:
+    """Renders :class:`AccessRecord` s as log lines (plain or JSON)."""
+
+    def __init__(
+        self,
+        log_format: LogFormat = "plain",
+        *,
+        logger: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        if log_format not in ("plain", "json"):
+            raise ValueError(f"log format must be 'plain' or 'json', got {log_format!r}")
+        self.log_format = log_format
+        self.logger = logger if logger is not None else logging.getLogger(LOGGER_NAME)
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self._second: tuple[int, str] = (-1, "")
+
+    def _timestamp(self) -> str:
+        # ISO 8601 UTC with milliseconds; the part up to the second is reused within a
+        # second (datetime formatting is a fair share of a line's cost).
+        now = self.wall_clock()
+        second = math.floor(now)
+        micros = round((now - second) * 1e6)  # as datetime rounds, then truncate to ms
+        if micros >= 1_000_000:
+            second, micros = second + 1, micros - 1_000_000
+        cached, prefix = self._second
+        if cached != second:
+            prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+            self._second = (second, prefix)
+        return f"{prefix}.{micros // 1000:03d}+00:00"
+
+    @property
+    def enabled(self) -> bool:
+        """False when INFO is off for the logger: the proxy then skips building records."""
+        return self.logger.isEnabledFor(logging.INFO)
+
+    def fields(self, record: AccessRecord, end: float) -> dict[str, Any]:
+        upstream = None
+        if record.upstream_start is not None:
+            # No end: the request was abandoned (client gone) while upstream; it ended now.
+            upstream = (
+                record.upstream_end if record.upstream_end is not None else end
+            ) - record.upstream_start
+        ttfb = None if record.first_byte is None else record.first_byte - record.arrival
+        fields: dict[str, Any] = {
+            "time": self._timestamp(),
+            "method": record.method,
+            "path": record.path[:_MAX_PATH],
+            "class": record.cls or "-",
+            "outcome": record.outcome,
+            "code": record.code,
+            "status": record.status,
+            "queue_ms": _ms(record.queue_time),
+            "ttfb_ms": _ms(ttfb),
+            "upstream_ms": _ms(upstream),
+            "total_ms": _ms(end - record.arrival),
+            "retry_after_s": None if record.retry_after is None else round(record.retry_after, 3),
+            "tenant": record.tenant,
+            "request_id": record.request_id,
+            "client": record.client,
+        }
+        return fields
+
+    def render(self, record: AccessRecord, end: float) -> str:
+        fields = self.fields(record, end)
+        if self.log_format == "json":
+            return json.dumps(fields, separators=(",", ":"), ensure_ascii=True)
+        head = f"{fields.pop('time')} {fields.pop('method')} {_plain(fields.pop('path'))}"
+        pairs = " ".join(f"{key}={_plain(value)}" for key, value in fields.items() if value is not None)
+        return f"{head} {pairs}"
+
+    def write(self, record: AccessRecord) -> None:
+        """Log ``record`` as ending now (never raises: a log failure must not fail a request)."""
+        try:
+            self.logger.info(self.render(record, self.clock()))
+        except Exception:  # pragma: no cover - a broken handler; logging reports its own errors
+            logging.getLogger("llm_backoff_shim").exception("access log line failed")
+
+
+def _plain(value: object) -> str:
+    text = str(value)
+    # Quote anything that would break key=value parsing (spaces, quotes, '=').
+    return text if _PLAIN_SAFE.fullmatch(text) else json.dumps(text, ensure_ascii=True)
+
+
+class JsonFormatter(logging.Formatter):
+    """The shim's other log lines (and uvicorn's) as JSON objects, under ``--log-format json``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            data["exception"] = self.formatException(record.exc_info)
+        return json.dumps(data, ensure_ascii=True)
+
+
+def logging_config(log_format: LogFormat, level: str = "info") -> dict[str, Any]:
+    """A ``logging.config.dictConfig`` for ``serve`` (given to uvicorn as ``log_config``).
+
+    Access lines go to stdout exactly as rendered; everything else (the shim's
+    warnings, uvicorn's start-up and errors) to stderr, as JSON objects under
+    ``json``. uvicorn's own access log is left off: the shim's line replaces it.
+    """
+    plain = {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
+    level = level.upper()
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {
+            "default": {"()": f"{__name__}.JsonFormatter"} if log_format == "json" else plain,
+            "access": {"format": "%(message)s"},
+        },
+        "handlers": {
+            "default": {
+                "class": "logging.StreamHandler",
+                "formatter": "default",
+                "stream": "ext://sys.stderr",
+            },
+            "access": {"class": "logging.StreamHandler", "formatter": "access", "stream": "ext://sys.stdout"},
+        },
+        "loggers": {
+            "uvicorn": {"handlers": ["default"], "level": level, "propagate": False},
+            "uvicorn.error": {"level": level},
+            "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},
+            "llm_backoff_shim": {"handlers": ["default"], "level": level, "propagate": False},
+            LOGGER_NAME: {"handlers": ["access"], "level": level, "propagate": False},
+        },
+    }
