@@ -5,7 +5,7 @@
 - "The shim in one screen": the shell block's commands run as subprocesses (ports
   8000/8080 replaced by free ones); the curl lines must get a chat completion and the
   ``llm_backoff_shim_requests_total`` lines.
-- ``python examples/quickstart.py`` exits 0.
+- ``python examples/quickstart.py`` (and docs/sdk.md's tenacity example) exits 0.
 - Relative links in README.md and docs/*.md point to files that exist.
 
 Waits are polls bounded only so that a broken test ends; no latency is asserted.
@@ -227,12 +227,13 @@ def test_shim_block_runs_as_written(tmp_path: Path) -> None:
     assert requests_total(outputs[1])[("interactive", "completed", "")] == 1.0
 
 
-# -- examples/quickstart.py ------------------------------------------------------------------
+# -- examples/*.py (quickstart: README; tenacity_retry: docs/sdk.md) ------------------------
 
 
-def test_quickstart_exits_zero() -> None:
+@pytest.mark.parametrize("example", ["examples/quickstart.py", "examples/tenacity_retry.py"])
+def test_example_exits_zero(example: str) -> None:
     result = subprocess.run(
-        [sys.executable, "examples/quickstart.py"],
+        [sys.executable, example],
         cwd=ROOT,
         capture_output=True,
         timeout=COMMAND_LIMIT,
