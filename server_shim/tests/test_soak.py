@@ -69,4 +69,5 @@ def test_nothing_leaked(report: SoakReport) -> None:
     assert report.bad_requests == {}, report.bad_requests  # well-formed clients are never taken for hostile ones
     assert report.baseline is not None
     assert report.after is not None
+    assert report.after.connections_shim == report.after.connections_sim == 0
     assert report.after.rss_mib - report.baseline.rss_mib <= MAX_RSS_GROWTH_MIB, report.summary()

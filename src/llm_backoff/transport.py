@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
@@ -174,11 +175,35 @@ def _decoded(response: _Response, raw: bytes) -> bytes | None:
         return None
 
 
-def _read_sync(stream: Any) -> bytes:
+def _deadline_error(request: Any) -> Exception:
+    """The HTTP library's own ReadTimeout, so classification and openai treat it as any timeout."""
+    library = sys.modules.get(type(request).__module__.split(".", 1)[0])
+    error = getattr(library, "ReadTimeout", None)
+    message = "the call's deadline passed while the response was still arriving"
+    if isinstance(error, type) and issubclass(error, Exception):
+        made: Exception = error(message, request=request)  # type: ignore[call-arg]
+        return made
+    return TimeoutError(message)
+
+
+def _read_sync(
+    stream: Any, expires: float | None = None, clock: Callable[[], float] = time.monotonic
+) -> bytes:
+    # Per-read timeouts alone let a body that trickles in (a byte just inside each read
+    # timeout) stretch the call without end: the deadline is checked between chunks too.
+    chunks: list[bytes] = []
     try:
-        return b"".join(stream)
+        for chunk in stream:
+            chunks.append(chunk)
+            if expires is not None and clock() > expires:
+                raise _DeadlinePassedError
+        return b"".join(chunks)
     finally:
         stream.close()
+
+
+class _DeadlinePassedError(Exception):
+    pass
 
 
 async def _read_async(stream: Any) -> bytes:
@@ -268,6 +293,11 @@ class RetryEngine:
         if self.budget is not None:
             self.budget.record_request()
         return state, instant, request.extensions.get("timeout")
+
+    @staticmethod
+    def _expiry(state: RetryState) -> float | None:
+        deadline = state.policy.deadline
+        return None if deadline is None else state.started_at + deadline
 
     @staticmethod
     def _limiter_timeout(state: RetryState) -> float | None:
@@ -437,7 +467,10 @@ class RetryEngine:
             try:
                 response = send(request)
                 if _must_buffer(response):
-                    raw = _read_sync(response.stream)
+                    try:
+                        raw = _read_sync(response.stream, self._expiry(state), self.clock)
+                    except _DeadlinePassedError:
+                        raise _deadline_error(request) from None
                     response.stream = flavor.byte_stream(raw)
             except BaseException as exc:
                 _settle(permit, None, None)
@@ -497,10 +530,16 @@ class RetryEngine:
             started = self.clock()
             raw: bytes | None = None
             try:
-                response = await send(request)
-                if _must_buffer(response):
-                    raw = await _read_async(response.stream)
-                    response.stream = flavor.byte_stream(raw)
+                # A hard bound on the attempt: per-operation timeouts alone let a response
+                # that trickles in stretch the call past its deadline.
+                left = state.time_left()
+                with anyio.move_on_after(None if left is None else max(left, 0.001)) as bound:
+                    response = await send(request)
+                    if _must_buffer(response):
+                        raw = await _read_async(response.stream)
+                        response.stream = flavor.byte_stream(raw)
+                if bound.cancelled_caught:
+                    raise _deadline_error(request)
             except BaseException as exc:
                 _settle(permit, None, None)
                 if not isinstance(exc, Exception):

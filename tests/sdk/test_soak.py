@@ -8,13 +8,16 @@ from ``llm-backoff-shim``; skipped where that is not installed (the openai 2.x e
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
-soak = pytest.importorskip("llm_backoff_shim.soak")
+import pytest
 
 
 @pytest.mark.timeout(120)
 def test_sdk_under_faults_never_hangs_duplicates_or_retries_a_started_stream() -> None:
+    soak = pytest.importorskip("llm_backoff_shim.soak")
     config = soak.SoakConfig(
         requests=600,
         seconds=30.0,
@@ -43,3 +46,53 @@ def test_sdk_under_faults_never_hangs_duplicates_or_retries_a_started_stream() -
     cut = sum(n for name, n in report.outcomes.items() if name.startswith(("error:", "sdk_error:")))
     assert cut > 0
     assert report.leaks() == []
+
+
+def _drip_app(chunks: int, every: float) -> Any:
+    """An OpenAI-ish server whose JSON answer trickles in: each read gets data in time."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def models(request: Request) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            for _ in range(chunks):
+                yield b" "
+                await asyncio.sleep(every)
+            yield b'{"object": "list", "data": []}'
+
+        return StreamingResponse(body(), media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/models", models)])
+
+
+def test_a_dripping_body_cannot_stretch_a_sync_call_past_its_deadline(serve: Callable[[Any], str]) -> None:
+    """Per-read timeouts alone would let 20 x 0.25 s of drip through a 1 s deadline."""
+    import openai
+
+    import llm_backoff
+
+    url = serve(_drip_app(chunks=20, every=0.25))
+    client = llm_backoff.wrap(
+        openai.OpenAI(base_url=url + "/v1", api_key="k"),
+        llm_backoff.RetryPolicy(deadline=1.0, max_attempts=1),
+    )
+    with pytest.raises(openai.APITimeoutError):
+        client.models.list()
+
+
+async def test_a_dripping_body_cannot_stretch_an_async_call_past_its_deadline(
+    serve: Callable[[Any], str],
+) -> None:
+    import openai
+
+    import llm_backoff
+
+    url = serve(_drip_app(chunks=20, every=0.25))
+    client = llm_backoff.wrap(
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="k"),
+        llm_backoff.RetryPolicy(deadline=1.0, max_attempts=1),
+    )
+    with pytest.raises(openai.APITimeoutError):
+        await client.models.list()

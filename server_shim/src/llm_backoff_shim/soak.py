@@ -91,6 +91,9 @@ class Snapshot:
     tasks_sim: int
     fds: int
     rss_mib: float
+    #: open client connections of the shim's and the simulator's HTTP servers
+    connections_shim: int = 0
+    connections_sim: int = 0
 
 
 @dataclass
@@ -135,6 +138,8 @@ class SoakReport:
                 found.append(f"sim tasks {b.tasks_sim} -> {a.tasks_sim}")
             if a.fds > b.fds:
                 found.append(f"file descriptors {b.fds} -> {a.fds}")
+            if a.connections_shim or a.connections_sim:
+                found.append(f"open connections: shim {a.connections_shim}, sim {a.connections_sim}")
         return found
 
     def summary(self) -> dict[str, Any]:
@@ -204,6 +209,10 @@ class _Run:
         self.report = report
         self.started_streams: set[int] = set()
 
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.report.untyped.append(f"driver: {task.exception()!r}")
+
     def _hook(self, event: llm_backoff.RetryEvent) -> None:
         if _call_id.get() in self.started_streams:
             self.report.retries_after_stream_start += 1
@@ -224,7 +233,9 @@ class _Run:
                 gate = asyncio.Semaphore(config.concurrency)
                 deadline = None if config.seconds is None else time.monotonic() + config.seconds
                 names, weights = [k for k, _ in config.kinds], [w for _, w in config.kinds]
-                tasks: list[asyncio.Task[None]] = []
+                # Finished tasks are dropped at once: the driver must not grow with the run, or the
+                # memory audit would measure the client instead of the servers.
+                pending: set[asyncio.Task[None]] = set()
                 step = max(1, count // 10)
                 for i in range(count):
                     if deadline is not None and time.monotonic() > deadline:
@@ -234,8 +245,10 @@ class _Run:
                     # Call ids are unique across runs (warm-up and measured) for the stream bookkeeping.
                     call = i if measured else -1 - i
                     task = asyncio.create_task(self._one(call, kind, rng.random(), http, sdk, measured))
+                    task.add_done_callback(self._finished)
                     task.add_done_callback(lambda _t: gate.release())
-                    tasks.append(task)
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
                     if measured and (i + 1) % step == 0:
                         rss = rss_mib()
                         self.report.rss_samples.append((i + 1, round(rss, 1)))
@@ -245,7 +258,7 @@ class _Run:
                                 f"soak: {i + 1}/{count} sent, {done} finished, {self.report.hangs} hangs, "
                                 f"rss {rss:.1f} MiB"
                             )
-                await asyncio.gather(*tasks)
+                await asyncio.gather(*pending)
             finally:
                 await sdk.close()
                 await base.close()
@@ -381,6 +394,7 @@ class _Run:
             if not _is_prefix_sequence(tokens):
                 self.report.duplicate_streams += 1
             await stream.close()
+            self.started_streams.discard(i)
         return "ok"
 
 
@@ -392,13 +406,22 @@ def _settle(
     while True:
         gc.collect()
         idle = _on_loop(shim, lambda: runtime.controller.in_flight() + runtime.controller.queued()) == 0
-        snap = Snapshot(_tasks(shim), _tasks(sim), fd_count(), rss_mib())
+        snap = Snapshot(
+            _tasks(shim),
+            _tasks(sim),
+            fd_count(),
+            rss_mib(),
+            _on_loop(shim, lambda: len(shim.server.server_state.connections)),
+            _on_loop(sim, lambda: len(sim.server.server_state.connections)),
+        )
         settled = idle and (
             baseline is None
             or (
                 snap.tasks_shim <= baseline.tasks_shim
                 and snap.tasks_sim <= baseline.tasks_sim
                 and snap.fds <= baseline.fds
+                and snap.connections_shim == 0
+                and snap.connections_sim == 0
             )
         )
         if settled or time.monotonic() > end:
