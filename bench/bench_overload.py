@@ -167,6 +167,67 @@ def run_scenario(
     return results
 
 
+# -- the shim's own time to reject, without a load generator competing for the CPU ----------------
+
+
+def rejection_probe(shape: EngineShape, probes: int) -> tuple[float, float, float, int]:
+    """p50/p99/max seconds for the shim to refuse a request when slots and queue are full.
+
+    The load generator of the scenarios measures from its own event loop, which on a busy
+    2-core machine adds its lag to every answer. Here one client sends ``probes`` requests
+    one after another over a kept-alive connection to a shim whose 8 slots and 16 queue
+    places are held by requests the engine never finishes, and times each 429.
+    """
+    import asyncio
+
+    import httpx2
+
+    slow = EngineShape(slots=shape.slots, ttft=600.0, itl=shape.itl, output_tokens=shape.output_tokens)
+    flags = [
+        "--max-concurrency",
+        str(shape.slots),
+        "--max-queue",
+        str(2 * shape.slots),
+        "--max-queue-wait",
+        "600",
+    ]
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+    async def probe(url: str) -> tuple[list[float], int]:
+        async with (
+            httpx2.AsyncClient(base_url=url, timeout=30.0) as hold,
+            httpx2.AsyncClient(base_url=url) as c,
+        ):
+            holders = [
+                asyncio.create_task(hold.post("/v1/chat/completions", json=body))
+                for _ in range(3 * shape.slots)
+            ]
+            while True:  # until the shim's slots and queue are all taken
+                state = (await c.get("/shim/state")).json()
+                held = sum(v["in_flight"] + v["queued"] for v in state["classes"].values())
+                if held >= 3 * shape.slots:
+                    break
+                await asyncio.sleep(0.05)
+            times: list[float] = []
+            other = 0
+            for _ in range(probes):
+                t0 = time.perf_counter()
+                response = await c.post("/v1/chat/completions", json=body)
+                times.append(time.perf_counter() - t0)
+                other += response.status_code != 429
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return times, other
+
+    with sim_server(slow.sim_flags()) as sim, shim_server(sim, flags) as shim:
+        times, other = asyncio.run(probe(shim.url))
+    times.sort()
+    p50 = times[len(times) // 2]
+    p99 = times[max(0, int(len(times) * 0.99) - 1)]
+    return p50, p99, times[-1], other
+
+
 # -- targets ----------------------------------------------------------------------------------
 
 
@@ -272,7 +333,10 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
                 for f in cells
             ],
         ),
-        ("failed fast / at deadline", [f"{f.failed_fast} / {f.failed_deadline}" for f in cells]),
+        (
+            "failed fast / at deadline (of which mid-stream)",
+            [f"{f.failed_fast} / {f.failed_deadline} ({f.deadline_while_served})" for f in cells],
+        ),
         (
             "peak queue engine / proxy",
             [
@@ -292,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="folder for PNGs and JSON")
     p.add_argument("--only", default="", help="comma-separated scenario names to run (default: all)")
+    p.add_argument("--probe-only", action="store_true", help="only measure the shim's own time to reject")
     args = p.parse_args(argv)
     shape = EngineShape()
     chosen = scenarios(args.quick)
@@ -311,6 +376,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"shim flags: {' '.join(shim_flags(shape, chosen[0]))}",
         flush=True,
     )
+    if args.probe_only:
+        p50, p99, worst, other = rejection_probe(shape, 500)
+        print(
+            f"p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, max {worst * 1000:.2f} ms, non-429: {other}"
+        )
+        return 0
     started = time.monotonic()
     cells: list[Cell] = []
     markdown: list[str] = []
@@ -337,6 +408,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerStartError as exc:
         print(f"bench_overload: {exc}", file=sys.stderr)
         return 1
+    p50, p99, worst, other = rejection_probe(shape, 50 if args.quick else 500)
+    probe_line = (
+        f"Shim refusing with slots and queue full, one client, sequential requests on loopback "
+        f"({50 if args.quick else 500} probes): p50 {p50 * 1000:.2f} ms, p99 {p99 * 1000:.2f} ms, "
+        f"max {worst * 1000:.2f} ms; {other} answers were not 429."
+    )
+    print("\n" + probe_line, flush=True)
     rows = check_targets(cells)
     print("\nTargets (shim + llm_backoff cells):")
     for scenario_name, text, mark, evidence in rows:
@@ -347,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Machine load average (1 min) when each cell started: {min(loads):.1f} to {max(loads):.1f} "
         f"on {os.cpu_count()} CPUs."
     )
-    report = "\n\n".join([load_note, *markdown]) + "\n\n" + "\n".join(md_targets) + "\n"
+    report = "\n\n".join([load_note, *markdown, probe_line]) + "\n\n" + "\n".join(md_targets) + "\n"
     (args.out / f"overload-bench{suffix}.md").write_text(report)
     (args.out / f"overload-bench{suffix}.json").write_text(
         json.dumps([{"scenario": c.scenario.name, **c.figures.as_dict()} for c in cells], indent=1) + "\n"

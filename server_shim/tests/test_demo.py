@@ -80,6 +80,7 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
     for r in runs:
         label = r["label"]
         assert r["ok"] + r["failed_fast"] + r["failed_deadline"] == r["calls"], label
+        assert 0 <= r["deadline_while_served"] <= r["failed_deadline"], label
         assert sum(r["errors"].values()) == r["calls"] - r["ok"], label
         assert r["success_rate"] == pytest.approx(r["ok"] / r["calls"]), label
         # Every call made at least one HTTP attempt; the rest are retries.

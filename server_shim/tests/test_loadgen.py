@@ -174,6 +174,7 @@ def test_figures_from_known_records() -> None:
     )
     f = figures(result)
     assert (f.calls, f.ok, f.failed_fast, f.failed_deadline) == (4, 2, 1, 1)
+    assert f.deadline_while_served == 0  # the one at its deadline never got a token
     assert f.success_rate == 0.5
     assert (f.ttft_p50, f.ttft_p99) == (0.5, 2.5)
     assert f.rejections == 3
@@ -329,6 +330,8 @@ def test_a_caller_past_its_deadline_leaves_and_the_engine_sees_it_go() -> None:
     assert stats["aborted_tokens"] > 0
     assert (stats["running"], stats["waiting"]) == (0, 0)
     f = figures(result)
+    # One was cut mid-stream (it had tokens), the other never left the engine's queue.
+    assert f.deadline_while_served == 1
     assert f.wasted_tokens == stats["aborted_tokens"]
     assert f.ok == 0
     assert f.failed_deadline == 2

@@ -27,7 +27,9 @@ Definitions (the issue names the figures; these are the exact rules used):
 - **admitted on first retry**: among calls whose first attempt was rejected and that
   retried, the share whose second attempt was not rejected.
 - **failed fast**: failed calls that ended with a typed error before their deadline;
-  the others ran into the deadline.
+  the others ran into the deadline, either still waiting for a first token or
+  *mid-stream* (tokens had started to arrive and the stream was cut: the engine
+  worked for a caller who then left).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class Figures:
     success_rate: float
     failed_fast: int
     failed_deadline: int
+    deadline_while_served: int
     median_time_to_fail_fast: float | None
     ttft_p50: float | None
     ttft_p99: float | None
@@ -150,6 +153,7 @@ def figures(result: RunResult) -> Figures:
         success_rate=len(ok) / len(calls) if calls else 0.0,
         failed_fast=len(fast),
         failed_deadline=len(failed) - len(fast),
+        deadline_while_served=sum(1 for c in failed if c.outcome == "deadline" and c.first_token is not None),
         median_time_to_fail_fast=percentile([c.duration for c in fast if c.duration is not None], 50),
         ttft_p50=percentile([c.ttft for c in ok_interactive if c.ttft is not None], 50),
         ttft_p99=percentile([c.ttft for c in ok_interactive if c.ttft is not None], 99),
@@ -198,7 +202,7 @@ def rows(f: Figures) -> list[tuple[str, str]]:
     failed = f.calls - f.ok
     fail_note = (
         f"{f.failed_fast} fast typed errors (median {_seconds(f.median_time_to_fail_fast)}), "
-        f"{f.failed_deadline} ran into the deadline"
+        f"{f.failed_deadline} ran into the deadline ({f.deadline_while_served} of them while being served)"
         if failed
         else "none"
     )
