@@ -112,6 +112,7 @@ class ShimMetrics:
         )
         for reason in BAD_REQUEST_REASONS:
             self.bad_requests.labels(reason)
+        self._requests_by_label: dict[tuple[str, str, str], Counter] = {}
         self.registry.register(_LiveState(controller, slo_state or (lambda _cls: 0)))
         self._prime(controller.classes)
 
@@ -129,11 +130,20 @@ class ShimMetrics:
             self.retry_after.labels(cls)
 
     def count(self, cls: str, outcome: str, code: str = "") -> None:
-        self.requests.labels(cls, outcome, code).inc()
+        self._request_counter(cls, outcome, code).inc()
 
     def rejected(self, cls: str, code: str, retry_after: float) -> None:
-        self.requests.labels(cls, "rejected", code).inc()
+        self._request_counter(cls, "rejected", code).inc()
         self.retry_after.labels(cls).observe(retry_after)
+
+    def _request_counter(self, cls: str, outcome: str, code: str) -> Counter:
+        # labels() takes a lock and builds a key on every call; this runs several times per
+        # request (bench/bench_proxy.py). Classes, outcomes and codes are few: the dict stays small.
+        key = (cls, outcome, code)
+        child = self._requests_by_label.get(key)
+        if child is None:
+            child = self._requests_by_label[key] = self.requests.labels(cls, outcome, code)
+        return child
 
     def bad_request(self, reason: str) -> None:
         # An unlisted reason would be an unbounded label: fold it into the nearest bucket.
