@@ -9,18 +9,21 @@ from .adaptive import AdaptiveRate
 from .attempts import Attempt
 from .budget import RetryBudget
 from .errors import LLMBackoffError, RateLimitTimeout, UnsupportedClientError
-from .events import RetryEvent, RetryObservers
+from .events import CallObserver, RetryEvent, RetryObservers
 from .policy import RetryPolicy
 from .ratelimit import RateLimiter, RequestTooLargeError, TokenBucket
 from .redis_bucket import RedisRateLimiter, RedisTokenBucket
+from .stats import ClientStats, StatsSnapshot
 from .strategies import retry_if_retryable, wait_retry_after
-from .wrap import retry_observers, wrap
+from .wrap import call_observers, client_stats, retry_observers, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdaptiveRate",
     "Attempt",
+    "CallObserver",
+    "ClientStats",
     "LLMBackoffError",
     "RateLimitTimeout",
     "RateLimiter",
@@ -31,9 +34,12 @@ __all__ = [
     "RetryEvent",
     "RetryObservers",
     "RetryPolicy",
+    "StatsSnapshot",
     "TokenBucket",
     "UnsupportedClientError",
     "__version__",
+    "call_observers",
+    "client_stats",
     "retry_if_retryable",
     "retry_observers",
     "wait_retry_after",
