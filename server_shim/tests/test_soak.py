@@ -8,6 +8,8 @@ catches hangs. Afterwards nothing may be lost or leaked. The longer opt-in run i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llm_backoff_shim.soak import KINDS, SoakConfig, SoakReport, run_soak
@@ -20,7 +22,9 @@ MAX_RSS_GROWTH_MIB = 32.0
 
 @pytest.fixture(scope="module")
 def report() -> SoakReport:
-    return run_soak(SoakConfig(requests=2000, seconds=40.0, warmup=150, seed=11))
+    result = run_soak(SoakConfig(requests=2000, seconds=40.0, warmup=150, seed=11))
+    print(json.dumps(result.summary(), indent=1))  # shown with -s; the figures in docs/reliability.md
+    return result
 
 
 @pytest.mark.timeout(180)
@@ -66,7 +70,8 @@ def test_nothing_leaked(report: SoakReport) -> None:
     assert report.leaks() == [], report.summary()
     assert set(report.gauges_after.values()) == {0.0}
     assert report.waiting_futures_after == 0
-    assert report.bad_requests == {}, report.bad_requests  # well-formed clients are never taken for hostile ones
+    # Well-formed clients are never taken for hostile ones.
+    assert report.bad_requests == {}, report.bad_requests
     assert report.baseline is not None
     assert report.after is not None
     assert report.after.connections_shim == report.after.connections_sim == 0
