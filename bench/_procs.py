@@ -102,6 +102,7 @@ class Child:
     ) -> None:
         self.name = name
         self.nice = nice
+        self.boosted = False
         self.port = port
         self.argv = [*pin_prefix(cpu), *argv]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -124,8 +125,7 @@ class Child:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        if self.nice is not None:
-            boost(self.proc.pid, self.nice)
+        self.boosted = self.nice is not None and boost(self.proc.pid, self.nice)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

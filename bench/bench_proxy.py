@@ -284,48 +284,55 @@ class Target:
     cpu: Callable[[], float] | None
 
 
+def _shim_argv(port: int, upstream: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "llm_backoff_shim.cli",
+        "serve",
+        "--upstream",
+        f"http://{upstream}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-concurrency",
+        "1000",
+        "--max-queue",
+        "1000",
+        "--log-level",
+        "warning",
+    ]
+
+
 @contextlib.contextmanager
-def servers(workdir: Path, nice: int | None) -> Iterator[dict[str, Target]]:
-    py = sys.executable
+def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterator[dict[str, Target]]:
+    """The fake engine and the proxies in ``wanted``, running until the block ends."""
     up_port = _procs.free_port()
     upstream = _procs.Child(
         "fake engine",
-        [py, str(HERE / "_fast_upstream.py"), "--port", str(up_port)],
+        [sys.executable, str(HERE / "_fast_upstream.py"), "--port", str(up_port)],
         up_port,
         cpu=LOAD_CPU,
         nice=nice,
     )
-    with upstream:
-        shim_port = _procs.free_port()
-        shim_argv = [
-            py,
-            "-m",
-            "llm_backoff_shim.cli",
-            "serve",
-            "--upstream",
-            f"http://{upstream.address}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(shim_port),
-            "--max-concurrency",
-            "1000",
-            "--max-queue",
-            "1000",
-            "--log-level",
-            "warning",
-        ]
-        nginx_port = _procs.free_port()
-        config = _procs.nginx_config(workdir, nginx_port, upstream.address)
-        with (
-            _procs.Child("shim", shim_argv, shim_port, cpu=PROXY_CPU, nice=nice) as shim,
-            _procs.Child("nginx", _procs.nginx_argv(config), nginx_port, cpu=PROXY_CPU, nice=nice) as nginx,
-        ):
-            yield {
-                "direct": Target("direct", upstream.address, None),
-                "shim": Target("shim", shim.address, shim.cpu),
-                "nginx": Target("nginx", nginx.address, nginx.cpu),
-            }
+    with contextlib.ExitStack() as stack:
+        children = [stack.enter_context(upstream)]
+        targets = {"direct": Target("direct", upstream.address, None)}
+        if "shim" in wanted:
+            port = _procs.free_port()
+            shim = _procs.Child("shim", _shim_argv(port, upstream.address), port, cpu=PROXY_CPU, nice=nice)
+            children.append(stack.enter_context(shim))
+            targets["shim"] = Target("shim", shim.address, shim.cpu)
+        if "nginx" in wanted:
+            port = _procs.free_port()
+            config = _procs.nginx_config(workdir, port, upstream.address)
+            nginx = _procs.Child("nginx", _procs.nginx_argv(config), port, cpu=PROXY_CPU, nice=nice)
+            children.append(stack.enter_context(nginx))
+            targets["nginx"] = Target("nginx", nginx.address, nginx.cpu)
+        if nice is not None and not all(child.boosted for child in children):
+            print(f"note: could not set nice {nice} (not root?): figures will be noisier", flush=True)
+        yield targets
 
 
 def rotated(items: tuple[str, ...], by: int) -> list[str]:
@@ -348,7 +355,7 @@ def run(args: argparse.Namespace) -> Results:
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         workdir = Path(tmp)
         runner = Runner(workdir, nice=nice, loadgen=args.loadgen)
-        with servers(workdir, nice) as targets:
+        with servers(workdir, nice, targets_order) as targets:
             print(f"warming up {', '.join(targets_order)} ...", flush=True)
             for name in targets_order:
                 runner.http(name, targets[name].address, 16, 1.0, None)
