@@ -202,7 +202,7 @@ def rows(f: Figures) -> list[tuple[str, str]]:
     failed = f.calls - f.ok
     fail_note = (
         f"{f.failed_fast} fast typed errors (median {_seconds(f.median_time_to_fail_fast)}), "
-        f"{f.failed_deadline} ran into the deadline ({f.deadline_while_served} of them while being served)"
+        f"{f.failed_deadline} ran into the deadline ({f.deadline_while_served} of them mid-stream)"
         if failed
         else "none"
     )
