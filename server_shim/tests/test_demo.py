@@ -117,15 +117,15 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
     assert shim_backoff["rejections"] > 0
 
 
-def test_bad_flags_exit_2_without_starting_anything(tmp_path: Path) -> None:
-    proc = _run_demo("--duration", "-1", timeout=30)
-    assert proc.returncode == 2
-    assert "--duration" in proc.stderr
+def test_bad_flags_exit_2_without_starting_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert demo.main(["--duration", "-1"]) == 2
+    assert "--duration" in capsys.readouterr().err
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("x")
-    proc = _run_demo("--out", str(not_a_folder), timeout=30)
-    assert proc.returncode == 2
-    assert "is not a folder" in proc.stderr
+    assert demo.main(["--out", str(not_a_folder)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
 
 
 def _children_of(pid: int) -> list[int]:

@@ -150,14 +150,14 @@ DEMO_SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF)
 
 
 def demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
-    """The demo's load: a burst, then 2x capacity; ~16 s per run (~8 s with ``quick``).
+    """The demo's load: a burst, then 2x capacity; ~16 s per run (~5 s with ``quick``).
 
     The burst is larger than the shim's slots plus queue (8 + 16), so every shim run
     turns callers away from the first second on.
     """
     if quick:
         return Scenario(
-            "demo-quick", burst=30, rate_factor=2.0, duration=duration or 3.0, deadline=4.0, ttft_budget=2.0
+            "demo-quick", burst=30, rate_factor=2.0, duration=duration or 2.0, deadline=3.0, ttft_budget=1.5
         )
     return Scenario(
         "demo", burst=40, rate_factor=2.0, duration=duration or 8.0, deadline=8.0, ttft_budget=4.0
