@@ -323,6 +323,28 @@ def test_slow_body_gets_408(guarded: Callable[..., GuardedShim], upstream: Any) 
     still_serves(shim)
 
 
+def test_a_client_leaving_mid_body_is_counted_and_never_forwarded(
+    guarded: Callable[..., GuardedShim], upstream: Any, waiter: Callable[..., None]
+) -> None:
+    shim = guarded()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n"
+    )
+    with socket.create_connection((shim.server.host, shim.server.port), timeout=10) as sock:
+        sock.sendall(head + b'{"model": ')
+
+    def counted() -> bool:
+        text = http.get(shim.url + "/metrics").text
+        line = 'llm_backoff_shim_requests_total{class="interactive",code="",outcome="client_disconnected"}'
+        return f"{line} 1.0" in text
+
+    waiter(counted, what="client_disconnected counted")
+    assert sum(shim.bad_requests().values()) == 0  # leaving is not an attack
+    assert upstream.received == []
+    assert shim.gauges() == (0, 0)
+
+
 @pytest.mark.parametrize(
     "head",
     [

@@ -211,6 +211,9 @@ class Proxy:
         try:
             body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timeout)
         except ClientGone:
+            if request is not None:
+                # Counted, so that every generation request the shim saw has an outcome.
+                self.metrics.count(request.cls, "client_disconnected")
             self._log(record, _Exchange())
             return  # the client left before sending its whole request
         if isinstance(body, Refusal):
