@@ -464,3 +464,35 @@ def test_serve_binds_metrics_to_metrics_host(upstream: Any) -> None:
     finally:
         proc.terminate()
         proc.communicate(timeout=15)
+
+
+def test_hop_by_hop_fields_of_the_upstream_response_are_dropped() -> None:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {"object": "list", "data": []},
+            headers={
+                "connection": "x-hop-named",
+                "x-hop-named": "connection-specific",
+                "keep-alive": "timeout=5",
+                "proxy-authenticate": "Basic",
+                "trailer": "x-t",
+                "x-end-to-end": "kept",
+            },
+        )
+
+    upstream_app = Starlette(routes=[Route("/v1/models", models)])
+    with ServerThread(upstream_app) as up:
+        app = create_app(ShimSettings(upstream=up.url, log_level="warning"))
+        with ServerThread(app, **connection_options(app)) as shim:
+            response = http.get(shim.url + "/v1/models")
+    assert response.status_code == 200
+    for hop in ("x-hop-named", "keep-alive", "proxy-authenticate", "trailer"):
+        assert hop not in response.headers
+    assert response.headers.get("connection") in (None, "keep-alive")
+    assert response.headers["x-end-to-end"] == "kept"
+    assert response.headers["via"] == "1.1 llm-backoff-shim"
