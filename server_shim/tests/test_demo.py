@@ -145,7 +145,8 @@ def _children_of(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find child processes")
-def test_interrupted_demo_stops_its_servers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_demo_stops_its_servers(tmp_path: Path, signum: signal.Signals) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "llm_backoff_shim.cli", "demo", "--quick", "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -160,7 +161,7 @@ def test_interrupted_demo_stops_its_servers(tmp_path: Path) -> None:
             line = proc.stderr.readline()
         children = _children_of(proc.pid)
         assert children, "the simulator should be running as a child process"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:

@@ -170,7 +170,6 @@ def test_figures_from_known_records() -> None:
         samples=[Sample(0.0, 1, 3, 2, 1), Sample(0.2, 2, 0, 5, 2)],
         engine_stats={"tokens_generated": 100, "aborted_tokens": 25},
         elapsed=10.0,
-        load_span=0.0,
     )
     f = figures(result)
     assert (f.calls, f.ok, f.failed_fast, f.failed_deadline) == (4, 2, 1, 1)

@@ -13,8 +13,8 @@ capacity, 70 % interactive / 30 % batch callers) three times:
 Prints progress while it runs, a table per configuration, a side-by-side summary,
 and writes ``overload-demo.png`` (latency, queue depth and rejections over time)
 and ``overload-demo.json`` (every figure) into ``--out`` (default: the current
-folder). No GPU, no network. Exit status: 0 done, 1 a server failed, 2 bad flags,
-130 interrupted.
+folder). No GPU, no network. Exit status: 0 done, 1 a server failed or the
+output could not be written, 2 bad flags, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import random
 import sys
 import time
@@ -208,6 +209,14 @@ def main(argv: list[str]) -> int:
     if args.out.exists() and not args.out.is_dir():
         print(f"llm-backoff-shim demo: --out {args.out} is not a folder", file=sys.stderr)
         return 2
+    try:  # find out now rather than after a minute of load
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"llm-backoff-shim demo: --out {args.out}: {exc}", file=sys.stderr)
+        return 2
+    if not os.access(args.out, os.W_OK):
+        print(f"llm-backoff-shim demo: --out {args.out} is not writable", file=sys.stderr)
+        return 2
     shape = EngineShape()
     scenario = demo_scenario(quick=args.quick, duration=args.duration)
     started = time.monotonic()
@@ -222,7 +231,13 @@ def main(argv: list[str]) -> int:
     all_figures = [figures(r) for r in results]
     print("Summary (same load, same seed, three configurations):")
     print(comparison(all_figures))
-    png, json_path = write_outputs(results, all_figures, args.out, scenario, args.seed)
+    try:
+        png, json_path = write_outputs(results, all_figures, args.out, scenario, args.seed)
+    except OSError as exc:
+        print(
+            f"llm-backoff-shim demo: cannot write the plot or figures into {args.out}: {exc}", file=sys.stderr
+        )
+        return 1
     print(f"\nPlot: {png.resolve()}\nFigures: {json_path.resolve()}")
     print(f"Done in {time.monotonic() - started:.0f} s.")
     return 0

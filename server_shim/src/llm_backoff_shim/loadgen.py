@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import importlib
 import json
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -110,7 +111,6 @@ class RunResult:
     samples: list[Sample]
     engine_stats: dict[str, Any]
     elapsed: float
-    load_span: float
 
 
 @dataclass(frozen=True)
@@ -310,10 +310,7 @@ class LoadRun:
                     await reporter
             elapsed = self.clock()
             stats = await self._settled_engine_stats(probe)
-        load_span = max((a.at for a in self.arrivals), default=0.0)
-        return RunResult(
-            self.setup, self.scenario, self.capacity, self.calls, self.samples, stats, elapsed, load_span
-        )
+        return RunResult(self.setup, self.scenario, self.capacity, self.calls, self.samples, stats, elapsed)
 
     async def _drive(self, clients: dict[RequestClass, openai.AsyncOpenAI]) -> None:
         tasks: set[asyncio.Task[None]] = set()
@@ -467,12 +464,40 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run_load(run: LoadRun) -> RunResult:
-    """Run ``run`` in a fresh event loop (a synchronous entry point for the CLI and the benchmark)."""
+    """Run ``run`` in a fresh event loop (a synchronous entry point for the CLI and the benchmark).
+
+    Ctrl-C and SIGTERM cancel the run through the loop's own signal handling (a plain
+    Python handler raising inside uvloop's callbacks can be lost) and then surface as
+    KeyboardInterrupt, so the caller's ``finally`` clauses stop the servers.
+    """
     loop = new_event_loop()
+    main = loop.create_task(run.run())
+    interrupted: list[int] = []
+
+    def interrupt(signum: int) -> None:
+        interrupted.append(signum)
+        main.cancel()
+
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            handler = signal.getsignal(sig)
+            loop.add_signal_handler(sig, interrupt, sig)
+            previous[sig] = handler
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread, or no signals here: Ctrl-C then works as usual
     try:
-        return loop.run_until_complete(run.run())
+        return loop.run_until_complete(main)
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
     finally:
-        # What asyncio.run does on the way out, Ctrl-C included: no task is left behind.
+        for signum, handler in previous.items():
+            loop.remove_signal_handler(signum)
+            # remove_signal_handler installs the default; put back what was there before.
+            signal.signal(signum, handler)
+        # What asyncio.run does on the way out: no task is left behind.
         pending = asyncio.all_tasks(loop)
         for task in pending:
             task.cancel()
