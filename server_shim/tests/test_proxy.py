@@ -556,7 +556,13 @@ def test_many_mixed_outcomes_leave_no_slot_behind(
     asyncio.run(main())
     waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="counts back to zero")
     waiter(lambda: upstream.in_flight == 0, what="upstream idle")
-    assert upstream.peak <= 3
+    # The shim frees a slot the moment a caller walks away and it closes the upstream
+    # connection; the upstream only notices at its next read or write (here: after a
+    # 50 ms sleep or a 10 ms SSE step). A request admitted in that window overlaps an
+    # abandoned one upstream, as it would with vLLM. Any excess over the cap must be
+    # accounted for by requests the upstream saw abandoned; the cap itself is asserted
+    # without abandonment in the in-flight-cap tests.
+    assert upstream.peak <= 3 + upstream.client_gone
     assert shim.runtime.admission.waiting == 0
 
 
