@@ -196,7 +196,8 @@ def test_budget_shorter_than_estimated_wait_is_refused_at_once() -> None:
     assert refused.code == "queue_timeout"
     assert "estimated queue wait 2.00 s" in refused.message
     assert c.queued() == 0
-    assert ticket(c.submit(req(budget=3.0))).state is TicketState.QUEUED
+    # 2 s of wait + 2 s of service: a 4 s budget suffices.
+    assert ticket(c.submit(req(budget=4.0))).state is TicketState.QUEUED
 
 
 def test_budget_is_not_judged_on_the_prior_alone() -> None:
@@ -358,3 +359,102 @@ def test_any_mix_of_outcomes_leaves_nothing_behind(seed: int, limit: int, max_qu
     # FIFO within a class: admission order follows arrival order.
     for cls, ids in admitted_order.items():
         assert ids == sorted(ids), cls
+
+
+def stream_req(budget: float, cls: str = "interactive") -> AdmissionRequest:
+    return AdmissionRequest(cls=cls, budget=budget, stream=True)
+
+
+def measured(
+    limit: int = 1, service: float = 2.0, first_byte: float | None = None, max_wait: float = 10.0
+) -> tuple[AdmissionController, FakeClock]:
+    """A controller whose estimator has measured one completion of ``service`` seconds."""
+    c, clock = make(limit=limit, max_queue=10, max_wait=max_wait)
+    t = ticket(c.submit(req()))
+    clock.now += service
+    c.release(t, Outcome.COMPLETED)
+    if first_byte is not None:
+        c.estimator.observe_first_byte(first_byte)
+    return c, clock
+
+
+def test_budget_must_cover_wait_plus_service_time_for_a_non_streaming_call() -> None:
+    c, _ = measured(service=2.0)
+    ticket(c.submit(req()))  # holds the only slot: the next waits ~2 s
+    refused = rejection(c.submit(req(budget=3.5)))
+    assert refused.code == "queue_timeout"
+    assert "+ expected service time 2.00 s" in refused.message
+    assert c.queued() == 0
+
+
+def test_a_stream_needs_only_wait_plus_first_token() -> None:
+    c, _ = measured(service=2.0, first_byte=0.3)
+    ticket(c.submit(req()))
+    # 2 s wait + 0.3 s to the first token fits 2.5 s; the whole 2 s service would not.
+    assert ticket(c.submit(stream_req(2.5))).state is TicketState.QUEUED
+    refused = rejection(c.submit(stream_req(2.2)))
+    assert "expected time to first token 0.30 s" in refused.message
+
+
+def test_budget_below_service_is_refused_even_with_a_free_slot() -> None:
+    c, _ = measured(limit=2, service=2.0)
+    refused = rejection(c.submit(req(budget=1.0)))
+    assert refused.code == "queue_timeout"
+    assert "cannot cover the expected service time 2.00 s" in refused.message
+    assert c.in_flight() == 0
+    assert c.queued() == 0
+    assert ticket(c.submit(req(budget=2.5))).state is TicketState.ADMITTED
+
+
+def test_free_slot_and_short_budget_is_admitted_on_the_prior_alone() -> None:
+    c, _ = make(limit=1, service=100.0)
+    assert ticket(c.submit(req(budget=1.0))).state is TicketState.ADMITTED
+
+
+def test_queued_call_whose_budget_no_longer_covers_service_is_dropped_when_dequeued() -> None:
+    c, clock = measured(service=2.0)
+    running = ticket(c.submit(req()))
+    late = ticket(c.submit(req(budget=5.0)))  # 2 s wait + 2 s service fit in 5 s at arrival
+    fresh = ticket(c.submit(req()))
+    clock.now += 3.5  # the engine was slower than estimated: 1.5 s left < 2 s of service
+    moved = c.release(running, Outcome.COMPLETED)
+    assert moved.expired == [late]
+    assert moved.admitted == [fresh]
+    assert late.rejection is not None
+    assert late.rejection.code == "queue_timeout"
+    assert "remaining request budget 1.50 s cannot cover" in late.rejection.message
+    assert c.in_flight() == 1
+    assert c.queued() == 0
+
+
+def test_wait_beyond_max_queue_wait_is_refused_at_once_as_queue_full() -> None:
+    c, _ = measured(service=1.0, max_wait=3.0)
+    ticket(c.submit(req()))  # in flight
+    # Queued k-th (from 0) expects (k + 1) s: 1, 2, 3 s fit the 3 s limit, the fourth not.
+    for _ in range(3):
+        assert ticket(c.submit(req())).state is TicketState.QUEUED
+    refused = rejection(c.submit(req()))
+    assert refused.code == "queue_full"
+    assert "estimated queue wait 4.00 s exceeds the 3 s limit" in refused.message
+    assert refused.retry_after >= 4.0  # the queue ahead, not a constant
+    assert c.queued() == 3
+
+
+def test_max_queue_wait_estimate_counts_higher_priority_classes_only() -> None:
+    c, _ = measured(service=1.0, max_wait=3.0)
+    ticket(c.submit(req()))
+    for _ in range(3):
+        ticket(c.submit(req("interactive")))
+    assert rejection(c.submit(req("batch"))).code == "queue_full"  # served after 3 interactive
+    c2, _ = measured(service=1.0, max_wait=3.0)
+    ticket(c2.submit(req()))
+    for _ in range(3):
+        ticket(c2.submit(req("batch")))
+    # Strict priority: queued batch work does not delay an interactive newcomer.
+    assert ticket(c2.submit(req("interactive"))).state is TicketState.QUEUED
+
+
+def test_max_queue_wait_is_not_judged_on_the_prior_alone() -> None:
+    c, _ = make(limit=1, max_queue=10, max_wait=3.0, service=100.0)
+    ticket(c.submit(req()))
+    assert all(ticket(c.submit(req())).state is TicketState.QUEUED for _ in range(10))

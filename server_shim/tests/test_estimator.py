@@ -168,3 +168,30 @@ def test_hints_always_inside_the_clamp_and_never_decrease_in_a_burst(
     hints = [est.retry_after("interactive", ahead=ahead, slots=slots) for _ in range(burst)]
     assert all(1.0 <= h <= 30.0 for h in hints)
     assert hints == sorted(hints)
+
+
+def test_expected_service_is_zero_until_measured_never_the_prior() -> None:
+    est, _ = make(initial_service_time=50.0)
+    assert est.expected_service(stream=False) == 0.0
+    assert est.expected_service(stream=True) == 0.0
+    assert est.first_byte_time is None
+
+
+def test_expected_service_is_first_byte_for_streams_and_service_time_otherwise() -> None:
+    est, _ = make(service_time_alpha=0.5)
+    est.observe_completion("interactive", 4.0)
+    assert est.expected_service(stream=False) == pytest.approx(4.0)
+    # A stream before any first byte was measured: only the wait can be judged.
+    assert est.expected_service(stream=True) == 0.0
+    est.observe_first_byte(0.2)
+    est.observe_first_byte(0.6)
+    assert est.first_byte_time == pytest.approx(0.4)  # first sample replaces, then EWMA
+    assert est.expected_service(stream=True) == pytest.approx(0.4)
+    assert est.expected_service(stream=False) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])
+def test_nonsense_first_byte_samples_are_ignored(bad: float) -> None:
+    est, _ = make()
+    est.observe_first_byte(bad)
+    assert est.first_byte_time is None

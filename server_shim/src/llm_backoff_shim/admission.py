@@ -14,6 +14,19 @@ Model:
 - :class:`AdmissionGate` checks run before a request may queue (SLO shedding, tenant
   quotas, engine saturation plug in here) and may refuse it with their own code.
 
+Early refusals, once a completion was measured (never on the cold-start prior):
+
+- a caller whose remaining budget cannot cover the expected queue wait plus the time
+  it needs once admitted (:meth:`DrainEstimator.expected_service`: first token for a
+  stream, whole service otherwise) gets ``queue_timeout`` at arrival, and a queued one
+  whose remaining budget no longer covers that time is dropped when dequeued: the
+  engine would only do work its own deadline cuts;
+- a request whose estimated wait (the queued work served before it, higher-priority
+  classes included) exceeds its class's ``max_queue_wait`` gets ``queue_full`` at once
+  with the estimated Retry-After, instead of holding a queue place for the whole
+  wait to be told ``queue_timeout``. ``queue_full``, not ``queue_timeout``: the queue
+  is full measured in time, and the caller's own budget played no part.
+
 Invariant kept by :meth:`AdmissionController._pump`: after every call, either no queued
 request can be admitted (the limit is reached or the scheduler holds the slot back)
 or every queue is empty. Every ticket ends in exactly one of RELEASED, CANCELLED,
@@ -66,11 +79,13 @@ class ClassPolicy:
 
 @dataclass(frozen=True)
 class AdmissionRequest:
-    """What the decision may look at: the class, the caller's remaining budget (s), a tenant key."""
+    """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
+    and whether the body asks for a stream (served at the first token rather than at the end)."""
 
     cls: str
     budget: float | None = None
     tenant: str | None = None
+    stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -321,21 +336,19 @@ class AdmissionController:
         self._pump()
         if ticket.state is TicketState.ADMITTED:
             return ticket
+        if ticket.state is TicketState.EXPIRED:
+            # A free slot, but the budget cannot cover the expected service (see _pump).
+            assert ticket.rejection is not None
+            return ticket.rejection
         if not has_room:
             del queue[ticket.id]
             ticket.state = TicketState.CANCELLED
             return self._reject(cls, "queue_full", "server at capacity (queue full)")
-        if request.budget is not None and self._estimator.samples > 0:
-            expected = self._estimator.expected_wait(self.ahead_of(cls) - 1, self.limit, 0)
-            if expected > request.budget:
-                del queue[ticket.id]
-                ticket.state = TicketState.CANCELLED
-                return self._reject(
-                    cls,
-                    "queue_timeout",
-                    f"estimated queue wait {expected:.2f} s exceeds the request budget "
-                    f"{request.budget:.2f} s",
-                )
+        early = self._early_refusal(ticket)
+        if early is not None:
+            del queue[ticket.id]
+            ticket.state = TicketState.CANCELLED
+            return early
         return ticket
 
     def release(self, ticket: Ticket, outcome: Outcome) -> Dispatch:
@@ -396,6 +409,43 @@ class AdmissionController:
         return self._pump()
 
     # -- internals -------------------------------------------------------------------------
+    def _early_refusal(self, ticket: Ticket) -> Rejection | None:
+        """Refuse a just-queued ticket that the estimates say cannot be served in time."""
+        if self._estimator.samples == 0:
+            return None  # the wait estimate would rest on the prior alone
+        cls, budget = ticket.cls, ticket.request.budget
+        expected = self._estimator.expected_wait(self.ahead_of(cls) - 1, self.limit, 0)
+        if budget is not None:
+            need = self._estimator.expected_service(ticket.request.stream)
+            if expected + need > budget:
+                return self._reject(
+                    cls,
+                    "queue_timeout",
+                    f"estimated queue wait {expected:.2f} s + {self._need_name(ticket)} {need:.2f} s "
+                    f"exceeds the request budget {budget:.2f} s",
+                )
+        max_wait = self._policies[cls].max_queue_wait
+        if expected > max_wait:
+            return self._reject(
+                cls,
+                "queue_full",
+                f"server at capacity (estimated queue wait {expected:.2f} s exceeds the "
+                f"{max_wait:g} s limit)",
+            )
+        return None
+
+    def _short_of(self, ticket: Ticket, now: float) -> float | None:
+        """The expected service the ticket's remaining budget cannot cover, else None."""
+        budget = ticket.request.budget
+        if budget is None:
+            return None
+        need = self._estimator.expected_service(ticket.request.stream)
+        return need if need > 0 and ticket.arrived + budget - now < need else None
+
+    @staticmethod
+    def _need_name(ticket: Ticket) -> str:
+        return "expected time to first token" if ticket.request.stream else "expected service time"
+
     def _pump(self) -> Dispatch:
         dispatch = Dispatch()
         now = self._clock()
@@ -408,8 +458,9 @@ class AdmissionController:
                 break
             queue = self._queues[cls]
             ticket = queue.pop(next(iter(queue)))
-            if ticket.deadline <= now:
-                # Its wait or the caller's budget ran out: never send it to the engine.
+            if ticket.deadline <= now or self._short_of(ticket, now) is not None:
+                # Its wait or the caller's budget ran out, or what is left of the budget cannot
+                # cover the service: never send it to the engine.
                 self._expire(ticket)
                 dispatch.expired.append(ticket)
                 continue
@@ -421,7 +472,16 @@ class AdmissionController:
 
     def _expire(self, ticket: Ticket) -> None:
         ticket.state = TicketState.EXPIRED
-        if ticket.budget_bound:
+        now = self._clock()
+        need = self._short_of(ticket, now) if ticket.deadline > now else None
+        if need is not None:
+            assert ticket.request.budget is not None
+            left = max(0.0, ticket.arrived + ticket.request.budget - now)
+            why = (
+                f"remaining request budget {left:.2f} s cannot cover the "
+                f"{self._need_name(ticket)} {need:.2f} s"
+            )
+        elif ticket.budget_bound:
             why = "request budget (x-request-timeout-ms) ran out while queued"
         else:
             why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"

@@ -15,6 +15,14 @@ k-th caller of a burst hears roughly ``(ahead + k) / rate`` (or, when the engine
 drains faster than the minimum hint, ``min + (k - 1) / rate``) and retries come back
 at about the drain rate instead of in one wave. Once time passes the last promise the burst is
 over and hints start again from the queue alone.
+
+Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`):
+the admission decision refuses a caller whose remaining budget cannot cover the
+expected wait plus this, since such a call would start on the engine only to be cut
+by its own deadline. A streaming caller is served once tokens flow, so it needs the
+EWMA of time to first body byte (measured on streaming requests only: a
+non-streaming body's first byte comes with its end); a non-streaming caller needs
+the whole service time. Neither rests on the prior: unmeasured means 0 s needed.
 """
 
 from __future__ import annotations
@@ -87,6 +95,8 @@ class DrainEstimator:
         self._clock = clock
         self._service_time = config.initial_service_time
         self._samples = 0
+        self._first_byte = 0.0
+        self._first_byte_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
         self._last_promised: dict[str, float] = {}
 
@@ -116,6 +126,30 @@ class DrainEstimator:
                 self._service_time += alpha * (service_time - self._service_time)
             self._samples += 1
         self._rate(cls).add(now)
+
+    def observe_first_byte(self, seconds: float) -> None:
+        """Record seconds from admission to a streaming response's first body byte (first token)."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        if self._first_byte_samples == 0:
+            self._first_byte = seconds
+        else:
+            self._first_byte += self._config.service_time_alpha * (seconds - self._first_byte)
+        self._first_byte_samples += 1
+
+    @property
+    def first_byte_time(self) -> float | None:
+        """EWMA of a streaming request's time to first body byte; None until one was measured."""
+        return self._first_byte if self._first_byte_samples else None
+
+    def expected_service(self, stream: bool) -> float:
+        """Seconds an admitted request needs before it has been served (see module docstring).
+
+        0 when nothing was measured yet, so no caller is refused on the cold-start prior.
+        """
+        if stream:
+            return self._first_byte if self._first_byte_samples else 0.0
+        return self._service_time if self._samples else 0.0
 
     def completion_rate(self, cls: str) -> float:
         """Completions per second observed for ``cls`` (decaying average).

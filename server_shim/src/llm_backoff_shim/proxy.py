@@ -113,6 +113,21 @@ def is_generation(method: str, path: str) -> bool:
     return method == "POST" and path.rstrip("/") in GENERATION_PATHS
 
 
+def asks_for_stream(body: bytes) -> bool:
+    """Whether a (valid JSON object) body has ``"stream": true``.
+
+    The substring test spares a second parse of every non-streaming body (intake's parse
+    is not kept); a false positive (the word in a prompt) only costs that parse.
+    """
+    if b'"stream"' not in body:
+        return False
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.get("stream") is True
+
+
 def parse_budget(value: str | None) -> float | None:
     """``x-request-timeout-ms`` -> seconds; None when absent. Raises ValueError when malformed."""
     if value is None or not value.strip():
@@ -224,6 +239,8 @@ class Proxy:
             if refusal is not None:
                 await self._refuse(send, refusal, record)
                 return
+            if request is not None and asks_for_stream(body):
+                request = replace(request, stream=True)
         forward = _ForwardRequest(
             method=method,
             url=self.upstream.url(scope.get("raw_path") or path.encode(), scope.get("query_string", b"")),
@@ -418,8 +435,13 @@ class Proxy:
     def _first_body_byte(self, grant: Grant | None) -> None:
         # The first *body* byte: vLLM sends a stream's headers before its first token, even
         # while the request waits in the engine, so the header time says nothing about load.
-        if grant is not None and self.on_first_byte is not None and grant.ticket.admitted_at is not None:
-            self.on_first_byte(self.clock() - grant.ticket.admitted_at, self.controller.in_flight())
+        if grant is None or grant.ticket.admitted_at is None:
+            return
+        seconds = self.clock() - grant.ticket.admitted_at
+        if grant.ticket.request.stream:
+            self.controller.estimator.observe_first_byte(seconds)
+        if self.on_first_byte is not None:
+            self.on_first_byte(seconds, self.controller.in_flight())
 
     async def _unavailable(self, send: Send, cls: str | None, detail: str, exchange: _Exchange) -> None:
         rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
