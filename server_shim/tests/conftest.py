@@ -107,6 +107,10 @@ class FakeUpstream:
                 if headers.get("x-fake-hold"):
                     await self._wait_thread_event(self._release.wait, request)
                 await asyncio.sleep(float(headers.get("x-fake-delay", "0")))
+                if await request.is_disconnected():
+                    # The shim dropped this request while we slept: count it as abandoned,
+                    # so tests can tell an abandoned overlap from a broken in-flight cap.
+                    raise _ClientGoneError
                 status = int(headers.get("x-fake-status", "200"))
                 if status != 200:
                     completed = True
