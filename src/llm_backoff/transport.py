@@ -43,6 +43,7 @@ import logging
 import random
 import sys
 import time
+from asyncio import current_task as _current_task
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -67,6 +68,12 @@ from .policy import RetryPolicy
 from .retry_after import parse_hint
 from .stats import ClientStats
 from .testing import current_mode
+
+_asyncio_timeout: Callable[[float | None], Any] | None
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _asyncio_timeout
+else:  # Python 3.10: no asyncio.timeout; the anyio cancel scope bounds every attempt
+    _asyncio_timeout = None
 
 if TYPE_CHECKING:
     from ._httpx2_transport import AsyncHttpx2RetryTransport, Httpx2RetryTransport
@@ -211,6 +218,50 @@ async def _read_async(stream: Any) -> bytes:
         return b"".join([chunk async for chunk in stream])
     finally:
         await stream.aclose()
+
+
+async def _attempt_async(
+    request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor
+) -> tuple[Any, bytes | None]:
+    response = await send(request)
+    if not _must_buffer(response):
+        return response, None
+    stream = response.stream
+    raw = await _read_async(stream)
+    # A stream of the kind we would build (a mock's, or one httpx buffered) replays the same
+    # bytes already: building another costs a per-call allocation for nothing.
+    if type(stream) is not flavor.byte_stream:
+        response.stream = flavor.byte_stream(raw)
+    return response, raw
+
+
+def _in_asyncio_task() -> bool:
+    # What sniffio answers "asyncio" for, without its thread-local and context-variable
+    # look-ups (a few us per attempt): trio has no running asyncio loop, so this raises.
+    try:
+        return _current_task() is not None
+    except RuntimeError:
+        return False
+
+
+async def _attempt_asyncio_bounded(
+    request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor, bound: float
+) -> tuple[Any, bytes | None]:
+    """`_attempt_async` under a hard deadline on asyncio, the way ``anyio.move_on_after`` bounds it.
+
+    ``asyncio.timeout`` costs a timer handle; an anyio cancel scope costs several times as
+    much per attempt (issue 2: the async overhead target). Only our own expiry becomes the
+    deadline error: a TimeoutError raised inside the attempt passes through as it is.
+    """
+    assert _asyncio_timeout is not None
+    scope = _asyncio_timeout(bound)
+    try:
+        async with scope:
+            return await _attempt_async(request, send, flavor)
+    except TimeoutError:
+        if not scope.expired():
+            raise
+    raise _deadline_error(request)
 
 
 def annotate(exc: BaseException, attempts: tuple[Any, ...], reason: str | None) -> None:
@@ -533,13 +584,15 @@ class RetryEngine:
                 # A hard bound on the attempt: per-operation timeouts alone let a response
                 # that trickles in stretch the call past its deadline.
                 left = state.time_left()
-                with anyio.move_on_after(None if left is None else max(left, 0.001)) as bound:
-                    response = await send(request)
-                    if _must_buffer(response):
-                        raw = await _read_async(response.stream)
-                        response.stream = flavor.byte_stream(raw)
-                if bound.cancelled_caught:
-                    raise _deadline_error(request)
+                if left is None:
+                    response, raw = await _attempt_async(request, send, flavor)
+                elif _asyncio_timeout is not None and _in_asyncio_task():
+                    response, raw = await _attempt_asyncio_bounded(request, send, flavor, max(left, 0.001))
+                else:
+                    with anyio.move_on_after(max(left, 0.001)) as bound:
+                        response, raw = await _attempt_async(request, send, flavor)
+                    if bound.cancelled_caught:
+                        raise _deadline_error(request)
             except BaseException as exc:
                 _settle(permit, None, None)
                 if not isinstance(exc, Exception):
