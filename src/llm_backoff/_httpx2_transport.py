@@ -8,6 +8,11 @@ client is wrapped or one of these classes is asked for.
 True when you build ``httpx2.Client(transport=Httpx2RetryTransport(httpx2.HTTPTransport()))``
 yourself; False when `llm_backoff.wrap` shares the caller's connection pool, which
 must stay open for the client it was given.
+
+This module and its twin for the other library are deliberately line-for-line alike:
+each class must subclass its own library's base classes (openai and httpx check
+them), and two small, statically typed modules read better than a class factory
+that mypy cannot follow. Change both together.
 """
 
 from __future__ import annotations
