@@ -51,7 +51,7 @@ class ShimSettings(BaseSettings):
         default=None,
         ge=1,
         le=65535,
-        description="also serve /metrics on this separate port (it is always on the main port too)",
+        description="serve /metrics and /shim/state on this port instead of the main one (/health too)",
     )
     max_concurrency: int = Field(
         default=8, ge=1, le=100_000, description="most generation requests in flight upstream at once"
