@@ -13,26 +13,19 @@ import contextlib
 import getpass
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from llm_backoff_shim.procs import free_port, is_healthy, terminate
+
+__all__ = ["Child", "cpu_seconds", "free_port", "nginx_argv", "nginx_config", "pin_prefix"]
+
 _TICKS = os.sysconf("SC_CLK_TCK")
 NGINX = "/usr/sbin/nginx"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def pin_prefix(cpu: int | None) -> list[str]:
@@ -86,14 +79,6 @@ def cpu_seconds(pid: int) -> float:
     return total / _TICKS
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=0.5) as response:
-            return 200 <= int(response.status) < 300
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
 class Child:
     """A server process on 127.0.0.1:``port``; stopped with SIGTERM, then SIGKILL."""
 
@@ -130,7 +115,7 @@ class Child:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
-            if _healthy(f"http://{self.address}/health"):
+            if is_healthy(f"http://{self.address}/health"):
                 return self
             time.sleep(0.05)
         tail = self.log_tail()
@@ -147,16 +132,7 @@ class Child:
 
     def stop(self, grace: float = 5.0) -> None:
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(grace)
+        terminate(proc, grace)
 
     def __enter__(self) -> Child:
         return self.start()

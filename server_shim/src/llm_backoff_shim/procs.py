@@ -45,12 +45,27 @@ def cli_command(subcommand: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "llm_backoff_shim.cli", subcommand, *args]
 
 
-def _healthy(url: str) -> bool:
+def is_healthy(url: str) -> bool:
+    """True when ``url`` answers 2xx within half a second."""
     try:
         with urllib.request.urlopen(url, timeout=0.5) as response:
             return 200 <= int(response.status) < 300
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def terminate(proc: subprocess.Popen[bytes] | None, grace: float) -> None:
+    """SIGTERM, wait up to ``grace`` seconds, then SIGKILL; nothing if it already ended."""
+    if proc is None or proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(grace)
 
 
 class ChildServer:
@@ -106,7 +121,7 @@ class ChildServer:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 return False
-            if _healthy(self.url + self._health_path):
+            if is_healthy(self.url + self._health_path):
                 return True
             time.sleep(0.05)
         return False
@@ -137,16 +152,7 @@ class ChildServer:
 
     def stop(self, grace: float = 3.0) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait(grace)
+        terminate(proc, grace)
 
     def close(self) -> None:
         self.stop()
