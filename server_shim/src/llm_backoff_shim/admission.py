@@ -80,12 +80,38 @@ class ClassPolicy:
 @dataclass(frozen=True)
 class AdmissionRequest:
     """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
-    and whether the body asks for a stream (served at the first token rather than at the end)."""
+    whether the body asks for a stream (served at the first token rather than at the end), and
+    how many times the caller says it has retried this call (``x-stainless-retry-count``)."""
 
     cls: str
     budget: float | None = None
     tenant: str | None = None
     stream: bool = False
+    retry: int = 0
+
+    @property
+    def returning(self) -> bool:
+        """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
+        return self.retry >= 1
+
+
+#: Larger claimed retry counts are read as this: the number only matters as ">= 1".
+MAX_RETRY_COUNT = 1000
+
+
+def parse_retry_count(value: str | None) -> int:
+    """``x-stainless-retry-count`` as a count; absent or malformed is 0 (a fresh arrival).
+
+    The openai SDKs send it (0 on a first attempt, n on the n-th retry) and ``llm_backoff``
+    does too. It is a client library's header, not part of this shim's protocol, so a
+    value it cannot read is not the client's mistake: no 400, the request is simply fresh.
+    """
+    if value is None:
+        return 0
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 6:
+        return 0
+    return min(int(text), MAX_RETRY_COUNT)
 
 
 @dataclass(frozen=True)
