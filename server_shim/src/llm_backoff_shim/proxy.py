@@ -47,6 +47,7 @@ from llm_backoff_shim.admission import (
     Outcome,
     Rejection,
     UnknownClassError,
+    parse_retry_count,
 )
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
@@ -307,7 +308,8 @@ class Proxy:
                 param="x-request-timeout-ms",
                 code="invalid_header",
             )
-        return AdmissionRequest(cls=cls, budget=budget, tenant=tenant)
+        retry = parse_retry_count(_header(headers, b"x-stainless-retry-count"))
+        return AdmissionRequest(cls=cls, budget=budget, tenant=tenant, retry=retry)
 
     async def _gated(
         self,
