@@ -8,11 +8,13 @@ megabyte of headers would then hold a socket and memory for as long as it likes.
 :func:`guarded_protocol` returns a subclass of uvicorn's HTTP protocol class (the
 documented ``http=`` extension point of ``uvicorn.Config``) that:
 
-- starts a timer when a request head begins (connection opened, or first byte of the
-  next request on a kept-alive connection) and, if the head is not complete when it
-  fires, answers ``408`` in OpenAI error format and closes the connection; a new
-  connection that has sent nothing at all by then is closed quietly and not counted
-  (a client's idle pooled connection looks exactly like that);
+- starts a timeout when a request head begins (connection opened, or first byte of the
+  next request on a kept-alive connection; kept on a shared
+  :class:`~llm_backoff_shim.coarse_timers.CoarseTimers`, so it may fire up to a quarter
+  of ``head_timeout`` late) and, if the head is not complete when it fires, answers
+  ``408`` in OpenAI error format and closes the connection; a new connection that has
+  sent nothing at all by then is closed quietly and not counted (a client's idle
+  pooled connection looks exactly like that);
 - counts the bytes of the head and answers ``431`` when they exceed ``max_head_bytes``;
 - answers uvicorn's own "Invalid HTTP request" (malformed request line, bad header
   syntax, ...) with an OpenAI-format ``400`` instead of a plain-text one.
@@ -35,6 +37,8 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from llm_backoff_shim.coarse_timers import CoarseTimers
 
 OnEvent = Callable[[str], None]
 
@@ -82,9 +86,10 @@ def guarded_protocol(
     if max_head_bytes < 1:
         raise ValueError("max_head_bytes must be >= 1")
     parent = base if base is not None else default_protocol_class()
+    timers = CoarseTimers(head_timeout)
 
     class GuardedProtocol(parent):  # type: ignore[misc,valid-type]
-        _guard_timer: asyncio.TimerHandle | None = None
+        _guard_timer: int | None = None
         _guard_bytes = 0
         _guard_cycle: object = None
         _guard_closed = False
@@ -142,11 +147,11 @@ def guarded_protocol(
             self._guard_bytes = 0
             self._guard_tail = b""
             self._guard_cycle = self.cycle
-            self._guard_timer = asyncio.get_running_loop().call_later(head_timeout, self._guard_expired)
+            self._guard_timer = timers.add(self._guard_expired, self.loop)
 
         def _guard_stop(self) -> None:
             if self._guard_timer is not None:
-                self._guard_timer.cancel()
+                timers.discard(self._guard_timer)
                 self._guard_timer = None
 
         def _guard_expired(self) -> None:

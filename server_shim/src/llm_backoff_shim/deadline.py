@@ -3,7 +3,8 @@
 ``with MoveOnAfter(5.0) as limit: ...`` cancels the current task if the block is still
 running after 5 s, absorbs that cancellation at the end of the block and sets
 ``limit.expired``; a cancellation from anywhere else passes through. ``None`` means
-no limit.
+no limit. Given a :class:`~llm_backoff_shim.coarse_timers.CoarseTimers` instead of seconds,
+the limit is that instance's delay, kept on its shared timer (cheaper still, less precise).
 
 Why not ``anyio.move_on_after``: the shim runs one per request, and on the benchmark
 machines anyio's cancel scope (backend lookup, task-state bookkeeping, level-triggered
@@ -17,15 +18,18 @@ import asyncio
 import sys
 from types import TracebackType
 
+from llm_backoff_shim.coarse_timers import CoarseTimers
+
 
 class MoveOnAfter:
     """A one-shot time limit on the ``with`` block, in the current asyncio task."""
 
-    __slots__ = ("_delay", "_handle", "_task", "expired")
+    __slots__ = ("_delay", "_handle", "_key", "_task", "expired")
 
-    def __init__(self, delay: float | None) -> None:
+    def __init__(self, delay: float | CoarseTimers | None) -> None:
         self._delay = delay
         self._handle: asyncio.TimerHandle | None = None
+        self._key: int | None = None
         self._task: asyncio.Task[object] | None = None
         self.expired = False
 
@@ -35,7 +39,10 @@ class MoveOnAfter:
             if task is None:
                 raise RuntimeError("MoveOnAfter needs a running asyncio task")
             self._task = task
-            self._handle = asyncio.get_running_loop().call_later(self._delay, self._expire)
+            if isinstance(self._delay, CoarseTimers):
+                self._key = self._delay.add(self._expire, task.get_loop())
+            else:
+                self._handle = task.get_loop().call_later(self._delay, self._expire)
         return self
 
     def _expire(self) -> None:
@@ -48,6 +55,9 @@ class MoveOnAfter:
     ) -> bool:
         if self._handle is not None:
             self._handle.cancel()
+        elif self._key is not None:
+            assert isinstance(self._delay, CoarseTimers)
+            self._delay.discard(self._key)
         if not self.expired or self._task is None:
             return False
         # Ours fired: absorb its cancellation unless another one is pending too.

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llm_backoff_shim.auth import ApiKeys, bearer_token, key_id
+from llm_backoff_shim.coarse_timers import CoarseTimers
 from llm_backoff_shim.deadline import MoveOnAfter
 from llm_backoff_shim.rejection import ErrorResponse, client_error
 
@@ -107,7 +108,9 @@ def check_declared_length(headers: RawHeaders, limit: int) -> Refusal | None:
     return None
 
 
-async def read_body(receive: Receive, *, limit: int, time_limit: float | None) -> bytes | Refusal:
+async def read_body(
+    receive: Receive, *, limit: int, time_limit: float | CoarseTimers | None
+) -> bytes | Refusal:
     """The whole body, or a refusal (too large, too slow). Raises :class:`ClientGone`."""
     chunks: list[bytes] = []
     size = 0
@@ -124,11 +127,12 @@ async def read_body(receive: Receive, *, limit: int, time_limit: float | None) -
             if not message.get("more_body", False):
                 return b"".join(chunks)
     assert deadline.expired
+    seconds = time_limit.delay if isinstance(time_limit, CoarseTimers) else time_limit
     return Refusal(
         "body_timeout",
         _closing(
             client_error(
-                f"request body not received within {time_limit:g} s", code="body_timeout", status=408
+                f"request body not received within {seconds:g} s", code="body_timeout", status=408
             )
         ),
     )

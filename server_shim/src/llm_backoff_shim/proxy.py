@@ -38,8 +38,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-import aiohttp
-
 from llm_backoff_shim.access_log import AccessLog, AccessRecord, request_id
 from llm_backoff_shim.admission import (
     AdmissionController,
@@ -50,6 +48,7 @@ from llm_backoff_shim.admission import (
     parse_retry_count,
 )
 from llm_backoff_shim.auth import ApiKeys
+from llm_backoff_shim.coarse_timers import CoarseTimers
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
 from llm_backoff_shim.intake import (
     ClientGone,
@@ -65,6 +64,7 @@ from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
 from llm_backoff_shim.upstream import UpstreamClient
+from llm_backoff_shim.upstream_http import UpstreamError, UpstreamResponse
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
 Scope = MutableMapping[str, Any]
@@ -88,9 +88,6 @@ VIA = (b"via", b"1.1 llm-backoff-shim")
 
 #: How much of an upstream 503 body is read to explain the rejection.
 _OVERLOAD_BODY_LIMIT = 64 * 1024
-
-# Any failure before the upstream's status line: the request may be retried elsewhere or later.
-_PRE_RESPONSE_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
@@ -182,6 +179,8 @@ class Proxy:
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
+        # One shared timer for every request's body timeout (coarse_timers says why).
+        self._body_timers = CoarseTimers(body_timeout) if body_timeout else None
         self.upstream = upstream
         self.admission = admission
         self.metrics = metrics
@@ -225,7 +224,7 @@ class Proxy:
             await self._refuse(send, refusal, record)
             return
         try:
-            body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timeout)
+            body = await read_body(receive, limit=self.max_body_bytes, time_limit=self._body_timers)
         except ClientGone:
             if request is not None:
                 # Counted, so that every generation request the shim saw has an outcome.
@@ -244,7 +243,8 @@ class Proxy:
                 request = replace(request, stream=True)
         forward = _ForwardRequest(
             method=method,
-            url=self.upstream.url(scope.get("raw_path") or path.encode(), scope.get("query_string", b"")),
+            path=path,
+            target=_target(scope, path),
             headers=[*strip_hop_by_hop(headers, request=True), VIA],
             body=body,
         )
@@ -323,7 +323,7 @@ class Proxy:
         cls = request.cls
         grant: Grant | None = None
         exchange = _Exchange()
-        scope = self.hooks.scope(request, forward.body, str(forward.url.path))
+        scope = self.hooks.scope(request, forward.body, forward.path)
 
         async def work() -> None:
             nonlocal grant, forward
@@ -373,20 +373,15 @@ class Proxy:
     ) -> None:
         exchange = exchange if exchange is not None else _Exchange()
         cls = grant.ticket.cls if grant is not None else None
-        session = self.upstream.session
         exchange.upstream_start = self.clock()
         try:
-            context = session.request(
-                forward.method,
-                forward.url,
-                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in forward.headers],
-                data=forward.body if forward.body else None,
-                allow_redirects=False,
+            response = await self.upstream.pool.request(
+                forward.method, forward.target, forward.headers, forward.body
             )
-            response = await context.__aenter__()
-        except _PRE_RESPONSE_ERRORS as exc:
+        except UpstreamError as exc:
+            # Nothing of a response arrived: the request may be retried elsewhere or later.
             exchange.upstream_end = self.clock()
-            await self._unavailable(send, cls, _describe(exc), exchange)
+            await self._unavailable(send, cls, str(exc), exchange)
             return
         started = False
         exchange.first_byte = self.clock()
@@ -397,7 +392,7 @@ class Proxy:
             if response.status == 503:
                 await self._upstream_overloaded(send, cls, response, exchange)
                 return
-            headers = [(name.lower(), value) for name, value in strip_hop_by_hop(response.raw_headers)]
+            headers = [(name.lower(), value) for name, value in strip_hop_by_hop(response.headers)]
             headers.append(VIA)
             if grant is not None:
                 headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
@@ -406,11 +401,13 @@ class Proxy:
             await send({"type": "http.response.start", "status": response.status, "headers": headers})
             started = True
             exchange.sent = response.status
-            content = response.content
             ended = False
             try:
                 first = True
-                async for chunk in content.iter_any():
+                while True:
+                    chunk = await response.read_chunk()
+                    if not chunk:
+                        break
                     if first:
                         first = False
                         self._first_body_byte(grant)
@@ -418,18 +415,20 @@ class Proxy:
                         scope.observe(chunk)
                     # The upstream's last bytes often arrive with its end: finish in the same
                     # write instead of one more send (and syscall) per response.
-                    ended = content.at_eof()
+                    ended = response.at_eof()
                     await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                    if ended:
+                        break
+            except UpstreamError as exc:
                 exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
-                raise UpstreamStreamBroken(f"upstream failed mid-response: {_describe(exc)}") from exc
+                raise UpstreamStreamBroken(f"upstream failed mid-response: {exc}") from exc
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             _classify(exchange, response.status)
         finally:
-            if exchange.metric == "client_disconnected" and not response.content.is_eof():
-                response.close()  # the engine sees the connection drop and aborts the request
-            await context.__aexit__(None, None, None)
+            # Back to the pool when the exchange ended cleanly; otherwise the connection is
+            # closed, and the engine sees it drop and aborts the request.
+            response.release()
             exchange.upstream_end = self.clock()
             if not started and exchange.metric == "client_disconnected":
                 log.debug("client left before the upstream answered")
@@ -452,9 +451,12 @@ class Proxy:
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
     async def _upstream_overloaded(
-        self, send: Send, cls: str | None, response: aiohttp.ClientResponse, exchange: _Exchange
+        self, send: Send, cls: str | None, response: UpstreamResponse, exchange: _Exchange
     ) -> None:
-        detail = _error_message(await response.content.read(_OVERLOAD_BODY_LIMIT))
+        try:
+            detail = _error_message(await response.read(_OVERLOAD_BODY_LIMIT))
+        except UpstreamError as exc:
+            detail = str(exc)
         if cls is None:
             await self._unavailable(send, None, f"upstream answered 503: {detail}", exchange)
             return
@@ -467,9 +469,17 @@ class Proxy:
 @dataclass(frozen=True)
 class _ForwardRequest:
     method: str
-    url: Any
+    path: str
+    #: The percent-encoded path and query, as the client sent them (already validated).
+    target: bytes
     headers: RawHeaders
     body: bytes
+
+
+def _target(scope: Scope, path: str) -> bytes:
+    raw: bytes = scope.get("raw_path") or path.encode()
+    query: bytes = scope.get("query_string", b"")
+    return raw + b"?" + query if query else raw
 
 
 def _classify(exchange: _Exchange, status: int) -> None:
@@ -480,14 +490,6 @@ def _classify(exchange: _Exchange, status: int) -> None:
     else:
         # Relayed as sent, but a quick 4xx says nothing about how long generation takes.
         exchange.outcome, exchange.metric = Outcome.CLIENT_ERROR, "completed"
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect: {exc.os_error.strerror or type(exc.os_error).__name__}"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return type(exc).__name__
 
 
 def _error_message(body: bytes) -> str:

@@ -1,6 +1,12 @@
-"""The pooled HTTP client to the engine (aiohttp; chosen by bench/bench_upstream_clients.py).
+"""The shim's clients to the engine: the relay's pool and an aiohttp session for the rest.
 
-Defaults of general-purpose clients that do not fit LLM traffic, and what we set:
+Proxied requests go through :class:`~llm_backoff_shim.upstream_http.UpstreamPool`, a lean
+HTTP/1.1 client written for the relay (its docstring says why, with the measurement).
+Readiness probes and engine-metrics scrapes, a few requests a second at most, use
+aiohttp (chosen by bench/bench_upstream_clients.py among httpx, httpx2 and aiohttp).
+
+Defaults of general-purpose clients that do not fit LLM traffic, and what we set (the
+relay's pool follows the same rules):
 
 - pool limit (aiohttp: 100 connections): unlimited here, because admission already
   caps generation requests and a pool cap would only add a second, hidden queue;
@@ -18,13 +24,14 @@ Defaults of general-purpose clients that do not fit LLM traffic, and what we set
 from __future__ import annotations
 
 import aiohttp
-from yarl import URL
+
+from llm_backoff_shim.upstream_http import UpstreamPool
 
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept-Encoding", "Accept", "Content-Type")
 
 
 class UpstreamClient:
-    """One aiohttp session per app, opened and closed by the app's lifespan."""
+    """The relay's pool and one aiohttp session per app, opened and closed by the app's lifespan."""
 
     def __init__(
         self,
@@ -39,6 +46,8 @@ class UpstreamClient:
         self._read_timeout = read_timeout
         self._keepalive = keepalive
         self._session: aiohttp.ClientSession | None = None
+        self._pool: UpstreamPool | None = None
+        UpstreamPool(self.base_url)  # rejects a base URL the relay cannot use, at construction
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -46,9 +55,21 @@ class UpstreamClient:
             raise RuntimeError("upstream client is not open (is the app's lifespan running?)")
         return self._session
 
+    @property
+    def pool(self) -> UpstreamPool:
+        if self._pool is None:
+            raise RuntimeError("upstream client is not open (is the app's lifespan running?)")
+        return self._pool
+
     async def open(self) -> None:
         if self._session is not None:
             return
+        self._pool = UpstreamPool(
+            self.base_url,
+            connect_timeout=self._connect_timeout,
+            read_timeout=self._read_timeout,
+            keepalive=self._keepalive,
+        )
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self._keepalive)
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -62,16 +83,12 @@ class UpstreamClient:
         )
 
     async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
-
-    def url(self, raw_path: bytes, query_string: bytes = b"") -> URL:
-        """The upstream URL for an already validated, still percent-encoded request target."""
-        target = self.base_url + raw_path.decode("latin-1")
-        if query_string:
-            target += "?" + query_string.decode("latin-1")
-        return URL(target, encoded=True)
 
     async def ready(self, path: str, timeout: float = 2.0) -> tuple[bool, str]:
         """Whether ``GET base+path`` answers 2xx within ``timeout`` s, and a short reason."""
