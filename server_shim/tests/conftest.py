@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.config import ShimSettings
+from llm_backoff_shim.serve import connection_options
 from llm_backoff_shim.serving import ServerThread
 
 
@@ -231,11 +232,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = 
 def make_shim() -> Iterator[Callable[..., Shim]]:
     servers: list[ServerThread] = []
 
-    def factory(upstream_url: str, **settings: Any) -> Shim:
+    def factory(upstream_url: str, *, serve_protocol: bool = True, **settings: Any) -> Shim:
+        """A shim on loopback; by default with the protocol ``serve`` runs (connection_options)."""
         values: dict[str, Any] = {"upstream": upstream_url, "log_level": "warning"}
         values.update(settings)
         app = create_app(ShimSettings(**values))
-        server = ServerThread(app).start()
+        server = ServerThread(app, **(connection_options(app) if serve_protocol else {})).start()
         servers.append(server)
         return Shim(server, shim_state(app))
 

@@ -372,10 +372,16 @@ async def test_aiohttp_client_streams_and_sees_rejections(
         assert rest.count(b"data: ") == 3  # chunks 1, 2 and [DONE]
 
 
+# Both ways the relay learns of a disconnect: the serving protocol's signal, and (an app
+# served by a plain uvicorn) a watcher on receive().
+_BOTH_PATHS = pytest.mark.parametrize("serve_protocol", [True, False], ids=["signal", "watcher"])
+
+
+@_BOTH_PATHS
 def test_client_disconnect_while_queued_frees_its_place(
-    upstream: Any, make_shim: Callable[..., Any], waiter: Any
+    upstream: Any, make_shim: Callable[..., Any], waiter: Any, serve_protocol: bool
 ) -> None:
-    shim = make_shim(upstream.url, max_concurrency=1, max_queue=1)
+    shim = make_shim(upstream.url, max_concurrency=1, max_queue=1, serve_protocol=serve_protocol)
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(post_chat, shim.url, HOLD)
         waiter(lambda: shim.state()["interactive"] == (1, 0), what="slot taken")
@@ -405,10 +411,11 @@ def test_client_disconnect_while_queued_frees_its_place(
     )
 
 
+@_BOTH_PATHS
 def test_client_disconnect_mid_stream_aborts_upstream_and_frees_slot(
-    upstream: Any, make_shim: Callable[..., Any], waiter: Any
+    upstream: Any, make_shim: Callable[..., Any], waiter: Any, serve_protocol: bool
 ) -> None:
-    shim = make_shim(upstream.url, max_concurrency=1, max_queue=0)
+    shim = make_shim(upstream.url, max_concurrency=1, max_queue=0, serve_protocol=serve_protocol)
     sock = raw_request(shim.server.port, chat_bytes({"x-fake-chunks": "100000", "x-fake-step": "0.01"}))
     first = sock.recv(65536)
     assert first.startswith(b"HTTP/1.1 200")
@@ -420,10 +427,11 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_frees_slot(
     assert post_chat(shim.url).status_code == 200  # the slot is usable again
 
 
+@_BOTH_PATHS
 def test_client_disconnect_while_upstream_thinks_frees_slot(
-    upstream: Any, make_shim: Callable[..., Any], waiter: Any
+    upstream: Any, make_shim: Callable[..., Any], waiter: Any, serve_protocol: bool
 ) -> None:
-    shim = make_shim(upstream.url, max_concurrency=1, max_queue=0)
+    shim = make_shim(upstream.url, max_concurrency=1, max_queue=0, serve_protocol=serve_protocol)
     sock = raw_request(shim.server.port, chat_bytes(HOLD))
     waiter(lambda: upstream.in_flight == 1, what="upstream holding")
     sock.close()

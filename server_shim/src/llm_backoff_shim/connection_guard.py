@@ -19,6 +19,13 @@ documented ``http=`` extension point of ``uvicorn.Config``) that:
 - answers uvicorn's own "Invalid HTTP request" (malformed request line, bad header
   syntax, ...) with an OpenAI-format ``400`` instead of a plain-text one.
 
+It also tells the app when the client's connection is lost, through a
+:class:`ConnectionGone` in ``scope["extensions"][CONNECTION_GONE]``: the proxy then
+needs no task of its own per request blocked on ``receive()`` just to notice a
+disconnect (about 20 us of CPU per request on the benchmark machines). An app served
+without this protocol (tests, other servers) finds no such extension and watches
+``receive()`` instead.
+
 Each event is reported through ``on_event(reason)`` so it is counted
 (``llm_backoff_shim_bad_requests_total{reason}``). The body of a request is the ASGI
 app's business (the proxy has its own body timeout and size limit).
@@ -41,6 +48,36 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from llm_backoff_shim.coarse_timers import CoarseTimers
 
 OnEvent = Callable[[str], None]
+
+#: The ``scope["extensions"]`` key of the connection's :class:`ConnectionGone`.
+CONNECTION_GONE = "llm_backoff.connection_gone"
+
+
+class ConnectionGone:
+    """Fires its subscribers once, when the client's connection is lost."""
+
+    __slots__ = ("_callbacks", "lost")
+
+    def __init__(self) -> None:
+        self.lost = False
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the connection is lost (at once if it already is)."""
+        if self.lost:
+            callback()
+        else:
+            self._callbacks.add(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+    def fire(self) -> None:
+        self.lost = True
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
+
 
 HEAD_TIMEOUT = "header_timeout"
 HEAD_TOO_LARGE = "headers_too_large"
@@ -94,8 +131,11 @@ def guarded_protocol(
         _guard_cycle: object = None
         _guard_closed = False
         _guard_tail = b""
+        _guard_gone: ConnectionGone
+        _guard_announced: object = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
+            self._guard_gone = ConnectionGone()
             super().connection_made(transport)
             self._guard_start()
 
@@ -103,6 +143,7 @@ def guarded_protocol(
             self._guard_closed = True
             self._guard_stop()
             super().connection_lost(exc)
+            self._guard_gone.fire()
 
         def data_received(self, data: bytes) -> None:
             if self._guard_closed:
@@ -131,7 +172,13 @@ def guarded_protocol(
                     )
                     return
             super().data_received(data)
-            if self._guard_timer is not None and self.cycle is not self._guard_cycle:
+            cycle = self.cycle
+            if cycle is not self._guard_announced and cycle is not None:
+                # A new request: its task is created but has not run yet, so its scope can
+                # still be given the connection's loss signal.
+                self._guard_announced = cycle
+                cycle.scope.setdefault("extensions", {})[CONNECTION_GONE] = self._guard_gone
+            if self._guard_timer is not None and cycle is not self._guard_cycle:
                 self._guard_stop()  # a head was parsed; its body is the app's concern
 
         def send_400_response(self, msg: str) -> None:

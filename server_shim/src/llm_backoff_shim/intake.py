@@ -131,9 +131,7 @@ async def read_body(
     return Refusal(
         "body_timeout",
         _closing(
-            client_error(
-                f"request body not received within {seconds:g} s", code="body_timeout", status=408
-            )
+            client_error(f"request body not received within {seconds:g} s", code="body_timeout", status=408)
         ),
     )
 

@@ -49,6 +49,7 @@ from llm_backoff_shim.admission import (
 )
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.connection_guard import CONNECTION_GONE, ConnectionGone
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
 from llm_backoff_shim.intake import (
     ClientGone,
@@ -248,14 +249,17 @@ class Proxy:
             headers=[*strip_hop_by_hop(headers, request=True), VIA],
             body=body,
         )
+        extensions = scope.get("extensions")
+        gone = extensions.get(CONNECTION_GONE) if extensions else None
         if request is None:
             exchange = _Exchange()
             try:
-                await _watch_disconnect(receive, lambda: self._relay(forward, send, None, exchange, arrival))
+                relay = lambda: self._relay(forward, send, None, exchange, arrival)  # noqa: E731
+                await _watch_disconnect(receive, relay, gone)
             finally:
                 self._log(record, exchange)
         else:
-            await self._gated(request, forward, receive, send, arrival, record)
+            await self._gated(request, forward, receive, send, arrival, record, gone)
 
     async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
         self.metrics.bad_request(refusal.reason)
@@ -319,6 +323,7 @@ class Proxy:
         send: Send,
         arrival: float,
         record: AccessRecord | None = None,
+        gone: ConnectionGone | None = None,
     ) -> None:
         cls = request.cls
         grant: Grant | None = None
@@ -351,7 +356,7 @@ class Proxy:
             await self._relay(forward, send, grant, exchange, arrival, scope)
 
         try:
-            await _watch_disconnect(receive, work)
+            await _watch_disconnect(receive, work, gone)
         finally:
             if grant is not None:
                 self.admission.release(grant, exchange.outcome)
@@ -518,8 +523,14 @@ def _header(headers: RawHeaders, name: bytes) -> str | None:
     return None
 
 
-async def _watch_disconnect(receive: Receive, work: Callable[[], Awaitable[None]]) -> bool:
+async def _watch_disconnect(
+    receive: Receive, work: Callable[[], Awaitable[None]], gone: ConnectionGone | None = None
+) -> bool:
     """Run ``work`` and cancel it if the client disconnects first; True when it did.
+
+    With the serving protocol's :class:`ConnectionGone` signal (``gone``) the request's
+    task is cancelled from the protocol's ``connection_lost``; without it, a watcher task
+    waits on ``receive()``.
 
     After the request body is read, ``receive()`` only ever returns ``http.disconnect``
     (uvicorn also returns it once the response is complete, hence the ``done`` flag).
@@ -534,6 +545,24 @@ async def _watch_disconnect(receive: Receive, work: Callable[[], Awaitable[None]
     assert task is not None
     done = False
     disconnected = False
+    if gone is not None:
+
+        def lost() -> None:
+            nonlocal disconnected
+            if not done:
+                disconnected = True
+                task.cancel()
+
+        gone.subscribe(lost)
+        try:
+            await work()
+        except asyncio.CancelledError:
+            if not disconnected or _still_cancelling(task):
+                raise
+        finally:
+            done = True
+            gone.unsubscribe(lost)
+        return disconnected
 
     async def watch() -> None:
         nonlocal disconnected
