@@ -113,6 +113,7 @@ class ShimMetrics:
         for reason in BAD_REQUEST_REASONS:
             self.bad_requests.labels(reason)
         self._requests_by_label: dict[tuple[str, str, str], Counter] = {}
+        self._children: dict[tuple[Histogram, str], Histogram] = {}
         self.registry.register(_LiveState(controller, slo_state or (lambda _cls: 0)))
         self._prime(controller.classes)
 
@@ -143,6 +144,20 @@ class ShimMetrics:
         child = self._requests_by_label.get(key)
         if child is None:
             child = self._requests_by_label[key] = self.requests.labels(cls, outcome, code)
+        return child
+
+    def observe_queue_wait(self, cls: str, seconds: float) -> None:
+        self._child(self.queue_wait, cls).observe(seconds)
+
+    def observe_first_byte(self, cls: str, seconds: float) -> None:
+        self._child(self.time_to_first_byte, cls).observe(seconds)
+
+    def _child(self, histogram: Histogram, cls: str) -> Histogram:
+        # As _request_counter: skip labels()' lock and key building on every request.
+        key = (histogram, cls)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = histogram.labels(cls)
         return child
 
     def bad_request(self, reason: str) -> None:

@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import posixpath
+import re
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
@@ -95,13 +96,18 @@ class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than
     """The upstream failed after the response started; the client connection is aborted."""
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def is_allowed_path(path: str) -> bool:
     """Whether ``path`` (percent-decoded) stays under ``/v1/``: no dot segments, no backslashes."""
     if not path.startswith("/v1/") or "\\" in path or "%" in path:
         # "%" after decoding is double encoding: an upstream that decodes again must not see "..".
         return False
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+    if _CONTROL.search(path):
         return False
+    if "." not in path:
+        return True  # no dot segment possible; normalising would only fold "//"
     normalised = posixpath.normpath(path)
     if not normalised.startswith("/v1/"):
         return False
@@ -352,7 +358,7 @@ class Proxy:
             grant = decision
             exchange.queue_time = grant.queue_time
             self.metrics.count(cls, "admitted")
-            self.metrics.queue_wait.labels(cls).observe(grant.queue_time)
+            self.metrics.observe_queue_wait(cls, grant.queue_time)
             await self._relay(forward, send, grant, exchange, arrival, scope)
 
         try:
@@ -392,7 +398,7 @@ class Proxy:
         exchange.first_byte = self.clock()
         try:
             if cls is not None:
-                self.metrics.time_to_first_byte.labels(cls).observe(exchange.first_byte - arrival)
+                self.metrics.observe_first_byte(cls, exchange.first_byte - arrival)
             exchange.status = response.status
             if response.status == 503:
                 await self._upstream_overloaded(send, cls, response, exchange)

@@ -103,7 +103,7 @@ class _Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(
-                UpstreamError(f"malformed response from upstream: {exc}", before_response=self._head_done)
+                UpstreamError(f"malformed response from upstream: {exc}", before_response=not self._head_done)
             )
 
     def connection_lost(self, exc: Exception | None) -> None:
