@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -594,3 +595,18 @@ def test_burst_rejections_are_told_successive_slots(
         int(r.headers["retry-after"]) for r in burst
     )
     assert int(burst[-1].headers["retry-after"]) > int(burst[0].headers["retry-after"])
+
+
+def test_upstream_unavailable_hint_grows_with_the_outage(make_shim: Callable[..., Any]) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"  # bound, not listening: refuses
+        shim = make_shim(dead, retry_after_min=0.05, retry_after_max=30)
+        first = post_chat(shim.url)
+        time.sleep(0.4)
+        later = post_chat(shim.url)
+        assert first.status_code == later.status_code == 503
+        assert float(first.headers["retry-after-ms"]) < 400
+        # Down for at least 0.4 s by the second answer: told to wait at least that long.
+        assert float(later.headers["retry-after-ms"]) >= 400
+        assert later.json()["error"]["retry_after_seconds"] >= 0.4

@@ -63,6 +63,7 @@ from llm_backoff_shim.intake import (
     reason_of,
 )
 from llm_backoff_shim.metrics import ShimMetrics
+from llm_backoff_shim.outage import OutageClock
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
 from llm_backoff_shim.upstream import UpstreamClient
@@ -193,6 +194,9 @@ class Proxy:
         self.metrics = metrics
         self.reject_status = reject_status
         self.clock = clock
+        estimates = admission.controller.estimator.config
+        # Retry-After of upstream_unavailable: the outage's length so far (outage.py says why).
+        self.outage = OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max)
 
     @property
     def controller(self) -> AdmissionController:
@@ -394,6 +398,7 @@ class Proxy:
             exchange.upstream_end = self.clock()
             await self._unavailable(send, cls, str(exc), exchange)
             return
+        self.outage.answered()
         started = False
         exchange.first_byte = self.clock()
         try:
@@ -457,6 +462,7 @@ class Proxy:
 
     async def _unavailable(self, send: Send, cls: str | None, detail: str, exchange: _Exchange) -> None:
         rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
+        rejection = replace(rejection, retry_after=self.outage.failed())
         exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "rejected"
         exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
