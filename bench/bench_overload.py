@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llm_backoff_shim.demo import ProgressLine, shim_flags
-from llm_backoff_shim.loadgen import LoadRun, RunResult, run_load
+from llm_backoff_shim.loadgen import LoadRun, RunResult, attach_shim_times, run_load
 from llm_backoff_shim.plots import save_plot
 from llm_backoff_shim.procs import (
     ChildServer,
@@ -58,6 +58,7 @@ from llm_backoff_shim.scenario import (
 HAPROXY_PLAIN = Setup("haproxy + plain openai", "peer", "plain")
 SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF, HAPROXY_PLAIN)
 TTFT_BUDGET = 10.0
+ACCESS_LOG_FLAGS = ("--log-level", "info", "--log-format", "json")
 
 
 def scenarios(quick: bool) -> list[Scenario]:
@@ -138,7 +139,8 @@ def run_scenario(
         for setup in setups:
             front: ChildServer | None = None
             if setup.route == "shim":
-                front = shim_server(sim, shim_flags(shape, scenario))
+                # The JSON access log gives the shim's own time for each attempt (x-request-id).
+                front = shim_server(sim, [*shim_flags(shape, scenario), *ACCESS_LOG_FLAGS])
             elif setup.route == "peer":
                 front = haproxy_server(sim, workdir, scenario.ttft_budget, shape.slots)
             with contextlib.ExitStack() as stack:
@@ -162,6 +164,8 @@ def run_scenario(
                 )
                 result = run_load(run)
                 line.done()
+                if setup.route == "shim" and front is not None:
+                    attach_shim_times(result.calls, front.log_tail(limit=1 << 40))
             results.append(result)
             print(table(figures(result)) + f"\n  (run took {result.elapsed:.1f} s)", flush=True)
     return results
@@ -192,6 +196,8 @@ def rejection_probe(shape: EngineShape, probes: int) -> tuple[float, float, floa
         "600",
     ]
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    # The holders say they are retries: part of the queue is kept for returning callers.
+    returning = {"x-stainless-retry-count": "1"}
 
     async def probe(url: str) -> tuple[list[float], int]:
         async with (
@@ -199,7 +205,7 @@ def rejection_probe(shape: EngineShape, probes: int) -> tuple[float, float, floa
             httpx2.AsyncClient(base_url=url) as c,
         ):
             holders = [
-                asyncio.create_task(hold.post("/v1/chat/completions", json=body))
+                asyncio.create_task(hold.post("/v1/chat/completions", json=body, headers=returning))
                 for _ in range(3 * shape.slots)
             ]
             while True:  # until the shim's slots and queue are all taken
@@ -291,7 +297,12 @@ def _evidence(text: str, f: Figures) -> str:
             f"p99 {f.ttft_p99 if f.ttft_p99 is None else round(f.ttft_p99, 2)} s, budget {f.ttft_budget:g} s"
         )
     if "rejection" in text:
-        return "-" if f.rejection_p99 is None else f"{f.rejection_p99 * 1000:.1f} ms"
+        if f.rejection_p99 is None:
+            return "-"
+        shim = ""
+        if f.shim_rejection_p99 is not None:
+            shim = f" (inside the shim: {f.shim_rejection_p99 * 1000:.1f} ms)"
+        return f"{f.rejection_p99 * 1000:.1f} ms{shim}"
     if "wasted" in text:
         return f"{f.wasted_tokens} tokens ({f.wasted_fraction:.1%})"
     if "first retry" in text:
@@ -315,7 +326,16 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
     rows = [
         ("success within deadline", [f"{f.ok}/{f.calls} = {f.success_rate:.0%}" for f in cells]),
         ("interactive TTFT p50 / p99", [f"{_s(f.ttft_p50)} / {_s(f.ttft_p99)}" for f in cells]),
-        ("p99 time to rejection", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
+        ("p99 time to rejection, caller-side", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
+        (
+            "p99 time to rejection, inside the shim (access log)",
+            [
+                "-"
+                if not f.shim_rejections_matched
+                else f"{_s(f.shim_rejection_p99)} (n={f.shim_rejections_matched})"
+                for f in cells
+            ],
+        ),
         (
             "attempts per success",
             ["-" if f.attempts_per_success is None else f"{f.attempts_per_success:.2f}" for f in cells],

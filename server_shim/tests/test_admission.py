@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -41,10 +42,16 @@ def make(
     total: int | None = None,
     batch_queue: int | None = None,
     service: float = 1.0,
+    returning_share: float = 0.0,
 ) -> tuple[AdmissionController, FakeClock]:
     clock = FakeClock()
     est = DrainEstimator(
-        EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0, initial_service_time=service), clock
+        # An arrival window so long that recent arrivals never count as competing for the drain
+        # rate (test_admission_returning covers that): the tests here fill queues in no time.
+        EstimatorConfig(
+            retry_after_min=0.1, retry_after_max=100.0, initial_service_time=service, arrival_window=math.inf
+        ),
+        clock,
     )
     policies = [
         ClassPolicy("interactive", max_queue, max_wait),
@@ -52,7 +59,13 @@ def make(
     ]
     return (
         AdmissionController(
-            policies, limit=FixedLimit(limit), estimator=est, clock=clock, max_queue_total=total
+            policies,
+            limit=FixedLimit(limit),
+            estimator=est,
+            clock=clock,
+            max_queue_total=total,
+            # Fresh arrivals only here; places kept for returning ones: test_admission_returning.
+            returning_share=returning_share,
         ),
         clock,
     )

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import math
+import random
 
-from llm_backoff_shim.admission import AdmissionRequest, parse_retry_count
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_backoff_shim.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    ClassPolicy,
+    Outcome,
+    Rejection,
+    Ticket,
+    TicketState,
+    parse_retry_count,
+)
+from llm_backoff_shim.classes import ClassShares, SharedSlots
+from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.limit import FixedLimit
+from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
 
 @pytest.mark.parametrize(
@@ -32,3 +51,369 @@ def test_a_request_with_a_retry_count_is_returning() -> None:
     assert not AdmissionRequest("interactive").returning
     assert not AdmissionRequest("interactive", retry=0).returning
     assert AdmissionRequest("interactive", retry=1).returning
+
+
+# -- the controller ----------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(
+    *,
+    arrival_window: float = math.inf,
+    limit: int = 1,
+    max_queue: int = 8,
+    max_wait: float = 10.0,
+    total: int | None = None,
+    returning_share: float = 0.25,
+    scheduler: SharedSlots | None = None,
+) -> tuple[AdmissionController, FakeClock]:
+    clock = FakeClock()
+    # By default arrivals never compete (an infinite window): queues here fill in no time.
+    config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0, arrival_window=arrival_window)
+    est = DrainEstimator(config, clock)
+    policies = [ClassPolicy("interactive", max_queue, max_wait), ClassPolicy("batch", max_queue, max_wait)]
+    controller = AdmissionController(
+        policies,
+        limit=FixedLimit(limit),
+        estimator=est,
+        clock=clock,
+        max_queue_total=total,
+        returning_share=returning_share,
+        scheduler=scheduler,
+    )
+    return controller, clock
+
+
+def measure(c: AdmissionController, clock: FakeClock, service: float) -> None:
+    """One completed request of ``service`` seconds, so that estimates no longer rest on the prior."""
+    t = ticket(c.submit(AdmissionRequest("interactive")))
+    clock.now += service
+    c.release(t, Outcome.COMPLETED)
+
+
+def promise(c: AdmissionController, cls: str = "interactive") -> float:
+    """Turn a caller away as the controller would: it is told (and promised) a hint."""
+    return c.estimator.retry_after(cls, c.ahead_of(cls), c.limit)
+
+
+def ticket(decision: Ticket | Rejection) -> Ticket:
+    assert isinstance(decision, Ticket), decision
+    return decision
+
+
+def rejection(decision: Ticket | Rejection) -> Rejection:
+    assert isinstance(decision, Rejection), decision
+    return decision
+
+
+def fresh(cls: str = "interactive", budget: float | None = None) -> AdmissionRequest:
+    return AdmissionRequest(cls, budget=budget)
+
+
+def back(cls: str = "interactive", budget: float | None = None) -> AdmissionRequest:
+    return AdmissionRequest(cls, budget=budget, retry=1)
+
+
+def test_returning_requests_go_before_fresh_ones_of_their_class_fifo_within_each() -> None:
+    c, _ = make(limit=1)
+    running = ticket(c.submit(fresh()))
+    f1, r1, f2, r2 = (ticket(c.submit(r)) for r in (fresh(), back(), fresh(), back()))
+    order = []
+    current = running
+    for _ in range(4):
+        (current,) = c.release(current, Outcome.COMPLETED).admitted
+        order.append(current)
+    assert order == [r1, r2, f1, f2]
+
+
+def test_a_returning_batch_request_does_not_pass_interactive_ones() -> None:
+    c, _ = make(limit=1)
+    running = ticket(c.submit(fresh()))
+    batch_back = ticket(c.submit(back("batch")))
+    interactive = ticket(c.submit(fresh("interactive")))
+    assert c.release(running, Outcome.COMPLETED).admitted == [interactive]
+    assert c.release(interactive, Outcome.COMPLETED).admitted == [batch_back]
+
+
+def test_a_full_queue_refuses_fresh_arrivals_before_returning_ones_and_evicts_nobody() -> None:
+    c, _ = make(limit=1, max_queue=8, returning_share=0.25)
+    ticket(c.submit(fresh()))
+    assert c.fresh_room(8, ["interactive"]) == 8  # nobody was told to come back
+    for _ in range(3):
+        promise(c)
+    assert c.fresh_room(8, ["interactive"]) == 6  # one place per promise, at most 2 of 8
+    queued = [ticket(c.submit(fresh())) for _ in range(6)]
+    assert rejection(c.submit(fresh())).code == "queue_full"
+    kept = [ticket(c.submit(back())) for _ in range(2)]
+    assert rejection(c.submit(back())).code == "queue_full"
+    assert all(t.state is TicketState.QUEUED for t in queued + kept)
+    assert c.queued("interactive") == 8
+    assert c.queued_returning("interactive") == 2
+
+
+def test_the_total_bound_keeps_places_for_returning_requests_too() -> None:
+    c, _ = make(limit=1, max_queue=8, total=4, returning_share=0.25)  # total: 3 fresh, 1 returning
+    ticket(c.submit(fresh()))
+    promise(c, "batch")
+    for cls in ("interactive", "batch", "batch"):
+        ticket(c.submit(fresh(cls)))
+    assert rejection(c.submit(fresh("interactive"))).code == "queue_full"
+    ticket(c.submit(back("batch")))
+    assert rejection(c.submit(back("interactive"))).code == "queue_full"
+
+
+def test_small_queues_keep_no_place_back() -> None:
+    c, _ = make(limit=1, max_queue=3, returning_share=0.25)
+    ticket(c.submit(fresh()))
+    promise(c)
+    assert all(ticket(c.submit(fresh())).state is TicketState.QUEUED for _ in range(3))
+
+
+def test_cancel_and_expire_find_a_returning_ticket() -> None:
+    c, clock = make(limit=1, max_wait=5.0)
+    ticket(c.submit(fresh()))
+    gone, late = ticket(c.submit(back())), ticket(c.submit(back()))
+    c.cancel(gone)
+    assert gone.state is TicketState.CANCELLED
+    clock.now += 5.0
+    assert rejection(c.expire(late)).code == "queue_timeout"  # type: ignore[arg-type]
+    assert c.queued() == 0
+
+
+def test_oldest_wait_looks_at_both_queues() -> None:
+    c, clock = make(limit=1)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh()))
+    clock.now += 3.0
+    ticket(c.submit(back()))
+    clock.now += 1.0
+    assert c.oldest_wait("interactive") == pytest.approx(4.0)
+
+
+def test_a_fresh_arrival_counts_the_returns_already_promised() -> None:
+    # 1 slot, 1 s per request: a slot per second. 4 callers told to come back at 2, 3, 4, 5 s.
+    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh()))  # queued: served in 1 s
+    hints = [promise(c) for _ in range(4)]
+    assert hints == pytest.approx([2.0, 3.0, 4.0, 5.0])
+    # Queue alone: 2 s; with the promises due before it is served, it would wait 6 s > 3.5 s.
+    refused = rejection(c.submit(fresh()))
+    assert refused.code == "queue_full"
+    assert "exceeds the 3.5 s limit" in refused.message
+    assert refused.retry_after == pytest.approx(6.0)  # after the last promise
+    # A returning caller goes before fresh ones: the promises made to others do not delay it.
+    assert ticket(c.submit(back())).state is TicketState.QUEUED
+
+
+def test_promises_fall_due_and_stop_counting() -> None:
+    c, clock = make(limit=1, max_wait=2.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    for _ in range(3):
+        promise(c)
+    assert c.estimator.outstanding("interactive") == 3
+    clock.now += 3.2  # all three are due, even allowing the 0.1 s minimum for lateness
+    assert c.estimator.outstanding("interactive") == 0
+    assert ticket(c.submit(fresh())).state is TicketState.QUEUED
+
+
+def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
+    clock = FakeClock()
+    est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0), clock)
+    assert est.retry_after("interactive", 4, 1, keep_within=2.0) == pytest.approx(5.0)
+    assert est.outstanding("interactive") == 0  # that caller cannot come back in time
+    assert est.retry_after("interactive", 4, 1) == pytest.approx(5.0)  # so the next hears the same slot
+    assert est.outstanding("interactive") == 1
+    assert est.retry_after("interactive", 4, 1, keep_within=10.0) == pytest.approx(6.0)
+
+
+def test_higher_class_promises_delay_a_lower_class_hint() -> None:
+    clock = FakeClock()
+    est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0), clock)
+    for _ in range(3):
+        est.retry_after("interactive", 0, 1)  # interactive returns promised at 1, 2, 3 s
+    assert est.retry_after("batch", 0, 1) == pytest.approx(1.0)
+    assert est.retry_after("batch", 0, 1, promised_by=("interactive",)) == pytest.approx(4.0)
+
+
+# -- overtaken requests leave early --------------------------------------------------------------
+
+
+def test_batch_overtaken_by_interactive_arrivals_is_refused_at_once() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    batch = [ticket(c.submit(fresh("batch"))) for _ in range(2)]  # expected waits 1 s and 2 s
+    assert not c.recheck()
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh()))  # two interactive ahead: now 3 s and 4 s
+    dropped = c.recheck()
+    assert dropped.expired == [batch[1]]
+    assert not dropped.admitted
+    refusal = batch[1].rejection
+    assert refusal is not None
+    assert refusal.code == "queue_timeout"
+    assert "overtaken in the queue" in refusal.message
+    assert refusal.retry_after > 0
+    assert batch[0].state is TicketState.QUEUED  # FIFO kept: the head can still make it
+    assert c.queued("batch") == 1
+
+
+def test_fresh_requests_overtaken_by_returning_ones_are_refused_at_once() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    first, second = ticket(c.submit(fresh())), ticket(c.submit(fresh()))  # 1 s and 2 s away
+    ticket(c.submit(back()))  # two returning ahead of them: 3 s and 4 s
+    ticket(c.submit(back()))
+    assert c.recheck().expired == [second]
+    assert first.state is TicketState.QUEUED
+
+
+def test_a_budget_overtaken_is_refused_at_once() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=30.0, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    short = ticket(c.submit(fresh("batch", budget=2.5)))  # 1 s wait + 1 s service: fits
+    ticket(c.submit(fresh()))  # now 2 s wait + 1 s service > 2.5 s
+    assert c.recheck().expired == [short]
+    assert short.rejection is not None
+    assert "remaining request budget" in short.rejection.message
+
+
+def test_a_guaranteed_minimum_share_keeps_batch_requests_it_will_serve() -> None:
+    shares = SharedSlots(ClassShares(minimum={"batch": 0.5}))  # 1 of 2 slots for batch
+    c, clock = make(limit=2, max_queue=8, max_wait=2.2, returning_share=0.0, scheduler=shares)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh("batch")))
+    batch = ticket(c.submit(fresh("batch")))
+    for _ in range(4):
+        ticket(c.submit(fresh()))  # strict priority alone would put it 2.5 s away
+    assert batch not in c.recheck().expired  # its share serves it in 1 s
+    assert batch.state is TicketState.QUEUED
+
+
+def test_nothing_is_rechecked_on_the_prior_alone() -> None:
+    c, _ = make(limit=1, max_queue=8, max_wait=0.5, returning_share=0.0)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh("batch")))
+    for _ in range(5):
+        ticket(c.submit(fresh()))
+    assert not c.recheck()
+
+
+async def test_an_overtaken_waiter_is_answered_at_once() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=1.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    admission = AsyncAdmission(c, clock)
+    running = await admission.acquire(fresh())
+    assert isinstance(running, Grant)
+    batch = asyncio.create_task(admission.acquire(fresh("batch")))
+    await asyncio.sleep(0)
+    assert admission.waiting == 1
+    interactive = asyncio.create_task(admission.acquire(fresh()))
+    refused = await asyncio.wait_for(batch, 1.0)  # not after its 1.5 s wait: at once
+    assert isinstance(refused, Rejection)
+    assert refused.code == "queue_timeout"
+    admission.release(running, Outcome.COMPLETED)
+    served = await interactive
+    assert isinstance(served, Grant)
+    admission.release(served, Outcome.COMPLETED)
+    assert (c.in_flight(), c.queued(), admission.waiting) == (0, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    limit=st.integers(1, 3),
+    max_queue=st.integers(0, 8),
+    steps=st.integers(1, 80),
+)
+def test_any_mix_with_returning_callers_leaves_nothing_behind(
+    seed: int, limit: int, max_queue: int, steps: int
+) -> None:
+    rng = random.Random(seed)
+    shares = SharedSlots(ClassShares(reserved={"interactive": 0.3}, minimum={"batch": 0.3}))
+    c, clock = make(limit=limit, max_queue=max_queue, max_wait=2.0, total=max_queue + 1, scheduler=shares)
+    live: list[Ticket] = []
+    for _ in range(steps):
+        clock.now += rng.random() * 0.5
+        op = rng.random()
+        if op < 0.5:
+            request = AdmissionRequest(
+                rng.choice(["interactive", "batch"]),
+                budget=rng.choice([None, 0.5, 3.0]),
+                retry=rng.choice([0, 0, 1, 2]),
+            )
+            decision = c.submit(request)
+            if isinstance(decision, Ticket):
+                live.append(decision)
+                c.recheck()
+        elif live:
+            t = rng.choice(live)
+            if t.state is TicketState.ADMITTED:
+                c.release(t, rng.choice(list(Outcome)))
+            elif t.state is TicketState.QUEUED:
+                c.expire(t) if rng.random() < 0.5 else c.cancel(t)
+        # Returning requests of a class are always served before its fresh ones.
+        for cls in c.classes:
+            assert c.queued_returning(cls) <= c.queued(cls) <= max(max_queue, 0)
+        assert c.in_flight() <= limit
+    for t in live:
+        if t.state is TicketState.QUEUED:
+            c.cancel(t)
+        if t.state is TicketState.ADMITTED:
+            c.release(t, Outcome.COMPLETED)
+    assert (c.in_flight(), c.queued()) == (0, 0)
+    assert all(t.state in (TicketState.RELEASED, TicketState.CANCELLED, TicketState.EXPIRED) for t in live)
+
+
+def test_recent_higher_class_arrivals_slow_a_lower_class_down() -> None:
+    clock = FakeClock()
+    est = DrainEstimator(EstimatorConfig(arrival_window=5.0), clock)
+    est.observe_completion("interactive", 1.0)  # 1 slot: 1 request/s
+    for _ in range(20):
+        est.observe_arrival("interactive")
+        clock.now += 0.4  # 2.5 interactive requests/s, once the average has caught up
+    assert est.arrival_rate("interactive") == pytest.approx(2.5, rel=0.25)
+    assert est.expected_wait(1, 1, 0) == pytest.approx(2.0)
+    assert est.expected_wait(1, 1, 0, competing=0.5) == pytest.approx(4.0)
+    assert est.expected_wait(1, 1, 0, competing=est.arrival_rate("interactive")) == math.inf
+
+
+def test_a_batch_newcomer_is_refused_at_once_when_interactive_arrivals_take_the_drain() -> None:
+    for window, expected in ((math.inf, TicketState.QUEUED), (5.0, None)):
+        c, clock = make(arrival_window=window, limit=1, max_wait=3.0, returning_share=0.0)
+        measure(c, clock, 1.0)
+        clock.now += 1000.0  # that request's arrival has faded
+        ticket(c.submit(fresh()))
+        for _ in range(3):
+            c.estimator.observe_arrival("interactive")  # 0.8 interactive requests/s let in
+        decision = c.submit(fresh("batch"))
+        if expected is None:
+            refused = rejection(decision)
+            assert refused.code == "queue_full"  # 1 / (1 - 0.8) = 5 s > 3 s
+        else:
+            assert ticket(decision).state is expected  # 1 s with nobody competing
+
+
+def test_a_guaranteed_share_bounds_the_wait_whatever_higher_classes_do() -> None:
+    shares = SharedSlots(ClassShares(minimum={"batch": 0.5}))
+    c, clock = make(arrival_window=5.0, limit=2, max_wait=3.0, returning_share=0.0, scheduler=shares)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh("batch")))
+    for _ in range(20):
+        c.estimator.observe_arrival("interactive")  # far more than the engine drains
+    queued = ticket(c.submit(fresh("batch")))
+    assert queued.state is TicketState.QUEUED  # its one guaranteed slot frees within 1 s

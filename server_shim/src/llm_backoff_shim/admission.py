@@ -27,6 +27,29 @@ Early refusals, once a completion was measured (never on the cold-start prior):
   wait to be told ``queue_timeout``. ``queue_full``, not ``queue_timeout``: the queue
   is full measured in time, and the caller's own budget played no part.
 
+Returning callers first. A request whose client says it is a retry (``x-stainless-retry-count``
+>= 1, :attr:`AdmissionRequest.returning`) was most likely told a Retry-After and honoured it;
+Retry-After is an estimate, not a reservation, so without help it would find its place
+taken by fresh arrivals and be turned away again. So, within its class, a returning request
+is served before every fresh one (two FIFOs per class, returning first), and while callers
+have been promised a return, up to ``returning_share`` of each queue bound (one place per
+promise) is kept for returning requests: a full queue refuses a fresh arrival before it
+refuses a returning one. A request already queued is never
+evicted. A fresh arrival's expected wait counts the callers of its class (and of higher
+classes) already promised a return before it would be served
+(:meth:`DrainEstimator.expected_wait`), since they will go ahead of it. Anyone can claim to
+be a retry: the claim buys a place ahead of fresh arrivals of the same class, nothing
+more; tenant quotas, budgets and class bounds apply unchanged.
+
+Overtaken requests leave early. Strict priority (and returning-first) means a request
+queued with a wait estimate within its limit can be pushed back by later arrivals that go
+ahead of it. :meth:`AdmissionController.recheck` (run after every admission decision that
+queued or admitted a request) re-estimates every queued request from its current place and
+turns away, with ``queue_timeout`` and a Retry-After, those that can no longer be served
+within their ``max_queue_wait`` or budget, instead of letting them wait it out. A class's
+guaranteed minimum share (:class:`MinimumShares`, e.g. the shim's scheduler) bounds its
+wait, so requests the share will serve in time stay.
+
 Invariant kept by :meth:`AdmissionController._pump`: after every call, either no queued
 request can be admitted (the limit is reached or the scheduler holds the slot back)
 or every queue is empty. Every ticket ends in exactly one of RELEASED, CANCELLED,
@@ -40,7 +63,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from llm_backoff_shim.estimator import DrainEstimator
 from llm_backoff_shim.limit import ConcurrencyLimit
@@ -231,6 +254,13 @@ class ClassScheduler(Protocol):
     def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None: ...
 
 
+@runtime_checkable
+class MinimumShares(Protocol):
+    """A scheduler that guarantees a class some slots whatever higher classes want."""
+
+    def minimum_slots(self, cls: str, limit: int) -> int: ...
+
+
 class StrictPriority:
     """Serve the highest-priority class with a queue. Starvation control comes later, as another scheduler."""
 
@@ -252,6 +282,7 @@ class AdmissionController:
         default_class: str | None = None,
         scheduler: ClassScheduler | None = None,
         gates: Iterable[AdmissionGate] = (),
+        returning_share: float = 0.25,
     ) -> None:
         if not policies:
             raise ValueError("at least one traffic class is needed")
@@ -266,13 +297,18 @@ class AdmissionController:
         if max_queue_total is not None and max_queue_total < 0:
             raise ValueError("max_queue_total must be >= 0")
         self._max_total = max_queue_total
+        if not 0.0 <= returning_share <= 1.0:
+            raise ValueError("returning_share must be between 0 and 1")
+        self._returning_share = returning_share
         self._limit = limit
         self._estimator = estimator
         self._clock = clock
         self._scheduler: ClassScheduler = scheduler or StrictPriority()
         self.gates: list[AdmissionGate] = list(gates)
         # dicts keep insertion order: FIFO with O(1) removal of a cancelled ticket.
-        self._queues: dict[str, dict[int, Ticket]] = {name: {} for name in names}
+        # Per class, returning requests are served before fresh ones.
+        self._returning: dict[str, dict[int, Ticket]] = {name: {} for name in names}
+        self._fresh: dict[str, dict[int, Ticket]] = {name: {} for name in names}
         self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
         self._ids = itertools.count(1)
 
@@ -308,20 +344,34 @@ class AdmissionController:
 
     def queued(self, cls: str | None = None) -> int:
         if cls is None:
-            return sum(len(q) for q in self._queues.values())
-        return len(self._queues[cls])
+            return sum(self.queued(c) for c in self._classes)
+        return len(self._returning[cls]) + len(self._fresh[cls])
+
+    def queued_returning(self, cls: str) -> int:
+        """Queued requests of ``cls`` that said they are retries."""
+        return len(self._returning[cls])
 
     def oldest_wait(self, cls: str) -> float:
-        """Seconds the head of ``cls``'s queue has waited so far (0 when the queue is empty)."""
-        queue = self._queues[cls]
-        if not queue:
+        """Seconds the longest-waiting request of ``cls``'s queue has waited (0 when empty)."""
+        heads = [next(iter(q.values())).arrived for q in (self._returning[cls], self._fresh[cls]) if q]
+        if not heads:
             return 0.0
-        return max(0.0, self._clock() - next(iter(queue.values())).arrived)
+        return max(0.0, self._clock() - min(heads))
 
     def ahead_of(self, cls: str) -> int:
-        """Requests that would be served before a newcomer of ``cls`` (strict-priority view)."""
+        """Requests that would be served before a fresh newcomer of ``cls`` (strict-priority view)."""
         index = self._classes.index(cls)
-        return sum(len(self._queues[c]) for c in self._classes[: index + 1])
+        return sum(self.queued(c) for c in self._classes[: index + 1])
+
+    def fresh_room(self, bound: int, classes: Iterable[str]) -> int:
+        """Places of a queue bound that fresh arrivals may fill; the rest wait for returning ones.
+
+        Places are kept back only while callers of ``classes`` have been promised a return
+        (one per promise, at most ``returning_share`` of the bound), so a queue that told
+        nobody to come back is all for fresh arrivals.
+        """
+        promised = sum(self._estimator.outstanding(c) for c in classes)
+        return bound - min(promised, math.floor(self._returning_share * bound + 1e-9))
 
     def parse_class(self, header: str | None) -> str:
         """Map an ``x-request-class`` value to a class; absent/blank -> the default class."""
@@ -352,15 +402,21 @@ class AdmissionController:
         ticket = Ticket(
             id=next(self._ids), request=request, arrived=now, deadline=deadline, budget_bound=budget_bound
         )
-        queue = self._queues[cls]
-        has_room = len(queue) < policy.max_queue and (
-            self._max_total is None or self.queued() < self._max_total
-        )
+        queue = self._queue_of(ticket)
+        if request.returning:
+            has_room = self.queued(cls) < policy.max_queue and (
+                self._max_total is None or self.queued() < self._max_total
+            )
+        else:
+            has_room = self.queued(cls) < self.fresh_room(policy.max_queue, (cls,)) and (
+                self._max_total is None or self.queued() < self.fresh_room(self._max_total, self._classes)
+            )
         # Queued tentatively even when full: the pump admits it at once if a slot is
         # usable (e.g. --max-queue 0 with an idle engine), else it is taken back out.
         queue[ticket.id] = ticket
         self._pump()
         if ticket.state is TicketState.ADMITTED:
+            self._estimator.observe_arrival(cls)
             return ticket
         if ticket.state is TicketState.EXPIRED:
             # A free slot, but the budget cannot cover the expected service (see _pump).
@@ -369,12 +425,13 @@ class AdmissionController:
         if not has_room:
             del queue[ticket.id]
             ticket.state = TicketState.CANCELLED
-            return self._reject(cls, "queue_full", "server at capacity (queue full)")
+            return self._reject(cls, "queue_full", "server at capacity (queue full)", request.budget)
         early = self._early_refusal(ticket)
         if early is not None:
             del queue[ticket.id]
             ticket.state = TicketState.CANCELLED
             return early
+        self._estimator.observe_arrival(cls)
         return ticket
 
     def release(self, ticket: Ticket, outcome: Outcome) -> Dispatch:
@@ -397,7 +454,7 @@ class AdmissionController:
     def cancel(self, ticket: Ticket) -> Dispatch:
         """The caller went away: leave the queue, or give back the slot (as ABORTED)."""
         if ticket.state is TicketState.QUEUED:
-            del self._queues[ticket.cls][ticket.id]
+            del self._queue_of(ticket)[ticket.id]
             ticket.state = TicketState.CANCELLED
             return self._pump()
         if ticket.state is TicketState.ADMITTED:
@@ -411,7 +468,7 @@ class AdmissionController:
         """
         if ticket.state is not TicketState.QUEUED:
             return None
-        del self._queues[ticket.cls][ticket.id]
+        del self._queue_of(ticket)[ticket.id]
         self._expire(ticket)
         assert ticket.rejection is not None
         return ticket.rejection
@@ -434,13 +491,40 @@ class AdmissionController:
         """Admit what can go now after a change the controller cannot see (a hold lifted, a limit grew)."""
         return self._pump()
 
+    def recheck(self) -> Dispatch:
+        """Turn away queued requests that, from their current place, cannot be served in time.
+
+        Run after a request was queued or admitted: it may have gone ahead of others (a
+        higher class, or a returning caller ahead of fresh ones). Those whose expected wait
+        now passes their ``max_queue_wait``, or whose remaining budget no longer covers the
+        wait plus the time they need once admitted, leave at once with ``queue_timeout``
+        and a Retry-After, rather than at their deadline. Never on the cold-start prior.
+        """
+        dispatch = Dispatch()
+        if self._estimator.samples == 0 or not self.queued():
+            return dispatch
+        now = self._clock()
+        for queue in self._serve_order():
+            for ticket in list(queue.values()):
+                why = self._overtaken(ticket, now)
+                if why is None:
+                    continue
+                del queue[ticket.id]
+                ticket.state = TicketState.EXPIRED
+                left = None
+                if ticket.request.budget is not None:
+                    left = ticket.arrived + ticket.request.budget - now
+                ticket.rejection = self._reject(ticket.cls, "queue_timeout", why, left)
+                dispatch.expired.append(ticket)
+        return dispatch
+
     # -- internals -------------------------------------------------------------------------
     def _early_refusal(self, ticket: Ticket) -> Rejection | None:
         """Refuse a just-queued ticket that the estimates say cannot be served in time."""
         if self._estimator.samples == 0:
             return None  # the wait estimate would rest on the prior alone
         cls, budget = ticket.cls, ticket.request.budget
-        expected = self._estimator.expected_wait(self.ahead_of(cls) - 1, self.limit, 0)
+        expected = self._expected_wait(ticket)
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
             if expected + need > budget:
@@ -449,6 +533,7 @@ class AdmissionController:
                     "queue_timeout",
                     f"estimated queue wait {expected:.2f} s + {self._need_name(ticket)} {need:.2f} s "
                     f"exceeds the request budget {budget:.2f} s",
+                    budget,
                 )
         max_wait = self._policies[cls].max_queue_wait
         if expected > max_wait:
@@ -457,6 +542,69 @@ class AdmissionController:
                 "queue_full",
                 f"server at capacity (estimated queue wait {expected:.2f} s exceeds the "
                 f"{max_wait:g} s limit)",
+                budget,
+            )
+        return None
+
+    def _queue_of(self, ticket: Ticket) -> dict[int, Ticket]:
+        return (self._returning if ticket.request.returning else self._fresh)[ticket.cls]
+
+    def _serve_order(self) -> list[dict[int, Ticket]]:
+        """The queues in the order strict priority serves them: by class, returning before fresh."""
+        return [q for c in self._classes for q in (self._returning[c], self._fresh[c])]
+
+    def _expected_wait(self, ticket: Ticket) -> float:
+        """Seconds until a queued ticket gets a slot, from its current place.
+
+        Strict priority over everything queued ahead of it (plus, for a fresh ticket, the
+        returns promised before it would be served), at the drain rate left over by the
+        higher classes' recent arrivals (they will keep going first), bounded by its
+        class's guaranteed minimum share, which serves its class in FIFO order whatever
+        higher classes want.
+        """
+        cls = ticket.cls
+        index = self._classes.index(cls)
+        higher = self._classes[:index]
+        ahead = sum(self.queued(c) for c in higher)
+        mine = self._returning[cls]
+        if ticket.request.returning:
+            in_class = _position(mine, ticket)
+        else:
+            in_class = len(mine) + _position(self._fresh[cls], ticket)
+        promised_by = higher if ticket.request.returning else (*higher, cls)
+        return self._wait_at(cls, ahead + in_class, in_class, promised_by)
+
+    def _wait_at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str]) -> float:
+        """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
+        priority, ``in_class`` of them of its own class (see :meth:`_expected_wait`)."""
+        higher = self._classes[: self._classes.index(cls)]
+        est = self._estimator
+        competing = sum(est.arrival_rate(c) for c in higher)
+        wait = est.expected_wait(ahead, self.limit, 0, promised_by=promised_by, competing=competing)
+        if higher and isinstance(self._scheduler, MinimumShares):
+            share = self._scheduler.minimum_slots(cls, self.limit)
+            if share > 0:
+                wait = min(wait, est.expected_wait(in_class, share, 0))
+        return wait
+
+    def _overtaken(self, ticket: Ticket, now: float) -> str | None:
+        """Why a queued ticket can no longer be served in time, or None."""
+        expected = self._expected_wait(ticket)
+        budget = ticket.request.budget
+        if budget is not None:
+            need = self._estimator.expected_service(ticket.request.stream)
+            left = ticket.arrived + budget - now
+            if expected + need > left:
+                return (
+                    f"overtaken in the queue: estimated wait {expected:.2f} s + "
+                    f"{self._need_name(ticket)} {need:.2f} s exceeds the remaining request budget "
+                    f"{max(0.0, left):.2f} s"
+                )
+        if now + expected > ticket.deadline and not ticket.budget_bound:
+            max_wait = self._policies[ticket.cls].max_queue_wait
+            return (
+                f"overtaken in the queue: estimated wait {expected:.2f} s more would pass the "
+                f"{max_wait:g} s limit"
             )
         return None
 
@@ -476,13 +624,13 @@ class AdmissionController:
         dispatch = Dispatch()
         now = self._clock()
         while self.in_flight() < self._limit.limit:
-            waiting = [c for c in self._classes if self._queues[c]]
+            waiting = [c for c in self._classes if self._returning[c] or self._fresh[c]]
             if not waiting:
                 break
             cls = self._scheduler.pick(waiting, self)
             if cls is None:
                 break
-            queue = self._queues[cls]
+            queue = self._returning[cls] or self._fresh[cls]
             ticket = queue.pop(next(iter(queue)))
             if ticket.deadline <= now or self._short_of(ticket, now) is not None:
                 # Its wait or the caller's budget ran out, or what is left of the budget cannot
@@ -511,10 +659,19 @@ class AdmissionController:
             why = "request budget (x-request-timeout-ms) ran out while queued"
         else:
             why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"
-        ticket.rejection = self._reject(ticket.cls, "queue_timeout", why)
+        budget = ticket.request.budget
+        remaining = None if budget is None else ticket.arrived + budget - now
+        ticket.rejection = self._reject(ticket.cls, "queue_timeout", why, remaining)
 
-    def _reject(self, cls: str, code: RejectCode, why: str) -> Rejection:
-        hint = self._estimator.retry_after(cls, self.ahead_of(cls), self.limit)
+    def _reject(self, cls: str, code: RejectCode, why: str, budget_left: float | None = None) -> Rejection:
+        """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known
+        (a hint beyond it is not remembered as a promise, see :meth:`DrainEstimator.retry_after`)."""
+        # A retry would come back returning, behind what is queued now in its class and above.
+        higher = self._classes[: self._classes.index(cls)]
+        wait = self._wait_at(cls, self.ahead_of(cls), self.queued(cls), higher)
+        hint = self._estimator.retry_after(
+            cls, self.ahead_of(cls), self.limit, keep_within=budget_left, wait=wait
+        )
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))
 
     def _from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:
@@ -529,3 +686,11 @@ class AdmissionController:
             type=refusal.type,
             status=refusal.status,
         )
+
+
+def _position(queue: dict[int, Ticket], ticket: Ticket) -> int:
+    """How many of ``queue`` are ahead of ``ticket`` (all of them when it is not in it yet)."""
+    for n, key in enumerate(queue):
+        if key == ticket.id:
+            return n
+    return len(queue)

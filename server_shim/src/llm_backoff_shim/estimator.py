@@ -16,6 +16,16 @@ drains faster than the minimum hint, ``min + (k - 1) / rate``) and retries come 
 at about the drain rate instead of in one wave. Once time passes the last promise the burst is
 over and hints start again from the queue alone.
 
+Promises are also remembered one by one (until they fall due), so that a *fresh*
+arrival's expected wait can count the callers already told to come back before it
+would be served: the admission decision serves a returning caller before the fresh
+arrivals of its class, so under sustained overload each promise takes a slot that a
+fresh arrival would otherwise have had. Without that, a fresh arrival would be
+queued on the strength of the queue alone and then overtaken by the returners, to be
+told ``queue_timeout`` after its whole wait; with it, it is told at once, and its
+hint comes after the last promise. A promise the caller cannot keep (its remaining
+budget is shorter than the hint) is not remembered: it will not come back.
+
 Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`):
 the admission decision refuses a caller whose remaining budget cannot cover the
 expected wait plus this, since such a call would start on the engine only to be cut
@@ -27,8 +37,10 @@ the whole service time. Neither rests on the prior: unmeasured means 0 s needed.
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 Clock = Callable[[], float]
@@ -40,7 +52,9 @@ class EstimatorConfig:
 
     ``initial_service_time`` is the prior used until the first completion is measured;
     ``service_time_alpha`` is the EWMA weight of each new sample; ``rate_window`` is the
-    time constant (seconds) of the completions/s estimate.
+    time constant (seconds) of the completions/s estimate; ``arrival_window`` that of the
+    per-class rate of requests let in, which a lower class's wait estimate subtracts from
+    the drain rate (higher classes that arrive later still go first).
     """
 
     retry_after_min: float = 1.0
@@ -48,6 +62,7 @@ class EstimatorConfig:
     initial_service_time: float = 1.0
     service_time_alpha: float = 0.2
     rate_window: float = 10.0
+    arrival_window: float = 5.0
 
     def __post_init__(self) -> None:
         if not (0 < self.retry_after_min <= self.retry_after_max):
@@ -56,8 +71,8 @@ class EstimatorConfig:
             raise ValueError("initial_service_time must be > 0")
         if not (0 < self.service_time_alpha <= 1):
             raise ValueError("service_time_alpha must be in (0, 1]")
-        if not self.rate_window > 0:
-            raise ValueError("rate_window must be > 0")
+        if not (self.rate_window > 0 and self.arrival_window > 0):
+            raise ValueError("rate_window and arrival_window must be > 0")
 
 
 class _DecayingRate:
@@ -98,7 +113,11 @@ class DrainEstimator:
         self._first_byte = 0.0
         self._first_byte_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
+        self._arrivals: dict[str, _DecayingRate] = {}
         self._last_promised: dict[str, float] = {}
+        # Promised return times per class, ascending (each promise is at least one slot after
+        # the last, and none beyond the clamp), dropped once due: at most max / step entries.
+        self._promises: dict[str, deque[float]] = {}
 
     @property
     def config(self) -> EstimatorConfig:
@@ -151,6 +170,18 @@ class DrainEstimator:
             return self._first_byte if self._first_byte_samples else 0.0
         return self._service_time if self._samples else 0.0
 
+    def observe_arrival(self, cls: str) -> None:
+        """Record a request of ``cls`` that was let in (admitted or queued): it will take a slot."""
+        rate = self._arrivals.get(cls)
+        if rate is None:
+            rate = self._arrivals[cls] = _DecayingRate(self._config.arrival_window)
+        rate.add(self._clock())
+
+    def arrival_rate(self, cls: str) -> float:
+        """Requests of ``cls`` let in per second (decaying average over ``arrival_window``)."""
+        rate = self._arrivals.get(cls)
+        return 0.0 if rate is None else rate.value(self._clock())
+
     def completion_rate(self, cls: str) -> float:
         """Completions per second observed for ``cls`` (decaying average).
 
@@ -164,18 +195,83 @@ class DrainEstimator:
         # A zero EWMA (instant upstream) would make the rate infinite; 1 ms floors it.
         return max(1, slots) / max(self._service_time, 1e-3)
 
-    def expected_wait(self, ahead: int, slots: int, free_slots: int) -> float:
-        """Seconds until a request with ``ahead`` others queued before it gets a slot."""
+    def expected_wait(
+        self,
+        ahead: int,
+        slots: int,
+        free_slots: int,
+        *,
+        promised_by: Iterable[str] = (),
+        competing: float = 0.0,
+    ) -> float:
+        """Seconds until a request with ``ahead`` others queued before it gets a slot.
+
+        ``promised_by``: classes whose callers, promised a return before this request would
+        be served, are served before it (returning callers go ahead of fresh arrivals, and
+        higher classes ahead of lower ones); each such promise costs one more slot.
+        ``competing``: requests per second that will arrive meanwhile and go ahead of it
+        (higher classes under strict priority); they take that much of the drain rate, and
+        when they take all of it the wait is infinite.
+        """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
             return 0.0
-        return needed / self.capacity_rate(slots)
+        rate = self.capacity_rate(slots) - max(0.0, competing)
+        if rate <= 0:
+            return math.inf
+        wait = needed / rate
+        classes = tuple(promised_by)
+        if classes:
+            now = self._clock()
+            # Fixed point of wait = (needed + promises due within wait) / rate; it only grows,
+            # by at least one promise per round, and promises are few (bounded by the clamp).
+            for _ in range(10_000):
+                longer = (needed + self.promised_within(classes, now, now + wait)) / rate
+                if longer <= wait:
+                    break
+                wait = longer
+        return wait
 
-    def retry_after(self, cls: str, ahead: int, slots: int) -> float:
+    def promised_within(self, classes: Iterable[str], start: float, end: float) -> int:
+        """Callers of ``classes`` told to come back in ``(start, end]`` (promises not yet due)."""
+        count = 0
+        for cls in classes:
+            promises = self._promises.get(cls)
+            if not promises:
+                continue
+            self._forget_due(promises, self._clock())
+            count += bisect.bisect_right(promises, end) - bisect.bisect_right(promises, start)
+        return count
+
+    def outstanding(self, cls: str) -> int:
+        """Promises of ``cls`` not yet due, or due less than ``retry_after_min`` ago: a caller
+        comes back a little after its hint (whole seconds rounded up, a client's jitter)."""
+        promises = self._promises.get(cls)
+        if not promises:
+            return 0
+        now = self._clock()
+        self._forget_due(promises, now)
+        return len(promises)
+
+    def retry_after(
+        self,
+        cls: str,
+        ahead: int,
+        slots: int,
+        *,
+        promised_by: Iterable[str] = (),
+        keep_within: float | None = None,
+        wait: float | None = None,
+    ) -> float:
         """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
 
-        Grows with ``ahead`` (the queued work that would be served before a retry) and
-        with the number of callers already told a slot in the current burst.
+        Grows with ``ahead`` (the queued work that would be served before a retry), with
+        the promises of ``promised_by`` (higher classes) due before then, and with the
+        number of callers of ``cls`` already told a slot in the current burst. With
+        ``keep_within`` (the caller's remaining budget, seconds), a hint beyond it is not
+        remembered as a promise: that caller cannot come back in time. ``wait``, when
+        given, replaces the estimate from ``ahead`` (the caller knows better, e.g. a class
+        whose guaranteed share serves it sooner than strict priority would).
         """
         now = self._clock()
         cfg = self._config
@@ -183,14 +279,28 @@ class DrainEstimator:
         step = 1.0 / rate
         # Nobody may come back before the minimum, so the burst's slots start there:
         # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.
-        promised = now + max(cfg.retry_after_min, (max(0, ahead) + 1) * step)
+        if wait is None:
+            wait = self.expected_wait(max(0, ahead), slots, 0, promised_by=promised_by)
+        promised = now + max(cfg.retry_after_min, min(wait, cfg.retry_after_max))
         last = self._last_promised.get(cls)
         if last is not None and last + step > promised:
             promised = last + step
+        hint = min(cfg.retry_after_max, max(cfg.retry_after_min, promised - now))
+        if keep_within is not None and hint > keep_within:
+            return hint
         # Promises beyond the clamp are not kept: after a long overload the next
         # burst should not inherit a backlog of hints nobody will honour.
-        self._last_promised[cls] = min(promised, now + cfg.retry_after_max)
-        return min(cfg.retry_after_max, max(cfg.retry_after_min, promised - now))
+        kept = min(promised, now + cfg.retry_after_max)
+        self._last_promised[cls] = kept
+        promises = self._promises.setdefault(cls, deque())
+        self._forget_due(promises, now)
+        if not promises or kept > promises[-1]:
+            promises.append(kept)
+        return hint
+
+    def _forget_due(self, promises: deque[float], now: float) -> None:
+        while promises and promises[0] <= now - self._config.retry_after_min:
+            promises.popleft()
 
     def _rate(self, cls: str) -> _DecayingRate:
         rate = self._completions.get(cls)

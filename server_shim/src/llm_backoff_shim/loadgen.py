@@ -12,6 +12,11 @@ base URL with one kind of client, and returns a :class:`RunResult` with:
   is seen. It finds the call an attempt belongs to through a context variable: the
   transport runs in the task of the call that sends;
 - :class:`Sample` s of the engine's and the proxy's queues, polled every ~200 ms;
+- optionally, the shim's own view of each attempt: every attempt carries an
+  ``x-request-id`` (``<call>-<attempt>``), the shim logs it in its access log, and
+  :func:`attach_shim_times` puts the shim's ``total_ms`` (arrival to answer, measured
+  inside the shim) next to the client-side latency, which includes the load
+  generator's own event-loop lag;
 - the simulator's own accounting for the run (``/sim/stats`` after ``/sim/reset``).
 
 Calls stream (``stream_options.include_usage``) so that time to first token is
@@ -55,6 +60,8 @@ class AttemptRecord:
     error: str | None = None
     code: str | None = None
     """``error.code`` of an error answer (``queue_full``, ``queue_timeout``...), when it has one."""
+    shim_seconds: float | None = None
+    """The shim's own arrival-to-answer time for this attempt (its access log), when known."""
 
     @property
     def rejected(self) -> bool:
@@ -163,6 +170,8 @@ class CountingTransport:
         if call is not None:
             record = AttemptRecord(number=len(call.attempts) + 1, sent=self._clock())
             call.attempts.append(record)
+            # Lets the shim's access log be matched with this attempt (attach_shim_times).
+            request.headers["x-request-id"] = attempt_id(call.index, record.number)
         try:
             response = await self.inner.handle_async_request(request)
         except BaseException as exc:
@@ -192,6 +201,39 @@ class CountingTransport:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def attempt_id(call: int, attempt: int) -> str:
+    """The ``x-request-id`` the load generator sends with attempt ``attempt`` of call ``call``."""
+    return f"{call}-{attempt}"
+
+
+def attach_shim_times(calls: Sequence[CallRecord], access_log: str) -> int:
+    """Fill :attr:`AttemptRecord.shim_seconds` from a shim's JSON access log; returns how many matched.
+
+    Lines that are not JSON access records (start-up messages, other loggers) are skipped.
+    """
+    seen: dict[str, float] = {}
+    for line in access_log.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict):
+            continue
+        rid, total = entry.get("request_id"), entry.get("total_ms")
+        if isinstance(rid, str) and isinstance(total, (int, float)):
+            seen[rid] = float(total) / 1000.0
+    matched = 0
+    for call in calls:
+        for attempt in call.attempts:
+            found = seen.get(attempt_id(call.index, attempt.number))
+            if found is not None:
+                attempt.shim_seconds = found
+                matched += 1
+    return matched
 
 
 def error_code(body: bytes) -> str | None:

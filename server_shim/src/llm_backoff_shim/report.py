@@ -12,7 +12,11 @@ Definitions (the issue names the figures; these are the exact rules used):
   response headers (as the client sees it, so the load generator's own event-loop
   lag is included), over every rejected attempt. That includes requests that waited
   in a proxy's queue and were then turned away (``queue_timeout``); the ``queue_full``
-  answers alone show how fast a refusal at arrival is.
+  answers alone show how fast a refusal at arrival is. When the shim's access log
+  was matched (:func:`~llm_backoff_shim.loadgen.attach_shim_times`), the same
+  rejected attempts are also timed as the shim saw them (``total_ms``: from the
+  request reaching the shim's app to the end of its answer), which leaves out the
+  client's own lag and the time on the wire.
 - **attempts per success**: all HTTP attempts of all calls, over the successful calls.
 - **goodput**: successful calls per second over the run (from t = 0 until the last
   caller has succeeded or given up), as a fraction of the engine's capacity. While
@@ -83,6 +87,9 @@ class Figures:
     rejection_p50: float | None
     rejection_p99: float | None
     queue_full_p99: float | None
+    shim_rejection_p50: float | None
+    shim_rejection_p99: float | None
+    shim_rejections_matched: int
     rejections_by_code: dict[str, int]
     attempts: int
     attempts_per_success: float | None
@@ -126,6 +133,7 @@ def figures(result: RunResult) -> Figures:
     attempts = [a for c in calls for a in c.attempts]
     rejected = [a.latency for a in attempts if a.rejected and a.latency is not None]
     at_arrival = [a.latency for a in attempts if a.code == "queue_full" and a.latency is not None]
+    shim_side = [a.shim_seconds for a in attempts if a.rejected and a.shim_seconds is not None]
     by_code: dict[str, int] = {}
     for a in attempts:
         if a.rejected:
@@ -162,6 +170,9 @@ def figures(result: RunResult) -> Figures:
         rejection_p50=percentile(rejected, 50),
         rejection_p99=percentile(rejected, 99),
         queue_full_p99=percentile(at_arrival, 99),
+        shim_rejection_p50=percentile(shim_side, 50),
+        shim_rejection_p99=percentile(shim_side, 99),
+        shim_rejections_matched=len(shim_side),
         rejections_by_code=dict(sorted(by_code.items(), key=lambda kv: -kv[1])),
         attempts=len(attempts),
         attempts_per_success=len(attempts) / len(ok) if ok else None,
@@ -220,6 +231,17 @@ def rows(f: Figures) -> list[tuple[str, str]]:
             + (f"; queue_full only: p99 {_seconds(f.queue_full_p99)}" if f.queue_full_p99 is not None else "")
             + ")",
         ),
+        *(
+            [
+                (
+                    "  same, inside the shim",
+                    f"{_seconds(f.shim_rejection_p50)} / {_seconds(f.shim_rejection_p99)} "
+                    f"({f.shim_rejections_matched} of {f.rejections} matched in its access log)",
+                )
+            ]
+            if f.shim_rejections_matched
+            else []
+        ),
         (
             "rejections by code",
             ", ".join(f"{k} x{v}" for k, v in f.rejections_by_code.items()) or "none",
@@ -268,6 +290,11 @@ def comparison(all_figures: Sequence[Figures]) -> str:
         ["success within deadline", *[f"{f.success_rate:.0%}" for f in all_figures]],
         ["interactive TTFT p99", *[_seconds(f.ttft_p99) for f in all_figures]],
         ["p99 time to rejection", *[_seconds(f.rejection_p99) for f in all_figures]],
+        *(
+            [["  same, inside the shim", *[_seconds(f.shim_rejection_p99) for f in all_figures]]]
+            if any(f.shim_rejections_matched for f in all_figures)
+            else []
+        ),
         [
             "attempts per success",
             *[

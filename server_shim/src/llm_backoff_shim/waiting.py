@@ -5,6 +5,9 @@ gets a future and a loop timer at its deadline; whoever moves the controller
 (a release, a cancel, a timer) resolves the futures of the tickets that moved in the
 same synchronous step, so the controller's state and the futures never disagree.
 
+After each request queued or admitted, :meth:`AdmissionController.recheck` may turn away
+queued requests it overtook; their futures resolve with the rejection at once.
+
 Cancellation (the client disconnected while queued) is handled in ``acquire``: the
 ticket leaves the queue, or, if it was admitted in the instant before the
 cancellation arrived, its slot is given back. Nothing the caller does can leak a slot
@@ -57,6 +60,8 @@ class AsyncAdmission:
         if isinstance(decision, Rejection):
             return decision
         if decision.state is TicketState.ADMITTED:
+            # It may have gone ahead of queued requests: those that can no longer make it leave now.
+            self._apply(self.controller.recheck())
             return Grant(decision, 0.0)
         ticket = decision
         loop = asyncio.get_running_loop()
@@ -64,6 +69,7 @@ class AsyncAdmission:
         self._waiters[ticket.id] = future
         delay = max(0.0, ticket.deadline - self._clock())
         self._timers[ticket.id] = loop.call_later(delay, self._on_deadline, ticket)
+        self._apply(self.controller.recheck())
         try:
             return await future
         except BaseException:
