@@ -1,11 +1,13 @@
-"""Which HTTP client should the shim use upstream? httpx vs httpx2 vs aiohttp, side by side.
+"""Which HTTP client should the shim use upstream? httpx vs httpx2 vs aiohttp vs our own, side by side.
 
     .venv/bin/python bench/bench_upstream_clients.py            # full run, ~1-2 minutes
     .venv/bin/python bench/bench_upstream_clients.py --quick    # smaller counts, ~30 s
 
 Each variant is a minimal streaming relay (raw ASGI on uvicorn + uvloop + httptools,
-one process pinned to one core) in front of the same fast upstream; the real shim
-(admission + metrics, aiohttp) runs as a fourth variant. A load generator (aiohttp, in
+one process pinned to one core) in front of the same fast upstream: on httpx, httpx2,
+aiohttp, and "lean", the shim's own relay client (``llm_backoff_shim.upstream_http``,
+written when this benchmark showed what aiohttp's generality costs per request). The
+real shim (admission, metrics, the lean client) runs as a fifth variant. A load generator (aiohttp, in
 this process) measures, in the same run:
 
 1. non-streaming requests/s at 8 and 64 concurrent clients;
@@ -38,7 +40,9 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-RELAYS = ("httpx", "httpx2", "aiohttp")
+# "lean": the shim's own relay client (llm_backoff_shim.upstream_http), written after this
+# benchmark showed where aiohttp's CPU goes; the others are the general-purpose clients.
+RELAYS = ("httpx", "httpx2", "aiohttp", "lean")
 HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-connection"}
 PHASE_TIME_CAP = 60.0
 
@@ -104,7 +108,11 @@ def relay_app(kind: str, upstream: str) -> Callable[[Scope, Receive, Send], Awai
     state: dict[str, Any] = {}
 
     async def open_client() -> None:
-        if kind == "aiohttp":
+        if kind == "lean":
+            from llm_backoff_shim.upstream_http import UpstreamPool
+
+            state["client"] = UpstreamPool(upstream, read_timeout=600.0, keepalive=4.0)
+        elif kind == "aiohttp":
             import aiohttp
 
             state["client"] = aiohttp.ClientSession(
@@ -133,7 +141,7 @@ def relay_app(kind: str, upstream: str) -> Callable[[Scope, Receive, Send], Awai
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     client = state["client"]
-                    await (client.close() if kind == "aiohttp" else client.aclose())
+                    await (client.close() if kind in ("aiohttp", "lean") else client.aclose())
                     await send({"type": "lifespan.shutdown.complete"})
                     return
         if scope["path"] == "/_cpu":
@@ -155,7 +163,18 @@ def relay_app(kind: str, upstream: str) -> Callable[[Scope, Receive, Send], Awai
         ]
         url = upstream + scope["path"]
         client = state["client"]
-        if kind == "aiohttp":
+        if kind == "lean":
+            skip = (b"host", b"content-length")
+            raw = [(k, v) for k, v in scope["headers"] if k not in HOP and k not in skip]
+            reply = await client.request(scope["method"], scope["path"].encode(), raw, body)
+            try:
+                out = [(k.lower(), v) for k, v in reply.headers if k.lower() not in HOP]
+                await send({"type": "http.response.start", "status": reply.status, "headers": out})
+                while piece := await reply.read_chunk():
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+            finally:
+                reply.release()
+        elif kind == "aiohttp":
             async with client.request(scope["method"], url, headers=headers, data=body or None) as response:
                 out = [(k.lower(), v) for k, v in response.raw_headers if k.lower() not in HOP]
                 await send({"type": "http.response.start", "status": response.status, "headers": out})
@@ -380,7 +399,7 @@ def main() -> int:
     parser.add_argument("--upstream", help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="smaller counts (a smoke run)")
-    parser.add_argument("--variants", default="httpx,httpx2,aiohttp,shim", help="comma-separated")
+    parser.add_argument("--variants", default="httpx,httpx2,aiohttp,lean,shim", help="comma-separated")
     args = parser.parse_args()
     if args.role:
         return run_role(args)
