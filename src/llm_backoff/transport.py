@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import operator
 import random
 import sys
 import time
@@ -90,6 +91,9 @@ __all__ = [
 logger = logging.getLogger("llm_backoff")
 
 REASON_KEY = "llm_backoff.reason"
+_TIMEOUT_KEYS = ("connect", "read", "write", "pool")
+#: The verdicts of the usual successes, built once rather than on every call.
+_SUCCESS = {status: Verdict(False, f"status {status}") for status in (200, 201, 202, 204)}
 #: The openai SDKs number their attempts in this header (0 on the first); see `RetryEngine._mark_retry`.
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
 #: JSON bodies above this are not handed to ``permit.settle`` (they are not chat completions).
@@ -178,6 +182,26 @@ class StreamGuard:
             self.recorder.settle()
 
 
+_second = operator.itemgetter(1)
+
+
+def _set_header(headers: MutableMapping[str, str], name: str, value: str) -> None:
+    """``headers[name] = value`` for a lower-case ASCII ``name``, cheaper in the usual case.
+
+    httpx's ``Headers.__setitem__`` scans every header in Python to drop duplicates
+    (about 1.3 us with openai's fifteen headers, on every attempt). When the header is
+    not there yet, which is every first attempt, the check here runs in C and the entry
+    is appended to the (raw, lower-case, value) list httpx and httpx2 keep; anything
+    else (a retry, a caller's own value, another headers class) takes the public setter.
+    """
+    entries = getattr(headers, "_list", None)
+    key = name.encode("ascii")
+    if type(entries) is list and (not entries or len(entries[0]) == 3) and key not in map(_second, entries):
+        entries.append((key, key, value.encode("ascii")))
+    else:
+        headers[name] = value
+
+
 def _settle(permit: Permit | None, status: int | None, body: bytes | None) -> None:
     if permit is None:
         return
@@ -244,19 +268,15 @@ class _DeadlinePassedError(Exception):
     pass
 
 
-async def _read_async(stream: Any) -> bytes:
-    try:
-        return b"".join([chunk async for chunk in stream])
-    finally:
-        await stream.aclose()
-
-
 async def _buffer_async(response: Any, flavor: Flavor) -> bytes | None:
     """Read a body we must see (JSON, errors) inside the attempt; None for one passed through."""
-    if not _must_buffer(response):
+    if response.status_code < 400 and not _is_json(response):
         return None
     stream = response.stream
-    raw = await _read_async(stream)
+    try:
+        raw = b"".join([chunk async for chunk in stream])
+    finally:
+        await stream.aclose()
     # A stream of the kind we would build (a mock's, or one httpx buffered) replays the same
     # bytes already: building another costs a per-call allocation for nothing.
     if type(stream) is not flavor.byte_stream:
@@ -396,8 +416,7 @@ class RetryEngine:
 
     @staticmethod
     def _expiry(state: RetryState) -> float | None:
-        deadline = state.policy.deadline
-        return None if deadline is None else state.started_at + deadline
+        return state.expires_at
 
     @staticmethod
     def _limiter_timeout(state: RetryState) -> float | None:
@@ -412,15 +431,17 @@ class RetryEngine:
             return None
         left = max(left, 0.001)
         if isinstance(base_timeout, dict):
-            cut = {k: left if v is None or v > left else v for k, v in base_timeout.items()}
+            cut = {}
+            for key, value in base_timeout.items():  # a plain loop: a comprehension is a function call
+                cut[key] = left if value is None or value > left else value
         else:
-            cut = dict.fromkeys(("connect", "read", "write", "pool"), left)
+            cut = dict.fromkeys(_TIMEOUT_KEYS, left)
         # httpx/httpx2 give every Request its own extensions dict: updating it is safe.
         request.extensions["timeout"] = cut
         # We stop waiting for the first byte after the read timeout: promising the server
         # more patience than that would let it queue work nobody will collect.
         patience = min(left, cut.get("read") or left)
-        request.headers["x-request-timeout-ms"] = str(max(1, int(patience * 1000)))
+        _set_header(request.headers, "x-request-timeout-ms", str(max(1, int(patience * 1000))))
         return left
 
     @staticmethod
@@ -457,7 +478,7 @@ class RetryEngine:
         body: bytes | None = None
         hint: float | None = None
         if status < 400:
-            verdict = Verdict(False, f"status {status}")
+            verdict = _SUCCESS.get(status) or Verdict(False, f"status {status}")
         else:
             body = _decoded(response, raw) if raw is not None else None
             data = parse_error_body(body)
@@ -556,7 +577,7 @@ class RetryEngine:
             verdict = "ok" if outcome < 400 else "failed"
         else:
             verdict = "failed" if isinstance(outcome, Exception) else "cancelled"
-        self.watchers.call_ended(verdict, len(state.history))
+        self.watchers.call_ended(verdict, state.attempts_made)
 
     def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
         """Send ``request`` through ``send`` (the wrapped transport) under the policy."""
