@@ -377,6 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="folder for PNGs and JSON")
     p.add_argument("--only", default="", help="comma-separated scenario names to run (default: all)")
     p.add_argument("--probe-only", action="store_true", help="only measure the shim's own time to reject")
+    p.add_argument(
+        "--setups",
+        default="",
+        help="comma-separated set-ups to run: direct, shim-plain, shim-backoff, haproxy (default: all)",
+    )
     args = p.parse_args(argv)
     shape = EngineShape()
     chosen = scenarios(args.quick)
@@ -386,7 +391,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not chosen:
             p.error(f"--only {args.only}: no such scenario")
     setups = list(SETUPS)
-    missing = peer_missing()
+    if args.setups:
+        names = dict(zip(("direct", "shim-plain", "shim-backoff", "haproxy"), SETUPS, strict=True))
+        unknown = set(args.setups.split(",")) - set(names)
+        if unknown:
+            p.error(f"--setups: unknown {', '.join(sorted(unknown))}; choose from {', '.join(names)}")
+        setups = [names[n] for n in args.setups.split(",")]
+    missing = peer_missing() if HAPROXY_PLAIN in setups else None
     if missing:
         print(f"peer skipped: {missing}", flush=True)
         setups.remove(HAPROXY_PLAIN)

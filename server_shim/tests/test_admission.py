@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Sequence
+from typing import Literal
 
 import pytest
 from hypothesis import given, settings
@@ -43,13 +43,15 @@ def make(
     batch_queue: int | None = None,
     service: float = 1.0,
     returning_share: float = 0.0,
+    stream_served_at: Literal["end", "first_token"] = "end",
 ) -> tuple[AdmissionController, FakeClock]:
     clock = FakeClock()
     est = DrainEstimator(
-        # An arrival window so long that recent arrivals never count as competing for the drain
-        # rate (test_admission_returning covers that): the tests here fill queues in no time.
         EstimatorConfig(
-            retry_after_min=0.1, retry_after_max=100.0, initial_service_time=service, arrival_window=math.inf
+            retry_after_min=0.1,
+            retry_after_max=100.0,
+            initial_service_time=service,
+            stream_served_at=stream_served_at,
         ),
         clock,
     )
@@ -379,10 +381,14 @@ def stream_req(budget: float, cls: str = "interactive") -> AdmissionRequest:
 
 
 def measured(
-    limit: int = 1, service: float = 2.0, first_byte: float | None = None, max_wait: float = 10.0
+    limit: int = 1,
+    service: float = 2.0,
+    first_byte: float | None = None,
+    max_wait: float = 10.0,
+    stream_served_at: Literal["end", "first_token"] = "end",
 ) -> tuple[AdmissionController, FakeClock]:
     """A controller whose estimator has measured one completion of ``service`` seconds."""
-    c, clock = make(limit=limit, max_queue=10, max_wait=max_wait)
+    c, clock = make(limit=limit, max_queue=10, max_wait=max_wait, stream_served_at=stream_served_at)
     t = ticket(c.submit(req()))
     clock.now += service
     c.release(t, Outcome.COMPLETED)
@@ -400,8 +406,17 @@ def test_budget_must_cover_wait_plus_service_time_for_a_non_streaming_call() -> 
     assert c.queued() == 0
 
 
-def test_a_stream_needs_only_wait_plus_first_token() -> None:
+def test_a_stream_needs_wait_plus_the_whole_service_by_default() -> None:
     c, _ = measured(service=2.0, first_byte=0.3)
+    ticket(c.submit(req()))
+    # Its deadline would cut the stream mid-way: 2 s wait + 2 s service must fit.
+    assert ticket(c.submit(stream_req(4.5))).state is TicketState.QUEUED
+    refused = rejection(c.submit(stream_req(3.9)))
+    assert "expected service time 2.00 s" in refused.message
+
+
+def test_a_stream_served_at_the_first_token_needs_only_wait_plus_first_token() -> None:
+    c, _ = measured(service=2.0, first_byte=0.3, stream_served_at="first_token")
     ticket(c.submit(req()))
     # 2 s wait + 0.3 s to the first token fits 2.5 s; the whole 2 s service would not.
     assert ticket(c.submit(stream_req(2.5))).state is TicketState.QUEUED

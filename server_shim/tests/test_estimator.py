@@ -177,8 +177,20 @@ def test_expected_service_is_zero_until_measured_never_the_prior() -> None:
     assert est.first_byte_time is None
 
 
-def test_expected_service_is_first_byte_for_streams_and_service_time_otherwise() -> None:
+def test_expected_service_is_the_whole_service_by_default_streams_included() -> None:
     est, _ = make(service_time_alpha=0.5)
+    assert est.expected_service(stream=True) == 0.0  # nothing measured: nobody refused on the prior
+    est.observe_completion("interactive", 4.0)
+    est.observe_first_byte(0.2)
+    # A caller whose deadline cuts its stream was not served: it needs the whole service.
+    assert est.expected_service(stream=True) == pytest.approx(4.0)
+    assert est.expected_service(stream=False) == pytest.approx(4.0)
+
+
+def test_expected_service_is_first_byte_for_streams_when_served_at_the_first_token() -> None:
+    clock = FakeClock()
+    config = EstimatorConfig(retry_after_min=0.5, service_time_alpha=0.5, stream_served_at="first_token")
+    est = DrainEstimator(config, clock)
     est.observe_completion("interactive", 4.0)
     assert est.expected_service(stream=False) == pytest.approx(4.0)
     # A stream before any first byte was measured: only the wait can be judged.

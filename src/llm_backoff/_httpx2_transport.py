@@ -23,45 +23,59 @@ from typing import Any
 import httpx2
 
 from .policy import RetryPolicy
-from .transport import Flavor, RetryEngine, TailRecorder
+from .transport import Flavor, RetryEngine, StreamGuard
 
 
-class _TailStream(httpx2.SyncByteStream):
-    def __init__(self, inner: httpx2.SyncByteStream, recorder: TailRecorder) -> None:
+class _GuardedStream(httpx2.SyncByteStream):
+    def __init__(self, inner: httpx2.SyncByteStream, guard: StreamGuard) -> None:
         self._inner = inner
-        self._recorder = recorder
+        self._guard = guard
 
     def __iter__(self) -> Iterator[bytes]:
-        for chunk in self._inner:
-            self._recorder.feed(chunk)
-            yield chunk
+        recorder = self._guard.recorder
+        try:
+            if recorder is None:
+                yield from self._inner
+            else:
+                for chunk in self._inner:
+                    recorder.feed(chunk)
+                    yield chunk
+        except Exception as exc:
+            self._guard.broke(exc)
+            raise
 
     def close(self) -> None:
         try:
             self._inner.close()
         finally:
-            self._recorder.settle()
+            self._guard.closed()
 
 
-class _AsyncTailStream(httpx2.AsyncByteStream):
-    def __init__(self, inner: httpx2.AsyncByteStream, recorder: TailRecorder) -> None:
+class _AsyncGuardedStream(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, guard: StreamGuard) -> None:
         self._inner = inner
-        self._recorder = recorder
+        self._guard = guard
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._inner:
-            self._recorder.feed(chunk)
-            yield chunk
+        recorder = self._guard.recorder
+        try:
+            async for chunk in self._inner:
+                if recorder is not None:
+                    recorder.feed(chunk)
+                yield chunk
+        except Exception as exc:
+            self._guard.broke(exc)
+            raise
 
     async def aclose(self) -> None:
         try:
             await self._inner.aclose()
         finally:
-            self._recorder.settle()
+            self._guard.closed()
 
 
-SYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, tail_stream=_TailStream)
-ASYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, tail_stream=_AsyncTailStream)
+SYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, guarded_stream=_GuardedStream)
+ASYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, guarded_stream=_AsyncGuardedStream)
 
 
 class Httpx2RetryTransport(httpx2.BaseTransport):

@@ -91,6 +91,8 @@ class RetryState:
         self._rng = rng
         self._budget = budget
         self.started_at = clock()
+        #: When the deadline passes, on ``clock``'s scale (None without a deadline).
+        self.expires_at: float | None = None if policy.deadline is None else self.started_at + policy.deadline
         self._attempts: list[Attempt] = []
         self._previous_wait: float | None = None
         self.final_reason: str | None = None
@@ -112,11 +114,15 @@ class RetryState:
     def elapsed(self) -> float:
         return self._clock() - self.started_at
 
+    @property
+    def attempts_made(self) -> int:
+        """How many attempts have been recorded (without copying the history)."""
+        return len(self._attempts)
+
     def time_left(self) -> float | None:
         """Seconds until the deadline (may be <= 0), or None without a deadline."""
-        if self.policy.deadline is None:
-            return None
-        return self.policy.deadline - self.elapsed()
+        expires_at = self.expires_at
+        return None if expires_at is None else expires_at - self._clock()
 
     def decide(
         self,

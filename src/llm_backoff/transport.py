@@ -39,10 +39,13 @@ Per attempt, the engine:
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import operator
 import random
 import sys
 import time
+from asyncio import CancelledError
 from asyncio import current_task as _current_task
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
@@ -69,11 +72,9 @@ from .retry_after import parse_hint
 from .stats import ClientStats
 from .testing import current_mode
 
-_asyncio_timeout: Callable[[float | None], Any] | None
-if sys.version_info >= (3, 11):
-    from asyncio import timeout as _asyncio_timeout
-else:  # Python 3.10: no asyncio.timeout; the anyio cancel scope bounds every attempt
-    _asyncio_timeout = None
+#: Task.uncancel() (3.11+) is what tells our deadline from a cancellation from outside;
+#: without it (Python 3.10) an anyio cancel scope bounds every attempt.
+_ASYNCIO_BOUND = sys.version_info >= (3, 11)
 
 if TYPE_CHECKING:
     from ._httpx2_transport import AsyncHttpx2RetryTransport, Httpx2RetryTransport
@@ -90,6 +91,11 @@ __all__ = [
 logger = logging.getLogger("llm_backoff")
 
 REASON_KEY = "llm_backoff.reason"
+_TIMEOUT_KEYS = ("connect", "read", "write", "pool")
+#: The verdicts of the usual successes, built once rather than on every call.
+_SUCCESS = {status: Verdict(False, f"status {status}") for status in (200, 201, 202, 204)}
+#: The openai SDKs number their attempts in this header (0 on the first); see `RetryEngine._mark_retry`.
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
 #: JSON bodies above this are not handed to ``permit.settle`` (they are not chat completions).
 MAX_SETTLE_BODY = 8 * 1024 * 1024
 #: How much of a server-sent-event stream ``permit.settle`` sees: the end, where ``usage`` is.
@@ -124,7 +130,7 @@ class Flavor:
     """What differs between httpx and httpx2: the classes of streams we hand back."""
 
     byte_stream: Callable[[bytes], Any]
-    tail_stream: Callable[[Any, TailRecorder], Any]
+    guarded_stream: Callable[[Any, StreamGuard], Any]
 
 
 class TailRecorder:
@@ -145,6 +151,55 @@ class TailRecorder:
         if not self._settled:
             self._settled = True
             _settle(self._permit, self._status, bytes(self._tail[-SSE_TAIL:]))
+
+
+class StreamGuard:
+    """Watches a response body we passed through unread (events, downloads) while it is read.
+
+    An error while reading it (the connection drops mid-stream) is raised as it is, never
+    retried (the caller may have used part of the output), but carries the call's attempt
+    history and a note like any final error. With a limiter, ``recorder`` keeps the tail
+    of an event stream for the permit.
+    """
+
+    __slots__ = ("_attempts", "_status", "recorder")
+
+    def __init__(self, attempts: tuple[Any, ...], status: int, recorder: TailRecorder | None) -> None:
+        self._attempts = attempts
+        self._status = status
+        self.recorder = recorder
+
+    def broke(self, exc: BaseException) -> None:
+        annotate(
+            exc,
+            self._attempts,
+            f"the response (status {self._status}) broke off after it had started; "
+            "not retried, so no output is duplicated",
+        )
+
+    def closed(self) -> None:
+        if self.recorder is not None:
+            self.recorder.settle()
+
+
+_second = operator.itemgetter(1)
+
+
+def _set_header(headers: MutableMapping[str, str], name: str, value: str) -> None:
+    """``headers[name] = value`` for a lower-case ASCII ``name``, cheaper in the usual case.
+
+    httpx's ``Headers.__setitem__`` scans every header in Python to drop duplicates
+    (about 1.3 us with openai's fifteen headers, on every attempt). When the header is
+    not there yet, which is every first attempt, the check here runs in C and the entry
+    is appended to the (raw, lower-case, value) list httpx and httpx2 keep; anything
+    else (a retry, a caller's own value, another headers class) takes the public setter.
+    """
+    entries = getattr(headers, "_list", None)
+    key = name.encode("ascii")
+    if type(entries) is list and (not entries or len(entries[0]) == 3) and key not in map(_second, entries):
+        entries.append((key, key, value.encode("ascii")))
+    else:
+        headers[name] = value
 
 
 def _settle(permit: Permit | None, status: int | None, body: bytes | None) -> None:
@@ -213,55 +268,69 @@ class _DeadlinePassedError(Exception):
     pass
 
 
-async def _read_async(stream: Any) -> bytes:
+async def _buffer_async(response: Any, flavor: Flavor) -> bytes | None:
+    """Read a body we must see (JSON, errors) inside the attempt; None for one passed through."""
+    if response.status_code < 400 and not _is_json(response):
+        return None
+    stream = response.stream
     try:
-        return b"".join([chunk async for chunk in stream])
+        raw = b"".join([chunk async for chunk in stream])
     finally:
         await stream.aclose()
+    # A stream of the kind we would build (a mock's, or one httpx buffered) replays the same
+    # bytes already: building another costs a per-call allocation for nothing.
+    if type(stream) is not flavor.byte_stream:
+        response.stream = flavor.byte_stream(raw)
+    return raw
 
 
 async def _attempt_async(
     request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor
 ) -> tuple[Any, bytes | None]:
     response = await send(request)
-    if not _must_buffer(response):
-        return response, None
-    stream = response.stream
-    raw = await _read_async(stream)
-    # A stream of the kind we would build (a mock's, or one httpx buffered) replays the same
-    # bytes already: building another costs a per-call allocation for nothing.
-    if type(stream) is not flavor.byte_stream:
-        response.stream = flavor.byte_stream(raw)
-    return response, raw
+    return response, await _buffer_async(response, flavor)
 
 
-def _in_asyncio_task() -> bool:
+def _asyncio_task() -> Any:
     # What sniffio answers "asyncio" for, without its thread-local and context-variable
     # look-ups (a few us per attempt): trio has no running asyncio loop, so this raises.
     try:
-        return _current_task() is not None
+        return _current_task()
     except RuntimeError:
-        return False
+        return None
 
 
-async def _attempt_asyncio_bounded(
-    request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor, bound: float
-) -> tuple[Any, bytes | None]:
-    """`_attempt_async` under a hard deadline on asyncio, the way ``anyio.move_on_after`` bounds it.
+class _AsyncioBound:
+    """A hard deadline for one attempt on asyncio: ``asyncio.timeout`` without its extras.
 
-    ``asyncio.timeout`` costs a timer handle; an anyio cancel scope costs several times as
-    much per attempt (issue 2: the async overhead target). Only our own expiry becomes the
-    deadline error: a TimeoutError raised inside the attempt passes through as it is.
+    The semantics are those of ``asyncio.timeout`` (3.11+): at expiry the task is
+    cancelled; when the attempt then ends, `expired` uncancels it and says whether the
+    cancellation was ours alone, so a cancellation from outside is never swallowed.
+    What is left out is what an attempt does not need and what made it cost about 5.5 us
+    per call (issue 2: the async overhead target): the async ``__aenter__``/``__aexit__``
+    coroutines, rescheduling, the state machine, and the copy of the context for the
+    timer callback (it only cancels the task; it needs no context variables).
     """
-    assert _asyncio_timeout is not None
-    scope = _asyncio_timeout(bound)
-    try:
-        async with scope:
-            return await _attempt_async(request, send, flavor)
-    except TimeoutError:
-        if not scope.expired():
-            raise
-    raise _deadline_error(request)
+
+    __slots__ = ("_cancelling", "_fired", "_handle", "_task")
+
+    def __init__(self, task: Any, when: float) -> None:
+        self._task = task
+        self._cancelling: int = task.cancelling()
+        self._fired = False
+        self._handle = task.get_loop().call_at(when, self._fire, context=_TIMER_CONTEXT)
+
+    def _fire(self) -> None:
+        self._fired = True
+        self._task.cancel()
+
+    def expired(self) -> bool:
+        """Disarm; True when our expiry (and nothing else) cancelled the attempt."""
+        self._handle.cancel()
+        return self._fired and self._task.uncancel() <= self._cancelling
+
+
+_TIMER_CONTEXT = contextvars.Context()
 
 
 def annotate(exc: BaseException, attempts: tuple[Any, ...], reason: str | None) -> None:
@@ -347,8 +416,7 @@ class RetryEngine:
 
     @staticmethod
     def _expiry(state: RetryState) -> float | None:
-        deadline = state.policy.deadline
-        return None if deadline is None else state.started_at + deadline
+        return state.expires_at
 
     @staticmethod
     def _limiter_timeout(state: RetryState) -> float | None:
@@ -356,21 +424,44 @@ class RetryEngine:
         return None if left is None else max(0.0, left)
 
     @staticmethod
-    def _stamp(request: _Request, state: RetryState, base_timeout: Any) -> None:
+    def _stamp(request: _Request, state: RetryState, base_timeout: Any) -> float | None:
+        """Cut the timeouts to the time left and send it; returns it (None without a deadline)."""
         left = state.time_left()
         if left is None:
-            return
+            return None
         left = max(left, 0.001)
         if isinstance(base_timeout, dict):
-            cut = {k: left if v is None or v > left else v for k, v in base_timeout.items()}
+            cut = {}
+            for key, value in base_timeout.items():  # a plain loop: a comprehension is a function call
+                cut[key] = left if value is None or value > left else value
         else:
-            cut = dict.fromkeys(("connect", "read", "write", "pool"), left)
+            cut = dict.fromkeys(_TIMEOUT_KEYS, left)
         # httpx/httpx2 give every Request its own extensions dict: updating it is safe.
         request.extensions["timeout"] = cut
         # We stop waiting for the first byte after the read timeout: promising the server
         # more patience than that would let it queue work nobody will collect.
         patience = min(left, cut.get("read") or left)
-        request.headers["x-request-timeout-ms"] = str(max(1, int(patience * 1000)))
+        _set_header(request.headers, "x-request-timeout-ms", str(max(1, int(patience * 1000))))
+        return left
+
+    @staticmethod
+    def _mark_retry(request: _Request) -> None:
+        """Before each retry: count it in ``x-stainless-retry-count``, as openai's own retries do.
+
+        openai stamps the header with its retry number (0 on a first attempt, and always 0
+        under `wrap`, which switches openai's retries off); each of our retries adds one,
+        so attempts send 0, 1, 2, ... and a server can tell a returning caller from a new
+        one. A request without the header (not from openai, or the caller omitted it)
+        is left without it; a value that is not a number restarts the count at 1.
+        """
+        current = request.headers.get(RETRY_COUNT_HEADER)
+        if current is None:
+            return
+        try:
+            count = int(current) + 1
+        except ValueError:
+            count = 1
+        request.headers[RETRY_COUNT_HEADER] = str(max(count, 1))
 
     def _on_error(self, state: RetryState, exc: Exception, started: float, request: _Request) -> Decision:
         verdict = classify_exception(state.policy, exc)
@@ -387,7 +478,7 @@ class RetryEngine:
         body: bytes | None = None
         hint: float | None = None
         if status < 400:
-            verdict = Verdict(False, f"status {status}")
+            verdict = _SUCCESS.get(status) or Verdict(False, f"status {status}")
         else:
             body = _decoded(response, raw) if raw is not None else None
             data = parse_error_body(body)
@@ -448,28 +539,36 @@ class RetryEngine:
         state: RetryState,
         flavor: Flavor,
     ) -> None:
+        history = state.history
         extensions = dict(response.extensions)
-        extensions[EXTENSION_KEY] = state.history
+        extensions[EXTENSION_KEY] = history
         if state.final_reason is not None and response.status_code >= 400:
             extensions[REASON_KEY] = state.final_reason
         response.extensions = extensions
-        if permit is None:
-            return
         if raw is not None:
-            if body is None:
-                body = _decoded(response, raw)
-            _settle(
-                permit,
-                response.status_code,
-                body if body is not None and len(body) <= MAX_SETTLE_BODY else None,
-            )
-        elif _media_type(response) == "text/event-stream":
-            if getattr(response, "is_closed", False):  # built from bytes (mocks): already read
+            if permit is not None:
+                if body is None:
+                    body = _decoded(response, raw)
+                _settle(
+                    permit,
+                    response.status_code,
+                    body if body is not None and len(body) <= MAX_SETTLE_BODY else None,
+                )
+            return
+        # Passed through unread (server-sent events, downloads): once it has started it is
+        # never retried, but an error while it is read still gets the call's history.
+        recorder: TailRecorder | None = None
+        if permit is not None:
+            if _media_type(response) != "text/event-stream":
+                _settle(permit, response.status_code, None)
+            elif getattr(response, "is_closed", False):  # built from bytes (mocks): already read
                 _settle(permit, response.status_code, bytes(getattr(response, "content", b""))[-SSE_TAIL:])
-                return
-            response.stream = flavor.tail_stream(response.stream, TailRecorder(permit, response.status_code))
-        else:
-            _settle(permit, response.status_code, None)
+            else:
+                recorder = TailRecorder(permit, response.status_code)
+        if not getattr(response, "is_closed", False):
+            response.stream = flavor.guarded_stream(
+                response.stream, StreamGuard(history, response.status_code, recorder)
+            )
 
     # -- the two loops -------------------------------------------------------------
 
@@ -478,140 +577,146 @@ class RetryEngine:
             verdict = "ok" if outcome < 400 else "failed"
         else:
             verdict = "failed" if isinstance(outcome, Exception) else "cancelled"
-        self.watchers.call_ended(verdict, len(state.history))
+        self.watchers.call_ended(verdict, state.attempts_made)
 
     def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
         """Send ``request`` through ``send`` (the wrapped transport) under the policy."""
         state, instant, base_timeout = self._begin_call(request)
         try:
-            response = self._loop_sync(request, send, flavor, state, instant, base_timeout)
+            request.read()
+            while True:
+                permit: Permit | None = None
+                if self.limiter is not None:
+                    permit = self._acquire_sync(request, state)
+                self._stamp(request, state, base_timeout)
+                started = self.clock()
+                raw: bytes | None = None
+                try:
+                    response = send(request)
+                    if _must_buffer(response):
+                        try:
+                            raw = _read_sync(response.stream, self._expiry(state), self.clock)
+                        except _DeadlinePassedError:
+                            raise _deadline_error(request) from None
+                        response.stream = flavor.byte_stream(raw)
+                except BaseException as exc:
+                    _settle(permit, None, None)
+                    if not isinstance(exc, Exception):
+                        raise
+                    decision: Decision = self._on_error(state, exc, started, request)
+                    if isinstance(decision, GiveUp):
+                        raise
+                    if not instant:
+                        self.sleep(decision.wait)
+                    self._mark_retry(request)
+                    continue
+                decision, body = self._on_response(state, response, raw, started, request)
+                if isinstance(decision, Retry):
+                    _settle(permit, response.status_code, body)
+                    response.close()
+                    if not instant:
+                        self.sleep(decision.wait)
+                    self._mark_retry(request)
+                    continue
+                self._finish(response, raw, body, permit, state, flavor)
+                break
         except BaseException as exc:
             self._ended(state, exc)
             raise
         self._ended(state, response.status_code)
         return response
 
-    def _loop_sync(
-        self,
-        request: Any,
-        send: Callable[[Any], Any],
-        flavor: Flavor,
-        state: RetryState,
-        instant: bool,
-        base_timeout: Any,
-    ) -> Any:
-        request.read()
-        while True:
-            permit: Permit | None = None
-            if self.limiter is not None:
-                asked = self.clock()
-                try:
-                    permit = self.limiter.acquire_for(request, timeout=self._limiter_timeout(state))
-                except RateLimitTimeout as exc:
-                    self.watchers.limiter_waited(self.clock() - asked, granted=False)
-                    annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
-                    raise
-                self.watchers.limiter_waited(self.clock() - asked, granted=True)
-            self._stamp(request, state, base_timeout)
-            started = self.clock()
-            raw: bytes | None = None
-            try:
-                response = send(request)
-                if _must_buffer(response):
-                    try:
-                        raw = _read_sync(response.stream, self._expiry(state), self.clock)
-                    except _DeadlinePassedError:
-                        raise _deadline_error(request) from None
-                    response.stream = flavor.byte_stream(raw)
-            except BaseException as exc:
-                _settle(permit, None, None)
-                if not isinstance(exc, Exception):
-                    raise
-                decision: Decision = self._on_error(state, exc, started, request)
-                if isinstance(decision, GiveUp):
-                    raise
-                if not instant:
-                    self.sleep(decision.wait)
-                continue
-            decision, body = self._on_response(state, response, raw, started, request)
-            if isinstance(decision, Retry):
-                _settle(permit, response.status_code, body)
-                response.close()
-                if not instant:
-                    self.sleep(decision.wait)
-                continue
-            self._finish(response, raw, body, permit, state, flavor)
-            return response
+    def _acquire_sync(self, request: Any, state: RetryState) -> Permit:
+        assert self.limiter is not None
+        asked = self.clock()
+        try:
+            permit = self.limiter.acquire_for(request, timeout=self._limiter_timeout(state))
+        except RateLimitTimeout as exc:
+            self.watchers.limiter_waited(self.clock() - asked, granted=False)
+            annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
+            raise
+        self.watchers.limiter_waited(self.clock() - asked, granted=True)
+        return permit
 
     async def run_async(self, request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor) -> Any:
-        """The async twin of `run_sync`; keep the two in step."""
+        """The async twin of `run_sync`; keep the two in step.
+
+        One coroutine for the whole call: on the usual path (asyncio, first attempt
+        succeeds) no helper coroutine is created, as each costs a frame and an await.
+        """
         state, instant, base_timeout = self._begin_call(request)
         try:
-            response = await self._loop_async(request, send, flavor, state, instant, base_timeout)
+            await request.aread()
+            while True:
+                permit: Permit | None = None
+                if self.limiter is not None:
+                    permit = await self._acquire_async(request, state)
+                left = self._stamp(request, state, base_timeout)
+                started = self.clock()
+                raw: bytes | None = None
+                try:
+                    # A hard bound on the attempt: per-operation timeouts alone let a response
+                    # that trickles in stretch the call past its deadline.
+                    task = _asyncio_task() if left is not None and _ASYNCIO_BOUND else None
+                    if task is not None:
+                        assert left is not None
+                        bound = _AsyncioBound(task, task.get_loop().time() + left)
+                        try:
+                            response = await send(request)
+                            raw = await _buffer_async(response, flavor)
+                        except CancelledError:
+                            if not bound.expired():
+                                raise
+                            response = None
+                        else:
+                            bound.expired()  # disarm; an answer that made it is kept, as asyncio.timeout does
+                        if response is None:
+                            raise _deadline_error(request)
+                    elif left is None:
+                        response, raw = await _attempt_async(request, send, flavor)
+                    else:
+                        with anyio.move_on_after(left) as scope:
+                            response, raw = await _attempt_async(request, send, flavor)
+                        if scope.cancelled_caught:
+                            raise _deadline_error(request)
+                except BaseException as exc:
+                    _settle(permit, None, None)
+                    if not isinstance(exc, Exception):
+                        raise
+                    decision: Decision = self._on_error(state, exc, started, request)
+                    if isinstance(decision, GiveUp):
+                        raise
+                    if not instant:
+                        await self.async_sleep(decision.wait)
+                    self._mark_retry(request)
+                    continue
+                decision, body = self._on_response(state, response, raw, started, request)
+                if isinstance(decision, Retry):
+                    _settle(permit, response.status_code, body)
+                    await response.aclose()
+                    if not instant:
+                        await self.async_sleep(decision.wait)
+                    self._mark_retry(request)
+                    continue
+                self._finish(response, raw, body, permit, state, flavor)
+                break
         except BaseException as exc:
             self._ended(state, exc)
             raise
         self._ended(state, response.status_code)
         return response
 
-    async def _loop_async(
-        self,
-        request: Any,
-        send: Callable[[Any], Awaitable[Any]],
-        flavor: Flavor,
-        state: RetryState,
-        instant: bool,
-        base_timeout: Any,
-    ) -> Any:
-        await request.aread()
-        while True:
-            permit: Permit | None = None
-            if self.limiter is not None:
-                asked = self.clock()
-                try:
-                    permit = await self.limiter.acquire_for_async(
-                        request, timeout=self._limiter_timeout(state)
-                    )
-                except RateLimitTimeout as exc:
-                    self.watchers.limiter_waited(self.clock() - asked, granted=False)
-                    annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
-                    raise
-                self.watchers.limiter_waited(self.clock() - asked, granted=True)
-            self._stamp(request, state, base_timeout)
-            started = self.clock()
-            raw: bytes | None = None
-            try:
-                # A hard bound on the attempt: per-operation timeouts alone let a response
-                # that trickles in stretch the call past its deadline.
-                left = state.time_left()
-                if left is None:
-                    response, raw = await _attempt_async(request, send, flavor)
-                elif _asyncio_timeout is not None and _in_asyncio_task():
-                    response, raw = await _attempt_asyncio_bounded(request, send, flavor, max(left, 0.001))
-                else:
-                    with anyio.move_on_after(max(left, 0.001)) as bound:
-                        response, raw = await _attempt_async(request, send, flavor)
-                    if bound.cancelled_caught:
-                        raise _deadline_error(request)
-            except BaseException as exc:
-                _settle(permit, None, None)
-                if not isinstance(exc, Exception):
-                    raise
-                decision: Decision = self._on_error(state, exc, started, request)
-                if isinstance(decision, GiveUp):
-                    raise
-                if not instant:
-                    await self.async_sleep(decision.wait)
-                continue
-            decision, body = self._on_response(state, response, raw, started, request)
-            if isinstance(decision, Retry):
-                _settle(permit, response.status_code, body)
-                await response.aclose()
-                if not instant:
-                    await self.async_sleep(decision.wait)
-                continue
-            self._finish(response, raw, body, permit, state, flavor)
-            return response
+    async def _acquire_async(self, request: Any, state: RetryState) -> Permit:
+        assert self.limiter is not None
+        asked = self.clock()
+        try:
+            permit = await self.limiter.acquire_for_async(request, timeout=self._limiter_timeout(state))
+        except RateLimitTimeout as exc:
+            self.watchers.limiter_waited(self.clock() - asked, granted=False)
+            annotate(exc, state.history, str(exc) or "rate limit wait would pass the deadline")
+            raise
+        self.watchers.limiter_waited(self.clock() - asked, granted=True)
+        return permit
 
 
 class _BudgetProbe:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import copy as _copy
 import functools
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import openai
@@ -225,6 +225,24 @@ def _own_timeout(exc: BaseException) -> RateLimitTimeout | None:
     return None
 
 
+def _annotating_iter(items: Iterator[Any]) -> Iterator[Any]:
+    """An openai ``Stream``'s items; an error mid-stream gets the history (openai 3.x wraps it)."""
+    try:
+        yield from items
+    except Exception as exc:
+        annotate_openai_error(exc)
+        raise
+
+
+async def _annotating_aiter(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    try:
+        async for item in items:
+            yield item
+    except Exception as exc:
+        annotate_openai_error(exc)
+        raise
+
+
 def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> None:
     request = client.request
     hooked: Callable[..., Any]
@@ -233,26 +251,32 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
         @functools.wraps(request)
         async def hooked(*args: Any, **kwargs: Any) -> Any:
             try:
-                return await request(*args, **kwargs)
+                result = await request(*args, **kwargs)
             except BaseException as exc:
                 own = _own_timeout(exc)
                 if own is not None:
                     raise own from None
                 annotate_openai_error(exc)
                 raise
+            if isinstance(result, openai.AsyncStream):
+                result._iterator = _annotating_aiter(result._iterator)
+            return result
 
     else:
 
         @functools.wraps(request)
         def hooked(*args: Any, **kwargs: Any) -> Any:
             try:
-                return request(*args, **kwargs)
+                result = request(*args, **kwargs)
             except BaseException as exc:
                 own = _own_timeout(exc)
                 if own is not None:
                     raise own from None
                 annotate_openai_error(exc)
                 raise
+            if isinstance(result, openai.Stream):
+                result._iterator = _annotating_iter(result._iterator)
+            return result
 
     original_copy = client.copy
 

@@ -193,6 +193,7 @@ def test_sync_stream_cut_midway_raises_and_is_not_retried(server: tuple[str, Beh
     with pytest.raises(Exception) as info:  # noqa: PT011 - checked below, the type differs by version
         next(chunks)
     assert cut_error(info.value)
+    assert [a.status for a in info.value.llm_backoff_attempts] == [200]  # type: ignore[attr-defined]
     assert received == ["hello", " "]
     assert len(b.seen) == 1
 
@@ -283,6 +284,7 @@ async def test_async_stream_cut_midway_raises_and_is_not_retried(server: tuple[s
     with pytest.raises(Exception) as info:  # noqa: PT011 - httpx and httpx2 name it differently
         await chunks.__anext__()
     assert cut_error(info.value)
+    assert [a.status for a in info.value.llm_backoff_attempts] == [200]  # type: ignore[attr-defined]
     assert received == ["hello", " "]
     assert len(b.seen) == 1
     await client.close()

@@ -17,8 +17,8 @@ Model:
 Early refusals, once a completion was measured (never on the cold-start prior):
 
 - a caller whose remaining budget cannot cover the expected queue wait plus the time
-  it needs once admitted (:meth:`DrainEstimator.expected_service`: first token for a
-  stream, whole service otherwise) gets ``queue_timeout`` at arrival, and a queued one
+  it needs once admitted (:meth:`DrainEstimator.expected_service`: the whole service, or
+  the first token of a stream if so configured) gets ``queue_timeout`` at arrival, and a queued one
   whose remaining budget no longer covers that time is dropped when dequeued: the
   engine would only do work its own deadline cuts;
 - a request whose estimated wait (the queued work served before it, higher-priority
@@ -416,7 +416,6 @@ class AdmissionController:
         queue[ticket.id] = ticket
         self._pump()
         if ticket.state is TicketState.ADMITTED:
-            self._estimator.observe_arrival(cls)
             return ticket
         if ticket.state is TicketState.EXPIRED:
             # A free slot, but the budget cannot cover the expected service (see _pump).
@@ -431,7 +430,6 @@ class AdmissionController:
             del queue[ticket.id]
             ticket.state = TicketState.CANCELLED
             return early
-        self._estimator.observe_arrival(cls)
         return ticket
 
     def release(self, ticket: Ticket, outcome: Outcome) -> Dispatch:
@@ -553,14 +551,13 @@ class AdmissionController:
         """The queues in the order strict priority serves them: by class, returning before fresh."""
         return [q for c in self._classes for q in (self._returning[c], self._fresh[c])]
 
-    def _expected_wait(self, ticket: Ticket) -> float:
+    def _expected_wait(self, ticket: Ticket, *, promises: bool = True) -> float:
         """Seconds until a queued ticket gets a slot, from its current place.
 
         Strict priority over everything queued ahead of it (plus, for a fresh ticket, the
-        returns promised before it would be served), at the drain rate left over by the
-        higher classes' recent arrivals (they will keep going first), bounded by its
-        class's guaranteed minimum share, which serves its class in FIFO order whatever
-        higher classes want.
+        returns promised before it would be served, unless ``promises`` is False), bounded
+        by its class's guaranteed minimum share, which serves its class in FIFO order
+        whatever higher classes want.
         """
         cls = ticket.cls
         index = self._classes.index(cls)
@@ -571,7 +568,9 @@ class AdmissionController:
             in_class = _position(mine, ticket)
         else:
             in_class = len(mine) + _position(self._fresh[cls], ticket)
-        promised_by = higher if ticket.request.returning else (*higher, cls)
+        promised_by: Sequence[str] = ()
+        if promises:
+            promised_by = higher if ticket.request.returning else (*higher, cls)
         return self._wait_at(cls, ahead + in_class, in_class, promised_by)
 
     def _wait_at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str]) -> float:
@@ -579,8 +578,7 @@ class AdmissionController:
         priority, ``in_class`` of them of its own class (see :meth:`_expected_wait`)."""
         higher = self._classes[: self._classes.index(cls)]
         est = self._estimator
-        competing = sum(est.arrival_rate(c) for c in higher)
-        wait = est.expected_wait(ahead, self.limit, 0, promised_by=promised_by, competing=competing)
+        wait = est.expected_wait(ahead, self.limit, 0, promised_by=promised_by)
         if higher and isinstance(self._scheduler, MinimumShares):
             share = self._scheduler.minimum_slots(cls, self.limit)
             if share > 0:
@@ -588,8 +586,13 @@ class AdmissionController:
         return wait
 
     def _overtaken(self, ticket: Ticket, now: float) -> str | None:
-        """Why a queued ticket can no longer be served in time, or None."""
-        expected = self._expected_wait(ticket)
+        """Why a queued ticket can no longer be served in time, or None.
+
+        Judged on the requests queued ahead of it only, not on promised returns: those may
+        not come back (a client gives up, or has no retries left), and a request dropped
+        from the queue on a guess cannot be given its place back.
+        """
+        expected = self._expected_wait(ticket, promises=False)
         budget = ticket.request.budget
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
@@ -616,9 +619,10 @@ class AdmissionController:
         need = self._estimator.expected_service(ticket.request.stream)
         return need if need > 0 and ticket.arrived + budget - now < need else None
 
-    @staticmethod
-    def _need_name(ticket: Ticket) -> str:
-        return "expected time to first token" if ticket.request.stream else "expected service time"
+    def _need_name(self, ticket: Ticket) -> str:
+        if ticket.request.stream and self._estimator.config.stream_served_at == "first_token":
+            return "expected time to first token"
+        return "expected service time"
 
     def _pump(self) -> Dispatch:
         dispatch = Dispatch()

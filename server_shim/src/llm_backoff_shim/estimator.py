@@ -29,10 +29,13 @@ budget is shorter than the hint) is not remembered: it will not come back.
 Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`):
 the admission decision refuses a caller whose remaining budget cannot cover the
 expected wait plus this, since such a call would start on the engine only to be cut
-by its own deadline. A streaming caller is served once tokens flow, so it needs the
+by its own deadline. By default every caller needs the whole service time (EWMA):
+a caller whose budget is its deadline for the whole call (``llm_backoff``'s is) and
+whose stream is cut by it was not served, and the engine's tokens for it were
+wasted. With ``stream_served_at="first_token"`` a streaming caller needs only the
 EWMA of time to first body byte (measured on streaming requests only: a
-non-streaming body's first byte comes with its end); a non-streaming caller needs
-the whole service time. Neither rests on the prior: unmeasured means 0 s needed.
+non-streaming body's first byte comes with its end), for callers whose budget ends
+once tokens flow. Neither rests on the prior: unmeasured means 0 s needed.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 Clock = Callable[[], float]
 
@@ -52,9 +56,9 @@ class EstimatorConfig:
 
     ``initial_service_time`` is the prior used until the first completion is measured;
     ``service_time_alpha`` is the EWMA weight of each new sample; ``rate_window`` is the
-    time constant (seconds) of the completions/s estimate; ``arrival_window`` that of the
-    per-class rate of requests let in, which a lower class's wait estimate subtracts from
-    the drain rate (higher classes that arrive later still go first).
+    time constant (seconds) of the completions/s estimate; ``stream_served_at``: whether
+    a streaming caller's budget must cover the whole service (``end``) or only the first
+    token (see the module docstring).
     """
 
     retry_after_min: float = 1.0
@@ -62,7 +66,7 @@ class EstimatorConfig:
     initial_service_time: float = 1.0
     service_time_alpha: float = 0.2
     rate_window: float = 10.0
-    arrival_window: float = 5.0
+    stream_served_at: Literal["end", "first_token"] = "end"
 
     def __post_init__(self) -> None:
         if not (0 < self.retry_after_min <= self.retry_after_max):
@@ -71,8 +75,8 @@ class EstimatorConfig:
             raise ValueError("initial_service_time must be > 0")
         if not (0 < self.service_time_alpha <= 1):
             raise ValueError("service_time_alpha must be in (0, 1]")
-        if not (self.rate_window > 0 and self.arrival_window > 0):
-            raise ValueError("rate_window and arrival_window must be > 0")
+        if not self.rate_window > 0:
+            raise ValueError("rate_window must be > 0")
 
 
 class _DecayingRate:
@@ -113,7 +117,6 @@ class DrainEstimator:
         self._first_byte = 0.0
         self._first_byte_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
-        self._arrivals: dict[str, _DecayingRate] = {}
         self._last_promised: dict[str, float] = {}
         # Promised return times per class, ascending (each promise is at least one slot after
         # the last, and none beyond the clamp), dropped once due: at most max / step entries.
@@ -166,21 +169,9 @@ class DrainEstimator:
 
         0 when nothing was measured yet, so no caller is refused on the cold-start prior.
         """
-        if stream:
+        if stream and self._config.stream_served_at == "first_token":
             return self._first_byte if self._first_byte_samples else 0.0
         return self._service_time if self._samples else 0.0
-
-    def observe_arrival(self, cls: str) -> None:
-        """Record a request of ``cls`` that was let in (admitted or queued): it will take a slot."""
-        rate = self._arrivals.get(cls)
-        if rate is None:
-            rate = self._arrivals[cls] = _DecayingRate(self._config.arrival_window)
-        rate.add(self._clock())
-
-    def arrival_rate(self, cls: str) -> float:
-        """Requests of ``cls`` let in per second (decaying average over ``arrival_window``)."""
-        rate = self._arrivals.get(cls)
-        return 0.0 if rate is None else rate.value(self._clock())
 
     def completion_rate(self, cls: str) -> float:
         """Completions per second observed for ``cls`` (decaying average).
@@ -202,23 +193,17 @@ class DrainEstimator:
         free_slots: int,
         *,
         promised_by: Iterable[str] = (),
-        competing: float = 0.0,
     ) -> float:
         """Seconds until a request with ``ahead`` others queued before it gets a slot.
 
         ``promised_by``: classes whose callers, promised a return before this request would
         be served, are served before it (returning callers go ahead of fresh arrivals, and
         higher classes ahead of lower ones); each such promise costs one more slot.
-        ``competing``: requests per second that will arrive meanwhile and go ahead of it
-        (higher classes under strict priority); they take that much of the drain rate, and
-        when they take all of it the wait is infinite.
         """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
             return 0.0
-        rate = self.capacity_rate(slots) - max(0.0, competing)
-        if rate <= 0:
-            return math.inf
+        rate = self.capacity_rate(slots)
         wait = needed / rate
         classes = tuple(promised_by)
         if classes:
