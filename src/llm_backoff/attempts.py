@@ -154,6 +154,32 @@ class RetryState:
             self.final_reason = decision.reason
         return decision
 
+    def finished(self, verdict: Verdict, decision: GiveUp, *, attempt_started: float, status: int) -> GiveUp:
+        """Record an attempt whose answer ends the call (a success): `decide` without the checks.
+
+        For a verdict that is not retryable `decide` can only answer ``GiveUp(verdict.reason)``;
+        the caller passes that decision in, built once.
+        """
+        now = self._clock()
+        # tuple.__new__ skips the named tuple's keyword-handling __new__ (a Python function)
+        self._attempts.append(
+            tuple.__new__(
+                Attempt,
+                (
+                    len(self._attempts) + 1,
+                    status,
+                    None,
+                    verdict.reason,
+                    None,
+                    None,
+                    attempt_started - self.started_at,
+                    now - attempt_started,
+                ),
+            )
+        )
+        self.final_reason = decision.reason
+        return decision
+
     def _decide(self, verdict: Verdict, hint: float | None, now: float) -> Decision:
         policy = self.policy
         if not verdict.retryable:

@@ -39,7 +39,6 @@ Per attempt, the engine:
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import operator
 import random
@@ -53,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
+from ._attempt_bound import AttemptBound
 from .attempts import (
     ATTRIBUTE,
     EXTENSION_KEY,
@@ -92,8 +92,17 @@ logger = logging.getLogger("llm_backoff")
 
 REASON_KEY = "llm_backoff.reason"
 _TIMEOUT_KEYS = ("connect", "read", "write", "pool")
-#: The verdicts of the usual successes, built once rather than on every call.
-_SUCCESS = {status: Verdict(False, f"status {status}") for status in (200, 201, 202, 204)}
+#: The verdict and decision of the usual successes, built once rather than on every call.
+_SUCCESS = {
+    status: (Verdict(False, f"status {status}"), GiveUp(f"status {status}"))
+    for status in (200, 201, 202, 204)
+}
+
+
+def _debug_enabled() -> bool:
+    return logger.isEnabledFor(logging.DEBUG)
+
+
 #: The openai SDKs number their attempts in this header (0 on the first); see `RetryEngine._mark_retry`.
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
 #: JSON bodies above this are not handed to ``permit.settle`` (they are not chat completions).
@@ -213,7 +222,26 @@ def _settle(permit: Permit | None, status: int | None, body: bytes | None) -> No
 
 
 def _media_type(response: _Response) -> str:
-    return response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return _content_type(response.headers).split(";", 1)[0].strip().lower()
+
+
+def _content_type(headers: MutableMapping[str, str]) -> str:
+    """``headers.get("content-type", "")``, read from httpx's header list when it has one.
+
+    ``Headers.get`` normalises the key, builds a list of matches and decodes them, about
+    as much work as a first attempt's own bookkeeping; a response has a few headers and
+    the look-up here runs in C. Anything unusual (a repeated content-type,
+    another headers class) takes the public path.
+    """
+    entries = getattr(headers, "_list", None)
+    if type(entries) is not list:
+        return headers.get("content-type", "")
+    keys = list(map(_second, entries))
+    count = keys.count(b"content-type")
+    if count == 1:
+        value: bytes = entries[keys.index(b"content-type")][2]
+        return value.decode("latin-1")
+    return "" if count == 0 else headers.get("content-type", "")
 
 
 def _is_json(response: _Response) -> bool:
@@ -298,39 +326,6 @@ def _asyncio_task() -> Any:
         return _current_task()
     except RuntimeError:
         return None
-
-
-class _AsyncioBound:
-    """A hard deadline for one attempt on asyncio: ``asyncio.timeout`` without its extras.
-
-    The semantics are those of ``asyncio.timeout`` (3.11+): at expiry the task is
-    cancelled; when the attempt then ends, `expired` uncancels it and says whether the
-    cancellation was ours alone, so a cancellation from outside is never swallowed.
-    What is left out is what an attempt does not need and what made it cost about 5.5 us
-    per call (issue 2: the async overhead target): the async ``__aenter__``/``__aexit__``
-    coroutines, rescheduling, the state machine, and the copy of the context for the
-    timer callback (it only cancels the task; it needs no context variables).
-    """
-
-    __slots__ = ("_cancelling", "_fired", "_handle", "_task")
-
-    def __init__(self, task: Any, when: float) -> None:
-        self._task = task
-        self._cancelling: int = task.cancelling()
-        self._fired = False
-        self._handle = task.get_loop().call_at(when, self._fire, context=_TIMER_CONTEXT)
-
-    def _fire(self) -> None:
-        self._fired = True
-        self._task.cancel()
-
-    def expired(self) -> bool:
-        """Disarm; True when our expiry (and nothing else) cancelled the attempt."""
-        self._handle.cancel()
-        return self._fired and self._task.uncancel() <= self._cancelling
-
-
-_TIMER_CONTEXT = contextvars.Context()
 
 
 def annotate(exc: BaseException, attempts: tuple[Any, ...], reason: str | None) -> None:
@@ -478,7 +473,13 @@ class RetryEngine:
         body: bytes | None = None
         hint: float | None = None
         if status < 400:
-            verdict = _SUCCESS.get(status) or Verdict(False, f"status {status}")
+            known = _SUCCESS.get(status)
+            if known is not None:  # the usual answer: nothing to classify, log or wait for
+                done = state.finished(known[0], known[1], attempt_started=started, status=status)
+                if state.attempts_made > 1 or _debug_enabled():
+                    self._report(state, done, request, None)
+                return done, None
+            verdict = Verdict(False, f"status {status}")
         else:
             body = _decoded(response, raw) if raw is not None else None
             data = parse_error_body(body)
@@ -660,7 +661,7 @@ class RetryEngine:
                     task = _asyncio_task() if left is not None and _ASYNCIO_BOUND else None
                     if task is not None:
                         assert left is not None
-                        bound = _AsyncioBound(task, task.get_loop().time() + left)
+                        bound = AttemptBound(task, task.get_loop().time() + left)
                         try:
                             response = await send(request)
                             raw = await _buffer_async(response, flavor)
@@ -668,8 +669,11 @@ class RetryEngine:
                             if not bound.expired():
                                 raise
                             response = None
+                        except BaseException:
+                            bound.expired()
+                            raise
                         else:
-                            bound.expired()  # disarm; an answer that made it is kept, as asyncio.timeout does
+                            bound.expired()  # an answer that made it is kept, as under asyncio.timeout
                         if response is None:
                             raise _deadline_error(request)
                     elif left is None:

@@ -65,3 +65,106 @@ async def test_a_buffered_json_answer_is_readable_after_the_bound(lib: ModuleTyp
             response = await client.post("/x", content=b"{}")
         assert response.json() == {"ok": True}
         assert len(response.extensions["llm_backoff.attempts"]) == 1
+
+
+async def test_a_failed_attempt_leaves_no_timer_behind(lib: ModuleType) -> None:
+    calls = 0
+
+    async def handler(request: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise lib.ConnectError("refused", request=request)
+        return lib.Response(200, json={"ok": True})
+
+    async with _client(lib, handler, RetryPolicy(deadline=0.1, base_delay=0.001, max_delay=0.001)) as client:
+        response = await client.get("/x")
+    assert response.status_code == 200
+    # A bound left armed by the failed attempt would cancel this task here.
+    await asyncio.sleep(0.2)
+    assert calls == 2
+
+
+async def test_one_stalled_attempt_among_many_ends_alone_at_its_deadline(lib: ModuleType) -> None:
+    release = asyncio.Event()
+
+    async def handler(request: Any) -> Any:
+        if request.url.path == "/stall":
+            await asyncio.Event().wait()
+        await release.wait()
+        return lib.Response(200, json={"ok": True})
+
+    async with (
+        _client(lib, handler, RetryPolicy(deadline=30, max_attempts=1)) as slow_deadline,
+        _client(lib, handler, RetryPolicy(deadline=0.05, max_attempts=1)) as short_deadline,
+    ):
+        # the long deadlines join first: the short one must re-arm the shared timer earlier
+        others = [asyncio.create_task(slow_deadline.get("/ok")) for _ in range(5)]
+        await asyncio.sleep(0)
+        with pytest.raises(lib.ReadTimeout, match="deadline passed"):
+            await short_deadline.get("/stall")
+        assert not any(task.done() for task in others)
+        release.set()
+        responses = await asyncio.gather(*others)
+    assert [r.status_code for r in responses] == [200] * 5
+
+
+async def test_a_cancellation_from_outside_is_not_taken_for_the_deadline(lib: ModuleType) -> None:
+    started = asyncio.Event()
+
+    async def handler(request: Any) -> Any:
+        started.set()
+        await asyncio.Event().wait()
+
+    async with _client(lib, handler, RetryPolicy(deadline=0.2, max_attempts=1)) as client:
+        task = asyncio.create_task(client.get("/x"))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the deadline passing later must not disturb anything else on the loop
+        await asyncio.sleep(0.3)
+
+
+async def test_a_loop_that_takes_no_attributes_gets_a_timer_per_attempt() -> None:
+    from llm_backoff._attempt_bound import AttemptBound
+
+    class SlottedLoopTask:
+        """What AttemptBound needs of a task, on a loop object without a __dict__."""
+
+        def __init__(self, loop: Any) -> None:
+            self.loop = loop
+            self.cancelled = 0
+
+        def get_loop(self) -> Any:
+            return self.loop
+
+        def cancelling(self) -> int:
+            return 0
+
+        def cancel(self) -> None:
+            self.cancelled += 1
+
+        def uncancel(self) -> int:
+            self.cancelled -= 1
+            return self.cancelled
+
+    class Slotted:
+        __slots__ = ("inner",)
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def call_at(self, when: float, callback: Any, *, context: Any) -> Any:
+            return self.inner.call_at(when, callback, context=context)
+
+    loop = asyncio.get_running_loop()
+    task = SlottedLoopTask(Slotted(loop))
+    bound = AttemptBound(task, loop.time() + 0.01)
+    await asyncio.sleep(0.05)
+    assert task.cancelled == 1
+    assert bound.expired()
+    quiet = AttemptBound(task, loop.time() + 0.01)
+    assert not quiet.expired()
+    await asyncio.sleep(0.05)
+    assert task.cancelled == 0
