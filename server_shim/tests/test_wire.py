@@ -46,6 +46,21 @@ def test_request_side_also_drops_host_and_length() -> None:
     assert strip_hop_by_hop(headers) == headers
 
 
+def test_upstream_names_come_back_lowercased_and_connection_named_fields_dropped() -> None:
+    headers = [
+        (b"Content-Type", b"text/event-stream"),
+        (b"Connection", b"keep-alive, X-Hop"),
+        (b"X-Hop", b"1"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"X-Request-Id", b"abc"),
+    ]
+    assert strip_hop_by_hop(headers, lower=True) == [
+        (b"content-type", b"text/event-stream"),
+        (b"x-request-id", b"abc"),
+    ]
+    assert strip_hop_by_hop(headers) == [(b"Content-Type", b"text/event-stream"), (b"X-Request-Id", b"abc")]
+
+
 @pytest.mark.parametrize(
     ("seconds", "header"), [(0.0, 1), (0.2, 1), (1.0, 1), (1.001, 2), (2.75, 3), (30.0, 30)]
 )

@@ -30,18 +30,29 @@ HOP_BY_HOP: frozenset[bytes] = frozenset(
 _REQUEST_ONLY_DROP: frozenset[bytes] = frozenset({b"host", b"content-length", b"expect"})
 
 
-def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
-    named: set[bytes] = set()
+_REQUEST_DROP = HOP_BY_HOP | _REQUEST_ONLY_DROP
+
+
+def strip_hop_by_hop(
+    headers: Iterable[tuple[bytes, bytes]], *, request: bool = False, lower: bool = False
+) -> RawHeaders:
+    """Headers minus hop-by-hop ones (and, for requests, host/content-length/expect), order kept.
+
+    ``lower=True`` also lowercases the names kept (ASGI wants them so). One pass over the
+    headers; a second one only when a ``Connection`` header names further fields to drop.
+    This runs twice per relayed request.
+    """
+    drop = _REQUEST_DROP if request else HOP_BY_HOP
+    kept: RawHeaders = []
+    named: set[bytes] | None = None
     for name, value in headers:
-        if name.lower() == b"connection":
-            named.update(token.strip().lower() for token in value.split(b",") if token.strip())
-    return named
-
-
-def strip_hop_by_hop(headers: Iterable[tuple[bytes, bytes]], *, request: bool = False) -> RawHeaders:
-    """Headers minus hop-by-hop ones (and, for requests, host/content-length/expect), order kept."""
-    items = list(headers)
-    drop = HOP_BY_HOP | _connection_named(items)
-    if request:
-        drop = drop | _REQUEST_ONLY_DROP
-    return [(name, value) for name, value in items if name.lower() not in drop]
+        folded = name.lower()
+        if folded in drop:
+            if folded == b"connection":
+                tokens = {token.strip().lower() for token in value.split(b",")}
+                named = (named or set()) | (tokens - {b""})
+            continue
+        kept.append((folded if lower else name, value))
+    if named:
+        kept = [(name, value) for name, value in kept if name.lower() not in named]
+    return kept

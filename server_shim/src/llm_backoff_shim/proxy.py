@@ -408,7 +408,7 @@ class Proxy:
             if response.status == 503:
                 await self._upstream_overloaded(send, cls, response, exchange)
                 return
-            headers = [(name.lower(), value) for name, value in strip_hop_by_hop(response.headers)]
+            headers = strip_hop_by_hop(response.headers, lower=True)
             headers.append(VIA)
             if grant is not None:
                 headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
