@@ -131,6 +131,7 @@ def run_scenario(
     seed: int,
     workdir: Path,
     loads: list[float],
+    access_logs: Path | None = None,
 ) -> list[RunResult]:
     calls = arrivals(scenario, shape.capacity, random.Random(seed))
     print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
@@ -165,7 +166,11 @@ def run_scenario(
                 result = run_load(run)
                 line.done()
                 if setup.route == "shim" and front is not None:
-                    attach_shim_times(result.calls, front.log_tail(limit=1 << 40))
+                    log = front.log_tail(limit=1 << 40)
+                    attach_shim_times(result.calls, log)
+                    if access_logs is not None:
+                        name = f"{scenario.name}-{setup.label.replace(' + ', '-').replace(' ', '-')}.log"
+                        (access_logs / name).write_text(log)
             results.append(result)
             print(table(figures(result)) + f"\n  (run took {result.elapsed:.1f} s)", flush=True)
     return results
@@ -377,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="folder for PNGs and JSON")
     p.add_argument("--only", default="", help="comma-separated scenario names to run (default: all)")
     p.add_argument("--probe-only", action="store_true", help="only measure the shim's own time to reject")
+    p.add_argument("--keep-logs", action="store_true", help="write each shim's access log into --out")
     p.add_argument(
         "--setups",
         default="",
@@ -422,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt(), tempfile.TemporaryDirectory() as tmp:
             for scenario in chosen:
-                results = run_scenario(scenario, shape, setups, args.seed, Path(tmp), loads)
+                results = run_scenario(
+                    scenario, shape, setups, args.seed, Path(tmp), loads, args.out if args.keep_logs else None
+                )
                 figs = [figures(r) for r in results]
                 cells += [Cell(scenario, f) for f in figs]
                 print(f"\n{scenario.name}, side by side:\n{comparison(figs)}", flush=True)
