@@ -29,6 +29,7 @@ Choices where the protocol is silent:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -557,36 +558,25 @@ async def _watch_disconnect(
     assert task is not None
     done = False
     disconnected = False
-    if gone is not None:
 
-        def lost() -> None:
-            nonlocal disconnected
-            if not done:
-                disconnected = True
-                task.cancel()
-
-        gone.subscribe(lost)
-        try:
-            await work()
-        except asyncio.CancelledError:
-            if not disconnected or _still_cancelling(task):
-                raise
-        finally:
-            done = True
-            gone.unsubscribe(lost)
-        return disconnected
-
-    async def watch() -> None:
+    def on_disconnect() -> None:
         nonlocal disconnected
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not done:
-                    disconnected = True
-                    task.cancel()
-                return
+        if not done:
+            disconnected = True
+            task.cancel()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    stop: Callable[[], object]
+    if gone is not None:
+        gone.subscribe(on_disconnect)
+        stop = functools.partial(gone.unsubscribe, on_disconnect)
+    else:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            on_disconnect()
+
+        stop = asyncio.get_running_loop().create_task(watch()).cancel
     try:
         await work()
     except asyncio.CancelledError:
@@ -594,7 +584,7 @@ async def _watch_disconnect(
             raise
     finally:
         done = True
-        watcher.cancel()
+        stop()
     return disconnected
 
 
