@@ -154,11 +154,11 @@ class RetryState:
             self.final_reason = decision.reason
         return decision
 
-    def finished(self, verdict: Verdict, decision: GiveUp, *, attempt_started: float, status: int) -> GiveUp:
+    def finished(self, verdict: Verdict, decision: GiveUp, *, attempt_started: float, status: int) -> int:
         """Record an attempt whose answer ends the call (a success): `decide` without the checks.
 
         For a verdict that is not retryable `decide` can only answer ``GiveUp(verdict.reason)``;
-        the caller passes that decision in, built once.
+        the caller passes that decision in, built once. Returns the number of attempts made.
         """
         now = self._clock()
         # tuple.__new__ skips the named tuple's keyword-handling __new__ (a Python function)
@@ -178,7 +178,7 @@ class RetryState:
             )
         )
         self.final_reason = decision.reason
-        return decision
+        return len(self._attempts)
 
     def _decide(self, verdict: Verdict, hint: float | None, now: float) -> Decision:
         policy = self.policy

@@ -393,21 +393,19 @@ class RetryEngine:
 
     # -- per call ------------------------------------------------------------------
 
-    def _new_state(self) -> tuple[RetryState, bool]:
+    def _begin_call(self, request: _Request) -> tuple[RetryState, bool, Any]:
         policy = self.policy
         mode = current_mode()
         if mode is not None and mode.max_attempts is not None and mode.max_attempts < policy.max_attempts:
             policy = policy.model_copy(update={"max_attempts": mode.max_attempts})
-        budget = self._budget_probe if self.budget is not None else None
-        return RetryState(policy, clock=self.clock, rng=self.rng, budget=budget), mode is not None
-
-    def _begin_call(self, request: _Request) -> tuple[RetryState, bool, Any]:
-        state, instant = self._new_state()
+        if self.budget is None:
+            state = RetryState(policy, clock=self.clock, rng=self.rng)
+        else:
+            state = RetryState(policy, clock=self.clock, rng=self.rng, budget=self._budget_probe)
+            self.budget.record_request()
         if self.request_class is not None and "x-request-class" not in request.headers:
             request.headers["x-request-class"] = self.request_class
-        if self.budget is not None:
-            self.budget.record_request()
-        return state, instant, request.extensions.get("timeout")
+        return state, mode is not None, request.extensions.get("timeout")
 
     @staticmethod
     def _expiry(state: RetryState) -> float | None:
@@ -475,8 +473,11 @@ class RetryEngine:
         if status < 400:
             known = _SUCCESS.get(status)
             if known is not None:  # the usual answer: nothing to classify, log or wait for
-                done = state.finished(known[0], known[1], attempt_started=started, status=status)
-                if state.attempts_made > 1 or _debug_enabled():
+                done = known[1]
+                if (
+                    state.finished(known[0], done, attempt_started=started, status=status) > 1
+                    or _debug_enabled()
+                ):
                     self._report(state, done, request, None)
                 return done, None
             verdict = Verdict(False, f"status {status}")
@@ -573,11 +574,8 @@ class RetryEngine:
 
     # -- the two loops -------------------------------------------------------------
 
-    def _ended(self, state: RetryState, outcome: BaseException | int) -> None:
-        if isinstance(outcome, int):
-            verdict = "ok" if outcome < 400 else "failed"
-        else:
-            verdict = "failed" if isinstance(outcome, Exception) else "cancelled"
+    def _ended(self, state: RetryState, outcome: BaseException) -> None:
+        verdict = "failed" if isinstance(outcome, Exception) else "cancelled"
         self.watchers.call_ended(verdict, state.attempts_made)
 
     def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
@@ -624,7 +622,7 @@ class RetryEngine:
         except BaseException as exc:
             self._ended(state, exc)
             raise
-        self._ended(state, response.status_code)
+        self.watchers.call_ended("ok" if response.status_code < 400 else "failed", state.attempts_made)
         return response
 
     def _acquire_sync(self, request: Any, state: RetryState) -> Permit:
@@ -707,7 +705,7 @@ class RetryEngine:
         except BaseException as exc:
             self._ended(state, exc)
             raise
-        self._ended(state, response.status_code)
+        self.watchers.call_ended("ok" if response.status_code < 400 else "failed", state.attempts_made)
         return response
 
     async def _acquire_async(self, request: Any, state: RetryState) -> Permit:
