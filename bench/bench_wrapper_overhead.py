@@ -8,9 +8,12 @@ row times a plain httpx/httpx2 client with and without the retry transport: the
 cost of our layer alone, against a much cheaper baseline.
 
 Rounds interleave bare and wrapped (order alternating) so machine noise hits both
-alike; reported are the median over rounds of wrapped/bare time (with its
-interquartile range) and the ratio of the fastest rounds, which is the least
-disturbed by other processes (as timeit reports minima). Time is
+alike; each round runs ``--calls`` consecutive calls per client, as an application
+uses one client at a time. Reported are the median over rounds of wrapped/bare time with its
+interquartile range (the spread of single rounds) and its 95 % confidence interval
+(order statistics: how well the median itself is known), the pooled ratio (all
+wrapped time over all bare time), and the ratio of the fastest rounds, which is
+the least disturbed by other processes (as timeit reports minima). Time is
 this process's CPU time by default (``--clock cpu``): on a shared machine, wall
 time also counts the moments other processes held the CPU, which swamps a few
 percent; ``--clock wall`` is there for quiet machines.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import statistics
 import sys
@@ -133,14 +137,28 @@ def run(
             flush=True,
         )
     quartiles = statistics.quantiles(ratios, n=4)
+    low, high = median_interval(ratios)
     return {
         "bare_us": min(bare_t) / calls * 1e6,
         "wrapped_us": min(wrapped_t) / calls * 1e6,
         "ratio": statistics.median(ratios),
         "q1": quartiles[0],
         "q3": quartiles[2],
+        "ci_low": low,
+        "ci_high": high,
+        "pooled": sum(wrapped_t) / sum(bare_t),
         "ratio_of_min": min(wrapped_t) / min(bare_t),
     }
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A distribution-free ~95 % confidence interval of the median (binomial order statistics)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    half_width = 0.98 * math.sqrt(n)
+    low = max(0, math.floor(n / 2 - half_width))
+    high = min(n - 1, math.ceil(n / 2 + half_width))
+    return ordered[low], ordered[high]
 
 
 def main() -> None:
@@ -194,15 +212,15 @@ def main() -> None:
     print()
     print(
         "| client | bare us/call (min) | wrapped us/call (min) | overhead us/call | "
-        "median ratio wrapped/bare | ratio IQR | ratio of minima |"
+        "median ratio wrapped/bare | ratio IQR | median 95 % CI | pooled ratio | ratio of minima |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | --- | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |")
     for name, r in results.items():
         extra = r["wrapped_us"] - r["bare_us"]
         print(
             f"| {name} | {r['bare_us']:.1f} | {r['wrapped_us']:.1f} | {extra:+.1f} | "
             f"{r['ratio']:.3f} ({(r['ratio'] - 1) * 100:+.1f} %) | {r['q1']:.3f} .. {r['q3']:.3f} | "
-            f"{r['ratio_of_min']:.3f} |"
+            f"{r['ci_low']:.3f} .. {r['ci_high']:.3f} | {r['pooled']:.3f} | {r['ratio_of_min']:.3f} |"
         )
 
 
