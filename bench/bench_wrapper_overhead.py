@@ -18,7 +18,14 @@ this process's CPU time by default (``--clock cpu``): on a shared machine, wall
 time also counts the moments other processes held the CPU, which swamps a few
 percent; ``--clock wall`` is there for quiet machines.
 
+``--opcodes`` counts instead of timing: the Python bytecode instructions executed
+per call (``sys.settrace`` with opcode events), bare and wrapped, sync and async. It
+does not see work done in C (JSON parsing, pydantic-core) and does not weigh one
+instruction against another, but it is exact and the same on a loaded machine, so
+it tells whether a change removed work; the CPU-time ratio says what the work costs.
+
     .venv/bin/python bench/bench_wrapper_overhead.py [--rounds 41] [--calls 200] [--clock cpu|wall]
+    .venv/bin/python bench/bench_wrapper_overhead.py --opcodes
 """
 
 from __future__ import annotations
@@ -161,12 +168,72 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     return ordered[low], ordered[high]
 
 
+def count_opcodes(call: Callable[[], Any], calls: int = 50) -> float:
+    """Python opcodes executed per ``call()`` (after a warm-up), counted with a trace function."""
+    executed = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal executed
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            executed += 1
+        return tracer
+
+    for _ in range(20):
+        call()
+    for _ in range(calls):
+        sys.settrace(tracer)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+    return executed / calls
+
+
+def opcodes_report() -> None:
+    s_bare, s_wrapped = sync_pair()
+    a_bare, a_wrapped = async_pair()
+    loop = asyncio.new_event_loop()
+
+    def sync_call(client: openai.OpenAI) -> Callable[[], Any]:
+        return lambda: client.chat.completions.create(model="m", messages=MESSAGES)
+
+    def async_call(client: openai.AsyncOpenAI) -> Callable[[], Any]:
+        async def once() -> None:
+            # the trace is switched on inside the task, so the loop's own steps count too
+            await client.chat.completions.create(model="m", messages=MESSAGES)
+
+        return lambda: loop.run_until_complete(once())
+
+    print("| client | bare opcodes/call | wrapped opcodes/call | extra | extra % |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    try:
+        for name, bare_call, wrapped_call in (
+            ("sync", sync_call(s_bare), sync_call(s_wrapped)),
+            ("async", async_call(a_bare), async_call(a_wrapped)),
+        ):
+            bare = count_opcodes(bare_call)
+            wrapped = count_opcodes(wrapped_call)
+            print(
+                f"| {name} | {bare:.0f} | {wrapped:.0f} | {wrapped - bare:+.0f} | "
+                f"{(wrapped / bare - 1) * 100:+.2f} % |"
+            )
+    finally:
+        loop.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=200, help="calls per client per round")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    parser.add_argument("--opcodes", action="store_true", help="count bytecode instructions per call instead")
     args = parser.parse_args()
+    if args.opcodes:
+        versions = f"openai {openai.__version__} on {http.__name__} {http.__version__}"
+        print(f"{versions}, Python {platform.python_version()}")
+        opcodes_report()
+        return
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
 
