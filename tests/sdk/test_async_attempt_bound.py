@@ -77,11 +77,11 @@ async def test_a_failed_attempt_leaves_no_timer_behind(lib: ModuleType) -> None:
             raise lib.ConnectError("refused", request=request)
         return lib.Response(200, json={"ok": True})
 
-    async with _client(lib, handler, RetryPolicy(deadline=0.1, base_delay=0.001, max_delay=0.001)) as client:
+    async with _client(lib, handler, RetryPolicy(deadline=0.3, base_delay=0.001, max_delay=0.001)) as client:
         response = await client.get("/x")
     assert response.status_code == 200
     # A bound left armed by the failed attempt would cancel this task here.
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.45)
     assert calls == 2
 
 
@@ -116,14 +116,14 @@ async def test_a_cancellation_from_outside_is_not_taken_for_the_deadline(lib: Mo
         started.set()
         await asyncio.Event().wait()
 
-    async with _client(lib, handler, RetryPolicy(deadline=0.2, max_attempts=1)) as client:
+    async with _client(lib, handler, RetryPolicy(deadline=0.5, max_attempts=1)) as client:
         task = asyncio.create_task(client.get("/x"))
         await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         # the deadline passing later must not disturb anything else on the loop
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.65)
 
 
 async def test_a_loop_that_takes_no_attributes_gets_a_timer_per_attempt() -> None:
