@@ -71,6 +71,7 @@ def make(
     total: int | None = None,
     returning_share: float = 0.25,
     scheduler: SharedSlots | None = None,
+    returning_first: bool = True,
 ) -> tuple[AdmissionController, FakeClock]:
     clock = FakeClock()
     config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0)
@@ -84,6 +85,7 @@ def make(
         max_queue_total=total,
         returning_share=returning_share,
         scheduler=scheduler,
+        returning_first=returning_first,
     )
     return controller, clock
 
@@ -387,3 +389,18 @@ def test_a_guaranteed_share_bounds_the_wait_whatever_higher_classes_do() -> None
         promise(c)  # and 10 interactive returns promised
     queued = ticket(c.submit(fresh("batch")))
     assert queued.state is TicketState.QUEUED  # its one guaranteed slot frees within 1 s
+
+
+def test_returning_first_can_be_switched_off() -> None:
+    c, _ = make(limit=1, max_queue=4, returning_first=False)
+    running = ticket(c.submit(fresh()))
+    promise(c)  # a return is promised, yet no place is kept for it
+    assert c.fresh_room(4, ["interactive"]) == 4
+    f1, r1, f2 = (ticket(c.submit(r)) for r in (fresh(), back(), fresh()))
+    assert c.queued_returning("interactive") == 0
+    order = []
+    current = running
+    for _ in range(3):
+        (current,) = c.release(current, Outcome.COMPLETED).admitted
+        order.append(current)
+    assert order == [f1, r1, f2]  # arrival order: the retry claim counts for nothing

@@ -34,12 +34,14 @@ taken by fresh arrivals and be turned away again. So, within its class, a return
 is served before every fresh one (two FIFOs per class, returning first), and while callers
 have been promised a return, up to ``returning_share`` of each queue bound (one place per
 promise) is kept for returning requests: a full queue refuses a fresh arrival before it
-refuses a returning one. A request already queued is never
-evicted. A fresh arrival's expected wait counts the callers of its class (and of higher
-classes) already promised a return before it would be served
-(:meth:`DrainEstimator.expected_wait`), since they will go ahead of it. Anyone can claim to
-be a retry: the claim buys a place ahead of fresh arrivals of the same class, nothing
-more; tenant quotas, budgets and class bounds apply unchanged.
+refuses a returning one. A request already queued is never evicted. A fresh arrival's
+expected wait counts the callers of its class (and of higher classes) already promised a
+return before it would be served (:meth:`DrainEstimator.expected_wait`), since they will go
+ahead of it. Anyone can claim to be a retry: the claim buys a place ahead of fresh arrivals
+of the same class, nothing more; tenant quotas, budgets and class bounds apply unchanged.
+``returning_first=False`` turns the order and the kept places off (every request is fresh;
+promised returns still count in a fresh arrival's wait): with short deadlines and clients
+that send no budget, retries served first can be served too late (docs/demo.md).
 
 Overtaken requests leave early. Strict priority (and returning-first) means a request
 queued with a wait estimate within its limit can be pushed back by later arrivals that go
@@ -283,6 +285,7 @@ class AdmissionController:
         scheduler: ClassScheduler | None = None,
         gates: Iterable[AdmissionGate] = (),
         returning_share: float = 0.25,
+        returning_first: bool = True,
     ) -> None:
         if not policies:
             raise ValueError("at least one traffic class is needed")
@@ -300,6 +303,8 @@ class AdmissionController:
         if not 0.0 <= returning_share <= 1.0:
             raise ValueError("returning_share must be between 0 and 1")
         self._returning_share = returning_share
+        # Off: every request is fresh (one FIFO per class, no places kept), as before.
+        self._returning_first = returning_first
         self._limit = limit
         self._estimator = estimator
         self._clock = clock
@@ -370,6 +375,8 @@ class AdmissionController:
         (one per promise, at most ``returning_share`` of the bound), so a queue that told
         nobody to come back is all for fresh arrivals.
         """
+        if not self._returning_first:
+            return bound
         promised = sum(self._estimator.outstanding(c) for c in classes)
         return bound - min(promised, math.floor(self._returning_share * bound + 1e-9))
 
@@ -403,7 +410,7 @@ class AdmissionController:
             id=next(self._ids), request=request, arrived=now, deadline=deadline, budget_bound=budget_bound
         )
         queue = self._queue_of(ticket)
-        if request.returning:
+        if self._is_returning(ticket):
             has_room = self.queued(cls) < policy.max_queue and (
                 self._max_total is None or self.queued() < self._max_total
             )
@@ -545,7 +552,10 @@ class AdmissionController:
         return None
 
     def _queue_of(self, ticket: Ticket) -> dict[int, Ticket]:
-        return (self._returning if ticket.request.returning else self._fresh)[ticket.cls]
+        return (self._returning if self._is_returning(ticket) else self._fresh)[ticket.cls]
+
+    def _is_returning(self, ticket: Ticket) -> bool:
+        return self._returning_first and ticket.request.returning
 
     def _serve_order(self) -> list[dict[int, Ticket]]:
         """The queues in the order strict priority serves them: by class, returning before fresh."""
@@ -564,13 +574,13 @@ class AdmissionController:
         higher = self._classes[:index]
         ahead = sum(self.queued(c) for c in higher)
         mine = self._returning[cls]
-        if ticket.request.returning:
+        if self._is_returning(ticket):
             in_class = _position(mine, ticket)
         else:
             in_class = len(mine) + _position(self._fresh[cls], ticket)
         promised_by: Sequence[str] = ()
         if promises:
-            promised_by = higher if ticket.request.returning else (*higher, cls)
+            promised_by = higher if self._is_returning(ticket) else (*higher, cls)
         return self._wait_at(cls, ahead + in_class, in_class, promised_by)
 
     def _wait_at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str]) -> float:
