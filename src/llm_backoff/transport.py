@@ -25,13 +25,16 @@ Per attempt, the engine:
 - when a deadline is set, cuts the request's connect/read/write/pool timeouts to
   the time left and sends ``x-request-timeout-ms``: the time left in ms (>= 1), or
   the read timeout if that is shorter, since that is as long as we will wait for
-  the server to start answering;
+  the server to start answering; async attempts also run under a hard bound at the
+  deadline (`_attempt_bound`);
+- on a retry, counts it in ``x-stainless-retry-count`` when the request carries that
+  header (openai's attempt number: 0, 1, 2, ...);
 - buffers JSON bodies and error bodies inside the attempt, so a connection that
   drops half-way through a JSON answer counts as a failed attempt and is retried,
   and the error body can be read for hints and ``insufficient_quota``. Other bodies
   (server-sent events, audio, file downloads) are passed through unread: once such
   a response has started, a failure is the caller's to see and is never retried,
-  so no output is ever duplicated;
+  so no output is ever duplicated; it carries the call's history (`StreamGuard`);
 - records an `attempts.Attempt`; on success or on giving up, the history goes into
   ``response.extensions["llm_backoff.attempts"]`` or onto the raised exception as
   ``exc.llm_backoff_attempts`` plus an exception note.

@@ -1,6 +1,7 @@
 """The per-attempt hard deadline of the async transports (asyncio fast path and anyio).
 
-On asyncio (Python >= 3.11) the bound is ``asyncio.timeout``; elsewhere an anyio cancel
+On asyncio (Python >= 3.11) the bound is `llm_backoff._attempt_bound.AttemptBound` (one
+timer per event loop, the semantics of ``asyncio.timeout``); elsewhere an anyio cancel
 scope. Either way only the expiry of our own bound becomes the HTTP library's ReadTimeout;
 a TimeoutError raised inside the attempt is the attempt's own failure, left as it is.
 """
