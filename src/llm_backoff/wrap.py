@@ -258,7 +258,8 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
                     raise own from None
                 annotate_openai_error(exc)
                 raise
-            if isinstance(result, openai.AsyncStream):
+            # A private attribute of openai's stream: guarded, so a renamed one only loses the note.
+            if isinstance(result, openai.AsyncStream) and hasattr(result, "_iterator"):
                 result._iterator = _annotating_aiter(result._iterator)
             return result
 
@@ -274,7 +275,8 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
                     raise own from None
                 annotate_openai_error(exc)
                 raise
-            if isinstance(result, openai.Stream):
+            # A private attribute of openai's stream: guarded, so a renamed one only loses the note.
+            if isinstance(result, openai.Stream) and hasattr(result, "_iterator"):
                 result._iterator = _annotating_iter(result._iterator)
             return result
 
