@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llm_backoff_shim.admission import AdmissionController
+from llm_backoff_shim.event_counts import EventCounts, LabelledCounter, LabelledHistogram
 
 PREFIX = "llm_backoff_shim_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,32 +78,29 @@ class ShimMetrics:
         slo_state: Callable[[str], int] | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
+        # Updated on every request: plain integers behind one collector (event_counts.py says why).
+        self.requests = LabelledCounter(
             PREFIX + "requests",
             "Generation requests by class and outcome (code: the rejection code, else empty)",
             ["class", "outcome", "code"],
-            registry=self.registry,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = LabelledHistogram(
             PREFIX + "queue_wait_seconds",
             "Seconds admitted requests waited for a slot",
-            ["class"],
-            buckets=_WAIT_BUCKETS,
-            registry=self.registry,
+            "class",
+            _WAIT_BUCKETS,
         )
-        self.time_to_first_byte = Histogram(
+        self.time_to_first_byte = LabelledHistogram(
             PREFIX + "time_to_first_byte_seconds",
             "Seconds from arrival at the shim to the first upstream response byte",
-            ["class"],
-            buckets=_TTFB_BUCKETS,
-            registry=self.registry,
+            "class",
+            _TTFB_BUCKETS,
         )
-        self.retry_after = Histogram(
-            PREFIX + "retry_after_seconds",
-            "Retry-After hints given with rejections",
-            ["class"],
-            buckets=_RETRY_BUCKETS,
-            registry=self.registry,
+        self.retry_after = LabelledHistogram(
+            PREFIX + "retry_after_seconds", "Retry-After hints given with rejections", "class", _RETRY_BUCKETS
+        )
+        self.registry.register(
+            EventCounts([self.requests, self.queue_wait, self.time_to_first_byte, self.retry_after])
         )
         self.bad_requests = Counter(
             PREFIX + "bad_requests",
@@ -112,8 +110,6 @@ class ShimMetrics:
         )
         for reason in BAD_REQUEST_REASONS:
             self.bad_requests.labels(reason)
-        self._requests_by_label: dict[tuple[str, str, str], Counter] = {}
-        self._children: dict[tuple[Histogram, str], Histogram] = {}
         self.registry.register(_LiveState(controller, slo_state or (lambda _cls: 0)))
         self._prime(controller.classes)
 
@@ -123,42 +119,25 @@ class ShimMetrics:
         for cls in classes:
             for outcome in OUTCOMES:
                 if outcome != "rejected":
-                    self.requests.labels(cls, outcome, "")
+                    self.requests.prime((cls, outcome, ""))
             for code in REJECT_CODES:
-                self.requests.labels(cls, "rejected", code)
-            self.queue_wait.labels(cls)
-            self.time_to_first_byte.labels(cls)
-            self.retry_after.labels(cls)
+                self.requests.prime((cls, "rejected", code))
+            self.queue_wait.prime(cls)
+            self.time_to_first_byte.prime(cls)
+            self.retry_after.prime(cls)
 
     def count(self, cls: str, outcome: str, code: str = "") -> None:
-        self._request_counter(cls, outcome, code).inc()
+        self.requests.inc((cls, outcome, code))
 
     def rejected(self, cls: str, code: str, retry_after: float) -> None:
-        self._request_counter(cls, "rejected", code).inc()
-        self.retry_after.labels(cls).observe(retry_after)
-
-    def _request_counter(self, cls: str, outcome: str, code: str) -> Counter:
-        # labels() takes a lock and builds a key on every call; this runs several times per
-        # request (bench/bench_proxy.py). Classes, outcomes and codes are few: the dict stays small.
-        key = (cls, outcome, code)
-        child = self._requests_by_label.get(key)
-        if child is None:
-            child = self._requests_by_label[key] = self.requests.labels(cls, outcome, code)
-        return child
+        self.requests.inc((cls, "rejected", code))
+        self.retry_after.observe(cls, retry_after)
 
     def observe_queue_wait(self, cls: str, seconds: float) -> None:
-        self._child(self.queue_wait, cls).observe(seconds)
+        self.queue_wait.observe(cls, seconds)
 
     def observe_first_byte(self, cls: str, seconds: float) -> None:
-        self._child(self.time_to_first_byte, cls).observe(seconds)
-
-    def _child(self, histogram: Histogram, cls: str) -> Histogram:
-        # As _request_counter: skip labels()' lock and key building on every request.
-        key = (histogram, cls)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = histogram.labels(cls)
-        return child
+        self.time_to_first_byte.observe(cls, seconds)
 
     def bad_request(self, reason: str) -> None:
         # An unlisted reason would be an unbounded label: fold it into the nearest bucket.
