@@ -116,7 +116,8 @@ def fresh(cls: str = "interactive", budget: float | None = None) -> AdmissionReq
     return AdmissionRequest(cls, budget=budget)
 
 
-def back(cls: str = "interactive", budget: float | None = None) -> AdmissionRequest:
+def back(cls: str = "interactive", budget: float | None = 1000.0) -> AdmissionRequest:
+    """A retry that says how long it will wait (by default: far longer than any wait here)."""
     return AdmissionRequest(cls, budget=budget, retry=1)
 
 
@@ -404,3 +405,18 @@ def test_returning_first_can_be_switched_off() -> None:
         (current,) = c.release(current, Outcome.COMPLETED).admitted
         order.append(current)
     assert order == [f1, r1, f2]  # arrival order: the retry claim counts for nothing
+
+
+def test_a_retry_without_a_budget_is_served_as_a_fresh_arrival() -> None:
+    # Without x-request-timeout-ms the shim cannot tell whether a retry served first would still
+    # be in time for its caller: it keeps its arrival order.
+    c, _ = make(limit=1, max_queue=4)
+    running = ticket(c.submit(fresh()))
+    f1, blind, r1 = (ticket(c.submit(r)) for r in (fresh(), back(budget=None), back()))
+    assert c.queued_returning("interactive") == 1
+    order = []
+    current = running
+    for _ in range(3):
+        (current,) = c.release(current, Outcome.COMPLETED).admitted
+        order.append(current)
+    assert order == [r1, f1, blind]

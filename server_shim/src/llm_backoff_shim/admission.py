@@ -28,7 +28,8 @@ Early refusals, once a completion was measured (never on the cold-start prior):
   is full measured in time, and the caller's own budget played no part.
 
 Returning callers first. A request whose client says it is a retry (``x-stainless-retry-count``
->= 1, :attr:`AdmissionRequest.returning`) was most likely told a Retry-After and honoured it;
+>= 1, :attr:`AdmissionRequest.returning`) and says how long it will wait
+(``x-request-timeout-ms``) was most likely told a Retry-After and honoured it;
 Retry-After is an estimate, not a reservation, so without help it would find its place
 taken by fresh arrivals and be turned away again. So, within its class, a returning request
 is served before every fresh one (two FIFOs per class, returning first), and while callers
@@ -555,7 +556,11 @@ class AdmissionController:
         return (self._returning if self._is_returning(ticket) else self._fresh)[ticket.cls]
 
     def _is_returning(self, ticket: Ticket) -> bool:
-        return self._returning_first and ticket.request.returning
+        # Only a caller that says how long it will wait: the shim can then check that it can
+        # still be served in time. A retry without a budget is served late and cut by its
+        # own timeout as often as not (measured: docs/benchmarks.md, docs/demo.md).
+        request = ticket.request
+        return self._returning_first and request.returning and request.budget is not None
 
     def _serve_order(self) -> list[dict[int, Ticket]]:
         """The queues in the order strict priority serves them: by class, returning before fresh."""
