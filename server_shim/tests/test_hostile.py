@@ -8,6 +8,7 @@ the shim serving everyone else with its gauges at zero.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Callable, Iterator
@@ -410,3 +411,33 @@ def test_a_mixed_barrage_leaves_the_shim_serving_with_gauges_at_zero(
     assert sum(counts.values()) == 3 * (len(BAD_BODIES) + 1)
     assert shim.gauges() == (0, 0)
     assert [r.path for r in upstream.received] == [CHAT] * 3
+
+
+def test_a_body_refused_unread_still_gets_its_answer_not_a_reset(guarded: Callable[..., GuardedShim]) -> None:
+    """413 while the client is still sending: the answer must reach the client.
+
+    The shim refuses the declared length before reading the body and closes the
+    connection with body bytes still unread; the client, which sent the whole body
+    first, must still read the 413 and its JSON, and the shim keep serving.
+    """
+    shim = guarded()
+    body = b"x" * (2 << 20)
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: shim\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    )
+    for _ in range(5):
+        with socket.create_connection((shim.server.host, shim.server.port), timeout=10) as sock:
+            # The whole body at once: more than the shim buffers before it stops reading,
+            # so bytes are still unread in its socket when it has answered.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                sock.sendall(head + body)
+            received = b""
+            while not received.endswith(b"}}") and b"request_too_large" not in received:
+                chunk = sock.recv(65536)  # a reset here is the failure this test is about
+                if not chunk:
+                    break
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 413"), received[:200]
+        assert b"request_too_large" in received
+    still_serves(shim)
