@@ -316,6 +316,9 @@ class AdmissionController:
         self._returning: dict[str, dict[int, Ticket]] = {name: {} for name in names}
         self._fresh: dict[str, dict[int, Ticket]] = {name: {} for name in names}
         self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
+        # Totals kept beside the per-class figures: both are read several times per request.
+        self._in_flight_total = 0
+        self._all_queues = tuple(q for name in names for q in (self._returning[name], self._fresh[name]))
         self._ids = itertools.count(1)
 
     # -- view ------------------------------------------------------------------------------
@@ -346,11 +349,11 @@ class AdmissionController:
         return self._policies[cls]
 
     def in_flight(self, cls: str | None = None) -> int:
-        return sum(self._in_flight.values()) if cls is None else self._in_flight[cls]
+        return self._in_flight_total if cls is None else self._in_flight[cls]
 
     def queued(self, cls: str | None = None) -> int:
         if cls is None:
-            return sum(self.queued(c) for c in self._classes)
+            return sum(map(len, self._all_queues))
         return len(self._returning[cls]) + len(self._fresh[cls])
 
     def queued_returning(self, cls: str) -> int:
@@ -446,6 +449,7 @@ class AdmissionController:
             raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not admitted")
         ticket.state = TicketState.RELEASED
         self._in_flight[ticket.cls] -= 1
+        self._in_flight_total -= 1
         assert ticket.admitted_at is not None
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
@@ -660,6 +664,7 @@ class AdmissionController:
             ticket.state = TicketState.ADMITTED
             ticket.admitted_at = now
             self._in_flight[cls] += 1
+            self._in_flight_total += 1
             dispatch.admitted.append(ticket)
         return dispatch
 
