@@ -19,7 +19,9 @@ from llm_backoff_shim.admission import (
     TicketState,
     parse_retry_count,
 )
+from llm_backoff_shim.app import build_controller
 from llm_backoff_shim.classes import ClassShares, SharedSlots
+from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
@@ -420,3 +422,25 @@ def test_a_retry_without_a_budget_is_served_as_a_fresh_arrival() -> None:
         (current,) = c.release(current, Outcome.COMPLETED).admitted
         order.append(current)
     assert order == [r1, f1, blind]
+
+
+@pytest.mark.parametrize("returning_first", [True, False])
+def test_the_serve_flags_switch_returning_first(returning_first: bool) -> None:
+    shim_settings = ShimSettings(
+        upstream="http://127.0.0.1:9",
+        max_concurrency=1,
+        max_queue=4,
+        returning_first=returning_first,
+        returning_share=0.5,
+    )
+    now = [0.0]
+    controller = build_controller(shim_settings, lambda: now[0])
+    holder = controller.submit(AdmissionRequest(cls="interactive"))
+    assert isinstance(holder, Ticket)
+    fresh = controller.submit(AdmissionRequest(cls="interactive", budget=60.0))
+    retry = controller.submit(AdmissionRequest(cls="interactive", budget=60.0, retry=1))
+    assert isinstance(fresh, Ticket)
+    assert isinstance(retry, Ticket)
+    now[0] += 1.0
+    moved = controller.release(holder, Outcome.COMPLETED)
+    assert moved.admitted == [retry if returning_first else fresh]

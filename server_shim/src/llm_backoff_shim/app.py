@@ -92,6 +92,8 @@ def build_controller(
         max_queue_total=settings.max_queue,
         default_class=settings.default_class,
         scheduler=SharedSlots(ClassShares(reserved=settings.reserved_share, minimum=settings.min_share)),
+        returning_first=settings.returning_first,
+        returning_share=settings.returning_share,
     )
 
 

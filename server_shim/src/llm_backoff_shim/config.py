@@ -178,6 +178,18 @@ class ShimSettings(BaseSettings):
     retry_after_max: float = Field(
         default=30.0, gt=0, le=86_400, description="largest Retry-After hint, seconds"
     )
+    returning_first: bool = Field(
+        default=True,
+        description="serve retries (x-stainless-retry-count >= 1 with an x-request-timeout-ms budget) "
+        "before fresh requests of their class, and keep queue places for callers told to come back",
+    )
+    returning_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="at most this fraction of --max-queue is kept for returning callers while returns "
+        "are promised",
+    )
     initial_service_time: float = Field(
         default=1.0,
         gt=0,
@@ -286,6 +298,7 @@ class ShimSettings(BaseSettings):
         "retry_after_min",
         "retry_after_max",
         "initial_service_time",
+        "returning_share",
         "upstream_connect_timeout",
         "upstream_read_timeout",
         "upstream_keepalive",
