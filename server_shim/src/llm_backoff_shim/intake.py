@@ -108,10 +108,11 @@ def check_declared_length(headers: RawHeaders, limit: int) -> Refusal | None:
     return None
 
 
-async def read_body(
-    receive: Receive, *, limit: int, time_limit: float | CoarseTimers | None
-) -> bytes | Refusal:
-    """The whole body, or a refusal (too large, too slow). Raises :class:`ClientGone`."""
+async def read_body(receive: Receive, *, limit: int, time_limit: CoarseTimers | None) -> bytes | Refusal:
+    """The whole body, or a refusal (too large, too slow). Raises :class:`ClientGone`.
+
+    ``time_limit``: the shared body timeout (one ``CoarseTimers`` per proxy); None, no limit.
+    """
     chunks: list[bytes] = []
     size = 0
     with MoveOnAfter(time_limit) as deadline:
@@ -127,11 +128,13 @@ async def read_body(
             if not message.get("more_body", False):
                 return b"".join(chunks)
     assert deadline.expired
-    seconds = time_limit.delay if isinstance(time_limit, CoarseTimers) else time_limit
+    assert time_limit is not None
     return Refusal(
         "body_timeout",
         _closing(
-            client_error(f"request body not received within {seconds:g} s", code="body_timeout", status=408)
+            client_error(
+                f"request body not received within {time_limit.delay:g} s", code="body_timeout", status=408
+            )
         ),
     )
 

@@ -187,7 +187,6 @@ class Proxy:
         self.on_first_byte = on_first_byte
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
         self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
         # One shared timer for every request's body timeout (coarse_timers says why).
         self._body_timers = CoarseTimers(body_timeout) if body_timeout else None
         self.upstream = upstream

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from llm_backoff_shim.upstream_http import UpstreamPool
+from llm_backoff_shim.upstream_http import UpstreamPool, parse_origin
 
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept-Encoding", "Accept", "Content-Type")
 
@@ -47,7 +47,7 @@ class UpstreamClient:
         self._keepalive = keepalive
         self._session: aiohttp.ClientSession | None = None
         self._pool: UpstreamPool | None = None
-        UpstreamPool(self.base_url)  # rejects a base URL the relay cannot use, at construction
+        parse_origin(self.base_url)  # a base URL the relay cannot use fails here, not at start-up
 
     @property
     def session(self) -> aiohttp.ClientSession:

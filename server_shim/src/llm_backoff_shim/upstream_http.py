@@ -40,7 +40,7 @@ import collections
 import ssl as ssl_module
 from collections.abc import Callable
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 
@@ -318,6 +318,14 @@ class UpstreamResponse:
             conn.abort()
 
 
+def parse_origin(base_url: str) -> SplitResult:
+    """``base_url`` split, or a ValueError when the relay cannot use it."""
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"upstream must be an http:// or https:// URL, got {base_url!r}")
+    return parts
+
+
 class UpstreamPool:
     """Keep-alive connections to one ``http://`` or ``https://`` origin."""
 
@@ -329,13 +337,12 @@ class UpstreamPool:
         read_timeout: float | None = 600.0,
         keepalive: float = 4.0,
     ) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"upstream must be an http:// or https:// URL, got {base_url!r}")
+        parts = parse_origin(base_url)
+        assert parts.hostname is not None
         self.scheme = parts.scheme
         self.host = parts.hostname
-        self.port = parts.port or (443 if parts.scheme == "https" else 80)
         default_port = 443 if parts.scheme == "https" else 80
+        self.port = parts.port or default_port
         netloc = self.host if ":" not in self.host else f"[{self.host}]"
         self.host_header = (netloc if self.port == default_port else f"{netloc}:{self.port}").encode("idna")
         #: The upstream's path prefix (``http://engine/prefix`` -> ``/prefix``), prepended to every target.
