@@ -7,7 +7,9 @@ token), so each test takes well under a few seconds. No latency is asserted.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -135,6 +137,61 @@ def test_disconnect_mid_stream_aborts_in_the_engine(
     waiter(lambda: sim_stats(sim)["requests_aborted"] == 1, what="engine aborted the request")
     waiter(lambda: shim.state()["interactive"] == (0, 0), what="shim slot freed")
     assert sim_stats(sim)["running"] == 0
+
+
+def test_a_slow_stream_reader_gets_every_token_in_order(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    # Megabytes of events to a client that reads nothing for a while: the shim must stop
+    # and resume its relay (the client's socket and the shim's write buffer fill up)
+    # without losing, repeating or reordering a byte.
+    tokens = 60_000
+    sim = sim_factory(max_num_seqs=1, output_tokens=tokens, ttft=0.0, itl=0.0)
+    shim = make_shim(sim.url, max_concurrency=1, max_queue=0)
+    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", shim.server.port))
+    sock.sendall(request)
+    time.sleep(1.5)
+    received = bytearray()
+    while not received.endswith(b"\r\n0\r\n\r\n"):
+        data = sock.recv(1 << 16)
+        assert data, "connection closed before the stream ended"
+        received += data
+    # The connection is still good for another request (the response ended cleanly).
+    sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    again = sock.recv(1 << 16)
+    sock.close()
+    assert again.startswith(b"HTTP/1.1 200")
+    head, _, framed = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"transfer-encoding: chunked" in head.lower()
+    payload = _unchunk(framed)
+    assert payload.endswith(b"data: [DONE]\n\n")
+    found = re.findall(rb"token(\d+)", payload)
+    assert [int(n) for n in found] == list(range(tokens))
+    assert shim.state()["interactive"] == (0, 0)
+
+
+def _unchunk(framed: bytes) -> bytes:
+    out = bytearray()
+    at = 0
+    while True:
+        line_end = framed.index(b"\r\n", at)
+        size = int(framed[at:line_end], 16)
+        if size == 0:
+            return bytes(out)
+        start = line_end + 2
+        out += framed[start : start + size]
+        assert framed[start + size : start + size + 2] == b"\r\n"
+        at = start + size + 2
 
 
 def test_engine_overload_503_becomes_retryable_rejection(

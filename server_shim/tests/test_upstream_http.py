@@ -271,6 +271,93 @@ async def test_a_slow_reader_pauses_the_upstream_socket() -> None:
         response.release()
 
 
+async def test_pipe_hands_each_chunk_over_as_it_arrives_and_ends_with_the_body() -> None:
+    step = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await read_request(reader, server)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await step.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with serve(stream) as server:
+        pool = UpstreamPool(f"http://127.0.0.1:{server.port}")
+        response = await pool.request("POST", b"/v1/s", [], b"{}")
+        got: list[bytes] = []
+
+        def sink(chunk: bytes) -> bool:
+            got.append(chunk)
+            step.set()  # the rest is sent only once the first chunk was handed over
+            return True
+
+        assert await response.pipe(sink) is True
+        assert got == [b"first", b"second"]
+        assert response.at_eof()
+        response.release()
+        assert pool.idle_connections == 1
+        await pool.close()
+
+
+async def test_pipe_stops_when_the_sink_says_so_and_resumes_where_it_stopped() -> None:
+    chunks = [b"%03d" % i for i in range(200)]
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await read_request(reader, server)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for chunk in chunks:
+            writer.write(b"3\r\n%s\r\n" % chunk)
+            await writer.drain()
+            await asyncio.sleep(0)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with serve(stream) as server:
+        pool = UpstreamPool(f"http://127.0.0.1:{server.port}")
+        response = await pool.request("POST", b"/v1/s", [], b"{}")
+        got: list[bytes] = []
+        accept = 0
+
+        def sink(chunk: bytes) -> bool:
+            got.append(chunk)
+            return len(got) < accept
+
+        stops = 0
+        while True:
+            accept = len(got) + 7  # a receiver that is "slow" every seventh chunk
+            if await response.pipe(sink):
+                break
+            stops += 1
+        assert stops > 0
+        assert b"".join(got) == b"".join(chunks)  # in order, nothing lost or repeated
+        response.release()
+        assert pool.idle_connections == 1
+        await pool.close()
+
+
+async def test_pipe_raises_when_the_upstream_fails_mid_body() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await read_request(reader, server)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ntick\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    async with serve(cut) as server:
+        pool = UpstreamPool(f"http://127.0.0.1:{server.port}")
+        response = await pool.request("POST", b"/v1/x", [], b"{}")
+        got: list[bytes] = []
+        with pytest.raises(UpstreamError) as caught:
+            await response.pipe(lambda chunk: got.append(chunk) is None)
+        assert got == [b"tick"]
+        assert not caught.value.before_response
+        response.release()
+        assert pool.idle_connections == 0
+
+
 def test_works_on_uvloop() -> None:
     async def main() -> None:
         async with serve(keep_answering) as server:

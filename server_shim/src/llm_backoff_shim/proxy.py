@@ -51,7 +51,13 @@ from llm_backoff_shim.admission import (
 )
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
-from llm_backoff_shim.connection_guard import CONNECTION_GONE, ConnectionGone
+from llm_backoff_shim.connection_guard import (
+    CLIENT_WIRE,
+    CONNECTION_GONE,
+    ChunkWriter,
+    ClientWire,
+    ConnectionGone,
+)
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
 from llm_backoff_shim.intake import (
     ClientGone,
@@ -261,15 +267,16 @@ class Proxy:
         )
         extensions = scope.get("extensions")
         gone = extensions.get(CONNECTION_GONE) if extensions else None
+        wire = extensions.get(CLIENT_WIRE) if extensions else None
         if request is None:
             exchange = _Exchange()
             try:
-                relay = lambda: self._relay(forward, send, None, exchange, arrival)  # noqa: E731
+                relay = lambda: self._relay(forward, send, None, exchange, arrival, None, wire)  # noqa: E731
                 await _watch_disconnect(receive, relay, gone)
             finally:
                 self._log(record, exchange)
         else:
-            await self._gated(request, forward, receive, send, arrival, record, gone)
+            await self._gated(request, forward, receive, send, arrival, record, gone, wire)
 
     async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
         self.metrics.bad_request(refusal.reason)
@@ -334,6 +341,7 @@ class Proxy:
         arrival: float,
         record: AccessRecord | None = None,
         gone: ConnectionGone | None = None,
+        wire: ClientWire | None = None,
     ) -> None:
         cls = request.cls
         grant: Grant | None = None
@@ -363,7 +371,7 @@ class Proxy:
             exchange.queue_time = grant.queue_time
             self.metrics.count(cls, "admitted")
             self.metrics.observe_queue_wait(cls, grant.queue_time)
-            await self._relay(forward, send, grant, exchange, arrival, scope)
+            await self._relay(forward, send, grant, exchange, arrival, scope, wire)
 
         try:
             await _watch_disconnect(receive, work, gone)
@@ -385,6 +393,7 @@ class Proxy:
         exchange: _Exchange | None,
         arrival: float,
         scope: RequestScope | None = None,
+        wire: ClientWire | None = None,
     ) -> None:
         exchange = exchange if exchange is not None else _Exchange()
         cls = grant.ticket.cls if grant is not None else None
@@ -435,6 +444,13 @@ class Proxy:
                     await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                     if ended:
                         break
+                    if wire is not None:
+                        # More than one chunk: a stream. The rest goes straight to the client.
+                        write = wire.chunk_writer()
+                        if write is not None:
+                            await _splice(response, write, send, scope)
+                            ended = True
+                            break
             except UpstreamError as exc:
                 exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
                 raise UpstreamStreamBroken(f"upstream failed mid-response: {exc}") from exc
@@ -592,6 +608,28 @@ def _still_cancelling(task: asyncio.Task[Any]) -> bool:
     if sys.version_info >= (3, 11):
         return task.uncancel() > 0
     return False  # 3.10 cannot tell; a shutdown cancel arriving in the same instant is absorbed
+
+
+async def _splice(
+    response: UpstreamResponse, write: ChunkWriter, send: Send, scope: RequestScope | None
+) -> None:
+    """Relay the rest of a chunked body with :meth:`UpstreamResponse.pipe` onto the client's wire.
+
+    When the client falls behind, the engine's socket stops being read, and uvicorn's
+    ``send`` (an empty chunk writes nothing) waits for the client to drain, as it does for
+    every ``send`` of the plain path.
+    """
+    sink = write
+    if scope is not None and type(scope).observe is not RequestScope.observe:
+        observe = scope.observe
+
+        def sink(chunk: bytes) -> bool:
+            observe(chunk)
+            return write(chunk)
+
+    while not await response.pipe(sink):
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _answer(send: Send, response: ErrorResponse, exchange: _Exchange | None = None) -> None:

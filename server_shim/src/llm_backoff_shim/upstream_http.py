@@ -173,6 +173,10 @@ class _Connection(asyncio.Protocol):
         self.transport.write(payload)
         return self._head
 
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
     def resume_reading(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
@@ -220,6 +224,7 @@ class UpstreamResponse:
         "_error",
         "_loop",
         "_pool",
+        "_sink",
         "_waiter",
         "buffered",
         "headers",
@@ -243,9 +248,16 @@ class UpstreamResponse:
         self._loop = loop
         self._conn: _Connection | None = None
         self._pool = pool
+        self._sink: Callable[[bytes], bool] | None = None
 
     # fed by the connection
     def feed(self, data: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if not sink(data):
+                self._sink = None  # the receiver is slow: pipe() pauses reading and returns
+                self._wake()
+            return
         self._chunks.append(data)
         self.buffered += len(data)
         self._wake()
@@ -290,6 +302,44 @@ class UpstreamResponse:
         if was_paused and self._conn is not None:
             self._conn.resume_reading()
         return data
+
+    async def pipe(self, sink: Callable[[bytes], bool]) -> bool:
+        """Hand the body to ``sink`` chunk by chunk, as it arrives, from the connection's own callback.
+
+        No task wakes per chunk, which is what a stream of small events costs most. Returns
+        True at the end of the body; False as soon as ``sink`` returns False (its receiver
+        is slow): reading from the engine is then paused until the next ``pipe``.
+        Raises :class:`UpstreamError` as ``read_chunk`` does.
+        """
+        chunks = self._chunks
+        while chunks:
+            if not sink(chunks.popleft()):
+                return self._stop_pipe()
+        self.buffered = 0
+        conn = self._conn
+        if conn is not None:
+            conn.resume_reading()
+        self._sink = sink
+        try:
+            while not self._done and self._error is None and self._sink is sink:
+                self._waiter = self._loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            self._sink = None
+        if self._done:
+            return not chunks
+        if self._error is not None:
+            raise self._error
+        return self._stop_pipe()
+
+    def _stop_pipe(self) -> bool:
+        conn = self._conn
+        if conn is not None:
+            conn.pause_reading()
+        return False
 
     async def read(self, limit: int) -> bytes:
         """Up to ``limit`` bytes of the body (for short error bodies)."""
