@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from llm_backoff_shim.intake import parse_json_object
 from llm_backoff_shim.proxy import asks_for_stream
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -33,7 +34,9 @@ def post(
     ],
 )
 def test_asks_for_stream(body: bytes, expected: bool) -> None:
-    assert asks_for_stream(body) is expected
+    parsed = parse_json_object(body)
+    assert isinstance(parsed, dict)
+    assert asks_for_stream(parsed) is expected
 
 
 def test_only_streams_feed_the_first_token_estimate(upstream: Any, make_shim: Callable[..., Any]) -> None:

@@ -148,7 +148,8 @@ def reason_of(response: ErrorResponse) -> str:
     return "unknown_class" if code == "invalid_request_class" else "invalid_header"
 
 
-def check_json_object(body: bytes) -> Refusal | None:
+def parse_json_object(body: bytes) -> dict[str, Any] | Refusal:
+    """The body as a JSON object (parsed once per request: a prompt can be megabytes)."""
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
@@ -162,4 +163,4 @@ def check_json_object(body: bytes) -> Refusal | None:
             "malformed_json",
             client_error("request body must be a JSON object", code="invalid_json"),
         )
-    return None
+    return data

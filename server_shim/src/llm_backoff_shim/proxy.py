@@ -65,7 +65,7 @@ from llm_backoff_shim.intake import (
     check_api_key,
     check_content_type,
     check_declared_length,
-    check_json_object,
+    parse_json_object,
     read_body,
     reason_of,
 )
@@ -126,19 +126,9 @@ def is_generation(method: str, path: str) -> bool:
     return method == "POST" and path.rstrip("/") in GENERATION_PATHS
 
 
-def asks_for_stream(body: bytes) -> bool:
-    """Whether a (valid JSON object) body has ``"stream": true``.
-
-    The substring test spares a second parse of every non-streaming body (intake's parse
-    is not kept); a false positive (the word in a prompt) only costs that parse.
-    """
-    if b'"stream"' not in body:
-        return False
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and data.get("stream") is True
+def asks_for_stream(body: dict[str, Any]) -> bool:
+    """Whether a request body asks for a stream: only a JSON ``true`` does."""
+    return body.get("stream") is True
 
 
 def parse_budget(value: str | None) -> float | None:
@@ -252,11 +242,11 @@ class Proxy:
             await self._refuse(send, body, record)
             return
         if gated:
-            refusal = check_json_object(body)
-            if refusal is not None:
-                await self._refuse(send, refusal, record)
+            data = parse_json_object(body)
+            if isinstance(data, Refusal):
+                await self._refuse(send, data, record)
                 return
-            if request is not None and asks_for_stream(body):
+            if request is not None and asks_for_stream(data):
                 request = replace(request, stream=True)
         forward = _ForwardRequest(
             method=method,
