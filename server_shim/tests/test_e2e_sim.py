@@ -180,6 +180,52 @@ def test_a_slow_stream_reader_gets_every_token_in_order(
     assert shim.state()["interactive"] == (0, 0)
 
 
+def test_pipelined_streams_on_one_connection_both_arrive_whole(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    # uvicorn serves pipelined requests one after the other; the second one's head is parsed
+    # while the first is still streaming, and neither answer may borrow the other's state.
+    sim = sim_factory(max_num_seqs=2, output_tokens=50, ttft=0.0, itl=0.001)
+    shim = make_shim(sim.url, max_concurrency=2, max_queue=2)
+    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    with socket.create_connection(("127.0.0.1", shim.server.port), timeout=30) as sock:
+        sock.sendall(request + request)
+        received = bytearray()
+        while received.count(b"\r\n0\r\n\r\n") < 2:
+            data = sock.recv(1 << 16)
+            assert data, "connection closed before both streams ended"
+            received += data
+    answers = bytes(received).split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 2
+    for answer in answers:
+        assert answer.startswith(b"200")
+        payload = _unchunk(answer.partition(b"\r\n\r\n")[2])
+        assert [int(n) for n in re.findall(rb"token(\d+)", payload)] == list(range(50))
+        assert payload.endswith(b"data: [DONE]\n\n")
+    assert shim.state()["interactive"] == (0, 0)
+
+
+def test_a_large_answer_with_a_length_is_relayed_unframed(
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any]
+) -> None:
+    # Read from the engine in many chunks, but it has a Content-Length: only chunked answers
+    # may take the relay's direct path, which writes chunk frames.
+    tokens = 20_000
+    sim = sim_factory(max_num_seqs=1, output_tokens=tokens, ttft=0.0, itl=0.0)
+    shim = make_shim(sim.url, max_concurrency=1, max_queue=0)
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    response = httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200
+    assert "content-length" in response.headers
+    content = response.json()["choices"][0]["message"]["content"]
+    assert content == " ".join(f"token{i}" for i in range(tokens))
+
+
 def _unchunk(framed: bytes) -> bytes:
     out = bytearray()
     at = 0
