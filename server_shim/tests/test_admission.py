@@ -476,10 +476,40 @@ def test_max_queue_wait_estimate_counts_higher_priority_classes_only() -> None:
     assert rejection(c.submit(req("batch"))).code == "queue_full"  # served after 3 interactive
     c2, _ = measured(service=1.0, max_wait=3.0)
     ticket(c2.submit(req()))
-    for _ in range(3):
-        ticket(c2.submit(req("batch")))
+    batch = [ticket(c2.submit(req("batch"))) for _ in range(2)]  # 1 s and 2 s: room to spare
     # Strict priority: queued batch work does not delay an interactive newcomer.
-    assert ticket(c2.submit(req("interactive"))).state is TicketState.QUEUED
+    interactive = ticket(c2.submit(req("interactive")))
+    assert c2.serve_order() == [interactive, *batch]
+
+
+def test_a_newcomer_does_not_go_ahead_of_a_request_it_would_make_late() -> None:
+    c, _ = measured(service=1.0, max_wait=3.5)
+    ticket(c.submit(req()))
+    batch = [ticket(c.submit(req("batch"))) for _ in range(3)]  # 1, 2, 3 s: the last has 0.5 s
+    # Ahead of all three it would push the last to 4 s: it goes after it instead, where its
+    # own wait (4 s) passes its 3.5 s limit, so it is refused at arrival.
+    refused = rejection(c.submit(req("interactive")))
+    assert refused.code == "queue_full"
+    assert "estimated queue wait 4.00 s" in refused.message
+    assert c.serve_order() == batch
+    assert not c.recheck()
+
+
+def test_a_newcomer_is_placed_right_after_the_last_request_it_would_make_late() -> None:
+    c, _ = measured(service=1.0, max_wait=10.0)
+    running = ticket(c.submit(req()))
+    tight = ticket(c.submit(req("batch", budget=2.0)))  # 1 s wait + 1 s service: no room at all
+    loose = ticket(c.submit(req("batch")))  # 2 s of its 10 s
+    interactive = ticket(c.submit(req("interactive")))
+    assert c.serve_order() == [tight, interactive, loose]
+    assert not c.recheck()  # nobody was made late
+    order = []
+    current = running
+    for _ in range(3):
+        (current,) = c.release(current, Outcome.COMPLETED).admitted
+        order.append(current)
+    assert order == [tight, interactive, loose]
+    assert c.overtaken_total == 0
 
 
 def test_max_queue_wait_is_not_judged_on_the_prior_alone() -> None:

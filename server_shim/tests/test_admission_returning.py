@@ -247,49 +247,72 @@ def test_higher_class_promises_delay_a_lower_class_hint() -> None:
     assert est.retry_after("batch", 0, 1, promised_by=("interactive",)) == pytest.approx(4.0)
 
 
-# -- overtaken requests leave early --------------------------------------------------------------
+# -- a queued request keeps its promise; the recheck is the safety net ----------------------------
 
 
-def test_batch_overtaken_by_interactive_arrivals_is_refused_at_once() -> None:
-    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+def test_interactive_arrivals_do_not_push_a_batch_request_past_its_budget() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
-    batch = [ticket(c.submit(fresh("batch"))) for _ in range(2)]  # expected waits 1 s and 2 s
+    b0 = ticket(c.submit(fresh("batch")))
+    b1 = ticket(c.submit(fresh("batch", budget=4.5)))  # 2 s wait + 1 s service: 1.5 s to spare
+    first = ticket(c.submit(fresh()))  # ahead of both: b1 now 3 + 1 s, within 4.5 s
+    assert c.serve_order() == [first, b0, b1]
+    second = ticket(c.submit(fresh()))  # ahead of both would make b1 late: right after it
+    assert c.serve_order() == [first, b0, b1, second]
+    assert second.key > b1.key
     assert not c.recheck()
-    ticket(c.submit(fresh()))
-    ticket(c.submit(fresh()))  # two interactive ahead: now 3 s and 4 s
-    dropped = c.recheck()
-    assert dropped.expired == [batch[1]]
-    assert not dropped.admitted
-    refusal = batch[1].rejection
-    assert refusal is not None
-    assert refusal.code == "queue_timeout"
-    assert "overtaken in the queue" in refusal.message
-    assert refusal.retry_after > 0
-    assert batch[0].state is TicketState.QUEUED  # FIFO kept: the head can still make it
-    assert c.queued("batch") == 1
+    assert c.overtaken_total == 0
+    # Where it breaks no promise (5 s away) is past its own budget: refused at arrival, with a hint.
+    refused = rejection(c.submit(fresh(budget=3.0)))
+    assert refused.code == "queue_timeout"
+    assert "estimated queue wait 5.00 s" in refused.message
+    assert refused.retry_after > 0
+    assert c.serve_order() == [first, b0, b1, second]
 
 
-def test_fresh_requests_overtaken_by_returning_ones_are_refused_at_once() -> None:
-    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+def test_returning_callers_go_first_only_where_they_make_nobody_late() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
-    first, second = ticket(c.submit(fresh())), ticket(c.submit(fresh()))  # 1 s and 2 s away
-    ticket(c.submit(back()))  # two returning ahead of them: 3 s and 4 s
-    ticket(c.submit(back()))
-    assert c.recheck().expired == [second]
-    assert first.state is TicketState.QUEUED
+    first, second = ticket(c.submit(fresh())), ticket(c.submit(fresh(budget=4.5)))  # 1 s and 2 s away
+    r1 = ticket(c.submit(back()))  # ahead of both: second 3 + 1 s, within 4.5 s
+    r2 = ticket(c.submit(back()))  # ahead of both would make second late: right after it
+    assert c.serve_order() == [r1, first, second, r2]
+    assert not c.recheck()
 
 
-def test_a_budget_overtaken_is_refused_at_once() -> None:
+def test_a_budget_is_a_promise_too() -> None:
     c, clock = make(limit=1, max_queue=8, max_wait=30.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
     short = ticket(c.submit(fresh("batch", budget=2.5)))  # 1 s wait + 1 s service: fits
-    ticket(c.submit(fresh()))  # now 2 s wait + 1 s service > 2.5 s
-    assert c.recheck().expired == [short]
-    assert short.rejection is not None
-    assert "remaining request budget" in short.rejection.message
+    later = ticket(c.submit(fresh()))  # ahead of it: 2 s wait + 1 s service > 2.5 s
+    assert c.serve_order() == [short, later]
+    assert not c.recheck()
+
+
+def test_the_recheck_turns_away_at_once_those_the_estimate_now_says_are_late() -> None:
+    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    running = ticket(c.submit(fresh()))
+    queued = [ticket(c.submit(fresh("batch"))) for _ in range(3)]  # 1, 2, 3 s
+    assert not c.recheck()
+    clock.now += 3.0
+    moved = c.release(running, Outcome.COMPLETED)  # 3 s, not 1 s: the estimate grows to 1.4 s
+    assert c.estimator.service_time == pytest.approx(1.4)
+    assert moved.admitted == queued[:1]
+    # 0.5 s of limit left each. The new head is not judged late: the estimate does not know how
+    # long the request in flight has run, so it is judged on a slot freeing now (0 s). The one
+    # behind it needs one more slot, 1.4 s at the soonest: it cannot make it.
+    assert moved.expired == queued[2:]
+    refusal = queued[2].rejection
+    assert refusal is not None
+    assert refusal.code == "queue_timeout"
+    assert "overtaken in the queue" in refusal.message
+    assert refusal.retry_after > 0
+    assert c.overtaken_total == 1
+    assert c.queued() == 1
 
 
 def test_a_guaranteed_minimum_share_keeps_batch_requests_it_will_serve() -> None:
@@ -314,23 +337,32 @@ def test_nothing_is_rechecked_on_the_prior_alone() -> None:
     assert not c.recheck()
 
 
-async def test_an_overtaken_waiter_is_answered_at_once() -> None:
-    c, clock = make(limit=1, max_queue=8, max_wait=1.5, returning_share=0.0)
+async def test_a_waiter_the_estimate_says_is_late_is_answered_at_once() -> None:
+    c, clock = make(limit=2, max_queue=8, max_wait=2.0, returning_share=0.0)
     measure(c, clock, 1.0)
     admission = AsyncAdmission(c, clock)
-    running = await admission.acquire(fresh())
-    assert isinstance(running, Grant)
-    batch = asyncio.create_task(admission.acquire(fresh("batch")))
+    slow = await admission.acquire(fresh())
+    assert isinstance(slow, Grant)
+    clock.now += 20.0
+    other = await admission.acquire(fresh())
+    assert isinstance(other, Grant)
+    b1, b2, b3 = (asyncio.create_task(admission.acquire(fresh("batch"))) for _ in range(3))
     await asyncio.sleep(0)
-    assert admission.waiting == 1
-    interactive = asyncio.create_task(admission.acquire(fresh()))
-    refused = await asyncio.wait_for(batch, 1.0)  # not after its 1.5 s wait: at once
+    assert admission.waiting == 3  # 0.5, 1 and 1.5 s of their 2 s
+    clock.now += 0.2
+    admission.release(slow, Outcome.COMPLETED)  # 20.2 s: the estimate grows to 4.84 s
+    first = await asyncio.wait_for(b1, 1.0)
+    assert isinstance(first, Grant)
+    refused = await asyncio.wait_for(b3, 1.0)  # a slot ahead of it: answered now, not in 1.8 s
     assert isinstance(refused, Rejection)
     assert refused.code == "queue_timeout"
-    admission.release(running, Outcome.COMPLETED)
-    served = await interactive
-    assert isinstance(served, Grant)
-    admission.release(served, Outcome.COMPLETED)
+    assert c.overtaken_total == 1
+    assert not b2.done()  # at the head: a slot may free any moment
+    admission.release(first, Outcome.COMPLETED)
+    second = await asyncio.wait_for(b2, 1.0)
+    assert isinstance(second, Grant)
+    for grant in (second, other):
+        admission.release(grant, Outcome.COMPLETED)
     assert (c.in_flight(), c.queued(), admission.waiting) == (0, 0, 0)
 
 

@@ -32,7 +32,7 @@ Returning callers first. A request whose client says it is a retry (``x-stainles
 (``x-request-timeout-ms``) was most likely told a Retry-After and honoured it;
 Retry-After is an estimate, not a reservation, so without help it would find its place
 taken by fresh arrivals and be turned away again. So, within its class, a returning request
-is served before every fresh one (two FIFOs per class, returning first), and while callers
+is served before the fresh ones (where that breaks no promise, below), and while callers
 have been promised a return, up to ``returning_share`` of each queue bound (one place per
 promise) is kept for returning requests: a full queue refuses a fresh arrival before it
 refuses a returning one. A request already queued is never evicted. A fresh arrival's
@@ -44,14 +44,26 @@ of the same class, nothing more; tenant quotas, budgets and class bounds apply u
 promised returns still count in a fresh arrival's wait): with short deadlines and clients
 that send no budget, retries served first can be served too late (docs/demo.md).
 
-Overtaken requests leave early. Strict priority (and returning-first) means a request
-queued with a wait estimate within its limit can be pushed back by later arrivals that go
-ahead of it. :meth:`AdmissionController.recheck` (run after every admission decision that
-queued or admitted a request) re-estimates every queued request from its current place and
+A queued request keeps its promise. All queued requests stand in one serve order, each with
+a sort key: by class (highest first), returning before fresh, then arrival. A request is
+queued only if its estimated wait at its place is within its class's ``max_queue_wait`` and
+its budget (less the service it needs); that is its promise, and a later arrival must not
+break it. A newcomer whose natural place is ahead of queued requests (a higher class, or a
+returning caller ahead of fresh ones) therefore checks, in one walk of the queue, which of
+them one more request ahead would make late by the estimator, and is placed right after the
+last such request instead (its key extends that request's key), where it pushes back only
+requests with room to spare. If its wait at that place is past its own limit or budget, it
+is refused at arrival with a spread Retry-After. The trade-off: while lower-class or fresh
+requests near their limit are queued, a higher-class or returning newcomer waits behind
+them, and is refused at arrival when that wait is too long for it.
+:meth:`AdmissionController.recheck` remains the safety net for estimator error (service
+times vary; the estimate moves): it re-estimates every queued request from its place and
 turns away, with ``queue_timeout`` and a Retry-After, those that can no longer be served
-within their ``max_queue_wait`` or budget, instead of letting them wait it out. A class's
-guaranteed minimum share (:class:`MinimumShares`, e.g. the shim's scheduler) bounds its
-wait, so requests the share will serve in time stay.
+within their ``max_queue_wait`` or budget, instead of letting them wait it out; each such
+refusal counts in :attr:`AdmissionController.overtaken_total`. A class's guaranteed minimum
+share (:class:`MinimumShares`, e.g. the shim's scheduler) bounds its wait, so requests the
+share will serve in time stay. The schedulers see the classes with queued requests in the
+order their heads are due, so a request placed behind a lower class's request waits for it.
 
 Invariant kept by :meth:`AdmissionController._pump`: after every call, either no queued
 request can be admitted (the limit is reached or the scheduler holds the slot back)
@@ -61,7 +73,9 @@ EXPIRED, so in-flight and queued counts return to zero whatever the mix of outco
 
 from __future__ import annotations
 
+import bisect
 import enum
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -189,9 +203,13 @@ class Outcome(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
-    """One request's place: queued, then admitted (holding a slot), then released."""
+    """One request's place: queued, then admitted (holding a slot), then released.
+
+    ``key`` orders the queued tickets of all classes into one serve order (see the module
+    docstring); ``returning``: queued in its class's returning lane.
+    """
 
     id: int
     request: AdmissionRequest
@@ -201,6 +219,8 @@ class Ticket:
     state: TicketState = TicketState.QUEUED
     admitted_at: float | None = None
     rejection: Rejection | None = None
+    key: tuple[int, ...] = ()
+    returning: bool = False
 
     @property
     def cls(self) -> str:
@@ -250,8 +270,10 @@ class AdmissionGate(Protocol):
 class ClassScheduler(Protocol):
     """Chooses whose queue head takes the next free slot.
 
-    ``waiting`` lists the classes with queued requests, highest priority first. Return
-    one of them, or None to keep the slot free (e.g. reserved for another class).
+    ``waiting`` lists the classes with queued requests in the order their queue heads are
+    due: highest priority first, unless a request was placed behind a lower class's queued
+    request to keep that one's promise (module docstring). Return one of them, or None to
+    keep the slot free (e.g. reserved for another class).
     """
 
     def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None: ...
@@ -311,14 +333,15 @@ class AdmissionController:
         self._clock = clock
         self._scheduler: ClassScheduler = scheduler or StrictPriority()
         self.gates: list[AdmissionGate] = list(gates)
-        # dicts keep insertion order: FIFO with O(1) removal of a cancelled ticket.
-        # Per class, returning requests are served before fresh ones.
-        self._returning: dict[str, dict[int, Ticket]] = {name: {} for name in names}
-        self._fresh: dict[str, dict[int, Ticket]] = {name: {} for name in names}
+        # One list per class, sorted by Ticket.key; together they are the serve order. Lists,
+        # not a heap: queues are short, and a cancel removes from the middle.
+        self._queues: dict[str, list[Ticket]] = {name: [] for name in names}
+        self._rank = {name: i for i, name in enumerate(names)}
         self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
         # Totals kept beside the per-class figures: both are read several times per request.
         self._in_flight_total = 0
-        self._all_queues = tuple(q for name in names for q in (self._returning[name], self._fresh[name]))
+        self._queued_total = 0
+        self._overtaken_total = 0
         self._ids = itertools.count(1)
 
     # -- view ------------------------------------------------------------------------------
@@ -353,24 +376,32 @@ class AdmissionController:
 
     def queued(self, cls: str | None = None) -> int:
         if cls is None:
-            return sum(map(len, self._all_queues))
-        return len(self._returning[cls]) + len(self._fresh[cls])
+            return self._queued_total
+        return len(self._queues[cls])
 
     def queued_returning(self, cls: str) -> int:
-        """Queued requests of ``cls`` that said they are retries."""
-        return len(self._returning[cls])
+        """Queued requests of ``cls`` that said they are retries (and count as returning)."""
+        return sum(t.returning for t in self._queues[cls])
 
     def oldest_wait(self, cls: str) -> float:
         """Seconds the longest-waiting request of ``cls``'s queue has waited (0 when empty)."""
-        heads = [next(iter(q.values())).arrived for q in (self._returning[cls], self._fresh[cls]) if q]
-        if not heads:
+        queue = self._queues[cls]
+        if not queue:
             return 0.0
-        return max(0.0, self._clock() - min(heads))
+        return max(0.0, self._clock() - min(t.arrived for t in queue))
+
+    def serve_order(self) -> list[Ticket]:
+        """The queued tickets of every class, in the order strict priority would admit them."""
+        return list(heapq.merge(*self._queues.values(), key=_key))
+
+    @property
+    def overtaken_total(self) -> int:
+        """Queued requests :meth:`recheck` turned away since start (the estimator was wrong)."""
+        return self._overtaken_total
 
     def ahead_of(self, cls: str) -> int:
         """Requests that would be served before a fresh newcomer of ``cls`` (strict-priority view)."""
-        index = self._classes.index(cls)
-        return sum(self.queued(c) for c in self._classes[: index + 1])
+        return sum(len(self._queues[c]) for c in self._classes[: self._rank[cls] + 1])
 
     def fresh_room(self, bound: int, classes: Iterable[str]) -> int:
         """Places of a queue bound that fresh arrivals may fill; the rest wait for returning ones.
@@ -413,18 +444,37 @@ class AdmissionController:
         ticket = Ticket(
             id=next(self._ids), request=request, arrived=now, deadline=deadline, budget_bound=budget_bound
         )
-        queue = self._queue_of(ticket)
-        if self._is_returning(ticket):
-            has_room = self.queued(cls) < policy.max_queue and (
-                self._max_total is None or self.queued() < self._max_total
+        # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
+        if (
+            not self._queued_total
+            and self._in_flight_total < self._limit.limit
+            and self._scheduler.pick((cls,), self) == cls
+        ):
+            if self._short_of(ticket, now) is not None:
+                self._expire(ticket)
+                assert ticket.rejection is not None
+                return ticket.rejection
+            ticket.state = TicketState.ADMITTED
+            ticket.admitted_at = now
+            self._in_flight[cls] += 1
+            self._in_flight_total += 1
+            return ticket
+        returning = ticket.returning = self._is_returning(ticket)
+        queue = self._queues[cls]
+        if returning:
+            has_room = len(queue) < policy.max_queue and (
+                self._max_total is None or self._queued_total < self._max_total
             )
         else:
-            has_room = self.queued(cls) < self.fresh_room(policy.max_queue, (cls,)) and (
-                self._max_total is None or self.queued() < self.fresh_room(self._max_total, self._classes)
+            total = self._max_total
+            has_room = len(queue) < self.fresh_room(policy.max_queue, (cls,)) and (
+                total is None or self._queued_total < self.fresh_room(total, self._classes)
             )
+        ahead, in_class = self._place(ticket, now)
         # Queued tentatively even when full: the pump admits it at once if a slot is
         # usable (e.g. --max-queue 0 with an idle engine), else it is taken back out.
-        queue[ticket.id] = ticket
+        bisect.insort(queue, ticket, key=_key)
+        self._queued_total += 1
         self._pump()
         if ticket.state is TicketState.ADMITTED:
             return ticket
@@ -433,12 +483,12 @@ class AdmissionController:
             assert ticket.rejection is not None
             return ticket.rejection
         if not has_room:
-            del queue[ticket.id]
+            self._unqueue(ticket)
             ticket.state = TicketState.CANCELLED
             return self._reject(cls, "queue_full", "server at capacity (queue full)", request.budget)
-        early = self._early_refusal(ticket)
+        early = self._early_refusal(ticket, ahead, in_class)
         if early is not None:
-            del queue[ticket.id]
+            self._unqueue(ticket)
             ticket.state = TicketState.CANCELLED
             return early
         return ticket
@@ -459,12 +509,16 @@ class AdmissionController:
             in_flight=self.in_flight(),
             overloaded=outcome is Outcome.OVERLOADED,
         )
-        return self._pump()
+        dispatch = self._pump()
+        if self._queued_total and outcome is Outcome.COMPLETED:
+            # The service-time estimate moved: the waits promised to those queued moved with it.
+            dispatch.expired += self.recheck().expired
+        return dispatch
 
     def cancel(self, ticket: Ticket) -> Dispatch:
         """The caller went away: leave the queue, or give back the slot (as ABORTED)."""
         if ticket.state is TicketState.QUEUED:
-            del self._queue_of(ticket)[ticket.id]
+            self._unqueue(ticket)
             ticket.state = TicketState.CANCELLED
             return self._pump()
         if ticket.state is TicketState.ADMITTED:
@@ -478,7 +532,7 @@ class AdmissionController:
         """
         if ticket.state is not TicketState.QUEUED:
             return None
-        del self._queue_of(ticket)[ticket.id]
+        self._unqueue(ticket)
         self._expire(ticket)
         assert ticket.rejection is not None
         return ticket.rejection
@@ -504,37 +558,82 @@ class AdmissionController:
     def recheck(self) -> Dispatch:
         """Turn away queued requests that, from their current place, cannot be served in time.
 
-        Run after a request was queued or admitted: it may have gone ahead of others (a
-        higher class, or a returning caller ahead of fresh ones). Those whose expected wait
+        The safety net for estimator error: a newcomer is placed where it makes nobody late
+        by the estimate (:meth:`submit`), but the estimate moves (the service-time EWMA, time
+        passing while slots turn over more slowly than estimated). Those whose expected wait
         now passes their ``max_queue_wait``, or whose remaining budget no longer covers the
-        wait plus the time they need once admitted, leave at once with ``queue_timeout``
-        and a Retry-After, rather than at their deadline. Never on the cold-start prior.
+        wait plus the time they need once admitted, leave at once with ``queue_timeout`` and a
+        Retry-After, rather than at their deadline; each counts in :attr:`overtaken_total`.
+        O(queue); never on the cold-start prior.
         """
         dispatch = Dispatch()
-        if self._estimator.samples == 0 or not self.queued():
+        if not self._queued_total or self._estimator.samples == 0:
             return dispatch
         now = self._clock()
-        for queue in self._serve_order():
-            for ticket in list(queue.values()):
-                why = self._overtaken(ticket, now)
-                if why is None:
-                    continue
-                del queue[ticket.id]
-                ticket.state = TicketState.EXPIRED
-                left = None
-                if ticket.request.budget is not None:
-                    left = ticket.arrived + ticket.request.budget - now
-                ticket.rejection = self._reject(ticket.cls, "queue_timeout", why, left)
-                dispatch.expired.append(ticket)
+        ahead = 0
+        seen = dict.fromkeys(self._classes, 0)
+        for ticket in self.serve_order():
+            why = self._late(ticket, ahead, seen[ticket.cls], now, soonest=True)
+            if why is None:
+                ahead += 1
+                seen[ticket.cls] += 1
+                continue
+            self._unqueue(ticket)
+            ticket.state = TicketState.EXPIRED
+            left = None
+            if ticket.request.budget is not None:
+                left = ticket.arrived + ticket.request.budget - now
+            ticket.rejection = self._reject(ticket.cls, "queue_timeout", why, left)
+            dispatch.expired.append(ticket)
+        self._overtaken_total += len(dispatch.expired)
         return dispatch
 
     # -- internals -------------------------------------------------------------------------
-    def _early_refusal(self, ticket: Ticket) -> Rejection | None:
-        """Refuse a just-queued ticket that the estimates say cannot be served in time."""
+    def _place(self, ticket: Ticket, now: float) -> tuple[int, int]:
+        """Give a newcomer its sort key; return how many queued requests (and of its class) are ahead.
+
+        Its natural place: by class, returning before fresh, then arrival. If that is ahead
+        of queued requests that one more request ahead would make late (the estimate, as in
+        :meth:`recheck`), it goes right after the last of them instead: its key extends that
+        request's key. One walk of the serve order; no walk when it would overtake nobody.
+        """
+        cls = ticket.cls
+        key: tuple[int, ...] = (self._rank[cls], 0 if ticket.returning else 1, ticket.id)
+        ticket.key = key
+        if not any(q and q[-1].key > key for q in self._queues.values()):
+            return self._queued_total, len(self._queues[cls])
+        if self._estimator.samples == 0:
+            # Estimates on the prior alone refuse nobody (module docstring), so they move nobody.
+            order = self.serve_order()
+            before = [t for t in order if t.key < key]
+            return len(before), sum(t.cls == cls for t in before)
+        order = self.serve_order()
+        seen = dict.fromkeys(self._classes, 0)
+        last_tight: Ticket | None = None
+        for ahead, queued in enumerate(order):
+            # Would one more request ahead of it (and of its class, if the same) make it late?
+            if (
+                queued.key > key
+                and self._late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now) is not None
+            ):
+                last_tight = queued
+            seen[queued.cls] += 1
+        if last_tight is not None:
+            key = ticket.key = (*last_tight.key, ticket.id)
+        before = [t for t in order if t.key < key]
+        return len(before), sum(t.cls == cls for t in before)
+
+    def _early_refusal(self, ticket: Ticket, ahead: int, in_class: int) -> Rejection | None:
+        """Refuse a just-queued ticket, ``ahead`` places from the front (``in_class`` of its
+        class), that the estimates say cannot be served in time."""
         if self._estimator.samples == 0:
             return None  # the wait estimate would rest on the prior alone
         cls, budget = ticket.cls, ticket.request.budget
-        expected = self._expected_wait(ticket)
+        higher = self._classes[: self._rank[cls]]
+        # Returns promised before it would be served go ahead of a fresh arrival (and those of
+        # higher classes ahead of anyone): each takes a slot first.
+        promised_by = higher if ticket.returning else (*higher, cls)
+        expected = self._wait_at(cls, ahead, in_class, promised_by)
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
             if expected + need > budget:
@@ -556,8 +655,9 @@ class AdmissionController:
             )
         return None
 
-    def _queue_of(self, ticket: Ticket) -> dict[int, Ticket]:
-        return (self._returning if self._is_returning(ticket) else self._fresh)[ticket.cls]
+    def _unqueue(self, ticket: Ticket) -> None:
+        self._queues[ticket.cls].remove(ticket)
+        self._queued_total -= 1
 
     def _is_returning(self, ticket: Ticket) -> bool:
         # Only a caller that says how long it will wait: the shim can then check that it can
@@ -566,52 +666,38 @@ class AdmissionController:
         request = ticket.request
         return self._returning_first and request.returning and request.budget is not None
 
-    def _serve_order(self) -> list[dict[int, Ticket]]:
-        """The queues in the order strict priority serves them: by class, returning before fresh."""
-        return [q for c in self._classes for q in (self._returning[c], self._fresh[c])]
-
-    def _expected_wait(self, ticket: Ticket, *, promises: bool = True) -> float:
-        """Seconds until a queued ticket gets a slot, from its current place.
-
-        Strict priority over everything queued ahead of it (plus, for a fresh ticket, the
-        returns promised before it would be served, unless ``promises`` is False), bounded
-        by its class's guaranteed minimum share, which serves its class in FIFO order
-        whatever higher classes want.
-        """
-        cls = ticket.cls
-        index = self._classes.index(cls)
-        higher = self._classes[:index]
-        ahead = sum(self.queued(c) for c in higher)
-        mine = self._returning[cls]
-        if self._is_returning(ticket):
-            in_class = _position(mine, ticket)
-        else:
-            in_class = len(mine) + _position(self._fresh[cls], ticket)
-        promised_by: Sequence[str] = ()
-        if promises:
-            promised_by = higher if self._is_returning(ticket) else (*higher, cls)
-        return self._wait_at(cls, ahead + in_class, in_class, promised_by)
-
-    def _wait_at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str]) -> float:
+    def _wait_at(
+        self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], *, soonest: bool = False
+    ) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
-        priority, ``in_class`` of them of its own class (see :meth:`_expected_wait`)."""
-        higher = self._classes[: self._classes.index(cls)]
+        priority, ``in_class`` of them of its own class: at the drain rate, bounded by the
+        class's guaranteed minimum share, which serves its class in FIFO order whatever
+        higher classes want.
+
+        ``soonest``: if a slot freed now (the wait of those ahead only). The estimate has no
+        memory of how long the requests in flight have run, so for a request that has already
+        waited it overstates the wait; the recheck judges on this bound instead.
+        """
+        free = 1 if soonest else 0
         est = self._estimator
-        wait = est.expected_wait(ahead, self.limit, 0, promised_by=promised_by)
-        if higher and isinstance(self._scheduler, MinimumShares):
+        wait = est.expected_wait(ahead, self.limit, free, promised_by=promised_by)
+        if self._rank[cls] and isinstance(self._scheduler, MinimumShares):
             share = self._scheduler.minimum_slots(cls, self.limit)
             if share > 0:
-                wait = min(wait, est.expected_wait(in_class, share, 0))
+                wait = min(wait, est.expected_wait(in_class, share, free))
         return wait
 
-    def _overtaken(self, ticket: Ticket, now: float) -> str | None:
-        """Why a queued ticket can no longer be served in time, or None.
+    def _late(
+        self, ticket: Ticket, ahead: int, in_class: int, now: float, *, soonest: bool = False
+    ) -> str | None:
+        """Why a queued ticket with ``ahead`` requests before it (``in_class`` of its class)
+        cannot be served in time, or None (``soonest``: see :meth:`_wait_at`).
 
         Judged on the requests queued ahead of it only, not on promised returns: those may
         not come back (a client gives up, or has no retries left), and a request dropped
         from the queue on a guess cannot be given its place back.
         """
-        expected = self._expected_wait(ticket, promises=False)
+        expected = self._wait_at(ticket.cls, ahead, in_class, (), soonest=soonest)
         budget = ticket.request.budget
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
@@ -646,15 +732,15 @@ class AdmissionController:
     def _pump(self) -> Dispatch:
         dispatch = Dispatch()
         now = self._clock()
-        while self.in_flight() < self._limit.limit:
-            waiting = [c for c in self._classes if self._returning[c] or self._fresh[c]]
-            if not waiting:
-                break
+        queues = self._queues
+        while self._queued_total and self._in_flight_total < self._limit.limit:
+            # In the order their heads are due (see ClassScheduler).
+            waiting = sorted((c for c in self._classes if queues[c]), key=lambda c: queues[c][0].key)
             cls = self._scheduler.pick(waiting, self)
             if cls is None:
                 break
-            queue = self._returning[cls] or self._fresh[cls]
-            ticket = queue.pop(next(iter(queue)))
+            ticket = queues[cls].pop(0)
+            self._queued_total -= 1
             if ticket.deadline <= now or self._short_of(ticket, now) is not None:
                 # Its wait or the caller's budget ran out, or what is left of the budget cannot
                 # cover the service: never send it to the engine.
@@ -691,11 +777,10 @@ class AdmissionController:
         """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known
         (a hint beyond it is not remembered as a promise, see :meth:`DrainEstimator.retry_after`)."""
         # A retry would come back returning, behind what is queued now in its class and above.
-        higher = self._classes[: self._classes.index(cls)]
-        wait = self._wait_at(cls, self.ahead_of(cls), self.queued(cls), higher)
-        hint = self._estimator.retry_after(
-            cls, self.ahead_of(cls), self.limit, keep_within=budget_left, wait=wait
-        )
+        higher = self._classes[: self._rank[cls]]
+        ahead, in_class = self.ahead_of(cls), len(self._queues[cls])
+        wait = self._wait_at(cls, ahead, in_class, higher)
+        hint = self._estimator.retry_after(cls, ahead, self.limit, keep_within=budget_left, wait=wait)
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))
 
     def _from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:
@@ -712,9 +797,5 @@ class AdmissionController:
         )
 
 
-def _position(queue: dict[int, Ticket], ticket: Ticket) -> int:
-    """How many of ``queue`` are ahead of ``ticket`` (all of them when it is not in it yet)."""
-    for n, key in enumerate(queue):
-        if key == ticket.id:
-            return n
-    return len(queue)
+def _key(ticket: Ticket) -> tuple[int, ...]:
+    return ticket.key

@@ -5,8 +5,9 @@ gets a future and a loop timer at its deadline; whoever moves the controller
 (a release, a cancel, a timer) resolves the futures of the tickets that moved in the
 same synchronous step, so the controller's state and the futures never disagree.
 
-After each request queued or admitted, :meth:`AdmissionController.recheck` may turn away
-queued requests it overtook; their futures resolve with the rejection at once.
+After each request queued, :meth:`AdmissionController.recheck` (the safety net for estimator
+error; a release runs it too) may turn away queued requests the estimate now says are late;
+their futures resolve with the rejection at once.
 
 Cancellation (the client disconnected while queued) is handled in ``acquire``: the
 ticket leaves the queue, or, if it was admitted in the instant before the
@@ -60,8 +61,7 @@ class AsyncAdmission:
         if isinstance(decision, Rejection):
             return decision
         if decision.state is TicketState.ADMITTED:
-            # It may have gone ahead of queued requests: those that can no longer make it leave now.
-            self._apply(self.controller.recheck())
+            # A slot the queued could not take (the scheduler held it): nobody was delayed.
             return Grant(decision, 0.0)
         ticket = decision
         loop = asyncio.get_running_loop()
