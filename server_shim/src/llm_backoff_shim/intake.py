@@ -148,10 +148,17 @@ def reason_of(response: ErrorResponse) -> str:
     return "unknown_class" if code == "invalid_request_class" else "invalid_header"
 
 
+#: One decoder for every body; fed text, not bytes: ``json.loads(bytes)`` first guesses the
+#: encoding, but JSON between systems is UTF-8 (RFC 8259 section 8.1).
+_DECODER = json.JSONDecoder()
+
+
 def parse_json_object(body: bytes) -> dict[str, Any] | Refusal:
     """The body as a JSON object (parsed once per request: a prompt can be megabytes)."""
     try:
-        data = json.loads(body)
+        data = _DECODER.decode(body.decode())
+    except UnicodeDecodeError:
+        return Refusal("malformed_json", client_error("request body is not UTF-8", code="invalid_json"))
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
         return Refusal(
