@@ -485,7 +485,9 @@ class AdmissionController:
         if not has_room:
             self._unqueue(ticket)
             ticket.state = TicketState.CANCELLED
-            return self._reject(cls, "queue_full", "server at capacity (queue full)", request.budget)
+            return self._reject(
+                cls, "queue_full", "server at capacity (queue full)", request.budget, stream=request.stream
+            )
         early = self._early_refusal(ticket, ahead, in_class)
         if early is not None:
             self._unqueue(ticket)
@@ -583,7 +585,9 @@ class AdmissionController:
             left = None
             if ticket.request.budget is not None:
                 left = ticket.arrived + ticket.request.budget - now
-            ticket.rejection = self._reject(ticket.cls, "queue_timeout", why, left)
+            ticket.rejection = self._reject(
+                ticket.cls, "queue_timeout", why, left, stream=ticket.request.stream
+            )
             dispatch.expired.append(ticket)
         self._overtaken_total += len(dispatch.expired)
         return dispatch
@@ -643,6 +647,7 @@ class AdmissionController:
                     f"estimated queue wait {expected:.2f} s + {self._need_name(ticket)} {need:.2f} s "
                     f"exceeds the request budget {budget:.2f} s",
                     budget,
+                    stream=ticket.request.stream,
                 )
         max_wait = self._policies[cls].max_queue_wait
         if expected > max_wait:
@@ -652,6 +657,7 @@ class AdmissionController:
                 f"server at capacity (estimated queue wait {expected:.2f} s exceeds the "
                 f"{max_wait:g} s limit)",
                 budget,
+                stream=ticket.request.stream,
             )
         return None
 
@@ -667,22 +673,41 @@ class AdmissionController:
         return self._returning_first and request.returning and request.budget is not None
 
     def _wait_at(
-        self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], *, soonest: bool = False
+        self,
+        cls: str,
+        ahead: int,
+        in_class: int,
+        promised_by: Sequence[str],
+        *,
+        soonest: bool = False,
+        strict: bool = False,
     ) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
         priority, ``in_class`` of them of its own class: at the drain rate, bounded by the
         class's guaranteed minimum share, which serves its class in FIFO order whatever
         higher classes want.
 
-        ``soonest``: if a slot freed now (the wait of those ahead only). The estimate has no
-        memory of how long the requests in flight have run, so for a request that has already
-        waited it overstates the wait; the recheck judges on this bound instead.
+        The drain rate counts the slots this class can have: a lower class's guaranteed share
+        is taken whenever that class has work queued, whatever waits above it, so it is left
+        out (always, not only while that class has queued requests: a lower-class arrival
+        would otherwise make queued requests late that were promised the whole engine).
+
+        ``strict``: without the share's bound. ``soonest``: if a slot freed now (the wait of
+        those ahead only). The estimate has no memory of how long the requests in flight have
+        run, so for a request that has already waited it overstates the wait; the recheck
+        judges on this bound instead.
         """
         free = 1 if soonest else 0
         est = self._estimator
-        wait = est.expected_wait(ahead, self.limit, free, promised_by=promised_by)
-        if self._rank[cls] and isinstance(self._scheduler, MinimumShares):
-            share = self._scheduler.minimum_slots(cls, self.limit)
+        limit = self.limit
+        slots = limit
+        shares = self._scheduler if isinstance(self._scheduler, MinimumShares) else None
+        if shares is not None:
+            held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
+            slots = max(1, limit - held)
+        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by)
+        if shares is not None and self._rank[cls] and not strict:
+            share = shares.minimum_slots(cls, limit)
             if share > 0:
                 wait = min(wait, est.expected_wait(in_class, share, free))
         return wait
@@ -771,16 +796,45 @@ class AdmissionController:
             why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"
         budget = ticket.request.budget
         remaining = None if budget is None else ticket.arrived + budget - now
-        ticket.rejection = self._reject(ticket.cls, "queue_timeout", why, remaining)
+        ticket.rejection = self._reject(
+            ticket.cls, "queue_timeout", why, remaining, stream=ticket.request.stream
+        )
 
-    def _reject(self, cls: str, code: RejectCode, why: str, budget_left: float | None = None) -> Rejection:
-        """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known
-        (a hint beyond it is not remembered as a promise, see :meth:`DrainEstimator.retry_after`)."""
+    def _reject(
+        self,
+        cls: str,
+        code: RejectCode,
+        why: str,
+        budget_left: float | None = None,
+        *,
+        stream: bool = False,
+    ) -> Rejection:
+        """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known.
+
+        A retry at the hint that would have less budget left than the time it needs once
+        admitted cannot be served: the shim would refuse it at once on arrival. Such a
+        caller is told so instead, with a hint at least its remaining budget (a client that
+        honours its deadline, as ``llm_backoff`` does, then gives up now with a typed error
+        rather than spend an attempt), and the hint is not remembered as a promise (see
+        :meth:`DrainEstimator.retry_after`).
+        """
         # A retry would come back returning, behind what is queued now in its class and above.
         higher = self._classes[: self._rank[cls]]
         ahead, in_class = self.ahead_of(cls), len(self._queues[cls])
         wait = self._wait_at(cls, ahead, in_class, higher)
-        hint = self._estimator.retry_after(cls, ahead, self.limit, keep_within=budget_left, wait=wait)
+        est = self._estimator
+        usable = None if budget_left is None else budget_left - est.expected_service(stream)
+        # Successive refusals are told successive slots of the class: of all the slots, or, when
+        # its guaranteed share is what serves it (higher classes take the rest), of that share;
+        # else its callers come back faster than it drains and find its queue still full.
+        pace = self.limit
+        if self._rank[cls] and isinstance(self._scheduler, MinimumShares):
+            share = self._scheduler.minimum_slots(cls, self.limit)
+            if share > 0 and wait < self._wait_at(cls, ahead, in_class, higher, strict=True):
+                pace = share
+        hint = est.retry_after(cls, ahead, self.limit, keep_within=usable, wait=wait, pace_slots=pace)
+        if usable is not None and budget_left is not None and hint > usable:
+            hint = min(est.config.retry_after_max, max(hint, budget_left))
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))
 
     def _from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:
