@@ -63,6 +63,19 @@ class ShimRuntime:
         c = self.controller
         return {cls: ClassState(in_flight=c.in_flight(cls), queued=c.queued(cls)) for cls in c.classes}
 
+    def state_document(self) -> dict[str, Any]:
+        """``GET /shim/state``, on whichever listener serves it."""
+        c = self.controller
+        return {
+            "limit": c.limit,
+            "service_time_s": c.estimator.service_time,
+            # Queued requests turned away after the estimate moved (admission's safety net).
+            "overtaken": c.overtaken_total,
+            "classes": {
+                cls: {"in_flight": s.in_flight, "queued": s.queued} for cls, s in self.snapshot().items()
+            },
+        }
+
 
 def build_controller(
     settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None
@@ -138,16 +151,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def state(request: Request) -> Response:
-        snapshot = runtime.snapshot()
-        return JSONResponse(
-            {
-                "limit": controller.limit,
-                "service_time_s": controller.estimator.service_time,
-                "classes": {
-                    cls: {"in_flight": s.in_flight, "queued": s.queued} for cls, s in snapshot.items()
-                },
-            }
-        )
+        return JSONResponse(runtime.state_document())
 
     async def not_found(request: Request, exc: Exception) -> Response:
         # Paths no route pattern can match (a decoded CR/LF) reach Starlette's own plain 404.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from llm_backoff_shim.admission import AdmissionController
@@ -64,7 +64,12 @@ class _LiveState(Collector):
             slo.add_metric([cls], self._slo_state(cls))
         limit = GaugeMetricFamily(PREFIX + "concurrency_limit", "Current cap on requests in flight")
         limit.add_metric([], c.limit)
-        return [in_flight, depth, drain, slo, limit]
+        overtaken = CounterMetricFamily(
+            PREFIX + "overtaken",
+            "Queued requests turned away with queue_timeout because the estimate moved after they queued",
+        )
+        overtaken.add_metric([], c.overtaken_total)
+        return [in_flight, depth, drain, slo, limit, overtaken]
 
 
 class ShimMetrics:

@@ -56,17 +56,7 @@ def ops_wsgi_app(runtime: ShimRuntime) -> Callable[[dict[str, Any], StartRespons
         if path == "/health":
             return _json(start_response, "200 OK", {"status": "ok"})
         if path == "/shim/state":
-            snapshot = runtime.snapshot()
-            return _json(
-                start_response,
-                "200 OK",
-                {
-                    "limit": runtime.controller.limit,
-                    "classes": {
-                        c: {"in_flight": s.in_flight, "queued": s.queued} for c, s in snapshot.items()
-                    },
-                },
-            )
+            return _json(start_response, "200 OK", runtime.state_document())
         return _json(
             start_response,
             "404 Not Found",
