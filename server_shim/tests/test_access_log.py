@@ -67,6 +67,7 @@ def test_json_line_has_every_field() -> None:
         "upstream_ms": 1500.0,
         "total_ms": 2000.0,
         "retry_after_s": None,
+        "detail": None,
         "tenant": "3f1a9c0d2b7e",
         "request_id": "req-1",
         "client": "127.0.0.1",
@@ -240,10 +241,14 @@ def test_rejection_and_disconnect_lines(
         float(rejected.json()["error"]["retry_after_seconds"]), abs=0.01
     )
     assert rejection["upstream_ms"] is None
+    # Why, in the shim's words: the client's error message starts with it (", retry in N s" follows).
+    assert rejection["detail"]
+    assert rejected.json()["error"]["message"].startswith(rejection["detail"])
     gone = by_outcome["client_disconnected"]
     assert (gone["path"], gone["class"], gone["status"]) == ("/v1/other/x", "-", None)  # left before the head
     assert 0 <= gone["upstream_ms"] <= gone["total_ms"]
     assert by_outcome["completed"]["status"] == 200
+    assert by_outcome["completed"]["detail"] is None
 
 
 def test_access_log_can_be_turned_off(

@@ -17,6 +17,8 @@ malformed, or abandoned by the client). Fields:
                     to the moment it was abandoned)
 ``total_ms``        arrival to the end
 ``retry_after_s``   the hint given with a rejection
+``detail``          why a request was rejected, in the shim's own words (e.g. which
+                    limit a ``queue_timeout`` hit); never anything the client sent
 ``tenant``          the tenant identity as the shim keys it: a 12-hex-digit hash of
                     the API key, or the configured tenant header's value
 ``request_id``      the client's ``x-request-id``, when short and printable
@@ -71,6 +73,7 @@ class AccessRecord:
     first_byte: float | None = None
     upstream_end: float | None = None
     retry_after: float | None = None
+    detail: str | None = None
     request_id: str | None = None
     client: str | None = None
 
@@ -146,6 +149,7 @@ class AccessLog:
             "upstream_ms": _ms(upstream),
             "total_ms": _ms(end - record.arrival),
             "retry_after_s": None if record.retry_after is None else round(record.retry_after, 3),
+            "detail": record.detail,
             "tenant": record.tenant,
             "request_id": record.request_id,
             "client": record.client,

@@ -150,7 +150,8 @@ class _Exchange:
     metric: str = "client_disconnected"
     code: str = ""
     retry_after: float | None = None
-    # For the access log: the status the client got, and where the time went.
+    # For the access log: the status the client got, why a rejection, and where the time went.
+    detail: str | None = None
     sent: int | None = None
     queue_time: float | None = None
     upstream_start: float | None = None
@@ -298,6 +299,7 @@ class Proxy:
         record.cls, record.tenant = cls, None if tenant in (None, "-") else tenant
         record.outcome, record.code, record.status = exchange.metric, exchange.code or None, exchange.sent
         record.queue_time, record.retry_after = exchange.queue_time, exchange.retry_after
+        record.detail = exchange.detail
         record.upstream_start, record.first_byte = exchange.upstream_start, exchange.first_byte
         record.upstream_end = exchange.upstream_end
         self.access_log.write(record)
@@ -353,6 +355,7 @@ class Proxy:
             if isinstance(decision, Rejection):
                 exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
                 exchange.code, exchange.retry_after = decision.code, decision.retry_after
+                exchange.detail = decision.message
                 exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
                 await _answer(send, with_headers(response, scope.response_headers()), exchange)
@@ -471,6 +474,7 @@ class Proxy:
         rejection = replace(rejection, retry_after=self.outage.failed())
         exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "rejected"
         exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
+        exchange.detail = rejection.message
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
     async def _upstream_overloaded(
@@ -486,6 +490,7 @@ class Proxy:
         rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
         exchange.outcome, exchange.metric = Outcome.OVERLOADED, "rejected"
         exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
+        exchange.detail = rejection.message
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
 
