@@ -22,6 +22,7 @@ from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.quota import TenantQuotas, quota_headers, reset_duration, specs_for
 from llm_backoff_shim.rejection import ErrorResponse
 from llm_backoff_shim.request_hooks import ShimPolicies
+from llm_backoff_shim.serve import connection_options
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 from llm_backoff_shim.tenants import (
@@ -261,7 +262,9 @@ def frozen_shim() -> Iterator[Callable[..., ServerThread]]:
     def factory(upstream: str, **settings: Any) -> ServerThread:
         values: dict[str, Any] = {"upstream": upstream, "log_level": "warning"}
         values.update(settings)
-        server = ServerThread(create_app(ShimSettings(**values), clock=lambda: 5000.0)).start()
+        app = create_app(ShimSettings(**values), clock=lambda: 5000.0)
+        # serve's protocol: a stream's usage is then read on the relay's direct path.
+        server = ServerThread(app, **connection_options(app)).start()
         servers.append(server)
         return server
 
