@@ -20,6 +20,14 @@ import pytest
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 
+#: A streaming chat request as raw bytes, for tests that need the socket itself.
+_STREAM_BODY = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
+STREAM_REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    + f"Content-Length: {len(_STREAM_BODY)}\r\n\r\n".encode()
+    + _STREAM_BODY
+)
+
 
 @pytest.fixture
 def sim_factory() -> Iterator[Callable[..., ServerThread]]:
@@ -123,14 +131,8 @@ def test_disconnect_mid_stream_aborts_in_the_engine(
 ) -> None:
     sim = sim_factory(max_num_seqs=2, output_tokens=100_000, itl=0.01)
     shim = make_shim(sim.url, max_concurrency=1, max_queue=0)
-    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
     sock = socket.create_connection(("127.0.0.1", shim.server.port), timeout=10)
-    sock.sendall(request)
+    sock.sendall(STREAM_REQUEST)
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     waiter(lambda: sim_stats(sim)["running"] == 1, what="engine running the stream")
     sock.close()
@@ -148,17 +150,11 @@ def test_a_slow_stream_reader_gets_every_token_in_order(
     tokens = 60_000
     sim = sim_factory(max_num_seqs=1, output_tokens=tokens, ttft=0.0, itl=0.0)
     shim = make_shim(sim.url, max_concurrency=1, max_queue=0)
-    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(30)
     sock.connect(("127.0.0.1", shim.server.port))
-    sock.sendall(request)
+    sock.sendall(STREAM_REQUEST)
     time.sleep(1.5)
     received = bytearray()
     while not received.endswith(b"\r\n0\r\n\r\n"):
@@ -187,14 +183,8 @@ def test_pipelined_streams_on_one_connection_both_arrive_whole(
     # while the first is still streaming, and neither answer may borrow the other's state.
     sim = sim_factory(max_num_seqs=2, output_tokens=50, ttft=0.0, itl=0.001)
     shim = make_shim(sim.url, max_concurrency=2, max_queue=2)
-    body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(body)}\r\n\r\n".encode()
-        + body
-    )
     with socket.create_connection(("127.0.0.1", shim.server.port), timeout=30) as sock:
-        sock.sendall(request + request)
+        sock.sendall(STREAM_REQUEST + STREAM_REQUEST)
         received = bytearray()
         while received.count(b"\r\n0\r\n\r\n") < 2:
             data = sock.recv(1 << 16)

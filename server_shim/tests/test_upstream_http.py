@@ -71,6 +71,21 @@ async def keep_answering(reader: asyncio.StreamReader, writer: asyncio.StreamWri
         await writer.drain()
 
 
+def first_then_second(step: asyncio.Event) -> Handler:
+    """A chunked answer: ``first`` at once, ``second`` and the end once ``step`` is set."""
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await read_request(reader, server)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await step.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # stay open: the connection is reusable
+
+    return stream
+
+
 async def body_of(pool: UpstreamPool, method: str = "POST", body: bytes = b"{}") -> tuple[int, bytes]:
     response = await pool.request(method, b"/v1/x?y=1", [(b"x-test", b"1")], body)
     try:
@@ -97,16 +112,7 @@ async def test_request_head_and_keep_alive_reuse() -> None:
 async def test_chunked_body_arrives_as_sent() -> None:
     step = asyncio.Event()
 
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
-        await read_request(reader, server)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-        await writer.drain()
-        await step.wait()
-        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
-        await writer.drain()
-        await reader.read()  # stay open: the connection is reusable
-
-    async with serve(stream) as server:
+    async with serve(first_then_second(step)) as server:
         pool = UpstreamPool(f"http://127.0.0.1:{server.port}")
         response = await pool.request("POST", b"/v1/s", [], b"{}")
         assert response.status == 200
@@ -274,16 +280,7 @@ async def test_a_slow_reader_pauses_the_upstream_socket() -> None:
 async def test_pipe_hands_each_chunk_over_as_it_arrives_and_ends_with_the_body() -> None:
     step = asyncio.Event()
 
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
-        await read_request(reader, server)
-        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-        await writer.drain()
-        await step.wait()
-        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-
-    async with serve(stream) as server:
+    async with serve(first_then_second(step)) as server:
         pool = UpstreamPool(f"http://127.0.0.1:{server.port}")
         response = await pool.request("POST", b"/v1/s", [], b"{}")
         got: list[bytes] = []
