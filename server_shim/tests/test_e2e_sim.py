@@ -126,15 +126,23 @@ def test_cap_holds_and_overflow_is_rejected_well_formed(
     assert shim.state() == {"interactive": (0, 0), "batch": (0, 0)}
 
 
+@pytest.mark.parametrize("stalled", [False, True], ids=["reading", "stalled"])
 def test_disconnect_mid_stream_aborts_in_the_engine(
-    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any], waiter: Any
+    sim_factory: Callable[..., ServerThread], make_shim: Callable[..., Any], waiter: Any, stalled: bool
 ) -> None:
-    sim = sim_factory(max_num_seqs=2, output_tokens=100_000, itl=0.01)
+    # "stalled": a client that stopped reading long enough for the relay to wait on its
+    # socket (megabytes of events at full speed) before it goes away.
+    sim = sim_factory(max_num_seqs=2, output_tokens=1_000_000, **({"itl": 0.0} if stalled else {"itl": 0.01}))
     shim = make_shim(sim.url, max_concurrency=1, max_queue=0)
-    sock = socket.create_connection(("127.0.0.1", shim.server.port), timeout=10)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", shim.server.port))
     sock.sendall(STREAM_REQUEST)
     assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     waiter(lambda: sim_stats(sim)["running"] == 1, what="engine running the stream")
+    if stalled:
+        time.sleep(1.5)
     sock.close()
     waiter(lambda: sim_stats(sim)["requests_aborted"] == 1, what="engine aborted the request")
     waiter(lambda: shim.state()["interactive"] == (0, 0), what="shim slot freed")
