@@ -478,3 +478,32 @@ def test_the_serve_flags_switch_returning_first(returning_first: bool) -> None:
     now[0] += 1.0
     moved = controller.release(holder, Outcome.COMPLETED)
     assert moved.admitted == [retry if returning_first else fresh]
+
+
+def test_a_caller_whose_budget_could_not_cover_the_service_at_the_hint_is_told_its_budget() -> None:
+    c, clock = make(limit=1, max_queue=3, max_wait=10.0, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    for _ in range(3):
+        ticket(c.submit(fresh()))  # full; a retry would find room in about 4 s
+    # Back at 4 s it would have 0.5 s left for 1 s of service: it is told 4.5 s, its whole
+    # budget, so a client that keeps its deadline gives up now; and no return is expected.
+    short = rejection(c.submit(fresh(budget=4.5)))
+    assert short.code == "queue_full"
+    assert short.retry_after == pytest.approx(4.5)
+    assert c.estimator.outstanding("interactive") == 0
+    roomy = rejection(c.submit(fresh(budget=60.0)))  # enough left at the hint: the usual hint
+    assert roomy.retry_after == pytest.approx(4.0)
+    assert c.estimator.outstanding("interactive") == 1
+
+
+def test_a_higher_class_drains_only_the_slots_lower_shares_leave_it() -> None:
+    shares = SharedSlots(ClassShares(minimum={"batch": 0.25}))  # 1 of 4 slots
+    c, clock = make(limit=4, max_queue=20, max_wait=1.1, returning_share=0.0, scheduler=shares)
+    measure(c, clock, 1.0)
+    for _ in range(4):
+        ticket(c.submit(fresh()))
+    # 3 slots per second for interactive: 1/3, 2/3, 1 s; the fourth (1.33 s) is past 1.1 s.
+    queued = [ticket(c.submit(fresh())) for _ in range(3)]
+    assert all(t.state is TicketState.QUEUED for t in queued)
+    assert rejection(c.submit(fresh())).code == "queue_full"

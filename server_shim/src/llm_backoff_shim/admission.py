@@ -680,7 +680,6 @@ class AdmissionController:
         promised_by: Sequence[str],
         *,
         soonest: bool = False,
-        strict: bool = False,
     ) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
         priority, ``in_class`` of them of its own class: at the drain rate, bounded by the
@@ -692,10 +691,9 @@ class AdmissionController:
         out (always, not only while that class has queued requests: a lower-class arrival
         would otherwise make queued requests late that were promised the whole engine).
 
-        ``strict``: without the share's bound. ``soonest``: if a slot freed now (the wait of
-        those ahead only). The estimate has no memory of how long the requests in flight have
-        run, so for a request that has already waited it overstates the wait; the recheck
-        judges on this bound instead.
+        ``soonest``: if a slot freed now (the wait of those ahead only). The estimate has no
+        memory of how long the requests in flight have run, so for a request that has already
+        waited it overstates the wait; the recheck judges on this bound instead.
         """
         free = 1 if soonest else 0
         est = self._estimator
@@ -706,7 +704,7 @@ class AdmissionController:
             held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
             slots = max(1, limit - held)
         wait = est.expected_wait(ahead, slots, free, promised_by=promised_by)
-        if shares is not None and self._rank[cls] and not strict:
+        if shares is not None and self._rank[cls]:
             share = shares.minimum_slots(cls, limit)
             if share > 0:
                 wait = min(wait, est.expected_wait(in_class, share, free))
@@ -824,15 +822,7 @@ class AdmissionController:
         wait = self._wait_at(cls, ahead, in_class, higher)
         est = self._estimator
         usable = None if budget_left is None else budget_left - est.expected_service(stream)
-        # Successive refusals are told successive slots of the class: of all the slots, or, when
-        # its guaranteed share is what serves it (higher classes take the rest), of that share;
-        # else its callers come back faster than it drains and find its queue still full.
-        pace = self.limit
-        if self._rank[cls] and isinstance(self._scheduler, MinimumShares):
-            share = self._scheduler.minimum_slots(cls, self.limit)
-            if share > 0 and wait < self._wait_at(cls, ahead, in_class, higher, strict=True):
-                pace = share
-        hint = est.retry_after(cls, ahead, self.limit, keep_within=usable, wait=wait, pace_slots=pace)
+        hint = est.retry_after(cls, ahead, self.limit, keep_within=usable, wait=wait)
         if usable is not None and budget_left is not None and hint > usable:
             hint = min(est.config.retry_after_max, max(hint, budget_left))
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))

@@ -247,7 +247,6 @@ class DrainEstimator:
         promised_by: Iterable[str] = (),
         keep_within: float | None = None,
         wait: float | None = None,
-        pace_slots: int | None = None,
     ) -> float:
         """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
 
@@ -257,14 +256,12 @@ class DrainEstimator:
         ``keep_within`` (the caller's remaining budget, seconds), a hint beyond it is not
         remembered as a promise: that caller cannot come back in time. ``wait``, when
         given, replaces the estimate from ``ahead`` (the caller knows better, e.g. a class
-        whose guaranteed share serves it sooner than strict priority would). ``pace_slots``:
-        the slots that serve this class, when fewer than ``slots`` (a lower class served by its
-        guaranteed share while higher classes take the rest): successive hints are one of
-        *its* slots apart, so its callers come back at the pace it drains.
+        whose guaranteed share serves it sooner than strict priority would).
         """
         now = self._clock()
         cfg = self._config
-        step = 1.0 / self.capacity_rate(pace_slots if pace_slots is not None else slots)
+        rate = self.capacity_rate(slots)
+        step = 1.0 / rate
         # Nobody may come back before the minimum, so the burst's slots start there:
         # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.
         if wait is None:
