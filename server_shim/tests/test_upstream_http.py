@@ -277,6 +277,34 @@ async def test_a_slow_reader_pauses_the_upstream_socket() -> None:
         response.release()
 
 
+async def test_a_caller_cancelled_while_waiting_for_the_head_leaves_no_error_behind() -> None:
+    # The client left while the engine had not answered yet: the connection is dropped, and
+    # its later connection_lost must not raise into the event loop.
+    errors: list[dict[str, object]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    got_request = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, server: Server) -> None:
+        await read_request(reader, server)
+        got_request.set()
+        await reader.read()
+        server.closed_by_client.set()
+
+    async with serve(silent) as server:
+        pool = UpstreamPool(f"http://127.0.0.1:{server.port}")
+        waiting = asyncio.create_task(pool.request("POST", b"/v1/x", [], b"{}"))
+        await asyncio.wait_for(got_request.wait(), 5)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.wait_for(server.closed_by_client.wait(), 5)
+        for _ in range(3):
+            await asyncio.sleep(0)  # let connection_lost run
+        assert errors == []
+        assert pool.idle_connections == 0
+
+
 async def test_pipe_hands_each_chunk_over_as_it_arrives_and_ends_with_the_body() -> None:
     step = asyncio.Event()
 

@@ -160,7 +160,9 @@ class _Connection(asyncio.Protocol):
     # -- exchange ----------------------------------------------------------------------------
     @property
     def _head_done(self) -> bool:
-        return self._head is not None and self._head.done() and self._head.exception() is None
+        head = self._head
+        # Cancelled: the caller gave up waiting (client gone); no response was relayed.
+        return head is not None and head.done() and not head.cancelled() and head.exception() is None
 
     def start(self, payload: bytes, response: UpstreamResponse) -> asyncio.Future[None]:
         assert self.transport is not None
