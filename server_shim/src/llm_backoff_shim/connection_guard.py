@@ -26,6 +26,9 @@ disconnect (about 20 us of CPU per request on the benchmark machines). An app se
 without this protocol (tests, other servers) finds no such extension and watches
 ``receive()`` instead.
 
+Its requests run in a :class:`~llm_backoff_shim.response_cycle.CoalescingCycle`
+(httptools only), which can write a response's head with its body in one write.
+
 It also hands the app a :class:`ClientWire` (``scope["extensions"][CLIENT_WIRE]``): once a
 chunked response has started, the relay writes a stream's chunks straight onto the
 client's transport from the engine connection's callback, instead of waking the
@@ -50,8 +53,10 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.response_cycle import CoalescingCycle
 
 OnEvent = Callable[[str], None]
 
@@ -121,6 +126,8 @@ class ClientWire:
             or self._flow is None
         ):
             return None
+        if isinstance(cycle, CoalescingCycle):
+            cycle.flush_head()
         write = self._transport.write
         closing = self._transport.is_closing
         flow = self._flow
@@ -233,6 +240,8 @@ def guarded_protocol(
                 # A new request: its task is created but has not run yet, so its scope can
                 # still be given the connection's loss signal.
                 self._guard_announced = cycle
+                if type(cycle) is RequestResponseCycle:
+                    cycle.__class__ = CoalescingCycle  # response_cycle.py says why
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[CONNECTION_GONE] = self._guard_gone
                 extensions[CLIENT_WIRE] = self._guard_wire

@@ -73,6 +73,7 @@ from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.outage import OutageClock
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
+from llm_backoff_shim.response_cycle import BODY_FOLLOWS
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.upstream_http import UpstreamError, UpstreamResponse
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
@@ -416,7 +417,11 @@ class Proxy:
                 headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
             if scope is not None:
                 headers += scope.response_headers()
-            await send({"type": "http.response.start", "status": response.status, "headers": headers})
+            # A body already here goes out in the same write as the head (response_cycle.py).
+            start = {"type": "http.response.start", "status": response.status, "headers": headers}
+            if response.body_ready():
+                start[BODY_FOLLOWS] = True
+            await send(start)
             started = True
             exchange.sent = response.status
             ended = False
@@ -628,7 +633,14 @@ async def _splice(
 
 
 async def _answer(send: Send, response: ErrorResponse, exchange: _Exchange | None = None) -> None:
-    await send({"type": "http.response.start", "status": response.status, "headers": response.headers})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": response.headers,
+            BODY_FOLLOWS: True,
+        }
+    )
     if exchange is not None:
         exchange.sent = response.status
     await send({"type": "http.response.body", "body": response.body, "more_body": False})

@@ -280,6 +280,10 @@ class UpstreamResponse:
             waiter.set_result(None)
 
     # used by the relay
+    def body_ready(self) -> bool:
+        """Whether ``read_chunk`` would return at once (data or the end already received)."""
+        return bool(self._chunks) or self._done or self._error is not None
+
     def at_eof(self) -> bool:
         """Whether the whole body has been received and read."""
         return self._done and not self._chunks

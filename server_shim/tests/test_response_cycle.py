@@ -1,0 +1,131 @@
+"""The serving cycle's write coalescing: what reaches the socket, write by write.
+
+The cycle is uvicorn's own, driven here through its ASGI ``send`` with a transport that
+records each write (end-to-end behaviour is covered by every proxy test, which runs
+serve's protocol).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from uvicorn.protocols.http.flow_control import FlowControl
+
+from llm_backoff_shim.response_cycle import BODY_FOLLOWS, CoalescingCycle
+
+
+class RecordingTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def cycle(
+    transport: RecordingTransport, *, keep_alive: bool = True, done: list[bool] | None = None
+) -> CoalescingCycle:
+    """A cycle as uvicorn's protocol makes one; ``done`` records its end-of-response callback."""
+    ended = done if done is not None else []
+    return CoalescingCycle(
+        scope={"type": "http", "method": "POST", "path": "/v1/x", "http_version": "1.1"},  # type: ignore[typeddict-item]
+        transport=transport,  # type: ignore[arg-type]
+        flow=FlowControl(transport),  # type: ignore[arg-type]
+        logger=logging.getLogger("test"),
+        access_logger=logging.getLogger("test.access"),
+        access_log=False,
+        default_headers=[],
+        message_event=asyncio.Event(),
+        expect_100_continue=False,
+        keep_alive=keep_alive,
+        on_response=lambda: ended.append(True),
+    )
+
+
+def start(status: int = 200, *, follows: bool, length: int | None = 5) -> dict[str, Any]:
+    headers = [(b"content-type", b"application/json")]
+    if length is not None:
+        headers.append((b"content-length", str(length).encode()))
+    message: dict[str, Any] = {"type": "http.response.start", "status": status, "headers": headers}
+    if follows:
+        message[BODY_FOLLOWS] = True
+    return message
+
+
+async def test_a_promised_body_goes_out_in_the_same_write_as_the_head() -> None:
+    transport = RecordingTransport()
+    done: list[bool] = []
+    c = cycle(transport, done=done)
+    await c.send(start(follows=True))
+    assert transport.writes == []  # held until the body
+    await c.send({"type": "http.response.body", "body": b"hello"})
+    assert len(transport.writes) == 1
+    head, _, body = transport.writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"content-length: 5" in head
+    assert body == b"hello"
+    assert c.response_complete
+    assert done == [True]
+
+
+async def test_without_the_promise_the_head_is_written_at_once() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport)
+    await c.send(start(follows=False))
+    assert len(transport.writes) == 1
+    assert transport.writes[0].endswith(b"\r\n\r\n")
+    await c.send({"type": "http.response.body", "body": b"hello"})
+    assert transport.writes[1] == b"hello"
+
+
+async def test_a_held_head_precedes_a_stream_and_its_end() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport)
+    await c.send(start(follows=True, length=None))
+    await c.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    await c.send({"type": "http.response.body", "body": b"", "more_body": False})
+    first = transport.writes[0]
+    assert first.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n" in first
+    assert transport.writes[1:] == [b"0\r\n\r\n"]
+
+
+async def test_a_closing_answer_writes_head_and_body_before_closing() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport, keep_alive=False)
+    await c.send(start(429, follows=True))
+    await c.send({"type": "http.response.body", "body": b"nope!"})
+    assert len(transport.writes) == 1
+    assert transport.writes[0].startswith(b"HTTP/1.1 429 ")
+    assert transport.writes[0].endswith(b"nope!")
+    assert transport.closed
+
+
+async def test_a_body_uvicorn_refuses_still_lets_the_held_head_out() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport)
+    await c.send(start(follows=True, length=2))
+    with pytest.raises(RuntimeError, match="longer than Content-Length"):
+        await c.send({"type": "http.response.body", "body": b"too long"})
+    assert len(transport.writes) == 1
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+
+
+async def test_flush_head_writes_a_held_head_once() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport)
+    await c.send(start(follows=True, length=None))
+    c.flush_head()
+    c.flush_head()
+    assert len(transport.writes) == 1
+    assert transport.writes[0].endswith(b"\r\n\r\n")
