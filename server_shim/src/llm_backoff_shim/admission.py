@@ -50,9 +50,10 @@ queued only if its estimated wait at its place is within its class's ``max_queue
 its budget (less the service it needs); that is its promise, and a later arrival must not
 break it. A newcomer whose natural place is ahead of queued requests (a higher class, or a
 returning caller ahead of fresh ones) therefore checks, in one walk of the queue, which of
-them one more request ahead would make late by the estimator, and is placed right after the
-last such request instead (its key extends that request's key), where it pushes back only
-requests with room to spare. If its wait at that place is past its own limit or budget, it
+them one more request ahead would make late by the estimator, or leave with less than
+``promise_slack`` of their class's ``max_queue_wait`` in hand for the estimate's error, and
+is placed right after the last such request instead (its key extends that request's key),
+where it pushes back only requests with room to spare. If its wait at that place is past its own limit or budget, it
 is refused at arrival with a spread Retry-After. The trade-off: while lower-class or fresh
 requests near their limit are queued, a higher-class or returning newcomer waits behind
 them, and is refused at arrival when that wait is too long for it.
