@@ -53,10 +53,11 @@ returning caller ahead of fresh ones) therefore checks, in one walk of the queue
 them one more request ahead would make late by the estimator, or leave with less than
 ``promise_slack`` of their class's ``max_queue_wait`` in hand for the estimate's error, and
 is placed right after the last such request instead (its key extends that request's key),
-where it pushes back only requests with room to spare. If its wait at that place is past its own limit or budget, it
-is refused at arrival with a spread Retry-After. The trade-off: while lower-class or fresh
-requests near their limit are queued, a higher-class or returning newcomer waits behind
-them, and is refused at arrival when that wait is too long for it.
+where it pushes back only requests with room to spare. If its wait at that place is past
+its own limit or budget, it is refused at arrival with a spread Retry-After. The
+trade-off: while lower-class or fresh requests near their limit are queued, a higher-class
+or returning newcomer waits behind them, and is refused at arrival when that wait is too
+long for it.
 :meth:`AdmissionController.recheck` remains the safety net for estimator error (service
 times vary; the estimate moves): it re-estimates every queued request from its place and
 turns away, with ``queue_timeout`` and a Retry-After, those that can no longer be served
