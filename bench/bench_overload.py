@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -44,7 +45,7 @@ from llm_backoff_shim.procs import (
     sigterm_as_interrupt,
     sim_server,
 )
-from llm_backoff_shim.report import Figures, comparison, figures, table
+from llm_backoff_shim.report import REJECTION_WHEN, Figures, comparison, figures, rejections_by_when, table
 from llm_backoff_shim.scenario import (
     DIRECT_PLAIN,
     SHIM_BACKOFF,
@@ -132,10 +133,10 @@ def run_scenario(
     workdir: Path,
     loads: list[float],
     access_logs: Path | None = None,
-) -> list[RunResult]:
+) -> list[tuple[RunResult, Figures]]:
     calls = arrivals(scenario, shape.capacity, random.Random(seed))
     print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
-    results: list[RunResult] = []
+    results: list[tuple[RunResult, Figures]] = []
     with sim_server(shape.sim_flags()) as sim:
         for setup in setups:
             front: ChildServer | None = None
@@ -165,14 +166,18 @@ def run_scenario(
                 )
                 result = run_load(run)
                 line.done()
+                when = None
                 if setup.route == "shim" and front is not None:
                     log = front.log_tail(limit=1 << 40)
                     attach_shim_times(result.calls, log)
+                    # How often the recheck (the safety net for estimator error) still fires.
+                    when = rejections_by_when(log)
                     if access_logs is not None:
                         name = f"{scenario.name}-{setup.label.replace(' + ', '-').replace(' ', '-')}.log"
                         (access_logs / name).write_text(log)
-            results.append(result)
-            print(table(figures(result)) + f"\n  (run took {result.elapsed:.1f} s)", flush=True)
+            figs = dataclasses.replace(figures(result), shim_rejections_by_when=when)
+            results.append((result, figs))
+            print(table(figs) + f"\n  (run took {result.elapsed:.1f} s)", flush=True)
     return results
 
 
@@ -345,6 +350,15 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
             "attempts per success",
             ["-" if f.attempts_per_success is None else f"{f.attempts_per_success:.2f}" for f in cells],
         ),
+        (
+            "shim's rejections at arrival / recheck / timer / head",
+            [
+                "-"
+                if f.shim_rejections_by_when is None
+                else " / ".join(str(f.shim_rejections_by_when[k]) for k in REJECTION_WHEN)
+                for f in cells
+            ],
+        ),
         ("attempts per call", [f"{f.attempts / f.calls:.2f}" for f in cells]),
         ("goodput / capacity", [f"{f.goodput_fraction:.0%}" for f in cells]),
         ("wasted engine work (tokens)", [f"{f.wasted_fraction:.0%} ({f.wasted_tokens})" for f in cells]),
@@ -428,10 +442,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with sigterm_as_interrupt(), tempfile.TemporaryDirectory() as tmp:
             for scenario in chosen:
-                results = run_scenario(
+                ran = run_scenario(
                     scenario, shape, setups, args.seed, Path(tmp), loads, args.out if args.keep_logs else None
                 )
-                figs = [figures(r) for r in results]
+                results = [r for r, _ in ran]
+                figs = [f for _, f in ran]
                 cells += [Cell(scenario, f) for f in figs]
                 print(f"\n{scenario.name}, side by side:\n{comparison(figs)}", flush=True)
                 png = save_plot(

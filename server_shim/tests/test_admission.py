@@ -44,6 +44,7 @@ def make(
     service: float = 1.0,
     returning_share: float = 0.0,
     stream_served_at: Literal["end", "first_token"] = "end",
+    promise_slack: float = 0.0,
 ) -> tuple[AdmissionController, FakeClock]:
     clock = FakeClock()
     est = DrainEstimator(
@@ -68,6 +69,8 @@ def make(
             max_queue_total=total,
             # Fresh arrivals only here; places kept for returning ones: test_admission_returning.
             returning_share=returning_share,
+            # The exact estimate here; the slack kept for its error has its own test.
+            promise_slack=promise_slack,
         ),
         clock,
     )

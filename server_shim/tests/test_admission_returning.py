@@ -74,6 +74,7 @@ def make(
     returning_share: float = 0.25,
     scheduler: SharedSlots | None = None,
     returning_first: bool = True,
+    promise_slack: float = 0.0,
 ) -> tuple[AdmissionController, FakeClock]:
     clock = FakeClock()
     config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0)
@@ -88,6 +89,7 @@ def make(
         returning_share=returning_share,
         scheduler=scheduler,
         returning_first=returning_first,
+        promise_slack=promise_slack,
     )
     return controller, clock
 
@@ -507,3 +509,18 @@ def test_a_higher_class_drains_only_the_slots_lower_shares_leave_it() -> None:
     queued = [ticket(c.submit(fresh())) for _ in range(3)]
     assert all(t.state is TicketState.QUEUED for t in queued)
     assert rejection(c.submit(fresh())).code == "queue_full"
+
+
+def test_a_newcomer_leaves_a_queued_request_slack_for_the_estimates_error() -> None:
+    # 10 % of the 10 s limit: a queued request keeps 1 s in hand against newcomers.
+    c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0, promise_slack=0.1)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    b0 = ticket(c.submit(fresh("batch")))
+    b1 = ticket(c.submit(fresh("batch", budget=5.5)))  # 2 s wait + 1 s service: 2.5 s to spare
+    first = ticket(c.submit(fresh()))  # b1 then 3 + 1 s: 1.5 s to spare, more than 1 s
+    assert c.serve_order() == [first, b0, b1]
+    second = ticket(c.submit(fresh()))  # b1 would keep 0.5 s, less than 1 s: right after it
+    assert c.serve_order() == [first, b0, b1, second]
+    with pytest.raises(ValueError, match="promise_slack"):
+        make(promise_slack=1.0)

@@ -50,12 +50,14 @@ queued only if its estimated wait at its place is within its class's ``max_queue
 its budget (less the service it needs); that is its promise, and a later arrival must not
 break it. A newcomer whose natural place is ahead of queued requests (a higher class, or a
 returning caller ahead of fresh ones) therefore checks, in one walk of the queue, which of
-them one more request ahead would make late by the estimator, and is placed right after the
-last such request instead (its key extends that request's key), where it pushes back only
-requests with room to spare. If its wait at that place is past its own limit or budget, it
-is refused at arrival with a spread Retry-After. The trade-off: while lower-class or fresh
-requests near their limit are queued, a higher-class or returning newcomer waits behind
-them, and is refused at arrival when that wait is too long for it.
+them one more request ahead would make late by the estimator, or leave with less than
+``promise_slack`` of their class's ``max_queue_wait`` in hand for the estimate's error, and
+is placed right after the last such request instead (its key extends that request's key),
+where it pushes back only requests with room to spare. If its wait at that place is past
+its own limit or budget, it is refused at arrival with a spread Retry-After. The
+trade-off: while lower-class or fresh requests near their limit are queued, a higher-class
+or returning newcomer waits behind them, and is refused at arrival when that wait is too
+long for it.
 :meth:`AdmissionController.recheck` remains the safety net for estimator error (service
 times vary; the estimate moves): it re-estimates every queued request from its place and
 turns away, with ``queue_timeout`` and a Retry-After, those that can no longer be served
@@ -309,6 +311,7 @@ class AdmissionController:
         gates: Iterable[AdmissionGate] = (),
         returning_share: float = 0.25,
         returning_first: bool = True,
+        promise_slack: float = 0.1,
     ) -> None:
         if not policies:
             raise ValueError("at least one traffic class is needed")
@@ -326,6 +329,11 @@ class AdmissionController:
         if not 0.0 <= returning_share <= 1.0:
             raise ValueError("returning_share must be between 0 and 1")
         self._returning_share = returning_share
+        if not 0.0 <= promise_slack < 1.0:
+            raise ValueError("promise_slack must be at least 0 and below 1")
+        # Share of a class's max_queue_wait a newcomer must leave a queued request of it when
+        # going ahead: the estimate's error (see _place).
+        self._promise_slack = promise_slack
         # Off: every request is fresh (one FIFO per class, no places kept), as before.
         self._returning_first = returning_first
         self._limit = limit
@@ -598,8 +606,9 @@ class AdmissionController:
 
         Its natural place: by class, returning before fresh, then arrival. If that is ahead
         of queued requests that one more request ahead would make late (the estimate, as in
-        :meth:`recheck`), it goes right after the last of them instead: its key extends that
-        request's key. One walk of the serve order; no walk when it would overtake nobody.
+        :meth:`recheck`, with ``promise_slack`` of their class's ``max_queue_wait`` kept in
+        hand for the estimate's error), it goes right after the last of them instead: its key
+        extends that request's key. One walk of the serve order; no walk when it would overtake nobody.
         """
         cls = ticket.cls
         key: tuple[int, ...] = (self._rank[cls], 0 if ticket.returning else 1, ticket.id)
@@ -615,10 +624,15 @@ class AdmissionController:
         seen = dict.fromkeys(self._classes, 0)
         last_tight: Ticket | None = None
         for ahead, queued in enumerate(order):
-            # Would one more request ahead of it (and of its class, if the same) make it late?
+            # Would one more request ahead of it (and of its class, if the same) make it late,
+            # or leave it less slack than the estimate's error? Without that slack, newcomers
+            # use up a queued request's margin one by one, and a drain slightly slower than
+            # estimated then makes it late: refused after seconds of waiting (measured).
+            slack = self._promise_slack * self._policies[queued.cls].max_queue_wait
             if (
                 queued.key > key
-                and self._late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now) is not None
+                and self._late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now + slack)
+                is not None
             ):
                 last_tight = queued
             seen[queued.cls] += 1

@@ -38,6 +38,7 @@ Definitions (the issue names the figures; these are the exact rules used):
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -107,6 +108,8 @@ class Figures:
     engine_peak_waiting: int | None
     proxy_peak_queued: int | None
     errors: dict[str, int]
+    #: The shim's own rejections by when they were decided (:func:`rejections_by_when`), if read.
+    shim_rejections_by_when: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -246,6 +249,11 @@ def rows(f: Figures) -> list[tuple[str, str]]:
             "rejections by code",
             ", ".join(f"{k} x{v}" for k, v in f.rejections_by_code.items()) or "none",
         ),
+        *(
+            [("  decided (shim's log)", ", ".join(f"{k} x{v}" for k, v in f.shim_rejections_by_when.items()))]
+            if f.shim_rejections_by_when is not None
+            else []
+        ),
         (
             "HTTP attempts per success",
             "-"
@@ -317,3 +325,38 @@ def comparison(all_figures: Sequence[Figures]) -> str:
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+#: How the shim's access log ``detail`` of a rejection says a queued request left (the
+#: messages of :mod:`llm_backoff_shim.admission`); anything else was refused at arrival.
+_LEFT_THE_QUEUE = (
+    ("overtaken in the queue", "recheck"),
+    ("waited the maximum", "timer"),
+    ("request budget (x-request-timeout-ms) ran out while queued", "timer"),
+    ("remaining request budget", "head"),
+)
+REJECTION_WHEN = ("arrival", "recheck", "timer", "head")
+
+
+def rejections_by_when(access_log: str) -> dict[str, int]:
+    """The shim's rejections of generation requests, by when they were decided.
+
+    ``arrival``: refused before queueing; ``recheck``: a queued request the safety net turned
+    away because the estimate moved (:meth:`AdmissionController.recheck`); ``timer``: it
+    waited its ``--max-queue-wait`` or its budget; ``head``: at the head of the queue, what
+    was left of its budget no longer covered the service. Read from the JSON access log.
+    """
+    counts = dict.fromkeys(REJECTION_WHEN, 0)
+    for line in access_log.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(entry, dict) or entry.get("outcome") != "rejected":
+            continue
+        detail = str(entry.get("detail") or "")
+        when = next((name for prefix, name in _LEFT_THE_QUEUE if detail.startswith(prefix)), "arrival")
+        counts[when] += 1
+    return counts
