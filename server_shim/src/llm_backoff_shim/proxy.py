@@ -443,9 +443,11 @@ class Proxy:
                     if ended:
                         break
                     if wire is not None:
-                        # More than one chunk: a stream. The rest goes straight to the client.
+                        # More to come: a chunked answer (a stream) goes straight to the client.
                         write = wire.chunk_writer()
-                        if write is not None:
+                        if write is None:
+                            wire = None  # an answer with a length: the plain path to its end
+                        else:
                             await _splice(response, write, send, scope)
                             ended = True
                             break
