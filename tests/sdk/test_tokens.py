@@ -13,6 +13,7 @@ from llm_backoff.tokens import (
     MEDIA_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,
     REPLY_PRIMING_TOKENS,
+    estimate_request_tokens,
     estimate_tokens,
     usage_tokens,
 )
@@ -74,6 +75,20 @@ def test_embeddings_generate_nothing() -> None:
 def test_responses_api_fields() -> None:
     req = body({"model": "m", "instructions": "a" * 8, "input": "b" * 8, "max_output_tokens": 9})
     assert estimate_tokens(req) == 2 + 2 + 9
+
+
+@pytest.mark.parametrize(
+    ("raw", "path"),
+    [
+        (chat("hello there", "and more", max_tokens=50, n=2), "/v1/chat/completions"),
+        (body({"model": "m", "prompt": [1, 2, 3], "max_tokens": 7}), "/v1/completions"),
+        (body({"model": "m", "input": ["a" * 40, "b" * 8]}), "/v1/embeddings"),
+        (body({"model": "m", "input": [{"type": "input_image", "image_url": "x"}]}), "/v1/responses"),
+    ],
+)
+def test_an_already_parsed_body_is_priced_the_same(raw: bytes, path: str) -> None:
+    # Servers that parse a body once (the shim) price the parsed object.
+    assert estimate_request_tokens(json.loads(raw), path=path) == estimate_tokens(raw, path=path) > 0
 
 
 @pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b"\xff\xfe", b'"str"'])

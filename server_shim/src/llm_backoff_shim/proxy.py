@@ -243,11 +243,13 @@ class Proxy:
         if isinstance(body, Refusal):
             await self._refuse(send, body, record)
             return
+        data: dict[str, Any] | None = None
         if gated:
-            data = parse_json_object(body)
-            if isinstance(data, Refusal):
-                await self._refuse(send, data, record)
+            checked = parse_json_object(body)
+            if isinstance(checked, Refusal):
+                await self._refuse(send, checked, record)
                 return
+            data = checked
             if request is not None and asks_for_stream(data):
                 request = replace(request, stream=True)
         forward = _ForwardRequest(
@@ -256,6 +258,7 @@ class Proxy:
             target=_target(scope, path),
             headers=[*strip_hop_by_hop(headers, request=True), VIA],
             body=body,
+            parsed=data,
         )
         extensions = scope.get("extensions")
         gone = extensions.get(CONNECTION_GONE) if extensions else None
@@ -339,7 +342,7 @@ class Proxy:
         cls = request.cls
         grant: Grant | None = None
         exchange = _Exchange()
-        scope = self.hooks.scope(request, forward.body, forward.path)
+        scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
 
         async def work() -> None:
             nonlocal grant, forward
@@ -509,6 +512,8 @@ class _ForwardRequest(NamedTuple):
     target: bytes
     headers: RawHeaders
     body: bytes
+    #: The body as parsed at intake (generation requests), for hooks that read it.
+    parsed: dict[str, Any] | None = None
 
 
 def _target(scope: Scope, path: str) -> bytes:

@@ -22,8 +22,9 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from llm_backoff.tokens import estimate_tokens, usage_tokens
+from llm_backoff.tokens import estimate_request_tokens, estimate_tokens, usage_tokens
 from llm_backoff_shim.admission import (
     AdmissionController,
     AdmissionRequest,
@@ -82,7 +83,10 @@ class RequestHooks:
         """``(class, tenant id)``; raises UnknownClassError for a class the shim does not serve."""
         return controller.parse_class(class_header), None
 
-    def scope(self, request: AdmissionRequest, body: bytes, path: str) -> RequestScope:
+    def scope(
+        self, request: AdmissionRequest, body: bytes, path: str, parsed: dict[str, Any] | None = None
+    ) -> RequestScope:
+        """The request's hooks; ``parsed`` is ``body`` as the proxy already parsed it (a JSON object)."""
         return RequestScope(request, body)
 
     def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
@@ -101,6 +105,7 @@ class _PolicyScope(RequestScope):
     policies: ShimPolicies
     tenant: Tenant | None
     path: str
+    parsed: dict[str, Any] | None = None
     charge: Charge | None = None
     quota_headers: RawHeaders = field(default_factory=list)
     _tail: bytearray = field(default_factory=bytearray)
@@ -109,7 +114,13 @@ class _PolicyScope(RequestScope):
         quotas = self.policies.quotas
         if quotas is None or self.tenant is None:
             return None
-        estimate = estimate_tokens(self.body, path=self.path)
+        # Priced on what the client sent (not on the body with vLLM's priority added).
+        parsed = self.parsed
+        estimate = (
+            estimate_request_tokens(parsed, path=self.path)
+            if parsed is not None
+            else estimate_tokens(self.body, path=self.path)
+        )
         try:
             decision = await quotas.take(self.tenant, estimate)
         except Exception as exc:  # redis.RedisError and friends: the store, not the request, failed
@@ -201,11 +212,13 @@ class ShimPolicies(RequestHooks):
                 )
         return cls, tenant.id
 
-    def scope(self, request: AdmissionRequest, body: bytes, path: str) -> RequestScope:
+    def scope(
+        self, request: AdmissionRequest, body: bytes, path: str, parsed: dict[str, Any] | None = None
+    ) -> RequestScope:
         tenant = None
         if self.directory is not None and request.tenant is not None:
             tenant = self.directory.identify_id(request.tenant)
-        return _PolicyScope(request, self._prioritised(body, request.cls), self, tenant, path)
+        return _PolicyScope(request, self._prioritised(body, request.cls, parsed), self, tenant, path, parsed)
 
     def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
         return with_headers(rejection, self.slo_headers(request.cls))
@@ -215,18 +228,19 @@ class ShimPolicies(RequestHooks):
             return []
         return [(b"x-slo-state", self.slo.state(cls).header.encode())]
 
-    def _prioritised(self, body: bytes, cls: str) -> bytes:
+    def _prioritised(self, body: bytes, cls: str, parsed: dict[str, Any] | None) -> bytes:
         if self.vllm_priority is None:
             return body
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return body
+        data: Any = parsed
+        if data is None:
+            try:
+                data = json.loads(body)
+            except (ValueError, UnicodeDecodeError):
+                return body
         if not isinstance(data, dict):
             return body
         # The class decides, not the caller: a batch job cannot buy interactive priority.
-        data["priority"] = self.vllm_priority[cls]
-        return json.dumps(data, separators=(",", ":")).encode()
+        return json.dumps({**data, "priority": self.vllm_priority[cls]}, separators=(",", ":")).encode()
 
 
 __all__ = ["HookRefusal", "RequestHooks", "RequestScope", "ShimPolicies", "with_headers"]
