@@ -16,7 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.access_log import LOGGER_NAME, AccessLog, AccessRecord, JsonFormatter, request_id
+from llm_backoff_shim.access_log import (
+    LOGGER_NAME,
+    AccessLog,
+    AccessRecord,
+    JsonFormatter,
+    json_records,
+    request_id,
+)
 from llm_backoff_shim.procs import ChildServer, cli_command
 from llm_backoff_shim.tenants import key_hash
 
@@ -311,3 +318,13 @@ def test_timestamps_match_datetime_within_and_across_seconds() -> None:
             json.loads(log.render(AccessRecord(method="GET", path="/v1/x", arrival=0.0), end=0.0))["time"]
             == expected
         )
+
+
+def test_json_records_reads_access_lines_and_skips_everything_else() -> None:
+    log = AccessLog("json", clock=lambda: 2.0, wall_clock=lambda: 1_700_000_000.0)
+    line = log.render(AccessRecord(method="POST", path="/v1/x", arrival=1.0, outcome="completed"), end=2.0)
+    text = "\n".join(["INFO started", line, "{not json", "[1, 2]", line])
+    records = list(json_records(text))
+    assert len(records) == 2
+    assert records[0]["outcome"] == "completed"
+    assert records[0]["total_ms"] == 1000.0

@@ -41,7 +41,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -170,6 +170,19 @@ class AccessLog:
             self.logger.info(self.render(record, self.clock()))
         except Exception:  # pragma: no cover - a broken handler; logging reports its own errors
             logging.getLogger("llm_backoff_shim").exception("access log line failed")
+
+
+def json_records(text: str) -> Iterator[dict[str, Any]]:
+    """The JSON access records in a log's text (``--log-format json``); any other line is skipped."""
+    for line in text.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            yield entry
 
 
 def _plain(value: object) -> str:

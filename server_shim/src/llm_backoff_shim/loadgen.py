@@ -43,6 +43,7 @@ import openai
 
 from llm_backoff import RetryPolicy, wrap
 from llm_backoff.budget import RetryBudget
+from llm_backoff_shim.access_log import json_records
 from llm_backoff_shim.scenario import Arrival, RequestClass, Scenario, Setup
 
 Outcome = Literal["ok", "error", "deadline"]
@@ -214,15 +215,7 @@ def attach_shim_times(calls: Sequence[CallRecord], access_log: str) -> int:
     Lines that are not JSON access records (start-up messages, other loggers) are skipped.
     """
     seen: dict[str, float] = {}
-    for line in access_log.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(entry, dict):
-            continue
+    for entry in json_records(access_log):
         rid, total = entry.get("request_id"), entry.get("total_ms")
         if isinstance(rid, str) and isinstance(total, (int, float)):
             seen[rid] = float(total) / 1000.0

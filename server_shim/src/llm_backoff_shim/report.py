@@ -38,11 +38,11 @@ Definitions (the issue names the figures; these are the exact rules used):
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from llm_backoff_shim.access_log import json_records
 from llm_backoff_shim.loadgen import CallRecord, RunResult
 
 WAVE_WINDOW = 0.1
@@ -347,14 +347,8 @@ def rejections_by_when(access_log: str) -> dict[str, int]:
     was left of its budget no longer covered the service. Read from the JSON access log.
     """
     counts = dict.fromkeys(REJECTION_WHEN, 0)
-    for line in access_log.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(entry, dict) or entry.get("outcome") != "rejected":
+    for entry in json_records(access_log):
+        if entry.get("outcome") != "rejected":
             continue
         detail = str(entry.get("detail") or "")
         when = next((name for prefix, name in _LEFT_THE_QUEUE if detail.startswith(prefix)), "arrival")
