@@ -16,7 +16,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -108,3 +108,41 @@ def serve() -> Iterator[Callable[[Any], str]]:
     yield start
     for server in servers:
         server.stop()
+
+
+class _BrokenBody:
+    """A response body that yields ``chunks`` and then fails with ``error`` (a connection lost mid-body)."""
+
+    def __init__(self, chunks: list[bytes], error: Exception) -> None:
+        self.chunks = chunks
+        self.error = error
+        self.closed = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self.chunks
+        raise self.error
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        raise self.error
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _broken_stream(lib: ModuleType, chunks: list[bytes], error: Exception | None = None) -> Any:
+    class Stream(_BrokenBody, lib.SyncByteStream, lib.AsyncByteStream):  # type: ignore[misc]
+        pass
+
+    return Stream(chunks, error if error is not None else lib.ReadError("connection reset mid-body"))
+
+
+@pytest.fixture
+def broken_stream() -> Callable[..., Any]:
+    """``broken_stream(lib, chunks, error=None)``: a sync and async body that breaks after ``chunks``
+    (``lib.ReadError("connection reset mid-body")`` unless another error is given)."""
+    return _broken_stream

@@ -9,7 +9,7 @@ history too. The loopback variant (a real server cutting its stream) is in
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any
 
@@ -27,42 +27,12 @@ CHUNK = (
 )
 
 
-class Cut:
-    """A body that yields ``chunks`` and then loses its connection."""
-
-    def __init__(self, lib: ModuleType, chunks: list[bytes]) -> None:
-        self.lib = lib
-        self.chunks = chunks
-        self.closed = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self.chunks
-        raise self.lib.RemoteProtocolError("peer closed connection mid-stream")
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            yield chunk
-        raise self.lib.RemoteProtocolError("peer closed connection mid-stream")
-
-    def close(self) -> None:
-        self.closed = True
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-def cut_stream(lib: ModuleType, chunks: list[bytes]) -> Any:
-    class Stream(Cut, lib.SyncByteStream, lib.AsyncByteStream):  # type: ignore[misc]
-        pass
-
-    return Stream(lib, chunks)
-
-
 class Server:
     """429 ``busy`` times, then a 200 event stream that breaks after one event."""
 
-    def __init__(self, lib: ModuleType, busy: int = 1) -> None:
+    def __init__(self, lib: ModuleType, broken_stream: Callable[..., Any], busy: int = 1) -> None:
         self.lib = lib
+        self.broken_stream = broken_stream
         self.busy = busy
         self.calls = 0
         self.streams: list[Any] = []
@@ -73,7 +43,8 @@ class Server:
             return self.lib.Response(
                 429, headers={"retry-after-ms": "1"}, json={"error": {"message": "busy"}}
             )
-        stream = cut_stream(self.lib, [CHUNK])
+        cut = self.lib.RemoteProtocolError("peer closed connection mid-stream")
+        stream = self.broken_stream(self.lib, [CHUNK], cut)
         self.streams.append(stream)
         return self.lib.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
 
@@ -99,8 +70,10 @@ def check_history(exc: BaseException, statuses: list[int]) -> None:
     assert "broke off after it had started" in notes
 
 
-def test_transport_cut_carries_the_history_and_is_not_retried(lib: ModuleType) -> None:
-    server = Server(lib, busy=1)
+def test_transport_cut_carries_the_history_and_is_not_retried(
+    lib: ModuleType, broken_stream: Callable[..., Any]
+) -> None:
+    server = Server(lib, broken_stream, busy=1)
     sync_cls, _ = transports(lib)
     with (
         instant_retries(),
@@ -116,8 +89,10 @@ def test_transport_cut_carries_the_history_and_is_not_retried(lib: ModuleType) -
     assert server.streams[0].closed
 
 
-async def test_async_transport_cut_carries_the_history_and_is_not_retried(lib: ModuleType) -> None:
-    server = Server(lib, busy=2)
+async def test_async_transport_cut_carries_the_history_and_is_not_retried(
+    lib: ModuleType, broken_stream: Callable[..., Any]
+) -> None:
+    server = Server(lib, broken_stream, busy=2)
     _, async_cls = transports(lib)
     async with lib.AsyncClient(transport=async_cls(lib.MockTransport(server))) as client:
         with instant_retries():
@@ -157,8 +132,8 @@ def openai_cut_error(http: ModuleType) -> type[BaseException]:
     return openai.APIConnectionError if OPENAI3 else http.RemoteProtocolError  # type: ignore[no-any-return]
 
 
-def test_openai_stream_cut_carries_the_history(http: ModuleType) -> None:
-    server = Server(http, busy=1)
+def test_openai_stream_cut_carries_the_history(http: ModuleType, broken_stream: Callable[..., Any]) -> None:
+    server = Server(http, broken_stream, busy=1)
     client = llm_backoff.wrap(
         openai.OpenAI(
             api_key="sk-test",
@@ -178,8 +153,10 @@ def test_openai_stream_cut_carries_the_history(http: ModuleType) -> None:
     assert server.calls == 2
 
 
-async def test_async_openai_stream_cut_carries_the_history(http: ModuleType) -> None:
-    server = Server(http, busy=0)
+async def test_async_openai_stream_cut_carries_the_history(
+    http: ModuleType, broken_stream: Callable[..., Any]
+) -> None:
+    server = Server(http, broken_stream, busy=0)
     client = llm_backoff.wrap(
         openai.AsyncOpenAI(
             api_key="sk-test",

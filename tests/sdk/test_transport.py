@@ -10,7 +10,7 @@ import gzip
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -264,38 +264,9 @@ def test_a_bug_in_the_handler_is_not_retried(lib: ModuleType, fake_time: Any) ->
     assert len(calls) == 1
 
 
-class _Broken:
-    """A response body that fails half-way."""
-
-    def __init__(self, lib: ModuleType, chunks: list[bytes]) -> None:
-        self.lib = lib
-        self.chunks = chunks
-        self.closed = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self.chunks
-        raise self.lib.ReadError("connection reset mid-body")
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for chunk in self.chunks:
-            yield chunk
-        raise self.lib.ReadError("connection reset mid-body")
-
-    def close(self) -> None:
-        self.closed = True
-
-    async def aclose(self) -> None:
-        self.closed = True
-
-
-def broken_stream(lib: ModuleType, chunks: list[bytes]) -> Any:
-    class Stream(_Broken, lib.SyncByteStream, lib.AsyncByteStream):  # type: ignore[misc]
-        pass
-
-    return Stream(lib, chunks)
-
-
-def test_json_body_cut_midway_is_a_failed_attempt_and_retried(lib: ModuleType, fake_time: Any) -> None:
+def test_json_body_cut_midway_is_a_failed_attempt_and_retried(
+    lib: ModuleType, broken_stream: Callable[..., Any], fake_time: Any
+) -> None:
     stream = broken_stream(lib, [b'{"choices": ['])
     cut = lib.Response(200, headers={"content-type": "application/json"}, stream=stream)
     handler, seen = scripted(lib, cut, ok(lib))
@@ -307,7 +278,9 @@ def test_json_body_cut_midway_is_a_failed_attempt_and_retried(lib: ModuleType, f
     assert response.extensions["llm_backoff.attempts"][0].error == "ReadError: connection reset mid-body"
 
 
-def test_event_stream_cut_midway_is_raised_not_retried(lib: ModuleType, fake_time: Any) -> None:
+def test_event_stream_cut_midway_is_raised_not_retried(
+    lib: ModuleType, broken_stream: Callable[..., Any], fake_time: Any
+) -> None:
     stream = broken_stream(lib, [b"data: one\n\n", b"data: two\n\n"])
     sse = lib.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
     handler, seen = scripted(lib, sse, ok(lib))
@@ -557,7 +530,9 @@ async def test_async_deadline_and_limiter(lib: ModuleType, fake_time: Any) -> No
     assert [e[1] for e in limiter.log if e[0] == "acquire"] == [10.0, 7.0]
 
 
-async def test_async_json_cut_midway_is_retried_and_sse_cut_is_not(lib: ModuleType, fake_time: Any) -> None:
+async def test_async_json_cut_midway_is_retried_and_sse_cut_is_not(
+    lib: ModuleType, broken_stream: Callable[..., Any], fake_time: Any
+) -> None:
     cut = lib.Response(200, headers={"content-type": "application/json"}, stream=broken_stream(lib, [b"{"]))
     sse = lib.Response(
         200, headers={"content-type": "text/event-stream"}, stream=broken_stream(lib, [b"data: 1\n\n"])
