@@ -193,8 +193,7 @@ def guarded_protocol(
         _guard_closed = False
         _guard_tail = b""
         _guard_gone: ConnectionGone
-        _guard_wire: ClientWire
-        _guard_announced: object = None
+        _guard_wire: ClientWire  # its cycle: the newest request announced to the app
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             self._guard_gone = ConnectionGone()
@@ -236,16 +235,16 @@ def guarded_protocol(
                     return
             super().data_received(data)
             cycle = self.cycle
-            if cycle is not self._guard_announced and cycle is not None:
+            wire = self._guard_wire
+            if cycle is not wire.cycle and cycle is not None:
                 # A new request: its task is created but has not run yet, so its scope can
                 # still be given the connection's loss signal.
-                self._guard_announced = cycle
                 if type(cycle) is RequestResponseCycle:
                     cycle.__class__ = CoalescingCycle  # response_cycle.py says why
                 extensions = cycle.scope.setdefault("extensions", {})
                 extensions[CONNECTION_GONE] = self._guard_gone
-                extensions[CLIENT_WIRE] = self._guard_wire
-                self._guard_wire.cycle = cycle
+                extensions[CLIENT_WIRE] = wire
+                wire.cycle = cycle
             if self._guard_timer is not None and cycle is not self._guard_cycle:
                 self._guard_stop()  # a head was parsed; its body is the app's concern
 
