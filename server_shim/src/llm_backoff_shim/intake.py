@@ -16,6 +16,7 @@ Choices, where the issue leaves room:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -108,14 +109,21 @@ def check_declared_length(headers: RawHeaders, limit: int) -> Refusal | None:
     return None
 
 
-async def read_body(receive: Receive, *, limit: int, time_limit: CoarseTimers | None) -> bytes | Refusal:
+async def read_body(
+    receive: Receive,
+    *,
+    limit: int,
+    time_limit: CoarseTimers | None,
+    task: asyncio.Task[Any] | None = None,
+) -> bytes | Refusal:
     """The whole body, or a refusal (too large, too slow). Raises :class:`ClientGone`.
 
     ``time_limit``: the shared body timeout (one ``CoarseTimers`` per proxy); None, no limit.
+    ``task``: the current task, when the caller has it at hand (see ``MoveOnAfter``).
     """
     chunks: list[bytes] = []
     size = 0
-    with MoveOnAfter(time_limit) as deadline:
+    with MoveOnAfter(time_limit, task) as deadline:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":

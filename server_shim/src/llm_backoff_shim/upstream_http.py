@@ -427,7 +427,6 @@ class UpstreamPool:
         are sent as given after ``host`` and ``content-length`` (the caller strips
         hop-by-hop fields and any of its own ``host``/``content-length``).
         """
-        loop = asyncio.get_running_loop()
         lines = [method.encode("ascii"), b" ", self.prefix, target, b" HTTP/1.1\r\nhost: ", self.host_header]
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines += (b"\r\ncontent-length: ", str(len(body)).encode())
@@ -438,8 +437,8 @@ class UpstreamPool:
         payload = b"".join(lines)
         method_head = method == "HEAD"
         while True:
-            conn = await self._acquire(loop)
-            response = UpstreamResponse(loop, self, method_head)
+            conn = await self._acquire()
+            response = UpstreamResponse(conn._loop, self, method_head)
             response._conn = conn
             head = conn.start(payload, response)
             try:
@@ -461,21 +460,21 @@ class UpstreamPool:
             conn.abort()
             return
         conn.reused = True
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = conn._loop.time()
         self._idle.append(conn)
 
-    async def _acquire(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+    async def _acquire(self) -> _Connection:
+        # The loop comes from the connection where there is one: asyncio.get_running_loop()
+        # costs a getpid() syscall on Python 3.11 (its fork check), twice per request before.
         if self._closed:
             raise UpstreamConnectError("upstream client is closed")
         idle = self._idle
-        if idle:
-            now = loop.time()
-            while idle:
-                conn = idle.pop()
-                if not conn.closed and now - conn.idle_since < self._keepalive:
-                    return conn
-                conn.abort()
-        return await self._connect(loop)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn._loop.time() - conn.idle_since < self._keepalive:
+                return conn
+            conn.abort()
+        return await self._connect(asyncio.get_running_loop())
 
     def _sweep_period(self) -> float | None:
         return None if self._read_timeout is None else min(1.0, self._read_timeout / 4)
