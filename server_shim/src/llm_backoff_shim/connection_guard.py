@@ -8,8 +8,8 @@ megabyte of headers would then hold a socket and memory for as long as it likes.
 :func:`guarded_protocol` returns a subclass of uvicorn's HTTP protocol class (the
 documented ``http=`` extension point of ``uvicorn.Config``) that:
 
-- starts a timeout when a request head begins (connection opened, or first byte of the
-  next request on a kept-alive connection; kept on a shared
+- starts a timeout when a request head begins (connection opened, or first bytes of the
+  next request on a kept-alive connection, when they do not hold the whole head; kept on a shared
   :class:`~llm_backoff_shim.coarse_timers.CoarseTimers`, so it may fire up to a quarter
   of ``head_timeout`` late) and, if the head is not complete when it fires, answers
   ``408`` in OpenAI error format and closes the connection; a new connection that has
@@ -19,29 +19,13 @@ documented ``http=`` extension point of ``uvicorn.Config``) that:
 - answers uvicorn's own "Invalid HTTP request" (malformed request line, bad header
   syntax, ...) with an OpenAI-format ``400`` instead of a plain-text one.
 
-It also tells the app when the client's connection is lost, through a
-:class:`ConnectionGone` in ``scope["extensions"][CONNECTION_GONE]``: the proxy then
-needs no task of its own per request blocked on ``receive()`` just to notice a
-disconnect (about 20 us of CPU per request on the benchmark machines). An app served
-without this protocol (tests, other servers) finds no such extension and watches
-``receive()`` instead.
-
-Its requests run in a :class:`~llm_backoff_shim.response_cycle.CoalescingCycle`
-(httptools only), which can write a response's head with its body in one write.
-
-It also hands the app a :class:`ClientWire` (``scope["extensions"][CLIENT_WIRE]``): once a
-chunked response has started, the relay writes a stream's chunks straight onto the
-client's transport from the engine connection's callback, instead of waking the
-request's task and going through the ASGI ``send`` for every token (about a quarter of
-the CPU per relayed event on the benchmark machines).
-
 Each event is reported through ``on_event(reason)`` so it is counted
 (``llm_backoff_shim_bad_requests_total{reason}``). The body of a request is the ASGI
 app's business (the proxy has its own body timeout and size limit).
 
 Head completion is detected the same way for both uvicorn implementations (h11 and
-httptools): each creates a new ``RequestResponseCycle`` as ``self.cycle`` when a head
-has been parsed.
+httptools, and the relay's direct path in :mod:`llm_backoff_shim.relay_protocol`): each
+makes a new cycle ``self.cycle`` when a head has been parsed.
 """
 
 from __future__ import annotations
@@ -53,92 +37,10 @@ from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from llm_backoff_shim.coarse_timers import CoarseTimers
-from llm_backoff_shim.response_cycle import CoalescingCycle
 
 OnEvent = Callable[[str], None]
-
-#: The ``scope["extensions"]`` key of the connection's :class:`ConnectionGone`.
-CONNECTION_GONE = "llm_backoff.connection_gone"
-
-
-class ConnectionGone:
-    """Fires its subscribers once, when the client's connection is lost."""
-
-    __slots__ = ("_callbacks", "lost")
-
-    def __init__(self) -> None:
-        self.lost = False
-        self._callbacks: set[Callable[[], None]] = set()
-
-    def subscribe(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when the connection is lost (at once if it already is)."""
-        if self.lost:
-            callback()
-        else:
-            self._callbacks.add(callback)
-
-    def unsubscribe(self, callback: Callable[[], None]) -> None:
-        self._callbacks.discard(callback)
-
-    def fire(self) -> None:
-        self.lost = True
-        callbacks, self._callbacks = self._callbacks, set()
-        for callback in callbacks:
-            callback()
-
-
-#: The ``scope["extensions"]`` key of the request's :class:`ClientWire`.
-CLIENT_WIRE = "llm_backoff.client_wire"
-
-#: Called with each body chunk; False means stop for now (the client is slow or gone).
-ChunkWriter = Callable[[bytes], bool]
-
-
-class ClientWire:
-    """Direct access to the client's socket for the body of a chunked response.
-
-    uvicorn's ``send`` stays in charge of the response's head and end, and of waiting for
-    a slow client (its flow control); only the chunks in between bypass it. Writing them
-    here is only valid while uvicorn's cycle has a started, unfinished, chunked response,
-    which :meth:`chunk_writer` checks once per response; otherwise it returns None and
-    the relay uses ``send``. That covers protocols whose cycle does not say (h11) and
-    pipelined requests: one wire per connection follows the newest request, whose
-    response cannot start before the one in progress ends.
-    """
-
-    __slots__ = ("_flow", "_transport", "cycle")
-
-    def __init__(self, transport: asyncio.Transport, flow: Any) -> None:
-        self.cycle: Any = None
-        self._transport = transport
-        self._flow = flow
-
-    def chunk_writer(self) -> ChunkWriter | None:
-        cycle = self.cycle
-        if (
-            getattr(cycle, "chunked_encoding", None) is not True
-            or not cycle.response_started
-            or cycle.response_complete
-            or cycle.disconnected
-            or self._flow is None
-        ):
-            return None
-        if isinstance(cycle, CoalescingCycle):
-            cycle.flush_head()
-        write = self._transport.write
-        closing = self._transport.is_closing
-        flow = self._flow
-
-        def write_chunk(data: bytes) -> bool:
-            # The frame uvicorn would write for {"body": data, "more_body": True}.
-            write(b"%x\r\n%b\r\n" % (len(data), data))
-            return not flow.write_paused and not closing()
-
-        return write_chunk
-
 
 HEAD_TIMEOUT = "header_timeout"
 HEAD_TOO_LARGE = "headers_too_large"
@@ -188,33 +90,31 @@ def guarded_protocol(
 
     class GuardedProtocol(parent):  # type: ignore[misc,valid-type]
         _guard_timer: int | None = None
+        _guard_reading = False  # a request head is being read: its bytes are counted
         _guard_bytes = 0
         _guard_cycle: object = None
         _guard_closed = False
         _guard_tail = b""
-        _guard_gone: ConnectionGone
-        _guard_wire: ClientWire  # its cycle: the newest request announced to the app
 
         def connection_made(self, transport: asyncio.Transport) -> None:
-            self._guard_gone = ConnectionGone()
             super().connection_made(transport)
-            self._guard_wire = ClientWire(transport, getattr(self, "flow", None))
-            self._guard_start()
+            self._guard_begin()
+            self._guard_arm()  # a connection that never sends is timed too
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._guard_closed = True
             self._guard_stop()
             super().connection_lost(exc)
-            self._guard_gone.fire()
 
         def data_received(self, data: bytes) -> None:
             if self._guard_closed:
                 return
-            cycle = self.cycle
-            if self._guard_timer is None and (cycle is None or cycle.response_complete):
-                # First bytes of the next request on a kept-alive connection.
-                self._guard_start()
-            if self._guard_timer is not None:
+            if not self._guard_reading:
+                cycle = self.cycle
+                if cycle is None or cycle.response_complete:
+                    # First bytes of the next request on a kept-alive connection.
+                    self._guard_begin()
+            if self._guard_reading:
                 # Judge the head's size before the parser sees it, so an oversized head never
                 # becomes a request (parsers hand the whole head over at once).
                 seen = self._guard_tail + data
@@ -234,19 +134,14 @@ def guarded_protocol(
                     )
                     return
             super().data_received(data)
-            cycle = self.cycle
-            wire = self._guard_wire
-            if cycle is not wire.cycle and cycle is not None:
-                # A new request: its task is created but has not run yet, so its scope can
-                # still be given the connection's loss signal.
-                if type(cycle) is RequestResponseCycle:
-                    cycle.__class__ = CoalescingCycle  # response_cycle.py says why
-                extensions = cycle.scope.setdefault("extensions", {})
-                extensions[CONNECTION_GONE] = self._guard_gone
-                extensions[CLIENT_WIRE] = wire
-                wire.cycle = cycle
-            if self._guard_timer is not None and cycle is not self._guard_cycle:
-                self._guard_stop()  # a head was parsed; its body is the app's concern
+            if self._guard_reading:
+                if self.cycle is not self._guard_cycle:
+                    self._guard_reading = False
+                    self._guard_stop()  # a head was parsed; its body is the app's concern
+                elif self._guard_timer is None and not self._guard_closed:
+                    # The head is split over reads: time the rest. Most heads arrive whole
+                    # and never need a timer (two dict operations per request saved).
+                    self._guard_arm()
 
         def send_400_response(self, msg: str) -> None:
             if self._guard_closed:
@@ -257,10 +152,13 @@ def guarded_protocol(
             )
 
         # -- internals ---------------------------------------------------------------
-        def _guard_start(self) -> None:
+        def _guard_begin(self) -> None:
+            self._guard_reading = True
             self._guard_bytes = 0
             self._guard_tail = b""
             self._guard_cycle = self.cycle
+
+        def _guard_arm(self) -> None:
             self._guard_timer = timers.add(self._guard_expired, self.loop)
 
         def _guard_stop(self) -> None:

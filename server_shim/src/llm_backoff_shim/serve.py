@@ -10,6 +10,7 @@ compete with proxied traffic on the event loop.
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import sys
@@ -22,6 +23,7 @@ from llm_backoff_shim.access_log import logging_config
 from llm_backoff_shim.app import create_app, shim_state
 from llm_backoff_shim.config import ConfigError, ShimSettings, load_settings
 from llm_backoff_shim.connection_guard import guarded_protocol
+from llm_backoff_shim.relay_protocol import relay_protocol
 
 
 def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
@@ -32,6 +34,9 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
         # The shim's one line per request (access_log) replaces uvicorn's access log.
         "log_config": logging_config(settings.log_format, settings.log_level),
         "access_log": False,
+        # The shim is the first hop: its access log records the peer, on every route alike
+        # (the relay's direct path, relay_protocol.py, bypasses uvicorn's middleware anyway).
+        "proxy_headers": False,
         "server_header": False,
         "date_header": False,
         "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
@@ -43,25 +48,22 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
 
 
 def connection_options(app: Starlette) -> dict[str, Any]:
-    """uvicorn options that bound request heads in time and size (counted in the app's metrics)."""
+    """uvicorn's protocol for the shim: head limits (counted in the metrics) and the relay's direct path."""
     runtime = shim_state(app)
     settings = runtime.settings
-    base: type[Any]
-    if importlib.util.find_spec("httptools"):
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        base = HttpToolsProtocol
-    else:
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-
-        base = H11Protocol
-    protocol = guarded_protocol(
-        base,
+    guard = functools.partial(
+        guarded_protocol,
         head_timeout=settings.header_read_timeout,
         max_head_bytes=settings.max_header_bytes,
         on_event=runtime.metrics.bad_request,
     )
-    return {"http": protocol}
+    if importlib.util.find_spec("httptools"):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return {"http": relay_protocol(guard(HttpToolsProtocol), runtime.proxy)}
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return {"http": guard(H11Protocol)}
 
 
 #: Allocations between young-generation collections (CPython's default is 700).

@@ -1,20 +1,19 @@
-"""The serving cycle's write coalescing: what reaches the socket, write by write.
+"""The relay's request cycle: what reaches the socket, write by write.
 
-The cycle is uvicorn's own, driven here through its ASGI ``send`` with a transport that
+The cycle is driven here through its ASGI ``send``/``receive`` with a transport that
 records each write (end-to-end behaviour is covered by every proxy test, which runs
-serve's protocol).
+serve's protocol, and by test_relay_protocol.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from llm_backoff_shim.response_cycle import BODY_FOLLOWS, CoalescingCycle
+from llm_backoff_shim.relay_cycle import BODY_FOLLOWS, RelayCycle
 
 
 class RecordingTransport:
@@ -33,19 +32,19 @@ class RecordingTransport:
 
 
 def cycle(
-    transport: RecordingTransport, *, keep_alive: bool = True, done: list[bool] | None = None
-) -> CoalescingCycle:
-    """A cycle as uvicorn's protocol makes one; ``done`` records its end-of-response callback."""
+    transport: RecordingTransport,
+    *,
+    keep_alive: bool = True,
+    done: list[bool] | None = None,
+    method: str = "POST",
+) -> RelayCycle:
+    """A cycle as the relay protocol makes one; ``done`` records its end-of-response callback."""
     ended = done if done is not None else []
-    return CoalescingCycle(
-        scope={"type": "http", "method": "POST", "path": "/v1/x", "http_version": "1.1"},  # type: ignore[typeddict-item]
-        transport=transport,  # type: ignore[arg-type]
-        flow=FlowControl(transport),  # type: ignore[arg-type]
-        logger=logging.getLogger("test"),
-        access_logger=logging.getLogger("test.access"),
-        access_log=False,
-        default_headers=[],
-        message_event=asyncio.Event(),
+    return RelayCycle(
+        {"type": "http", "method": method, "path": "/v1/x", "http_version": "1.1"},
+        transport,  # type: ignore[arg-type]
+        FlowControl(transport),  # type: ignore[arg-type]
+        logging.getLogger("test"),
         expect_100_continue=False,
         keep_alive=keep_alive,
         on_response=lambda: ended.append(True),
@@ -111,14 +110,70 @@ async def test_a_closing_answer_writes_head_and_body_before_closing() -> None:
     assert transport.closed
 
 
-async def test_a_body_uvicorn_refuses_still_lets_the_held_head_out() -> None:
+async def test_a_body_longer_than_its_length_is_refused_and_the_connection_closed() -> None:
     transport = RecordingTransport()
     c = cycle(transport)
-    await c.send(start(follows=True, length=2))
-    with pytest.raises(RuntimeError, match="longer than Content-Length"):
-        await c.send({"type": "http.response.body", "body": b"too long"})
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(start(follows=True, length=2))
+        await send({"type": "http.response.body", "body": b"too long"})
+
+    await c.run_asgi(app)
+    assert transport.closed
+    assert all(b"too long" not in write for write in transport.writes)
+
+
+async def test_a_header_carrying_a_line_break_is_refused() -> None:
+    for name, value in ((b"x-evil", b"a\r\nset-cookie: 1"), (b"x-evil", b"a\nb"), (b"x-ev\ril", b"v")):
+        transport = RecordingTransport()
+        c = cycle(transport)
+        with pytest.raises(RuntimeError, match="CR or LF"):
+            await c.send({"type": "http.response.start", "status": 200, "headers": [(name, value)]})
+        assert transport.writes == []
+
+
+async def test_an_app_failing_before_its_answer_gets_a_500_and_a_closed_connection() -> None:
+    transport = RecordingTransport()
+    done: list[bool] = []
+    c = cycle(transport, done=done)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise ValueError("boom")
+
+    await c.run_asgi(app)
     assert len(transport.writes) == 1
-    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+    head, _, body = transport.writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 500 ")
+    assert f"content-length: {len(body)}".encode() in head
+    assert b'"type":"server_error"' in body
+    assert transport.closed
+
+
+async def test_an_app_failing_mid_answer_closes_the_connection_without_a_second_head() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send(start(follows=False, length=None))
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        raise ValueError("boom")
+
+    await c.run_asgi(app)
+    assert transport.closed
+    assert sum(write.count(b"HTTP/1.1") for write in transport.writes) == 1
+
+
+async def test_a_head_answer_has_no_body_and_receive_returns_the_request_body() -> None:
+    transport = RecordingTransport()
+    c = cycle(transport, method="HEAD")
+    c.body += b"abc"
+    c.more_body = False
+    assert await c.receive() == {"type": "http.request", "body": b"abc", "more_body": False}
+    await c.send(start(follows=True, length=5))
+    await c.send({"type": "http.response.body", "body": b"hello"})
+    assert len(transport.writes) == 1
+    assert transport.writes[0].endswith(b"\r\n\r\n")
+    assert await c.receive() == {"type": "http.disconnect"}
 
 
 async def test_flush_head_writes_a_held_head_once() -> None:

@@ -1,0 +1,182 @@
+"""The serving protocol's direct path: a ``/v1/`` request goes from the parser to the relay.
+
+uvicorn turns every request into an ASGI call through the same machinery: its general
+request cycle, its middleware (proxy headers), the app's router. For the relay's
+requests that machinery was about half of the shim's CPU per request on the benchmark
+machines (issue 3's requests/s target; docs/benchmarks.md). :func:`relay_protocol`
+subclasses the serving protocol class (uvicorn's httptools protocol with the
+connection guard): when a request head under ``/v1/`` is parsed, it builds a
+:class:`~llm_backoff_shim.relay_cycle.RelayCycle` and runs the relay on it directly.
+Everything else (``/health``, ``/metrics``, odd paths, upgrades) takes uvicorn's own
+path to the Starlette app, unchanged. Keep-alive, pipelining, flow control, the guard's
+limits and graceful shutdown stay uvicorn's: the cycle has the attributes they use.
+
+Only the httptools protocol has this path; under h11 (httptools missing) every request
+takes uvicorn's path, and the relay falls back to what it does under any ASGI server.
+
+The protocol also hands the relay two per-connection objects through
+``scope["extensions"]``:
+
+- :class:`ConnectionGone` (``CONNECTION_GONE``) fires when the client's connection is
+  lost, so the relay needs no task of its own per request blocked on ``receive()`` just
+  to notice a disconnect (about 20 us of CPU per request here);
+- :class:`ClientWire` (``CLIENT_WIRE``): once a chunked response has started, the relay
+  writes a stream's chunks straight onto the client's transport from the engine
+  connection's callback, instead of waking the request's task and going through
+  ``send`` for every token (about a quarter of the CPU per relayed event here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import httptools
+
+from llm_backoff_shim.relay_cycle import RelayCycle
+
+#: The ``scope["extensions"]`` key of the connection's :class:`ConnectionGone`.
+CONNECTION_GONE = "llm_backoff.connection_gone"
+#: The ``scope["extensions"]`` key of the connection's :class:`ClientWire`.
+CLIENT_WIRE = "llm_backoff.client_wire"
+
+#: Called with each body chunk; False means stop for now (the client is slow or gone).
+ChunkWriter = Callable[[bytes], bool]
+
+
+class ConnectionGone:
+    """Fires its subscribers once, when the client's connection is lost."""
+
+    __slots__ = ("_callbacks", "lost")
+
+    def __init__(self) -> None:
+        self.lost = False
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the connection is lost (at once if it already is)."""
+        if self.lost:
+            callback()
+        else:
+            self._callbacks.add(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+    def fire(self) -> None:
+        self.lost = True
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
+
+
+class ClientWire:
+    """Direct access to the client's socket for the body of a chunked response.
+
+    The cycle's ``send`` stays in charge of the response's head and end, and of waiting
+    for a slow client (flow control); only the chunks in between bypass it. Writing
+    them here is only valid while the connection's current cycle has a started,
+    unfinished, chunked response, which :meth:`chunk_writer` checks once per response;
+    otherwise it returns None and the relay uses ``send``. One wire per connection
+    follows the newest request: with pipelining, its response cannot start before the
+    one in progress ends.
+    """
+
+    __slots__ = ("_flow", "_transport", "cycle")
+
+    def __init__(self, transport: asyncio.Transport, flow: Any) -> None:
+        self.cycle: RelayCycle | None = None
+        self._transport = transport
+        self._flow = flow
+
+    def chunk_writer(self) -> ChunkWriter | None:
+        cycle = self.cycle
+        if (
+            cycle is None
+            or cycle.chunked_encoding is not True
+            or not cycle.response_started
+            or cycle.response_complete
+            or cycle.disconnected
+        ):
+            return None
+        cycle.flush_head()
+        write = self._transport.write
+        closing = self._transport.is_closing
+        flow = self._flow
+
+        def write_chunk(data: bytes) -> bool:
+            # The frame the cycle would write for {"body": data, "more_body": True}.
+            write(b"%x\r\n%b\r\n" % (len(data), data))
+            return not flow.write_paused and not closing()
+
+        return write_chunk
+
+
+def relay_protocol(base: type[Any], relay: Callable[..., Any]) -> type[Any]:
+    """A subclass of ``base`` (uvicorn's httptools protocol or a subclass) serving ``/v1/`` with ``relay``."""
+
+    class RelayProtocol(base):  # type: ignore[misc]
+        _relay_gone: ConnectionGone
+        _relay_wire: ClientWire
+        cycle: Any  # uvicorn's per-request cycle: its own class, or a RelayCycle
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            self._relay_gone = ConnectionGone()
+            super().connection_made(transport)
+            self._relay_wire = ClientWire(transport, self.flow)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            self._relay_gone.fire()
+
+        def on_headers_complete(self) -> None:
+            url: bytes = self.url
+            parser = self.parser
+            if (
+                not url.startswith(b"/v1/")
+                or self.root_path
+                or self.limit_concurrency is not None
+                or parser.should_upgrade()
+            ):
+                super().on_headers_complete()
+                return
+            parsed_url = httptools.parse_url(url)
+            raw_path: bytes = parsed_url.path
+            path = raw_path.decode("ascii")
+            if "%" in path:
+                path = urllib.parse.unquote(path)
+                if "\n" in path:
+                    super().on_headers_complete()  # no route matches it: the app's 404
+                    return
+            http_version: str = parser.get_http_version()
+            scope = self.scope
+            scope["method"] = parser.get_method().decode("ascii")
+            if http_version != "1.1":
+                scope["http_version"] = http_version
+            scope["path"] = path
+            scope["raw_path"] = raw_path
+            scope["query_string"] = parsed_url.query or b""
+            scope["extensions"] = {CONNECTION_GONE: self._relay_gone, CLIENT_WIRE: self._relay_wire}
+            existing = self.cycle
+            cycle = RelayCycle(
+                scope,
+                self.transport,
+                self.flow,
+                self.logger,
+                expect_100_continue=self.expect_100_continue,
+                keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+                on_response=self.on_response_complete,
+            )
+            self.cycle = cycle
+            self._relay_wire.cycle = cycle
+            if existing is None or existing.response_complete:
+                self._start_asgi_task(cycle, relay)
+            else:
+                # Pipelined: it starts when the response in progress ends (uvicorn's queue).
+                self.flow.pause_reading()
+                self.pipeline.appendleft((cycle, relay))
+
+    RelayProtocol.__name__ = RelayProtocol.__qualname__ = f"Relay{base.__name__}"
+    return RelayProtocol

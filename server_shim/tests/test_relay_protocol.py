@@ -1,0 +1,129 @@
+"""The serving protocol's direct path for ``/v1/`` requests, on a raw socket to a real shim.
+
+Each test drives bytes the way unusual but valid clients do (pipelining, ``Expect:
+100-continue``, HTTP/1.0, encoded paths) and checks that the direct path and uvicorn's
+own path (``/health`` and friends) answer exactly as the protocol requires, and that
+every slot comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable
+from typing import Any
+
+BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+
+
+def chat(*, version: bytes = b"1.1", extra: bytes = b"", body: bytes = BODY) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/" + version + b"\r\nhost: shim\r\ncontent-type: application/json\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n" + extra + b"\r\n" + body
+    )
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """``count`` answers with a length (status, headers, body), read off one connection."""
+    buffer = b""
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in buffer:
+            data = sock.recv(65536)
+            assert data, f"connection closed after {len(answers)} answers"
+            buffer += data
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        length = int(headers["content-length"])
+        while len(buffer) < length:
+            data = sock.recv(65536)
+            assert data, "connection closed inside a body"
+            buffer += data
+        answers.append((int(status_line.split()[1]), headers, buffer[:length]))
+        buffer = buffer[length:]
+    return answers
+
+
+def test_pipelined_requests_mixing_both_paths_are_answered_in_order(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(upstream.url)
+    with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
+        sock.sendall(
+            chat()
+            + b"GET /health HTTP/1.1\r\nhost: shim\r\n\r\n"
+            + b"GET /v1/models HTTP/1.1\r\nhost: shim\r\n\r\n"
+            + chat(body=b'{"model":"second"}')
+        )
+        answers = read_answers(sock, 4)
+    assert [status for status, _, _ in answers] == [200, 200, 200, 200]
+    assert json.loads(answers[0][2])["echo"]["messages"][0]["content"] == "hi"
+    assert json.loads(answers[1][2]) == {"status": "ok"}
+    assert json.loads(answers[2][2])["data"][0]["id"] == "fake"
+    assert json.loads(answers[3][2])["echo"] == {"model": "second"}
+    assert shim.state()["interactive"] == (0, 0)
+
+
+def test_expect_100_continue_gets_its_interim_answer_before_the_body(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(upstream.url)
+    with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
+        request = chat(extra=b"expect: 100-continue\r\n")
+        head, _, body = request.partition(b"\r\n\r\n")
+        sock.sendall(head + b"\r\n\r\n")
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            data = sock.recv(64)
+            assert data
+            interim += data
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body)
+        leftover = interim[len(b"HTTP/1.1 100 Continue\r\n\r\n") :]
+        assert leftover == b""
+        [(status, _, answer)] = read_answers(sock, 1)
+    assert status == 200
+    assert json.loads(answer)["echo"]["model"] == "m"
+
+
+def test_an_http_1_0_request_is_answered_and_the_connection_closed(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(upstream.url)
+    with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
+        sock.sendall(chat(version=b"1.0"))
+        [(status, headers, _)] = read_answers(sock, 1)
+        assert status == 200
+        assert headers.get("connection") == "close"
+        assert sock.recv(1) == b""  # closed after the answer
+
+
+def test_a_body_split_over_several_writes_reaches_the_engine_whole(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(upstream.url)
+    content = "x" * 200_000
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
+    with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
+        request = chat(body=body)
+        for at in range(0, len(request), 7_000):
+            sock.sendall(request[at : at + 7_000])
+        [(status, _, answer)] = read_answers(sock, 1)
+    assert status == 200
+    assert json.loads(answer)["echo"]["messages"][0]["content"] == content
+
+
+def test_an_encoded_line_break_in_the_path_is_refused_in_openai_format(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(upstream.url)
+    with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
+        sock.sendall(
+            b"GET /v1/a%0Ab HTTP/1.1\r\nhost: shim\r\n\r\nGET /v1/models HTTP/1.1\r\nhost: shim\r\n\r\n"
+        )
+        (status, _, body), (after, _, _) = read_answers(sock, 2)
+    assert status == 404
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    assert after == 200  # the connection still serves
+    assert upstream.paths() == []
