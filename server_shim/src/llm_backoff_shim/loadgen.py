@@ -56,13 +56,18 @@ PROGRESS_EVERY = 1.0
 class AttemptRecord:
     number: int
     sent: float
+    """When the attempt reached the bottom of the client's stack (before a connection is taken)."""
     answered: float | None = None
+    """When the response's head had been read off the connection."""
     status: int | None = None
     error: str | None = None
     code: str | None = None
     """``error.code`` of an error answer (``queue_full``, ``queue_timeout``...), when it has one."""
     shim_seconds: float | None = None
     """The shim's own arrival-to-answer time for this attempt (its access log), when known."""
+    written: float | None = None
+    """When the request's head started going onto its connection (the HTTP library's trace
+    events); None when the library did not report it."""
 
     @property
     def rejected(self) -> bool:
@@ -70,8 +75,12 @@ class AttemptRecord:
 
     @property
     def latency(self) -> float | None:
-        """Seconds from sending to the response headers (None when no response came)."""
-        return None if self.answered is None else self.answered - self.sent
+        """Seconds from writing the request to having read the response's head (None when no
+        response came): the wire's round trip plus the server's time, plus this process's own
+        event-loop lag in noticing the answer. From ``sent`` when the write was not traced."""
+        if self.answered is None:
+            return None
+        return self.answered - (self.sent if self.written is None else self.written)
 
 
 @dataclass
@@ -173,6 +182,7 @@ class CountingTransport:
             call.attempts.append(record)
             # Lets the shim's access log be matched with this attempt (attach_shim_times).
             request.headers["x-request-id"] = attempt_id(call.index, record.number)
+            request.extensions["trace"] = self._tracer(record, request.extensions.get("trace"))
         try:
             response = await self.inner.handle_async_request(request)
         except BaseException as exc:
@@ -180,7 +190,8 @@ class CountingTransport:
                 record.error = type(exc).__name__
             raise
         if record is not None:
-            record.answered = self._clock()
+            if record.answered is None:
+                record.answered = self._clock()
             record.status = response.status_code
             if response.status_code >= 400:
                 # Error bodies are small: read the raw bytes here and hand the layers
@@ -193,6 +204,26 @@ class CountingTransport:
                 response.stream = self._byte_stream(raw)
                 record.code = error_code(raw)
         return response
+
+    def _tracer(self, record: AttemptRecord, chained: Any) -> Callable[[str, dict[str, Any]], Any]:
+        """httpcore's ``trace`` extension for one attempt: stamps the write and the read.
+
+        The time to a rejection is then taken from the moment the request goes onto the
+        wire, not from when the client's task got round to sending it (taking a pooled
+        connection or opening one, which under a burst waits for this process's busy
+        event loop); the answer is stamped as soon as its head is parsed. A trace callback
+        already set on the request is still called.
+        """
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            if event.endswith("send_request_headers.started"):
+                record.written = self._clock()
+            elif event.endswith("receive_response_headers.complete"):
+                record.answered = self._clock()
+            if chained is not None:
+                await chained(event, info)
+
+        return trace
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -1,0 +1,77 @@
+"""The load generator stamps each attempt at the wire: written when the request's head goes out."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import openai
+
+from llm_backoff_shim.loadgen import AttemptRecord, CallRecord, CountingTransport, bind_call, http_library
+from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.sim import SimConfig, create_sim_app
+
+
+def test_attempts_are_stamped_at_the_write_and_the_read_and_a_chained_trace_still_runs() -> None:
+    http = http_library()
+    ticks = itertools.count()
+    events: list[str] = []
+
+    async def chained(event: str, info: dict[str, Any]) -> None:
+        events.append(event)
+
+    async def run(url: str) -> CallRecord:
+        transport = CountingTransport(http.AsyncHTTPTransport(), lambda: float(next(ticks)), http.ByteStream)
+        record = CallRecord(3, "interactive", 0.0, 5.0)
+        async with http.AsyncClient(transport=transport) as client:
+
+            async def call() -> None:
+                bind_call(record)
+                response = await client.get(url + "/v1/models", extensions={"trace": chained})
+                assert response.status_code == 200
+
+            await asyncio.create_task(call())
+        return record
+
+    with ServerThread(create_sim_app(SimConfig())) as sim:
+        record = asyncio.run(run(sim.url))
+    (attempt,) = record.attempts
+    assert attempt.written is not None
+    assert attempt.answered is not None
+    # Entering the transport, taking a connection, writing, reading: in that order.
+    assert attempt.sent < attempt.written < attempt.answered
+    assert attempt.latency == attempt.answered - attempt.written
+    assert any(e.endswith("send_request_headers.started") for e in events)
+    assert any(e.endswith("receive_response_headers.complete") for e in events)
+
+
+def test_latency_falls_back_to_the_send_when_the_write_was_not_traced() -> None:
+    assert AttemptRecord(1, sent=1.0, answered=1.5).latency == 0.5
+    assert AttemptRecord(1, sent=1.0, answered=1.5, written=1.25).latency == 0.25
+    assert AttemptRecord(1, sent=1.0).latency is None
+
+
+def test_openai_attempts_through_the_transport_are_traced() -> None:
+    http = http_library()
+
+    async def run(url: str) -> CallRecord:
+        transport = CountingTransport(http.AsyncHTTPTransport(), lambda: 0.0, http.ByteStream)
+        record = CallRecord(4, "interactive", 0.0, 5.0)
+        async with http.AsyncClient(transport=transport) as shared:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", http_client=shared, max_retries=0)
+
+            async def call() -> None:
+                bind_call(record)
+                await client.chat.completions.create(
+                    model="sim-model", messages=[{"role": "user", "content": "x"}], max_tokens=1
+                )
+
+            await asyncio.create_task(call())
+        return record
+
+    with ServerThread(create_sim_app(SimConfig(ttft=0.0, itl=0.0, output_tokens=1))) as sim:
+        record = asyncio.run(run(sim.url))
+    (attempt,) = record.attempts
+    assert attempt.status == 200
+    assert attempt.written is not None
