@@ -75,3 +75,32 @@ def test_openai_attempts_through_the_transport_are_traced() -> None:
     (attempt,) = record.attempts
     assert attempt.status == 200
     assert attempt.written is not None
+
+
+def test_a_request_sent_again_stamps_only_its_own_attempt() -> None:
+    # Retry loops may send the same request object twice; the first attempt's record must
+    # keep its own times, not take the second attempt's.
+    http = http_library()
+    ticks = itertools.count()
+
+    async def run(url: str) -> CallRecord:
+        transport = CountingTransport(http.AsyncHTTPTransport(), lambda: float(next(ticks)), http.ByteStream)
+        record = CallRecord(5, "interactive", 0.0, 5.0)
+        async with http.AsyncClient(transport=transport) as client:
+
+            async def call() -> None:
+                bind_call(record)
+                request = client.build_request("GET", url + "/v1/models")
+                for _ in range(2):
+                    response = await client.send(request)
+                    await response.aclose()
+
+            await asyncio.create_task(call())
+        return record
+
+    with ServerThread(create_sim_app(SimConfig())) as sim:
+        record = asyncio.run(run(sim.url))
+    first, second = record.attempts
+    assert first.answered is not None
+    assert second.written is not None
+    assert first.answered < second.sent < second.written

@@ -182,7 +182,7 @@ class CountingTransport:
             call.attempts.append(record)
             # Lets the shim's access log be matched with this attempt (attach_shim_times).
             request.headers["x-request-id"] = attempt_id(call.index, record.number)
-            request.extensions["trace"] = self._tracer(record, request.extensions.get("trace"))
+            request.extensions["trace"] = _AttemptTrace(record, self._clock, request.extensions.get("trace"))
         try:
             response = await self.inner.handle_async_request(request)
         except BaseException as exc:
@@ -205,26 +205,6 @@ class CountingTransport:
                 record.code = error_code(raw)
         return response
 
-    def _tracer(self, record: AttemptRecord, chained: Any) -> Callable[[str, dict[str, Any]], Any]:
-        """httpcore's ``trace`` extension for one attempt: stamps the write and the read.
-
-        The time to a rejection is then taken from the moment the request goes onto the
-        wire, not from when the client's task got round to sending it (taking a pooled
-        connection or opening one, which under a burst waits for this process's busy
-        event loop); the answer is stamped as soon as its head is parsed. A trace callback
-        already set on the request is still called.
-        """
-
-        async def trace(event: str, info: dict[str, Any]) -> None:
-            if event.endswith("send_request_headers.started"):
-                record.written = self._clock()
-            elif event.endswith("receive_response_headers.complete"):
-                record.answered = self._clock()
-            if chained is not None:
-                await chained(event, info)
-
-        return trace
-
     async def aclose(self) -> None:
         await self.inner.aclose()
 
@@ -233,6 +213,32 @@ class CountingTransport:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class _AttemptTrace:
+    """httpcore's ``trace`` extension for one attempt: stamps the write and the read.
+
+    The time to a rejection is then taken from the moment the request goes onto the
+    wire, not from when the client's task got round to sending it (taking a pooled
+    connection or opening one, which under a burst waits for this process's busy event
+    loop); the answer is stamped as soon as its head is parsed. A trace callback the
+    caller set is still called. A retry loop may send the same request object again: the
+    previous attempt's trace is then replaced, not chained, or its record would be
+    stamped with the next attempt's times.
+    """
+
+    def __init__(self, record: AttemptRecord, clock: Callable[[], float], chained: Any) -> None:
+        self._record = record
+        self._clock = clock
+        self._chained = chained._chained if isinstance(chained, _AttemptTrace) else chained
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if event.endswith("send_request_headers.started"):
+            self._record.written = self._clock()
+        elif event.endswith("receive_response_headers.complete"):
+            self._record.answered = self._clock()
+        if self._chained is not None:
+            await self._chained(event, info)
 
 
 def attempt_id(call: int, attempt: int) -> str:
