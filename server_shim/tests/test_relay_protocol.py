@@ -10,8 +10,16 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
+
+import pytest
+
+from llm_backoff_shim.app import create_app
+from llm_backoff_shim.config import ShimSettings
+from llm_backoff_shim.serve import connection_options
+from llm_backoff_shim.serving import ServerThread
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 
@@ -127,3 +135,34 @@ def test_an_encoded_line_break_in_the_path_is_refused_in_openai_format(
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
     assert after == 200  # the connection still serves
     assert upstream.paths() == []
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(upstream: Any) -> None:
+    app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
+    with (
+        ServerThread(app, **connection_options(app), timeout_keep_alive=1) as shim,
+        socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock,
+    ):
+        sock.sendall(chat())
+        [(status, _, _)] = read_answers(sock, 1)
+        assert status == 200
+        # Never early: the timeout counts from the end of the answer.
+        sock.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+        # Closed, not answered: the bound only stops a broken test from hanging.
+        sock.settimeout(10)
+        assert sock.recv(1) == b""
+
+
+def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: Any) -> None:
+    app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
+    with (
+        ServerThread(app, **connection_options(app), timeout_keep_alive=1) as shim,
+        socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock,
+    ):
+        for _ in range(4):
+            sock.sendall(chat())
+            [(status, _, _)] = read_answers(sock, 1)
+            assert status == 200
+            time.sleep(0.6)  # under the timeout, but 2.4 s in all: each request cancels the idle timer
