@@ -53,6 +53,7 @@ def make(
             retry_after_max=100.0,
             initial_service_time=service,
             stream_served_at=stream_served_at,
+            return_jitter=0.0,  # hints as computed; the aim for clients' jitter: test_estimator
         ),
         clock,
     )

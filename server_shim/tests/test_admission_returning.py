@@ -75,9 +75,11 @@ def make(
     scheduler: SharedSlots | None = None,
     returning_first: bool = True,
     promise_slack: float = 0.0,
+    return_jitter: float = 0.0,
 ) -> tuple[AdmissionController, FakeClock]:
     clock = FakeClock()
-    config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0)
+    # return_jitter 0 by default: hints as computed (the aim for clients' jitter: test_estimator).
+    config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0, return_jitter=return_jitter)
     est = DrainEstimator(config, clock)
     policies = [ClassPolicy("interactive", max_queue, max_wait), ClassPolicy("batch", max_queue, max_wait)]
     controller = AdmissionController(
@@ -218,6 +220,39 @@ def test_a_fresh_arrival_counts_the_returns_already_promised() -> None:
     assert ticket(c.submit(back())).state is TicketState.QUEUED
 
 
+def test_a_fresh_arrival_yields_to_the_returns_promised_to_a_lower_class() -> None:
+    # A promise is a slot kept on the one engine: 4 batch callers told to come back at
+    # 2..5 s keep those slots from a fresh interactive arrival too. Queued into them, it
+    # would go ahead of the batch callers on their return and push them past their budget.
+    c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh()))  # queued: served in 1 s
+    hints = [promise(c, "batch") for _ in range(4)]
+    assert hints == pytest.approx([2.0, 3.0, 4.0, 5.0])
+    refused = rejection(c.submit(fresh()))
+    assert "exceeds the 3.5 s limit" in refused.message
+    assert refused.retry_after == pytest.approx(6.0)  # the next slot on the one timeline
+    # A returning interactive caller still goes ahead of the batch ones (a higher class).
+    assert ticket(c.submit(back())).state is TicketState.QUEUED
+
+
+def test_a_caller_that_may_come_back_too_late_for_its_budget_is_told_its_budget() -> None:
+    # Its slot is 4 s away; aimed for clients' jitter (up to 20 % of the hint above it) it
+    # is told 4 / 1.1 s and may come back at 4 / 1.1 * 1.2 = 4.36 s. With 5.3 s of budget
+    # that leaves less than the 1 s of service: it is told its budget instead.
+    c, clock = make(limit=1, max_queue=3, max_wait=10.0, returning_share=0.0, return_jitter=0.2)
+    measure(c, clock, 1.0)
+    for _ in range(4):
+        ticket(c.submit(fresh()))
+    tight = rejection(c.submit(fresh(budget=5.3)))
+    assert tight.retry_after == pytest.approx(5.3)
+    assert c.estimator.outstanding("interactive") == 0
+    roomy = rejection(c.submit(fresh(budget=5.4)))
+    assert roomy.retry_after == pytest.approx(4.0 / 1.1)
+    assert c.estimator.outstanding("interactive") == 1
+
+
 def test_promises_fall_due_and_stop_counting() -> None:
     c, clock = make(limit=1, max_wait=2.5, returning_share=0.0)
     measure(c, clock, 1.0)
@@ -232,7 +267,7 @@ def test_promises_fall_due_and_stop_counting() -> None:
 
 def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
     clock = FakeClock()
-    est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0), clock)
+    est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     assert est.retry_after("interactive", 4, 1, keep_within=2.0) == pytest.approx(5.0)
     assert est.outstanding("interactive") == 0  # that caller cannot come back in time
     assert est.retry_after("interactive", 4, 1) == pytest.approx(5.0)  # so the next hears the same slot
@@ -242,11 +277,13 @@ def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
 
 def test_higher_class_promises_delay_a_lower_class_hint() -> None:
     clock = FakeClock()
-    est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0), clock)
+    est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     for _ in range(3):
         est.retry_after("interactive", 0, 1)  # interactive returns promised at 1, 2, 3 s
-    assert est.retry_after("batch", 0, 1) == pytest.approx(1.0)
-    assert est.retry_after("batch", 0, 1, promised_by=("interactive",)) == pytest.approx(4.0)
+    # One timeline for all classes: the batch caller's slot comes after those promises.
+    assert est.retry_after("batch", 0, 1) == pytest.approx(4.0)
+    assert est.expected_wait(0, 1, 0, promised_by=("interactive",)) == pytest.approx(4.0)
+    assert est.retry_after("batch", 0, 1, promised_by=("interactive",)) == pytest.approx(5.0)
 
 
 # -- a queued request keeps its promise; the recheck is the safety net ----------------------------

@@ -24,7 +24,13 @@ class FakeClock:
 
 def make(**overrides: float) -> tuple[DrainEstimator, FakeClock]:
     clock = FakeClock()
-    values = {"retry_after_min": 0.5, "retry_after_max": 60.0, "initial_service_time": 2.0}
+    # return_jitter 0 unless a test sets it: hints as computed, not aimed for clients' jitter.
+    values = {
+        "retry_after_min": 0.5,
+        "retry_after_max": 60.0,
+        "initial_service_time": 2.0,
+        "return_jitter": 0.0,
+    }
     values.update(overrides)
     return DrainEstimator(EstimatorConfig(**values), clock), clock
 
@@ -108,11 +114,18 @@ def test_burst_ends_when_time_passes_the_last_promise() -> None:
     assert est.retry_after("interactive", ahead=0, slots=1) == pytest.approx(1.0)
 
 
-def test_bursts_are_tracked_per_class() -> None:
+def test_all_classes_share_one_promise_timeline() -> None:
+    # Each promise claims one slot freeing of the one engine: callers of two classes
+    # refused together are spread over one timeline, not promised twice the drain rate.
     est, _ = make(initial_service_time=1.0)
     est.retry_after("interactive", ahead=0, slots=1)
     est.retry_after("interactive", ahead=0, slots=1)
-    assert est.retry_after("batch", ahead=0, slots=1) == pytest.approx(1.0)
+    assert est.retry_after("batch", ahead=0, slots=1) == pytest.approx(3.0)
+    assert est.retry_after("interactive", ahead=0, slots=1) == pytest.approx(4.0)
+    # The promises are still remembered per class (a returning caller counts those of
+    # higher classes only).
+    assert est.outstanding("interactive") == 3
+    assert est.outstanding("batch") == 1
 
 
 def test_hints_are_clamped_and_promises_beyond_the_clamp_are_dropped() -> None:
@@ -147,6 +160,8 @@ def test_instant_upstream_does_not_divide_by_zero() -> None:
         {"service_time_alpha": 0.0},
         {"service_time_alpha": 1.5},
         {"rate_window": 0.0},
+        {"return_jitter": -0.1},
+        {"return_jitter": 1.5},
     ],
 )
 def test_config_rejects_nonsense(kwargs: dict[str, float]) -> None:
@@ -207,3 +222,41 @@ def test_nonsense_first_byte_samples_are_ignored(bad: float) -> None:
     est, _ = make()
     est.observe_first_byte(bad)
     assert est.first_byte_time is None
+
+
+def test_a_hint_the_caller_may_come_back_too_late_for_is_not_a_promise() -> None:
+    # Clients add jitter above a hint (up to 20 % by default): a caller told 5 s with 5.5 s
+    # of usable budget may come back at 6 s, too late, so no slot is kept for it.
+    est, _ = make(retry_after_min=1.0, initial_service_time=1.0, return_jitter=0.2)
+    assert est.latest_return(5.0) == pytest.approx(6.0)
+    slot = 6.0  # ahead=4 at 1 s each, and one promise already made at 5 s
+    est.retry_after("interactive", ahead=4, slots=1)
+    told = slot / 1.1
+    too_late = est.retry_after("interactive", ahead=4, slots=1, keep_within=told * 1.2 - 0.01, aimed=True)
+    assert too_late == pytest.approx(told)
+    assert est.outstanding("interactive") == 1
+    assert est.retry_after(
+        "interactive", ahead=4, slots=1, keep_within=told * 1.2, aimed=True
+    ) == pytest.approx(told)
+    assert est.outstanding("interactive") == 2
+
+
+def test_hints_are_aimed_so_that_callers_come_back_at_their_slot_on_average() -> None:
+    # A client adds uniform(0, 20 %) of the hint: told slot / 1.1, it is back at the slot on
+    # average. The promise (what fresh arrivals count) stays at the slot itself.
+    est, clock = make(retry_after_min=0.5, initial_service_time=1.0, return_jitter=0.2)
+    hints = [est.retry_after("interactive", ahead=3, slots=4, aimed=True) for _ in range(3)]
+    assert hints == pytest.approx([(3 + k) / 4 / 1.1 for k in range(1, 4)])
+    # Not aimed (the SLO gate's hints, for one): the slot's delay itself.
+    assert est.retry_after("interactive", ahead=3, slots=4) == pytest.approx(7 / 4)
+    assert est.promised_within(("interactive",), clock.now, clock.now + 1.0) == 1
+    assert est.promised_within(("interactive",), clock.now, clock.now + 1.5) == 3
+    # Never below the minimum: the aim only shortens what lies above it.
+    est2, _ = make(retry_after_min=1.0, initial_service_time=0.01, return_jitter=0.2)
+    assert est2.retry_after("interactive", ahead=0, slots=1, aimed=True) == pytest.approx(1.0)
+
+
+def test_return_jitter_zero_judges_the_hint_itself() -> None:
+    est, _ = make(retry_after_min=1.0, initial_service_time=1.0, return_jitter=0.0)
+    assert est.retry_after("interactive", ahead=4, slots=1, keep_within=5.0) == pytest.approx(5.0)
+    assert est.outstanding("interactive") == 1

@@ -36,10 +36,12 @@ is served before the fresh ones (where that breaks no promise, below), and while
 have been promised a return, up to ``returning_share`` of each queue bound (one place per
 promise) is kept for returning requests: a full queue refuses a fresh arrival before it
 refuses a returning one. A request already queued is never evicted. A fresh arrival's
-expected wait counts the callers of its class (and of higher classes) already promised a
-return before it would be served (:meth:`DrainEstimator.expected_wait`), since they will go
-ahead of it. Anyone can claim to be a retry: the claim buys a place ahead of fresh arrivals
-of the same class, nothing more; tenant quotas, budgets and class bounds apply unchanged.
+expected wait counts the callers of every class already promised a return before it would
+be served (:meth:`DrainEstimator.expected_wait`): a promise is a slot kept for that caller
+(the estimator paces the promises of all classes on one timeline at the drain rate), so a
+fresh arrival is queued only into the slots nobody was promised. Anyone can claim to be a
+retry: the claim buys a place ahead of fresh arrivals of the same class, nothing more;
+tenant quotas, budgets and class bounds apply unchanged.
 ``returning_first=False`` turns the order and the kept places off (every request is fresh;
 promised returns still count in a fresh arrival's wait): with short deadlines and clients
 that send no budget, retries served first can be served too late (docs/demo.md).
@@ -648,9 +650,13 @@ class AdmissionController:
             return None  # the wait estimate would rest on the prior alone
         cls, budget = ticket.cls, ticket.request.budget
         higher = self._classes[: self._rank[cls]]
-        # Returns promised before it would be served go ahead of a fresh arrival (and those of
-        # higher classes ahead of anyone): each takes a slot first.
-        promised_by = higher if ticket.returning else (*higher, cls)
+        # Returns promised before it would be served go ahead of a returning caller of a lower
+        # class: each takes a slot first. A fresh arrival yields to every promise, whatever
+        # its class: a promise is a slot kept for the caller on the one engine (the estimator's
+        # single timeline); a fresh interactive arrival queued into a slot promised to a batch
+        # caller pushes that caller's return past its budget (measured: docs/benchmarks.md,
+        # session 4).
+        promised_by = higher if ticket.returning else self._classes
         expected = self._wait_at(cls, ahead, in_class, promised_by)
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
@@ -823,8 +829,12 @@ class AdmissionController:
     ) -> Rejection:
         """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known.
 
-        A retry at the hint that would have less budget left than the time it needs once
-        admitted cannot be served: the shim would refuse it at once on arrival. Such a
+        The hint is aimed (:meth:`DrainEstimator.aim`): a client that adds jitter above it
+        comes back at its slot on average.
+
+        A retry at the hint (plus the client's jitter above it,
+        :meth:`DrainEstimator.latest_return`) that would have less budget left than the time
+        it needs once admitted cannot be served: the shim would refuse it on arrival. Such a
         caller is told so instead, with a hint at least its remaining budget (a client that
         honours its deadline, as ``llm_backoff`` does, then gives up now with a typed error
         rather than spend an attempt), and the hint is not remembered as a promise (see
@@ -836,8 +846,8 @@ class AdmissionController:
         wait = self._wait_at(cls, ahead, in_class, higher)
         est = self._estimator
         usable = None if budget_left is None else budget_left - est.expected_service(stream)
-        hint = est.retry_after(cls, ahead, self.limit, keep_within=usable, wait=wait)
-        if usable is not None and budget_left is not None and hint > usable:
+        hint = est.retry_after(cls, ahead, self.limit, keep_within=usable, wait=wait, aimed=True)
+        if usable is not None and budget_left is not None and est.latest_return(hint) > usable:
             hint = min(est.config.retry_after_max, max(hint, budget_left))
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))
 

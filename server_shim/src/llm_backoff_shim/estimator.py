@@ -9,12 +9,17 @@ overstate the wait. Completions/s per class is still tracked, for the
 ``drain_rate`` metric.
 
 Spreading: callers rejected in one burst are each told a different future slot.
-The estimator remembers the last slot it promised per class; the next rejection
-gets ``max(now + max(min, (ahead + 1) / rate), last_promised + 1 / rate)``, so the
-k-th caller of a burst hears roughly ``(ahead + k) / rate`` (or, when the engine
+The estimator remembers the last slot it promised, whatever the class; the next
+rejection gets ``max(now + max(min, (ahead + 1) / rate), last_promised + 1 / rate)``, so
+the k-th caller of a burst hears roughly ``(ahead + k) / rate`` (or, when the engine
 drains faster than the minimum hint, ``min + (k - 1) / rate``) and retries come back
 at about the drain rate instead of in one wave. Once time passes the last promise the burst is
-over and hints start again from the queue alone.
+over and hints start again from the queue alone. One timeline for all classes, not one
+per class: each promise claims one slot freeing on the one engine, so the promised
+returns of all classes together come back no faster than the engine drains. With a
+timeline per class, two classes refused together were promised about twice the drain
+rate between them, and the returning callers found the queue full (measured under 2x
+overload: docs/benchmarks.md, session 4).
 
 Promises are also remembered one by one (until they fall due), so that a *fresh*
 arrival's expected wait can count the callers already told to come back before it
@@ -58,7 +63,9 @@ class EstimatorConfig:
     ``service_time_alpha`` is the EWMA weight of each new sample; ``rate_window`` is the
     time constant (seconds) of the completions/s estimate; ``stream_served_at``: whether
     a streaming caller's budget must cover the whole service (``end``) or only the first
-    token (see the module docstring).
+    token (see the module docstring); ``return_jitter``: how late, as a fraction of its
+    hint, a caller may come back (clients add jitter above a hint: ``llm_backoff``'s
+    ``retry_after_jitter`` is 0.2 by default), see :meth:`DrainEstimator.latest_return`.
     """
 
     retry_after_min: float = 1.0
@@ -67,6 +74,7 @@ class EstimatorConfig:
     service_time_alpha: float = 0.2
     rate_window: float = 10.0
     stream_served_at: Literal["end", "first_token"] = "end"
+    return_jitter: float = 0.2
 
     def __post_init__(self) -> None:
         if not (0 < self.retry_after_min <= self.retry_after_max):
@@ -77,6 +85,8 @@ class EstimatorConfig:
             raise ValueError("service_time_alpha must be in (0, 1]")
         if not self.rate_window > 0:
             raise ValueError("rate_window must be > 0")
+        if not 0 <= self.return_jitter <= 1:
+            raise ValueError("return_jitter must be between 0 and 1")
 
 
 class _DecayingRate:
@@ -117,7 +127,8 @@ class DrainEstimator:
         self._first_byte = 0.0
         self._first_byte_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
-        self._last_promised: dict[str, float] = {}
+        # The last slot promised, any class (one engine, one timeline: module docstring).
+        self._last_promised: float | None = None
         # Promised return times per class, ascending (each promise is at least one slot after
         # the last, and none beyond the clamp), dropped once due: at most max / step entries.
         self._promises: dict[str, deque[float]] = {}
@@ -238,6 +249,28 @@ class DrainEstimator:
         self._forget_due(promises, now)
         return len(promises)
 
+    def aim(self, delay: float) -> float:
+        """The hint that brings a caller back, on average, ``delay`` seconds from now.
+
+        Clients add up to ``return_jitter`` of a hint above it, ``return_jitter / 2`` on
+        average; a caller told the slot itself comes back that much later on average, and
+        on a timeline paced at the drain rate the engine then idles while it is on its way
+        (measured in a burst of 200 with a 30 s deadline: docs/benchmarks.md, session 4).
+        """
+        return delay / (1.0 + self._config.return_jitter / 2.0)
+
+    def latest_return(self, hint: float) -> float:
+        """Seconds from now by which a caller told ``hint`` is back, at the latest.
+
+        A client that honours a hint adds its jitter above it, so a caller told ``hint``
+        comes back up to ``return_jitter * hint`` later: whether its budget will still
+        cover the service when it comes back is judged at this time, not at the hint
+        (measured under 2x overload with a 10 s deadline: callers told 8.2 s came back
+        0.6-1.4 s late and were refused with 0.4-0.7 s of budget left; docs/benchmarks.md,
+        session 4).
+        """
+        return hint * (1.0 + self._config.return_jitter)
+
     def retry_after(
         self,
         cls: str,
@@ -247,16 +280,20 @@ class DrainEstimator:
         promised_by: Iterable[str] = (),
         keep_within: float | None = None,
         wait: float | None = None,
+        aimed: bool = False,
     ) -> float:
         """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
 
         Grows with ``ahead`` (the queued work that would be served before a retry), with
         the promises of ``promised_by`` (higher classes) due before then, and with the
-        number of callers of ``cls`` already told a slot in the current burst. With
-        ``keep_within`` (the caller's remaining budget, seconds), a hint beyond it is not
-        remembered as a promise: that caller cannot come back in time. ``wait``, when
+        number of callers (of any class) already told a slot in the current burst. With
+        ``keep_within`` (the caller's remaining budget less the time it needs once
+        admitted, seconds), a hint whose :meth:`latest_return` is beyond it is not
+        remembered as a promise: that caller may not come back in time. ``wait``, when
         given, replaces the estimate from ``ahead`` (the caller knows better, e.g. a class
-        whose guaranteed share serves it sooner than strict priority would).
+        whose guaranteed share serves it sooner than strict priority would). ``aimed``:
+        the hint told is :meth:`aim` of the slot's delay, for clients that add jitter above
+        a hint (the admission controller's refusals); otherwise the slot's delay itself.
         """
         now = self._clock()
         cfg = self._config
@@ -267,16 +304,17 @@ class DrainEstimator:
         if wait is None:
             wait = self.expected_wait(max(0, ahead), slots, 0, promised_by=promised_by)
         promised = now + max(cfg.retry_after_min, min(wait, cfg.retry_after_max))
-        last = self._last_promised.get(cls)
+        last = self._last_promised
         if last is not None and last + step > promised:
             promised = last + step
-        hint = min(cfg.retry_after_max, max(cfg.retry_after_min, promised - now))
-        if keep_within is not None and hint > keep_within:
+        delay = self.aim(promised - now) if aimed else promised - now
+        hint = min(cfg.retry_after_max, max(cfg.retry_after_min, delay))
+        if keep_within is not None and self.latest_return(hint) > keep_within:
             return hint
         # Promises beyond the clamp are not kept: after a long overload the next
         # burst should not inherit a backlog of hints nobody will honour.
         kept = min(promised, now + cfg.retry_after_max)
-        self._last_promised[cls] = kept
+        self._last_promised = kept
         promises = self._promises.setdefault(cls, deque())
         self._forget_due(promises, now)
         if not promises or kept > promises[-1]:

@@ -230,7 +230,7 @@ class _AttemptTrace:
     def __init__(self, record: AttemptRecord, clock: Callable[[], float], chained: Any) -> None:
         self._record = record
         self._clock = clock
-        self._chained = chained._chained if isinstance(chained, _AttemptTrace) else chained
+        self._chained: Any = chained._chained if isinstance(chained, _AttemptTrace) else chained
 
     async def __call__(self, event: str, info: dict[str, Any]) -> None:
         if event.endswith("send_request_headers.started"):
