@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -166,3 +167,32 @@ def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: 
             [(status, _, _)] = read_answers(sock, 1)
             assert status == 200
             time.sleep(0.6)  # under the timeout, but 2.4 s in all: each request cancels the idle timer
+
+
+def test_shutdown_lets_a_stream_in_flight_finish_then_closes_its_connection(upstream: Any) -> None:
+    app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
+    shim = ServerThread(app, **connection_options(app), timeout_graceful_shutdown=10).start()
+    stopper = threading.Thread(target=shim.stop, kwargs={"timeout": 15})
+    try:
+        with socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock:
+            body = b'{"model":"m","stream":true,"messages":[]}'
+            sock.sendall(chat(extra=b"x-fake-chunks: 20\r\nx-fake-step: 0.05\r\n", body=body))
+            received = b""
+            while b"data:" not in received:
+                data = sock.recv(65536)
+                assert data
+                received += data
+            stopper.start()  # mid-stream: the server stops taking work, but this answer is owed
+            while not received.endswith(b"\r\n0\r\n\r\n"):
+                data = sock.recv(65536)
+                assert data, "stream cut by the shutdown"
+                received += data
+            assert received.count(b"data:") == 21  # 20 chunks and [DONE]
+            assert sock.recv(1) == b""  # then the connection is closed, not kept alive
+    finally:
+        if stopper.ident is not None:
+            stopper.join(20)
+        else:
+            shim.stop()
+    with pytest.raises(ConnectionRefusedError):  # and it takes no new connection
+        socket.create_connection(("127.0.0.1", shim.port), timeout=2).close()
