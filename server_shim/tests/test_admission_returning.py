@@ -561,3 +561,18 @@ def test_a_newcomer_leaves_a_queued_request_slack_for_the_estimates_error() -> N
     assert c.serve_order() == [first, b0, b1, second]
     with pytest.raises(ValueError, match="promise_slack"):
         make(promise_slack=1.0)
+
+
+def test_a_caller_without_a_budget_is_spread_but_no_slot_is_kept_for_it() -> None:
+    # It will come back as a fresh arrival (a retry is returning only with a budget), so a
+    # slot kept for it would be kept for nobody; it still takes its place on the timeline.
+    c, clock = make(limit=1, max_queue=1, max_wait=10.0, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    ticket(c.submit(fresh()))  # full
+    plain = rejection(c.submit(fresh()))
+    assert plain.retry_after == pytest.approx(2.0)
+    assert c.estimator.outstanding("interactive") == 0
+    budgeted = rejection(c.submit(fresh(budget=60.0)))
+    assert budgeted.retry_after == pytest.approx(3.0)  # the next slot after the plain caller's
+    assert c.estimator.outstanding("interactive") == 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from typing import Any
 
 import openai
+import pytest
 
 from llm_backoff_shim.loadgen import AttemptRecord, CallRecord, CountingTransport, bind_call, http_library
 from llm_backoff_shim.serving import ServerThread
@@ -104,3 +106,22 @@ def test_a_request_sent_again_stamps_only_its_own_attempt() -> None:
     assert first.answered is not None
     assert second.written is not None
     assert first.answered < second.sent < second.written
+
+
+async def test_a_call_is_cut_at_its_deadline_in_its_own_task() -> None:
+    from llm_backoff_shim.loadgen import _within
+
+    outer = asyncio.current_task()
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    async def call(wait: float) -> None:
+        tasks.append(asyncio.current_task())
+        await asyncio.sleep(wait)
+
+    await _within(call(0.0), 5.0)
+    with pytest.raises(asyncio.TimeoutError):
+        await _within(call(5.0), 0.01)
+    # The same task: no second task to be scheduled behind the others while the deadline
+    # runs (Python 3.10 has no asyncio.timeout and falls back to wait_for).
+    if sys.version_info >= (3, 11):
+        assert tasks == [outer, outer]

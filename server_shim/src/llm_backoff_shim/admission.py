@@ -846,7 +846,11 @@ class AdmissionController:
         wait = self._wait_at(cls, ahead, in_class, higher)
         est = self._estimator
         usable = None if budget_left is None else budget_left - est.expected_service(stream)
-        hint = est.retry_after(cls, ahead, self.limit, keep_within=usable, wait=wait, aimed=True)
+        # Only a caller that says how long it will wait is served as returning when it comes
+        # back (_is_returning); a slot kept for any other would be kept for nobody.
+        hint = est.retry_after(
+            cls, ahead, self.limit, keep_within=usable, wait=wait, aimed=True, reserve=budget_left is not None
+        )
         if usable is not None and budget_left is not None and est.latest_return(hint) > usable:
             hint = min(est.config.retry_after_max, max(hint, budget_left))
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))

@@ -281,6 +281,7 @@ class DrainEstimator:
         keep_within: float | None = None,
         wait: float | None = None,
         aimed: bool = False,
+        reserve: bool = True,
     ) -> float:
         """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
 
@@ -294,6 +295,11 @@ class DrainEstimator:
         whose guaranteed share serves it sooner than strict priority would). ``aimed``:
         the hint told is :meth:`aim` of the slot's delay, for clients that add jitter above
         a hint (the admission controller's refusals); otherwise the slot's delay itself.
+        ``reserve=False``: the caller takes its place on the timeline (later callers are
+        spread after it) but its return is not remembered as a promise, so fresh arrivals
+        do not keep its slot for it: for a caller the shim will not recognise as returning
+        when it comes back (it sent no budget), which would compete for the slot as a fresh
+        arrival, with the slot kept for nobody.
         """
         now = self._clock()
         cfg = self._config
@@ -315,6 +321,8 @@ class DrainEstimator:
         # burst should not inherit a backlog of hints nobody will honour.
         kept = min(promised, now + cfg.retry_after_max)
         self._last_promised = kept
+        if not reserve:
+            return hint
         promises = self._promises.setdefault(cls, deque())
         self._forget_due(promises, now)
         if not promises or kept > promises[-1]:
