@@ -85,12 +85,14 @@ class RetryState:
         clock: Clock,
         rng: random.Random,
         budget: RetryBudgetLike | None = None,
+        started_at: float | None = None,
     ) -> None:
         self.policy = policy
         self._clock = clock
         self._rng = rng
         self._budget = budget
-        self.started_at = clock()
+        #: When the call began, on ``clock``'s scale: the deadline counts from here.
+        self.started_at = clock() if started_at is None else started_at
         #: When the deadline passes, on ``clock``'s scale (None without a deadline).
         self.expires_at: float | None = None if policy.deadline is None else self.started_at + policy.deadline
         self._attempts: list[Attempt] = []

@@ -50,6 +50,7 @@ import time
 from asyncio import CancelledError
 from asyncio import current_task as _current_task
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -108,6 +109,16 @@ def _debug_enabled() -> bool:
 
 #: The openai SDKs number their attempts in this header (0 on the first); see `RetryEngine._mark_retry`.
 RETRY_COUNT_HEADER = "x-stainless-retry-count"
+
+#: When the caller's call began (the wrapped client's ``request``), on the engine's clock.
+#: The openai client does its own work before its transport sees the request (building and
+#: validating it, its own awaits), and in a burst of calls from one process that work
+#: interleaves: 200 concurrent calls reached the transport about 0.2 s after they began.
+#: A deadline started at the transport would tell the server ``x-request-timeout-ms`` that
+#: much longer than the caller has. The first call the transport begins takes the mark and
+#: clears it, so openai's own retries (``max_retries`` set again on a derived client) each
+#: start a fresh deadline, as documented in ``wrap``.
+CALL_STARTED: ContextVar[float | None] = ContextVar("llm_backoff_call_started", default=None)
 #: JSON bodies above this are not handed to ``permit.settle`` (they are not chat completions).
 MAX_SETTLE_BODY = 8 * 1024 * 1024
 #: How much of a server-sent-event stream ``permit.settle`` sees: the end, where ``usage`` is.
@@ -401,10 +412,15 @@ class RetryEngine:
         mode = current_mode()
         if mode is not None and mode.max_attempts is not None and mode.max_attempts < policy.max_attempts:
             policy = policy.model_copy(update={"max_attempts": mode.max_attempts})
+        started_at = CALL_STARTED.get()
+        if started_at is not None:
+            CALL_STARTED.set(None)
         if self.budget is None:
-            state = RetryState(policy, clock=self.clock, rng=self.rng)
+            state = RetryState(policy, clock=self.clock, rng=self.rng, started_at=started_at)
         else:
-            state = RetryState(policy, clock=self.clock, rng=self.rng, budget=self._budget_probe)
+            state = RetryState(
+                policy, clock=self.clock, rng=self.rng, budget=self._budget_probe, started_at=started_at
+            )
             self.budget.record_request()
         if self.request_class is not None and "x-request-class" not in request.headers:
             request.headers["x-request-class"] = self.request_class

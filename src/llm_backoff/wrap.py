@@ -56,7 +56,7 @@ from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
 from .policy import RetryPolicy
 from .stats import ClientStats
-from .transport import REASON_KEY, RetryEngine, annotate
+from .transport import CALL_STARTED, REASON_KEY, RetryEngine, annotate
 
 ClientT = TypeVar("ClientT", openai.OpenAI, openai.AsyncOpenAI)
 
@@ -91,7 +91,7 @@ def wrap(
     is_async = isinstance(client, openai.AsyncOpenAI)
     http_client = retrying_http_client(client._client, engine, is_async=is_async)
     wrapped = client.copy(http_client=http_client, max_retries=0)
-    _install_error_annotation(wrapped)
+    _install_error_annotation(wrapped, engine.clock)
     return wrapped
 
 
@@ -111,11 +111,16 @@ def call_observers(client: openai.OpenAI | openai.AsyncOpenAI) -> CallObservers:
 
 
 def _engine_of(client: object) -> RetryEngine:
-    transport = getattr(getattr(client, "_client", None), "_transport", None)
-    engine = getattr(transport, "engine", None)
-    if not isinstance(engine, RetryEngine):
+    engine = _engine_or_none(client)
+    if engine is None:
         raise UnsupportedClientError("this client was not made by llm_backoff.wrap()")
     return engine
+
+
+def _engine_or_none(client: object) -> RetryEngine | None:
+    transport = getattr(getattr(client, "_client", None), "_transport", None)
+    engine = getattr(transport, "engine", None)
+    return engine if isinstance(engine, RetryEngine) else None
 
 
 def _retry_transport_class(http_client: object, *, is_async: bool) -> type[Any]:
@@ -243,13 +248,20 @@ async def _annotating_aiter(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
         raise
 
 
-def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> None:
+def _install_error_annotation(
+    client: openai.OpenAI | openai.AsyncOpenAI, clock: Callable[[], float] | None
+) -> None:
+    """Wrap ``client.request``: attempt history onto errors, and the mark of when the call began.
+
+    ``clock`` is the retry engine's (None when the client has no retry transport).
+    """
     request = client.request
     hooked: Callable[..., Any]
     if isinstance(client, openai.AsyncOpenAI):
 
         @functools.wraps(request)
         async def hooked(*args: Any, **kwargs: Any) -> Any:
+            mark = CALL_STARTED.set(clock()) if clock is not None else None
             try:
                 result = await request(*args, **kwargs)
             except BaseException as exc:
@@ -258,6 +270,9 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
                     raise own from None
                 annotate_openai_error(exc)
                 raise
+            finally:
+                if mark is not None:
+                    CALL_STARTED.reset(mark)
             # A private attribute of openai's stream: guarded, so a renamed one only loses the note.
             if isinstance(result, openai.AsyncStream) and hasattr(result, "_iterator"):
                 result._iterator = _annotating_aiter(result._iterator)
@@ -267,6 +282,7 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
 
         @functools.wraps(request)
         def hooked(*args: Any, **kwargs: Any) -> Any:
+            mark = CALL_STARTED.set(clock()) if clock is not None else None
             try:
                 result = request(*args, **kwargs)
             except BaseException as exc:
@@ -275,6 +291,9 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
                     raise own from None
                 annotate_openai_error(exc)
                 raise
+            finally:
+                if mark is not None:
+                    CALL_STARTED.reset(mark)
             # A private attribute of openai's stream: guarded, so a renamed one only loses the note.
             if isinstance(result, openai.Stream) and hasattr(result, "_iterator"):
                 result._iterator = _annotating_iter(result._iterator)
@@ -285,7 +304,8 @@ def _install_error_annotation(client: openai.OpenAI | openai.AsyncOpenAI) -> Non
     @functools.wraps(original_copy)
     def copy(*args: Any, **kwargs: Any) -> Any:
         derived = original_copy(*args, **kwargs)
-        _install_error_annotation(derived)
+        engine = _engine_or_none(derived)
+        _install_error_annotation(derived, engine.clock if engine is not None else None)
         return derived
 
     # Instance attributes shadow the class's methods for this one client only.

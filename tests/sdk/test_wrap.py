@@ -5,7 +5,9 @@ Runs on openai 3.x (httpx2 and legacy httpx http clients) and openai 2.x (httpx)
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from types import ModuleType
 from typing import Any
 
@@ -398,3 +400,33 @@ async def test_async_limiter_timeout_is_raised_typed(http: ModuleType) -> None:
     with pytest.raises(llm_backoff.RateLimitTimeout):
         await wrapped.models.list()
     assert script.requests == []
+
+
+def test_the_deadline_counts_from_the_call_not_from_when_the_transport_sees_it(http: ModuleType) -> None:
+    # The openai client's own work before its transport (here a request hook that takes
+    # 0.3 s) is part of the caller's time: the budget sent to the server must say so.
+    script = Script(http, (200, completion()))
+    http_client = http.Client(
+        transport=http.MockTransport(script), event_hooks={"request": [lambda request: time.sleep(0.3)]}
+    )
+    original = openai.OpenAI(api_key="k", base_url="http://llm.test/v1", http_client=http_client)
+    wrapped = llm_backoff.wrap(original, RetryPolicy(deadline=2.0))
+    wrapped.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert int(script.headers[0]["x-request-timeout-ms"]) <= 1_700
+
+
+async def test_async_calls_count_their_deadline_from_the_call_too(http: ModuleType) -> None:
+    script = Script(http, (200, completion()))
+
+    async def slow_hook(request: Any) -> None:
+        await asyncio.sleep(0.3)
+
+    http_client = http.AsyncClient(transport=http.MockTransport(script), event_hooks={"request": [slow_hook]})
+    original = openai.AsyncOpenAI(api_key="k", base_url="http://llm.test/v1", http_client=http_client)
+    wrapped = llm_backoff.wrap(original, RetryPolicy(deadline=2.0))
+    await wrapped.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    # A second call starts its own deadline: the mark of the first is not left behind.
+    await wrapped.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    budgets = [int(headers["x-request-timeout-ms"]) for headers in script.headers]
+    assert all(budget <= 1_700 for budget in budgets)
+    assert all(budget >= 1_000 for budget in budgets)
