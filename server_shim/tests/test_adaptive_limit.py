@@ -13,14 +13,7 @@ import pytest
 from llm_backoff_shim.adaptive_limit import GradientConfig, GradientLimit
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from llm_backoff_shim.testing import ManualClock
 
 
 def probing(limit: GradientLimit) -> bool:
@@ -28,8 +21,8 @@ def probing(limit: GradientLimit) -> bool:
     return limit.probing
 
 
-def probed(config: GradientConfig, baseline: float = 0.1) -> tuple[GradientLimit, FakeClock]:
-    clock = FakeClock()
+def probed(config: GradientConfig, baseline: float = 0.1) -> tuple[GradientLimit, ManualClock]:
+    clock = ManualClock(0.0)
     limit = GradientLimit(config, clock)
     assert not probing(limit)
     assert limit.baseline is None
@@ -39,7 +32,7 @@ def probed(config: GradientConfig, baseline: float = 0.1) -> tuple[GradientLimit
 
 
 def test_the_baseline_is_the_lowest_sample_then_the_median_of_each_probe() -> None:
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     limit = GradientLimit(GradientConfig(min_limit=2, probe_samples=3, probe_interval=10), clock)
     assert limit.limit == 2
     limit.on_sample(0.3, 2)
@@ -115,7 +108,7 @@ def test_config_is_validated() -> None:
 def test_closed_loop_settles_near_the_knee_of_an_engine_model(knee: int) -> None:
     """An engine that runs ``knee`` sequences at once: TTFB is flat up to the knee, then requests
     wait for a running one to finish (about a whole generation, 10x TTFT)."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     limit = GradientLimit(GradientConfig(min_limit=1, max_limit=64, probe_interval=30), clock)
     ttft, generation = 0.05, 0.5
     history = []

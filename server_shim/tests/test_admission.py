@@ -24,14 +24,7 @@ from llm_backoff_shim.admission import (
 )
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
+from llm_backoff_shim.testing import ManualClock
 
 
 def make(
@@ -45,8 +38,8 @@ def make(
     returning_share: float = 0.0,
     stream_served_at: Literal["end", "first_token"] = "end",
     promise_slack: float = 0.0,
-) -> tuple[AdmissionController, FakeClock]:
-    clock = FakeClock()
+) -> tuple[AdmissionController, ManualClock]:
+    clock = ManualClock(50.0)
     est = DrainEstimator(
         EstimatorConfig(
             retry_after_min=0.1,
@@ -286,7 +279,7 @@ class HoldForInteractive:
 
 
 def test_a_scheduler_may_hold_a_slot_back() -> None:
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     est = DrainEstimator(EstimatorConfig(), clock)
     c = AdmissionController(
         [ClassPolicy("interactive", 5, 10.0), ClassPolicy("batch", 5, 10.0)],
@@ -301,7 +294,7 @@ def test_a_scheduler_may_hold_a_slot_back() -> None:
 
 
 def test_constructor_validates() -> None:
-    clock = FakeClock()
+    clock = ManualClock(50.0)
     est = DrainEstimator(EstimatorConfig(), clock)
     with pytest.raises(ValueError, match="at least one"):
         AdmissionController([], limit=FixedLimit(1), estimator=est, clock=clock)
@@ -390,7 +383,7 @@ def measured(
     first_byte: float | None = None,
     max_wait: float = 10.0,
     stream_served_at: Literal["end", "first_token"] = "end",
-) -> tuple[AdmissionController, FakeClock]:
+) -> tuple[AdmissionController, ManualClock]:
     """A controller whose estimator has measured one completion of ``service`` seconds."""
     c, clock = make(limit=limit, max_queue=10, max_wait=max_wait, stream_served_at=stream_served_at)
     t = ticket(c.submit(req()))

@@ -24,6 +24,7 @@ from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
+from llm_backoff_shim.testing import ManualClock
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
 
@@ -57,14 +58,6 @@ def test_a_request_with_a_retry_count_is_returning() -> None:
 # -- the controller ----------------------------------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(
     *,
     limit: int = 1,
@@ -76,8 +69,8 @@ def make(
     returning_first: bool = True,
     promise_slack: float = 0.0,
     return_jitter: float = 0.0,
-) -> tuple[AdmissionController, FakeClock]:
-    clock = FakeClock()
+) -> tuple[AdmissionController, ManualClock]:
+    clock = ManualClock(100.0)
     # return_jitter 0 by default: hints as computed (the aim for clients' jitter: test_estimator).
     config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0, return_jitter=return_jitter)
     est = DrainEstimator(config, clock)
@@ -96,7 +89,7 @@ def make(
     return controller, clock
 
 
-def measure(c: AdmissionController, clock: FakeClock, service: float) -> None:
+def measure(c: AdmissionController, clock: ManualClock, service: float) -> None:
     """One completed request of ``service`` seconds, so that estimates no longer rest on the prior."""
     t = ticket(c.submit(AdmissionRequest("interactive")))
     clock.now += service
@@ -266,7 +259,7 @@ def test_promises_fall_due_and_stop_counting() -> None:
 
 
 def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     assert est.retry_after("interactive", 4, 1, keep_within=2.0) == pytest.approx(5.0)
     assert est.outstanding("interactive") == 0  # that caller cannot come back in time
@@ -276,7 +269,7 @@ def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
 
 
 def test_higher_class_promises_delay_a_lower_class_hint() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     for _ in range(3):
         est.retry_after("interactive", 0, 1)  # interactive returns promised at 1, 2, 3 s

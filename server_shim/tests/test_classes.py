@@ -26,20 +26,13 @@ from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
+from llm_backoff_shim.testing import ManualClock
 
 
 def make(
     limit: int, *, reserved: float = 0.25, minimum: float = 0.0, queue: int = 100
 ) -> tuple[AdmissionController, SharedSlots]:
-    clock = FakeClock()
+    clock = ManualClock(10.0)
     scheduler = SharedSlots(ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}))
     controller = AdmissionController(
         [ClassPolicy("interactive", queue, 60.0), ClassPolicy("batch", queue, 60.0)],

@@ -17,6 +17,7 @@ from llm_backoff_shim.engine_watch import (
 )
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
+from llm_backoff_shim.testing import ManualClock
 
 VLLM_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -34,14 +35,6 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.97
 """
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_parse_sums_engines_and_takes_the_fullest_kv_cache() -> None:
     sample = parse_engine_metrics(VLLM_TEXT)
     assert sample == EngineSample(waiting=3.0, running=15.0, kv_cache=0.97)
@@ -55,7 +48,7 @@ def test_parse_reads_the_older_gpu_cache_name_and_refuses_non_vllm_text() -> Non
 
 
 def test_detector_saturates_on_waiting_or_kv_cache_and_forgets_stale_metrics() -> None:
-    clock = FakeClock()
+    clock = ManualClock(10.0)
     detector = SaturationDetector(SaturationConfig(max_waiting=2, max_kv_cache=0.9, stale_after=1.0), clock)
     assert detector.stale()
     assert not detector.saturated()  # nothing known: the concurrency cap rules

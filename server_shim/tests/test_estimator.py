@@ -9,21 +9,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.testing import ManualClock
 
 
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def make(**overrides: float) -> tuple[DrainEstimator, FakeClock]:
-    clock = FakeClock()
+def make(**overrides: float) -> tuple[DrainEstimator, ManualClock]:
+    clock = ManualClock(1000.0)
     # return_jitter 0 unless a test sets it: hints as computed, not aimed for clients' jitter.
     values = {
         "retry_after_min": 0.5,
@@ -203,7 +193,7 @@ def test_expected_service_is_the_whole_service_by_default_streams_included() -> 
 
 
 def test_expected_service_is_first_byte_for_streams_when_served_at_the_first_token() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     config = EstimatorConfig(retry_after_min=0.5, service_time_alpha=0.5, stream_served_at="first_token")
     est = DrainEstimator(config, clock)
     est.observe_completion("interactive", 4.0)

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from llm_backoff_shim.outage import OutageClock
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from llm_backoff_shim.testing import ManualClock
 
 
 def test_hint_is_the_outage_so_far_clamped() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     outage = OutageClock(clock, minimum=1.0, maximum=30.0)
     assert outage.down_for == 0.0
     assert outage.failed() == 1.0  # a fresh failure: the minimum
@@ -29,7 +22,7 @@ def test_hint_is_the_outage_so_far_clamped() -> None:
 
 
 def test_an_answer_ends_the_outage() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     outage = OutageClock(clock, minimum=1.0, maximum=30.0)
     outage.failed()
     clock.now += 20
@@ -40,7 +33,7 @@ def test_an_answer_ends_the_outage() -> None:
 
 
 def test_a_clock_that_steps_back_never_gives_less_than_the_minimum() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     outage = OutageClock(clock, minimum=2.0, maximum=30.0)
     outage.failed()
     clock.now -= 50
@@ -50,4 +43,4 @@ def test_a_clock_that_steps_back_never_gives_less_than_the_minimum() -> None:
 @pytest.mark.parametrize(("minimum", "maximum"), [(0.0, 1.0), (2.0, 1.0), (-1.0, 5.0)])
 def test_rejects_bad_bounds(minimum: float, maximum: float) -> None:
     with pytest.raises(ValueError, match="minimum"):
-        OutageClock(FakeClock(), minimum, maximum)
+        OutageClock(ManualClock(100.0), minimum, maximum)

@@ -28,6 +28,7 @@ from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.proxy import is_allowed_path
 from llm_backoff_shim.rejection import rejection_response, retry_after_header
+from llm_backoff_shim.testing import ManualClock
 
 CLASSES = ("interactive", "batch")
 
@@ -41,14 +42,6 @@ class CountingLimit(FixedLimit):
 
     def on_complete(self, *, service_time: float, in_flight: int, overloaded: bool) -> None:
         self.completions += 1
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -69,7 +62,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def configure(
         self, limit: int, max_queue: int, batch_queue: int, reserved: float, minimum: float
     ) -> None:
-        self.clock = Clock()
+        self.clock = ManualClock(1000.0)
         self.settings = ShimSettings(
             max_concurrency=limit,
             max_queue=max_queue,

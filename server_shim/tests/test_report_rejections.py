@@ -15,14 +15,7 @@ from llm_backoff_shim.admission import (
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.report import rejections_by_when
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
+from llm_backoff_shim.testing import ManualClock
 
 
 def _line(rejection: Rejection | None) -> str:
@@ -31,9 +24,9 @@ def _line(rejection: Rejection | None) -> str:
     return json.dumps({"outcome": "rejected", "code": rejection.code, "detail": rejection.message})
 
 
-def _measured() -> tuple[AdmissionController, Clock, Ticket]:
+def _measured() -> tuple[AdmissionController, ManualClock, Ticket]:
     """One slot, 1 s measured per request, a request in flight since now."""
-    clock = Clock()
+    clock = ManualClock(50.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=0.1), clock)
     c = AdmissionController(
         [ClassPolicy("interactive", 4, 3.5)], limit=FixedLimit(1), estimator=est, clock=clock

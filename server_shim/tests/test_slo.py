@@ -22,20 +22,13 @@ from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.slo import SloConfig, SloGate, SloState, SloTracker
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from llm_backoff_shim.testing import ManualClock
 
 
 def make(
     *, limit: int = 2, service: float = 1.0, budgets: dict[str, float] | None = None
-) -> tuple[AdmissionController, SloTracker, FakeClock]:
-    clock = FakeClock()
+) -> tuple[AdmissionController, SloTracker, ManualClock]:
+    clock = ManualClock(100.0)
     scheduler = SharedSlots(ClassShares())
     controller = AdmissionController(
         [ClassPolicy("interactive", 100, 600.0), ClassPolicy("batch", 100, 600.0)],

@@ -33,16 +33,9 @@ from llm_backoff_shim.tenants import (
     key_hash,
     load_tenants_file,
 )
+from llm_backoff_shim.testing import ManualClock
 
 CLASSES = ("interactive", "batch")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def write(tmp_path: Path, data: object, name: str = "tenants.json") -> Path:
@@ -141,7 +134,7 @@ def test_identities_by_key_by_header_and_anonymous(tmp_path: Path) -> None:
 
 
 def controller() -> AdmissionController:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     return AdmissionController(
         [ClassPolicy("interactive", 5, 10.0), ClassPolicy("batch", 5, 10.0)],
         limit=FixedLimit(2),
@@ -203,7 +196,7 @@ def test_quota_headers_openai_and_ietf_draft() -> None:
 
 
 async def test_quota_holds_exactly_refills_and_refuses_without_charging() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     quotas = TenantQuotas(clock=clock)
     tenant = Tenant("t", None, TenantLimits(requests_per_minute=3))
     remaining = []
@@ -222,7 +215,7 @@ async def test_quota_holds_exactly_refills_and_refuses_without_charging() -> Non
 
 
 async def test_token_charge_is_corrected_from_usage_and_refunded_when_not_served() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     quotas = TenantQuotas(clock=clock)
     tenant = Tenant("t", None, TenantLimits(tokens_per_minute=1000))
     first = await quotas.take(tenant, 400)

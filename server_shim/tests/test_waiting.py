@@ -9,18 +9,12 @@ import pytest
 from llm_backoff_shim.admission import AdmissionController, AdmissionRequest, ClassPolicy, Outcome, Rejection
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.limit import FixedLimit
+from llm_backoff_shim.testing import ManualClock
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
 
-class FakeClock:
-    now = 10.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def make(limit: int = 1, max_queue: int = 5, max_wait: float = 30.0) -> AsyncAdmission:
-    clock = FakeClock()
+    clock = ManualClock(10.0)
     controller = AdmissionController(
         [ClassPolicy("interactive", max_queue, max_wait), ClassPolicy("batch", max_queue, max_wait)],
         limit=FixedLimit(limit),
