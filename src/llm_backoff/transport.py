@@ -119,6 +119,7 @@ RETRY_COUNT_HEADER = "x-stainless-retry-count"
 #: clears it, so openai's own retries (``max_retries`` set again on a derived client) each
 #: start a fresh deadline, as documented in ``wrap``.
 CALL_STARTED: ContextVar[float | None] = ContextVar("llm_backoff_call_started", default=None)
+
 #: JSON bodies above this are not handed to ``permit.settle`` (they are not chat completions).
 MAX_SETTLE_BODY = 8 * 1024 * 1024
 #: How much of a server-sent-event stream ``permit.settle`` sees: the end, where ``usage`` is.

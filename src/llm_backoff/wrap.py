@@ -91,7 +91,7 @@ def wrap(
     is_async = isinstance(client, openai.AsyncOpenAI)
     http_client = retrying_http_client(client._client, engine, is_async=is_async)
     wrapped = client.copy(http_client=http_client, max_retries=0)
-    _install_error_annotation(wrapped, engine.clock)
+    _install_request_hook(wrapped, engine.clock)
     return wrapped
 
 
@@ -248,7 +248,7 @@ async def _annotating_aiter(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
         raise
 
 
-def _install_error_annotation(
+def _install_request_hook(
     client: openai.OpenAI | openai.AsyncOpenAI, clock: Callable[[], float] | None
 ) -> None:
     """Wrap ``client.request``: attempt history onto errors, and the mark of when the call began.
@@ -305,7 +305,7 @@ def _install_error_annotation(
     def copy(*args: Any, **kwargs: Any) -> Any:
         derived = original_copy(*args, **kwargs)
         engine = _engine_or_none(derived)
-        _install_error_annotation(derived, engine.clock if engine is not None else None)
+        _install_request_hook(derived, engine.clock if engine is not None else None)
         return derived
 
     # Instance attributes shadow the class's methods for this one client only.
