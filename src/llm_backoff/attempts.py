@@ -6,8 +6,8 @@ ended and answers `Retry` (wait this long) or `GiveUp` (why). The checks, in ord
 1. the outcome is not retryable (see `classify`) -> give up;
 2. the server's hint exceeds ``max_retry_after`` -> give up at once;
 3. ``max_attempts`` reached -> give up;
-4. the wait (see `backoff`) would end at or past the deadline -> give up now rather
-   than sleep pointlessly and fail anyway;
+4. the wait (see `backoff`) would end at or past the start deadline or the deadline
+   -> give up now rather than sleep pointlessly and fail anyway;
 5. the retry budget (if any) refuses -> give up.
 
 Pure: the clock and random source are injected; the budget is the only object
@@ -95,6 +95,9 @@ class RetryState:
         self.started_at = clock() if started_at is None else started_at
         #: When the deadline passes, on ``clock``'s scale (None without a deadline).
         self.expires_at: float | None = None if policy.deadline is None else self.started_at + policy.deadline
+        start = policy.start_deadline
+        #: When the answer must have begun (``start_deadline``), or None when only ``expires_at`` bounds it.
+        self.starts_by: float | None = None if start is None else self.started_at + start
         self._attempts: list[Attempt] = []
         self._previous_wait: float | None = None
         self.final_reason: str | None = None
@@ -125,6 +128,14 @@ class RetryState:
         """Seconds until the deadline (may be <= 0), or None without a deadline."""
         expires_at = self.expires_at
         return None if expires_at is None else expires_at - self._clock()
+
+    def time_to_start(self) -> float | None:
+        """Seconds until the answer must have begun: by the start deadline or the deadline, if sooner."""
+        starts_by = self.starts_by
+        if starts_by is None:
+            return self.time_left()
+        expires_at = self.expires_at
+        return (starts_by if expires_at is None or starts_by < expires_at else expires_at) - self._clock()
 
     def decide(
         self,
@@ -195,6 +206,15 @@ class RetryState:
         if number >= policy.max_attempts:
             return GiveUp(f"{verdict.reason}: max_attempts ({policy.max_attempts}) reached")
         wait = next_wait(policy, number - 1, hint, self._previous_wait, self._rng)
+        # A retry is an answer not yet begun: the start deadline (<= deadline) binds first.
+        start = policy.start_deadline
+        if start is not None:
+            elapsed = now - self.started_at
+            if elapsed + wait >= start:
+                return GiveUp(
+                    f"{verdict.reason}: waiting {wait:.3g} s would pass the {start:g} s start deadline "
+                    f"({elapsed:.3g} s elapsed)"
+                )
         if policy.deadline is not None:
             elapsed = now - self.started_at
             if elapsed + wait >= policy.deadline:

@@ -26,6 +26,13 @@ class RetryPolicy(BaseModel):
     The deadline, not the attempt count, is what normally ends retrying:
     ``max_attempts`` (first attempt included) is a backstop for servers that
     fail fast forever.
+
+    ``start_deadline`` is for callers with a time-to-first-token budget (a chat user
+    waiting for the reply to start): no retry waits past it, the server is told only
+    what is left of it (``x-request-timeout-ms``, so the shim refuses at once a request
+    that cannot start in time), and an attempt still waiting for its answer's head
+    when it passes is cut. An answer that has begun is not cut by it: a stream then
+    runs on under ``deadline``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -33,6 +40,15 @@ class RetryPolicy(BaseModel):
     max_attempts: StrictInt = Field(default=10, ge=1, description="total attempts, the first one included")
     deadline: float | None = Field(
         default=60.0, gt=0, allow_inf_nan=False, description="seconds for the whole call, waits included"
+    )
+    start_deadline: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "seconds from the call until the answer must begin (its status and headers), waits "
+            "included; a stream that has begun runs on under `deadline`"
+        ),
     )
     base_delay: float = Field(default=0.5, ge=0, allow_inf_nan=False)
     max_delay: float = Field(default=30.0, ge=0, allow_inf_nan=False)
@@ -72,4 +88,10 @@ class RetryPolicy(BaseModel):
     def _check_delays(self) -> RetryPolicy:
         if self.max_delay < self.base_delay:
             raise ValueError(f"max_delay ({self.max_delay}) must be >= base_delay ({self.base_delay})")
+        start, whole = self.start_deadline, self.deadline
+        if start is not None and whole is not None and start > whole:
+            raise ValueError(
+                f"start_deadline ({self.start_deadline:g}) must be <= deadline ({self.deadline:g}): "
+                "the answer cannot be allowed to begin after the whole call has ended"
+            )
         return self

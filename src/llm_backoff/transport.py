@@ -26,7 +26,9 @@ Per attempt, the engine:
   the time left and sends ``x-request-timeout-ms``: the time left in ms (>= 1), or
   the read timeout if that is shorter, since that is as long as we will wait for
   the server to start answering; async attempts also run under a hard bound at the
-  deadline (`_attempt_bound`);
+  deadline (`_attempt_bound`). With a start deadline, "the time left" is what is
+  left of it until the answer's head arrives; a body passed through unread then
+  reads under the call's deadline again (`RetryEngine._begun`);
 - on a retry, counts it in ``x-stainless-retry-count`` when the request carries that
   header (openai's attempt number: 0, 1, 2, ...);
 - buffers JSON bodies and error bodies inside the attempt, so a connection that
@@ -280,11 +282,12 @@ def _decoded(response: _Response, raw: bytes) -> bytes | None:
         return None
 
 
-def _deadline_error(request: Any) -> Exception:
+def _deadline_error(
+    request: Any, message: str = "the call's deadline passed while the response was still arriving"
+) -> Exception:
     """The HTTP library's own ReadTimeout, so classification and openai treat it as any timeout."""
     library = sys.modules.get(type(request).__module__.split(".", 1)[0])
     error = getattr(library, "ReadTimeout", None)
-    message = "the call's deadline passed while the response was still arriving"
     if isinstance(error, type) and issubclass(error, Exception):
         made: Exception = error(message, request=request)  # type: ignore[call-arg]
         return made
@@ -433,13 +436,13 @@ class RetryEngine:
 
     @staticmethod
     def _limiter_timeout(state: RetryState) -> float | None:
-        left = state.time_left()
+        left = state.time_to_start()
         return None if left is None else max(0.0, left)
 
     @staticmethod
     def _stamp(request: _Request, state: RetryState, base_timeout: Any) -> float | None:
-        """Cut the timeouts to the time left and send it; returns it (None without a deadline)."""
-        left = state.time_left()
+        """Cut the timeouts to the time left to begin and send it; returns it (None without a deadline)."""
+        left = state.time_to_start()
         if left is None:
             return None
         left = max(left, 0.001)
@@ -456,6 +459,32 @@ class RetryEngine:
         patience = min(left, cut.get("read") or left)
         _set_header(request.headers, "x-request-timeout-ms", str(max(1, int(patience * 1000))))
         return left
+
+    @staticmethod
+    def _begun(request: _Request, state: RetryState, base_timeout: Any) -> None:
+        """An answer passed through unread has begun: its body reads now answer to the deadline.
+
+        `_stamp` cut the read timeout to the start deadline, which must not cut a stream
+        that has started. httpx and httpx2 hand our ``timeout`` dict to their connection,
+        which looks up the read timeout when the body is first read, after we return.
+        """
+        cut = request.extensions.get("timeout")
+        if not isinstance(cut, dict):
+            return
+        read = base_timeout.get("read") if isinstance(base_timeout, dict) else None
+        left = state.time_left()
+        if left is not None:
+            left = max(left, 0.001)
+            read = left if read is None or read > left else read
+        cut["read"] = read
+
+    @staticmethod
+    def _bound_error(request: _Request, state: RetryState) -> Exception:
+        """The error for an async attempt cut by its bound: the start deadline's or the deadline's."""
+        starts_by, expires_at = state.starts_by, state.expires_at
+        if starts_by is not None and (expires_at is None or starts_by < expires_at):
+            return _deadline_error(request, "the call's start deadline passed before the answer began")
+        return _deadline_error(request)
 
     @staticmethod
     def _mark_retry(request: _Request) -> None:
@@ -637,6 +666,8 @@ class RetryEngine:
                         self.sleep(decision.wait)
                     self._mark_retry(request)
                     continue
+                if raw is None and state.starts_by is not None:
+                    self._begun(request, state, base_timeout)
                 self._finish(response, raw, body, permit, state, flavor)
                 break
         except BaseException as exc:
@@ -693,14 +724,14 @@ class RetryEngine:
                         else:
                             bound.expired()  # an answer that made it is kept, as under asyncio.timeout
                         if response is None:
-                            raise _deadline_error(request)
+                            raise self._bound_error(request, state)
                     elif left is None:
                         response, raw = await _attempt_async(request, send, flavor)
                     else:
                         with anyio.move_on_after(left) as scope:
                             response, raw = await _attempt_async(request, send, flavor)
                         if scope.cancelled_caught:
-                            raise _deadline_error(request)
+                            raise self._bound_error(request, state)
                 except BaseException as exc:
                     _settle(permit, None, None)
                     if not isinstance(exc, Exception):
@@ -720,6 +751,8 @@ class RetryEngine:
                         await self.async_sleep(decision.wait)
                     self._mark_retry(request)
                     continue
+                if raw is None and state.starts_by is not None:
+                    self._begun(request, state, base_timeout)
                 self._finish(response, raw, body, permit, state, flavor)
                 break
         except BaseException as exc:
