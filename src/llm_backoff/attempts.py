@@ -98,6 +98,8 @@ class RetryState:
         start = policy.start_deadline
         #: When the answer must have begun (``start_deadline``), or None when only ``expires_at`` bounds it.
         self.starts_by: float | None = None if start is None else self.started_at + start
+        # start_deadline <= deadline (the policy checks), so the sooner of the two is known now.
+        self._begin_by = self.expires_at if self.starts_by is None else self.starts_by
         self._attempts: list[Attempt] = []
         self._previous_wait: float | None = None
         self.final_reason: str | None = None
@@ -131,11 +133,8 @@ class RetryState:
 
     def time_to_start(self) -> float | None:
         """Seconds until the answer must have begun: by the start deadline or the deadline, if sooner."""
-        starts_by = self.starts_by
-        if starts_by is None:
-            return self.time_left()
-        expires_at = self.expires_at
-        return (starts_by if expires_at is None or starts_by < expires_at else expires_at) - self._clock()
+        begin_by = self._begin_by
+        return None if begin_by is None else begin_by - self._clock()
 
     def decide(
         self,
