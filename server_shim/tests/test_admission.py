@@ -232,7 +232,25 @@ def test_rejection_hint_grows_with_depth() -> None:
         clock.now += 100.0  # past any earlier promise: measure depth only, not burst spreading
         hints.append(rejection(c.submit(req("batch"))).retry_after)
         ticket(c.submit(req()))
-    assert hints == pytest.approx([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    # The request in flight has run 100 s past its expected 1 s: its slot is due now, so the
+    # k-th hint is the k - 1 queued ahead at 1 s each (the first: the 0.1 s minimum).
+    assert hints == pytest.approx([0.1, 1.0, 2.0, 3.0, 4.0, 5.0])
+
+
+def test_slots_that_started_together_free_together() -> None:
+    # Four requests admitted at once, 1 s of service each; half a second later four more are
+    # queued. Those four are served when the first four end (in 0.5 s), and the next caller a
+    # service later (1.5 s). Evenly spread, as if the slots freed one by one at 4 per second,
+    # it would be told 1.25 s and come back to find no slot.
+    c, clock = make(limit=4, max_queue=50, batch_queue=0, service=1.0)
+    for _ in range(4):
+        ticket(c.submit(req()))
+    clock.now += 0.5
+    for _ in range(4):
+        ticket(c.submit(req()))
+    refused = rejection(c.submit(req("batch")))  # batch queue 0: told when a slot frees for it
+    assert refused.retry_after == pytest.approx(1.5)
+    assert c.estimator.expected_wait(4, 4, 0) == pytest.approx(1.25)  # the even estimate
 
 
 def test_parse_class() -> None:

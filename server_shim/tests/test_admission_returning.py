@@ -69,10 +69,13 @@ def make(
     returning_first: bool = True,
     promise_slack: float = 0.0,
     return_jitter: float = 0.0,
+    initial: float = 1.0,
 ) -> tuple[AdmissionController, ManualClock]:
     clock = ManualClock(100.0)
     # return_jitter 0 by default: hints as computed (the aim for clients' jitter: test_estimator).
-    config = EstimatorConfig(retry_after_min=0.1, retry_after_max=100.0, return_jitter=return_jitter)
+    config = EstimatorConfig(
+        retry_after_min=0.1, retry_after_max=100.0, return_jitter=return_jitter, initial_service_time=initial
+    )
     est = DrainEstimator(config, clock)
     policies = [ClassPolicy("interactive", max_queue, max_wait), ClassPolicy("batch", max_queue, max_wait)]
     controller = AdmissionController(
@@ -230,20 +233,63 @@ def test_a_fresh_arrival_yields_to_the_returns_promised_to_a_lower_class() -> No
     assert ticket(c.submit(back())).state is TicketState.QUEUED
 
 
-def test_a_caller_that_may_come_back_too_late_for_its_budget_is_told_its_budget() -> None:
-    # Its slot is 4 s away; aimed for clients' jitter (up to 20 % of the hint above it) it
-    # is told 4 / 1.1 s and may come back at 4 / 1.1 * 1.2 = 4.36 s. With 5.3 s of budget
-    # that leaves less than the 1 s of service: it is told its budget instead.
+def test_a_caller_whose_slot_is_beyond_its_budget_is_told_its_budget() -> None:
+    # Its slot is 4 s away and it needs 1 s of service: with 4.9 s of budget it could not be
+    # served at its slot, so no slot is kept for it and it is told its budget (give up now).
     c, clock = make(limit=1, max_queue=3, max_wait=10.0, returning_share=0.0, return_jitter=0.2)
     measure(c, clock, 1.0)
     for _ in range(4):
         ticket(c.submit(fresh()))
-    tight = rejection(c.submit(fresh(budget=5.3)))
-    assert tight.retry_after == pytest.approx(5.3)
+    tight = rejection(c.submit(fresh(budget=4.9)))
+    assert tight.retry_after == pytest.approx(4.9)
     assert c.estimator.outstanding("interactive") == 0
     roomy = rejection(c.submit(fresh(budget=5.4)))
     assert roomy.retry_after == pytest.approx(4.0 / 1.1)
     assert c.estimator.outstanding("interactive") == 1
+
+
+def test_a_caller_that_may_come_back_too_late_for_its_slot_is_told_to_come_back_early() -> None:
+    # Its slot is 4 s away; aimed for clients' jitter (up to 20 % of the hint above it) it
+    # would be told 4 / 1.1 s and might come back at 4.36 s, with less than the 1 s of service
+    # left of 5.3 s. Its slot is within reach (5.3 - 1 = 4.3 s), so it is still promised, told
+    # 4.3 / 1.2 s: back by 4.3 s at the latest, it waits in the queue for its slot.
+    c, clock = make(limit=1, max_queue=3, max_wait=10.0, returning_share=0.0, return_jitter=0.2)
+    measure(c, clock, 1.0)
+    for _ in range(4):
+        ticket(c.submit(fresh()))
+    early = rejection(c.submit(fresh(budget=5.3)))
+    assert early.retry_after == pytest.approx(4.3 / 1.2)
+    assert c.estimator.outstanding("interactive") == 1
+    # The next caller is promised the next slot (5 s away), not the same one.
+    assert rejection(c.submit(fresh(budget=6.3))).retry_after == pytest.approx(5.3 / 1.2)
+    assert c.estimator.outstanding("interactive") == 2
+
+
+def test_before_any_completion_a_slot_is_within_reach_on_the_prior() -> None:
+    # Nothing measured yet: the slot must still leave the prior's service time (2 s) before the
+    # end of the budget, or the caller would be admitted only to be cut by its deadline.
+    c, _ = make(limit=1, max_queue=0, max_wait=10.0, returning_share=0.0, return_jitter=0.2, initial=2.0)
+    ticket(c.submit(fresh()))  # holds the slot; the next free one is 2 s away (the prior)
+    assert rejection(c.submit(fresh(budget=3.9))).retry_after == pytest.approx(3.9)
+    assert c.estimator.outstanding("interactive") == 0
+    assert rejection(c.submit(fresh(budget=4.1))).retry_after == pytest.approx(2.1 / 1.2)
+    assert c.estimator.outstanding("interactive") == 1
+
+
+def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others() -> None:
+    # Two callers promised returns at 1 s and 2 s; one comes back early and queues. Its promise
+    # is redeemed: a fresh arrival's wait counts it once (queued), not twice.
+    c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    promise(c)
+    promise(c)
+    assert c.estimator.outstanding("interactive") == 2
+    clock.now += 0.5
+    assert ticket(c.submit(back())).state is TicketState.QUEUED
+    assert c.estimator.outstanding("interactive") == 1
+    # Not counting itself twice: ahead of a fresh arrival are the one queued and one promise.
+    assert c.estimator.promised_within(("interactive",), clock.now, clock.now + 10.0) == 1
 
 
 def test_promises_fall_due_and_stop_counting() -> None:

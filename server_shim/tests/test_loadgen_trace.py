@@ -77,6 +77,9 @@ def test_openai_attempts_through_the_transport_are_traced() -> None:
     (attempt,) = record.attempts
     assert attempt.status == 200
     assert attempt.written is not None
+    # A POST has a body: its last byte is stamped after the head went out.
+    assert attempt.body_sent is not None
+    assert attempt.written <= attempt.body_sent
 
 
 def test_a_request_sent_again_stamps_only_its_own_attempt() -> None:

@@ -350,6 +350,9 @@ class AdmissionController:
         self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
         # Totals kept beside the per-class figures: both are read several times per request.
         self._in_flight_total = 0
+        # The tickets holding a slot: when they were admitted says when their slots free
+        # (DrainEstimator.expected_wait's ``frees``).
+        self._busy: set[Ticket] = set()
         self._queued_total = 0
         self._overtaken_total = 0
         self._ids = itertools.count(1)
@@ -454,6 +457,10 @@ class AdmissionController:
         ticket = Ticket(
             id=next(self._ids), request=request, arrived=now, deadline=deadline, budget_bound=budget_bound
         )
+        if request.retry and self._returning_first and request.budget is not None:
+            # A caller promised a return is back: its promise no longer holds a slot ahead of
+            # anyone (it is queued, admitted or refused and told a new one).
+            self._estimator.redeem(cls)
         # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
         if (
             not self._queued_total
@@ -468,6 +475,7 @@ class AdmissionController:
             ticket.admitted_at = now
             self._in_flight[cls] += 1
             self._in_flight_total += 1
+            self._busy.add(ticket)
             return ticket
         returning = ticket.returning = self._is_returning(ticket)
         queue = self._queues[cls]
@@ -512,6 +520,7 @@ class AdmissionController:
         ticket.state = TicketState.RELEASED
         self._in_flight[ticket.cls] -= 1
         self._in_flight_total -= 1
+        self._busy.discard(ticket)
         assert ticket.admitted_at is not None
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
@@ -723,7 +732,8 @@ class AdmissionController:
         if shares is not None:
             held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
             slots = max(1, limit - held)
-        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by)
+        frees = est.expected_ends(t.admitted_at for t in self._busy if t.admitted_at is not None)
+        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, frees=frees)
         if shares is not None and self._rank[cls]:
             share = shares.minimum_slots(cls, limit)
             if share > 0:
@@ -794,6 +804,7 @@ class AdmissionController:
             ticket.admitted_at = now
             self._in_flight[cls] += 1
             self._in_flight_total += 1
+            self._busy.add(ticket)
             dispatch.admitted.append(ticket)
         return dispatch
 
@@ -845,13 +856,26 @@ class AdmissionController:
         ahead, in_class = self.ahead_of(cls), len(self._queues[cls])
         wait = self._wait_at(cls, ahead, in_class, higher)
         est = self._estimator
-        usable = None if budget_left is None else budget_left - est.expected_service(stream)
+        usable = reach = None
+        if budget_left is not None:
+            usable = budget_left - est.expected_service(stream)
+            # Whether its slot is within reach rests on the prior too: a slot promised on the
+            # prior alone would otherwise run up to the end of the budget at a cold start.
+            reach = budget_left - (est.expected_service(stream) or est.service_time)
         # Only a caller that says how long it will wait is served as returning when it comes
         # back (_is_returning); a slot kept for any other would be kept for nobody.
         hint = est.retry_after(
-            cls, ahead, self.limit, keep_within=usable, wait=wait, aimed=True, reserve=budget_left is not None
+            cls,
+            ahead,
+            self.limit,
+            keep_within=usable,
+            wait=wait,
+            aimed=True,
+            reserve=budget_left is not None,
+            reach=reach,
         )
-        if usable is not None and budget_left is not None and est.latest_return(hint) > usable:
+        # (1e-9: a hint brought forward to return by ``reach`` exactly, less rounding.)
+        if reach is not None and budget_left is not None and est.latest_return(hint) > reach + 1e-9:
             hint = min(est.config.retry_after_max, max(hint, budget_left))
         return Rejection(code=code, message=why, retry_after=hint, queue_depth=self.queued(cls))
 

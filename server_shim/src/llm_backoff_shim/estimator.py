@@ -48,7 +48,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -204,29 +204,60 @@ class DrainEstimator:
         free_slots: int,
         *,
         promised_by: Iterable[str] = (),
+        frees: Sequence[float] | None = None,
     ) -> float:
         """Seconds until a request with ``ahead`` others queued before it gets a slot.
 
         ``promised_by``: classes whose callers, promised a return before this request would
         be served, are served before it (returning callers go ahead of fresh arrivals, and
         higher classes ahead of lower ones); each such promise costs one more slot.
+
+        ``frees``: seconds from now at which the requests in flight are expected to end,
+        ascending (:meth:`expected_ends`). Each of the ``slots`` then frees at its own end
+        and every service time after it, so the n-th slot to free is known, not averaged.
+        Without it, slots free evenly at the drain rate, as if the requests in flight had
+        started one after another; after a burst they started together and free together,
+        and the even estimate was wrong by up to a service time: in the tail of a burst of
+        200, callers were refused on a wait of 2.06 s that was 1.45 s (docs/benchmarks.md,
+        session 5).
         """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
             return 0.0
-        rate = self.capacity_rate(slots)
-        wait = needed / rate
+        service = max(self._service_time, 1e-3)
+        lanes = max(1, slots)
+        if frees is None:
+
+            def at(n: int) -> float:
+                return n * service / lanes
+        else:
+            ends = sorted(frees)[:lanes]
+            ends = [0.0] * (lanes - len(ends)) + ends
+
+            def at(n: int) -> float:
+                turn, lane = divmod(n - 1, lanes)
+                return ends[lane] + turn * service
+
+        wait = at(needed)
         classes = tuple(promised_by)
         if classes:
             now = self._clock()
-            # Fixed point of wait = (needed + promises due within wait) / rate; it only grows,
-            # by at least one promise per round, and promises are few (bounded by the clamp).
+            # Fixed point of wait = time of the (needed + promises due within wait)-th free
+            # slot; it only grows, by at least one promise per round, and promises are few
+            # (bounded by the clamp).
             for _ in range(10_000):
-                longer = (needed + self.promised_within(classes, now, now + wait)) / rate
+                longer = at(needed + self.promised_within(classes, now, now + wait))
                 if longer <= wait:
                     break
                 wait = longer
         return wait
+
+    def expected_ends(self, admitted: Iterable[float]) -> list[float]:
+        """Seconds from now until requests admitted at ``admitted`` (clock times) are expected
+        to end, ascending; 0 for one already past the service time."""
+        now = self._clock()
+        service = self._service_time
+        return sorted(max(0.0, t + service - now) for t in admitted)
 
     def promised_within(self, classes: Iterable[str], start: float, end: float) -> int:
         """Callers of ``classes`` told to come back in ``(start, end]`` (promises not yet due)."""
@@ -248,6 +279,27 @@ class DrainEstimator:
         now = self._clock()
         self._forget_due(promises, now)
         return len(promises)
+
+    def redeem(self, cls: str) -> None:
+        """A caller of ``cls`` told to come back has come back: its promise is kept no longer.
+
+        Which caller it is the shim cannot tell, so the promise nearest to now goes (callers
+        come back around their slot). Without this, a caller back early for its slot counted
+        twice in the waits of those behind it, queued and still promised: in the tail of a
+        burst, lower-class callers back at their slot were refused on that doubled wait
+        (measured: docs/benchmarks.md, session 5).
+        """
+        promises = self._promises.get(cls)
+        if not promises:
+            return
+        now = self._clock()
+        self._forget_due(promises, now)
+        if not promises:
+            return
+        i = bisect.bisect_left(promises, now)
+        if i == len(promises) or (i > 0 and now - promises[i - 1] <= promises[i] - now):
+            i -= 1
+        del promises[i]
 
     def aim(self, delay: float) -> float:
         """The hint that brings a caller back, on average, ``delay`` seconds from now.
@@ -282,6 +334,7 @@ class DrainEstimator:
         wait: float | None = None,
         aimed: bool = False,
         reserve: bool = True,
+        reach: float | None = None,
     ) -> float:
         """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
 
@@ -300,6 +353,15 @@ class DrainEstimator:
         do not keep its slot for it: for a caller the shim will not recognise as returning
         when it comes back (it sent no budget), which would compete for the slot as a fresh
         arrival, with the slot kept for nobody.
+
+        ``reach`` (seconds from now, with ``keep_within``): the latest slot at which the caller
+        can still be served (its remaining budget less the service it needs, the prior
+        included). A slot within reach whose aimed hint the caller might come back too late
+        for is still promised, with the hint brought forward so that its latest return is
+        ``reach`` (or ``keep_within`` if sooner): it comes back before its slot and waits in
+        the queue for it. Without this, the last slots a caller's budget could use were
+        promised to nobody, and the engine idled for them at the end of a burst
+        (docs/benchmarks.md, session 5).
         """
         now = self._clock()
         cfg = self._config
@@ -315,8 +377,14 @@ class DrainEstimator:
             promised = last + step
         delay = self.aim(promised - now) if aimed else promised - now
         hint = min(cfg.retry_after_max, max(cfg.retry_after_min, delay))
-        if keep_within is not None and self.latest_return(hint) > keep_within:
-            return hint
+        latest = keep_within if reach is None or keep_within is None else min(keep_within, reach)
+        if latest is not None and self.latest_return(hint) > latest:
+            if reach is None or keep_within is None or promised - now > reach:
+                return hint
+            early = min(keep_within, reach) / (1.0 + cfg.return_jitter)
+            if early < cfg.retry_after_min:
+                return hint
+            hint = early
         # Promises beyond the clamp are not kept: after a long overload the next
         # burst should not inherit a backlog of hints nobody will honour.
         kept = min(promised, now + cfg.retry_after_max)

@@ -68,6 +68,9 @@ class AttemptRecord:
     written: float | None = None
     """When the request's head started going onto its connection (the HTTP library's trace
     events); None when the library did not report it."""
+    body_sent: float | None = None
+    """When the request's last byte (its body) had been written to its connection; None when
+    the library did not report it. From ``written`` to here is this process's own doing."""
 
     @property
     def rejected(self) -> bool:
@@ -235,6 +238,8 @@ class _AttemptTrace:
     async def __call__(self, event: str, info: dict[str, Any]) -> None:
         if event.endswith("send_request_headers.started"):
             self._record.written = self._clock()
+        elif event.endswith("send_request_body.complete"):
+            self._record.body_sent = self._clock()
         elif event.endswith("receive_response_headers.complete"):
             self._record.answered = self._clock()
         if self._chained is not None:

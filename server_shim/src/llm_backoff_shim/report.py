@@ -110,6 +110,10 @@ class Figures:
     errors: dict[str, int]
     #: The shim's own rejections by when they were decided (:func:`rejections_by_when`), if read.
     shim_rejections_by_when: dict[str, int] | None = None
+    #: Of the caller-side time to rejection: p99 of the load generator's own time to write the
+    #: request (head started to last byte written), and p99 from the last byte to the answer.
+    rejection_write_p99: float | None = None
+    rejection_after_write_p99: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -137,6 +141,11 @@ def figures(result: RunResult) -> Figures:
     rejected = [a.latency for a in attempts if a.rejected and a.latency is not None]
     at_arrival = [a.latency for a in attempts if a.code == "queue_full" and a.latency is not None]
     shim_side = [a.shim_seconds for a in attempts if a.rejected and a.shim_seconds is not None]
+    traced = [a for a in attempts if a.rejected and a.written is not None and a.body_sent is not None]
+    writing = [a.body_sent - a.written for a in traced if a.body_sent is not None and a.written is not None]
+    after_write = [
+        a.answered - a.body_sent for a in traced if a.answered is not None and a.body_sent is not None
+    ]
     by_code: dict[str, int] = {}
     for a in attempts:
         if a.rejected:
@@ -193,6 +202,8 @@ def figures(result: RunResult) -> Figures:
         engine_peak_waiting=max(engine_waiting, default=None),
         proxy_peak_queued=max(proxy_queued, default=None),
         errors=dict(sorted(errors.items(), key=lambda kv: -kv[1])),
+        rejection_write_p99=percentile(writing, 99),
+        rejection_after_write_p99=percentile(after_write, 99),
     )
 
 
@@ -243,6 +254,17 @@ def rows(f: Figures) -> list[tuple[str, str]]:
                 )
             ]
             if f.shim_rejections_matched
+            else []
+        ),
+        *(
+            [
+                (
+                    "  p99 writing the request / after its last byte",
+                    f"{_seconds(f.rejection_write_p99)} / {_seconds(f.rejection_after_write_p99)} "
+                    "(the load generator's own write; then the wire, the shim and the read)",
+                )
+            ]
+            if f.rejection_write_p99 is not None
             else []
         ),
         (
@@ -301,6 +323,11 @@ def comparison(all_figures: Sequence[Figures]) -> str:
         *(
             [["  same, inside the shim", *[_seconds(f.shim_rejection_p99) for f in all_figures]]]
             if any(f.shim_rejections_matched for f in all_figures)
+            else []
+        ),
+        *(
+            [["  caller writing the request", *[_seconds(f.rejection_write_p99) for f in all_figures]]]
+            if any(f.rejection_write_p99 is not None for f in all_figures)
             else []
         ),
         [
