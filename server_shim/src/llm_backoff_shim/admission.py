@@ -342,6 +342,11 @@ class AdmissionController:
         self._estimator = estimator
         self._clock = clock
         self._scheduler: ClassScheduler = scheduler or StrictPriority()
+        # Decided once: isinstance() against a runtime-checkable Protocol inspects its members
+        # on every call, about 15 us, and _wait_at runs on every refusal.
+        self._shares: MinimumShares | None = (
+            self._scheduler if isinstance(self._scheduler, MinimumShares) else None
+        )
         self.gates: list[AdmissionGate] = list(gates)
         # One list per class, sorted by Ticket.key; together they are the serve order. Lists,
         # not a heap: queues are short, and a cancel removes from the middle.
@@ -728,7 +733,7 @@ class AdmissionController:
         est = self._estimator
         limit = self.limit
         slots = limit
-        shares = self._scheduler if isinstance(self._scheduler, MinimumShares) else None
+        shares = self._shares
         if shares is not None:
             held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
             slots = max(1, limit - held)
