@@ -133,6 +133,7 @@ def run_scenario(
     workdir: Path,
     loads: list[float],
     access_logs: Path | None = None,
+    start_deadline: bool = True,
 ) -> list[tuple[RunResult, Figures]]:
     calls = arrivals(scenario, shape.capacity, random.Random(seed))
     print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
@@ -163,6 +164,7 @@ def run_scenario(
                     shim_url=front.url if setup.route == "shim" and front is not None else None,
                     capacity=shape.capacity,
                     progress=line,
+                    start_deadline=start_deadline,
                 )
                 result = run_load(run)
                 line.done()
@@ -309,10 +311,12 @@ def _evidence(text: str, f: Figures) -> str:
     if "rejection" in text:
         if f.rejection_p99 is None:
             return "-"
-        shim = ""
+        more = []
+        if f.rejection_from_head_p99 is not None:
+            more.append(f"from the request's head: {f.rejection_from_head_p99 * 1000:.1f} ms")
         if f.shim_rejection_p99 is not None:
-            shim = f" (inside the shim: {f.shim_rejection_p99 * 1000:.1f} ms)"
-        return f"{f.rejection_p99 * 1000:.1f} ms{shim}"
+            more.append(f"inside the shim: {f.shim_rejection_p99 * 1000:.1f} ms")
+        return f"{f.rejection_p99 * 1000:.1f} ms" + (f" ({'; '.join(more)})" if more else "")
     if "wasted" in text:
         return f"{f.wasted_tokens} tokens ({f.wasted_fraction:.1%})"
     if "first retry" in text:
@@ -337,6 +341,7 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
         ("success within deadline", [f"{f.ok}/{f.calls} = {f.success_rate:.0%}" for f in cells]),
         ("interactive TTFT p50 / p99", [f"{_s(f.ttft_p50)} / {_s(f.ttft_p99)}" for f in cells]),
         ("p99 time to rejection, caller-side", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
+        ("  same, from the request's head", [_s(f.rejection_from_head_p99) for f in cells]),
         (
             "p99 time to rejection, inside the shim (access log)",
             [
@@ -402,6 +407,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="comma-separated set-ups to run: direct, shim-plain, shim-backoff, haproxy (default: all)",
     )
+    p.add_argument(
+        "--no-start-deadline",
+        action="store_true",
+        help="interactive llm_backoff callers without RetryPolicy(start_deadline=TTFT budget), "
+        "as before session 5 (for before/after comparisons)",
+    )
     args = p.parse_args(argv)
     shape = EngineShape()
     chosen = scenarios(args.quick)
@@ -443,7 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with sigterm_as_interrupt(), tempfile.TemporaryDirectory() as tmp:
             for scenario in chosen:
                 ran = run_scenario(
-                    scenario, shape, setups, args.seed, Path(tmp), loads, args.out if args.keep_logs else None
+                    scenario,
+                    shape,
+                    setups,
+                    args.seed,
+                    Path(tmp),
+                    loads,
+                    args.out if args.keep_logs else None,
+                    start_deadline=not args.no_start_deadline,
                 )
                 results = [r for r, _ in ran]
                 figs = [f for _, f in ran]

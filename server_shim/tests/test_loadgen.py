@@ -23,8 +23,10 @@ from llm_backoff_shim.loadgen import (
     RunResult,
     Sample,
     bind_call,
+    build_clients,
     describe_error,
     http_library,
+    retry_policy,
 )
 from llm_backoff_shim.procs import ChildServer, ServerStartError
 from llm_backoff_shim.report import comparison, figures, max_in_window, percentile, table
@@ -395,3 +397,51 @@ def test_child_server_is_stopped_when_the_block_ends() -> None:
     assert not child.alive()
     json.dumps({"pid": child.pid})  # stop() forgot the process: nothing left to kill
     assert child.pid is None
+
+
+@pytest.mark.parametrize("start_deadline", [True, False])
+async def test_interactive_llm_backoff_callers_send_their_ttft_budget(start_deadline: bool) -> None:
+    # The budget a caller sends is what the shim judges it on: an interactive caller that
+    # states its TTFT budget sends what is left of that, a batch caller its whole deadline.
+    seen: dict[str, float] = {}
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        seen[request.headers["x-request-class"]] = float(request.headers["x-request-timeout-ms"])
+        return httpx2.Response(400, json={"error": {"message": "stop here", "type": "invalid_request_error"}})
+
+    scenario = Scenario("s", burst=1, rate_factor=0, duration=0, deadline=30.0, ttft_budget=4.0)
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(answer)) as http:
+        clients = build_clients(
+            SHIM_BACKOFF, scenario, "http://shim.test", http, start_deadline=start_deadline
+        )
+        for client in clients.values():
+            with pytest.raises(openai.BadRequestError):
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert 25_000 < seen["batch"] <= 30_000
+    if start_deadline:
+        assert 0 < seen["interactive"] <= 4_000
+    else:
+        assert 25_000 < seen["interactive"] <= 30_000
+    assert retry_policy("interactive", scenario).start_deadline == 4.0
+    assert retry_policy("batch", scenario).start_deadline is None
+    assert retry_policy("interactive", scenario, start_deadline=False).start_deadline is None
+
+
+def test_time_to_rejection_runs_from_the_last_byte_with_the_head_and_the_write_beside_it() -> None:
+    # Head written at 0.0; the body 30 ms later (the load generator's own lag); 429 read at 32 ms.
+    slow = AttemptRecord(1, 0.0, 0.032, 429, code="queue_full", written=0.0, body_sent=0.030)
+    calls = [_call(0, "interactive", "error", slow, start=0.0, end=0.04, error="429 queue_full")]
+    result = RunResult(
+        SHIM_BACKOFF,
+        Scenario("t", burst=1, rate_factor=0, duration=0, deadline=10, ttft_budget=4),
+        capacity=2.0,
+        calls=calls,
+        samples=[],
+        engine_stats={},
+        elapsed=1.0,
+    )
+    f = figures(result)
+    assert f.rejection_p99 == pytest.approx(0.002)
+    assert f.rejection_from_head_p99 == pytest.approx(0.032)
+    assert f.rejection_write_p99 == pytest.approx(0.030)
+    assert "from the request's head" in table(f)

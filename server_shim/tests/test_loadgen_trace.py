@@ -43,7 +43,11 @@ def test_attempts_are_stamped_at_the_write_and_the_read_and_a_chained_trace_stil
     assert attempt.answered is not None
     # Entering the transport, taking a connection, writing, reading: in that order.
     assert attempt.sent < attempt.written < attempt.answered
-    assert attempt.latency == attempt.answered - attempt.written
+    assert attempt.latency_from_head == attempt.answered - attempt.written
+    # Even a GET's (empty) body is sent as its own step: the latency runs from there.
+    assert attempt.body_sent is not None
+    assert attempt.written < attempt.body_sent < attempt.answered
+    assert attempt.latency == attempt.answered - attempt.body_sent
     assert any(e.endswith("send_request_headers.started") for e in events)
     assert any(e.endswith("receive_response_headers.complete") for e in events)
 
@@ -52,6 +56,14 @@ def test_latency_falls_back_to_the_send_when_the_write_was_not_traced() -> None:
     assert AttemptRecord(1, sent=1.0, answered=1.5).latency == 0.5
     assert AttemptRecord(1, sent=1.0, answered=1.5, written=1.25).latency == 0.25
     assert AttemptRecord(1, sent=1.0).latency is None
+
+
+def test_latency_runs_from_the_last_byte_and_from_the_head_beside_it() -> None:
+    # Head written at 1.25, body (the last byte) at 1.375, answer read at 1.5.
+    record = AttemptRecord(1, sent=1.0, answered=1.5, written=1.25, body_sent=1.375)
+    assert record.latency == 0.125
+    assert record.latency_from_head == 0.25
+    assert AttemptRecord(1, sent=1.0, written=1.25, body_sent=1.375).latency is None
 
 
 def test_openai_attempts_through_the_transport_are_traced() -> None:

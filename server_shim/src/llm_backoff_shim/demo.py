@@ -69,7 +69,8 @@ def describe_setup(setup: Setup, scenario: Scenario) -> str:
         client = f"openai.AsyncOpenAI(max_retries=2, timeout={scenario.deadline:g})"
     else:
         client = (
-            f"llm_backoff.wrap(AsyncOpenAI(...), RetryPolicy(deadline={scenario.deadline:g}), "
+            f"llm_backoff.wrap(AsyncOpenAI(...), RetryPolicy(deadline={scenario.deadline:g}, "
+            f"start_deadline={scenario.ttft_budget:g} for interactive callers), "
             "request_class=..., budget=RetryBudget(ratio=1.0))"
         )
     where = {"engine": "straight at the engine", "shim": "through the shim", "peer": "through the peer"}

@@ -78,9 +78,23 @@ class AttemptRecord:
 
     @property
     def latency(self) -> float | None:
-        """Seconds from writing the request to having read the response's head (None when no
-        response came): the wire's round trip plus the server's time, plus this process's own
-        event-loop lag in noticing the answer. From ``sent`` when the write was not traced."""
+        """Seconds from the request's last byte written to having read the response's head (None
+        when no response came): the wire's round trip plus the server's time, plus this
+        process's own event-loop lag in noticing the answer. From the head's write
+        (:attr:`latency_from_head`) when the last byte was not traced.
+
+        Not from the head: the HTTP library writes a request's head and body in two writes,
+        and under a burst this process's event loop runs other calls between them (up to
+        tens of ms, docs/benchmarks.md, session 5); a server cannot answer a request it has
+        not been sent yet."""
+        if self.answered is None:
+            return None
+        return self.answered - self.body_sent if self.body_sent is not None else self.latency_from_head
+
+    @property
+    def latency_from_head(self) -> float | None:
+        """Seconds from the request's head starting onto the wire (from ``sent`` when that
+        was not traced) to having read the response's head; None when no response came."""
         if self.answered is None:
             return None
         return self.answered - (self.sent if self.written is None else self.written)
@@ -302,10 +316,26 @@ def _budget(scenario: Scenario) -> RetryBudget:
     return RetryBudget(ratio=1.0, min_per_second=2.0, ttl=scenario.deadline)
 
 
+def retry_policy(cls: RequestClass, scenario: Scenario, *, start_deadline: bool = True) -> RetryPolicy:
+    """The ``llm_backoff`` policy of a caller of ``cls``: the call's deadline, and for an
+    interactive caller (``start_deadline``) its time-to-first-token budget as the time the
+    answer must begin by. That is a caller stating a budget it knows, not a tuning: the SDK
+    then sends what is left of it as ``x-request-timeout-ms``, so the shim refuses at once a
+    request that cannot start in time, and no retry waits past it. Batch callers have no
+    such budget. Plain openai callers have no such knob."""
+    if start_deadline and cls == "interactive":
+        return RetryPolicy(deadline=scenario.deadline, start_deadline=scenario.ttft_budget)
+    return RetryPolicy(deadline=scenario.deadline)
+
+
 def build_clients(
-    setup: Setup, scenario: Scenario, base_url: str, http_client: Any
+    setup: Setup, scenario: Scenario, base_url: str, http_client: Any, *, start_deadline: bool = True
 ) -> dict[RequestClass, openai.AsyncOpenAI]:
-    """One openai client per class, all sharing ``http_client`` (and its counting transport)."""
+    """One openai client per class, all sharing ``http_client`` (and its counting transport).
+
+    ``start_deadline``: interactive ``llm_backoff`` callers state their TTFT budget
+    (:func:`retry_policy`); off, they have the call's deadline only (as before session 5).
+    """
     budget = _budget(scenario)
     clients: dict[RequestClass, openai.AsyncOpenAI] = {}
     classes: tuple[RequestClass, ...] = ("interactive", "batch")
@@ -324,9 +354,8 @@ def build_clients(
             raw = openai.AsyncOpenAI(
                 base_url=base_url + "/v1", api_key="demo", http_client=http_client, timeout=scenario.deadline
             )
-            clients[cls] = wrap(
-                raw, RetryPolicy(deadline=scenario.deadline), request_class=cls, budget=budget
-            )
+            policy = retry_policy(cls, scenario, start_deadline=start_deadline)
+            clients[cls] = wrap(raw, policy, request_class=cls, budget=budget)
     return clients
 
 
@@ -345,6 +374,7 @@ class LoadRun:
         shim_url: str | None = None,
         model: str = "sim-model",
         progress: Callable[[Progress], None] | None = None,
+        start_deadline: bool = True,
     ) -> None:
         self.setup = setup
         self.scenario = scenario
@@ -355,6 +385,7 @@ class LoadRun:
         self.capacity = capacity
         self.model = model
         self._progress = progress
+        self.start_deadline = start_deadline
         self._origin = 0.0
         self.calls: list[CallRecord] = []
         self.samples: list[Sample] = []
@@ -372,7 +403,9 @@ class LoadRun:
         async with http.AsyncClient(timeout=5.0) as probe, http.AsyncClient(transport=transport) as shared:
             await self._warm_up(shared)
             await self._reset_engine(probe)
-            clients = build_clients(self.setup, self.scenario, self.target_url, shared)
+            clients = build_clients(
+                self.setup, self.scenario, self.target_url, shared, start_deadline=self.start_deadline
+            )
             self._origin = time.monotonic()
             sampler = asyncio.create_task(self._sample(probe))
             reporter = asyncio.create_task(self._report())
