@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +51,7 @@ def completed_record() -> AccessRecord:
         tenant="3f1a9c0d2b7e",
         outcome="completed",
         status=200,
+        body_done=100.1,
         queue_time=0.25,
         upstream_start=100.3,
         first_byte=100.5,
@@ -69,6 +72,7 @@ def test_json_line_has_every_field() -> None:
         "outcome": "completed",
         "code": None,
         "status": 200,
+        "body_ms": 100.0,
         "queue_ms": 250.0,
         "ttfb_ms": 500.0,
         "upstream_ms": 1500.0,
@@ -160,6 +164,32 @@ def chat(url: str, **headers: str) -> httpx.Response:
     )
 
 
+def test_a_body_written_after_its_head_shows_in_body_ms(
+    upstream: Any,
+    make_shim: Callable[..., Any],
+    waiter: Callable[..., None],
+    access: Callable[[], list[dict[str, Any]]],
+) -> None:
+    shim = make_shim(upstream.url, log_format="json", tenant_requests_per_minute=10_000)
+    body = json.dumps(CHAT).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {SECRET}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    host, port = shim.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        time.sleep(0.5)  # the body comes later, as a busy client's would
+        sock.sendall(body)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    waiter(lambda: len(access()) == 1, what="one access line")
+    (line,) = access()
+    # The gap is the client's, and shows in body_ms (arrival is stamped once the head has been
+    # parsed, a little after it was written: hence half the gap, not all of it).
+    assert line["body_ms"] >= 250
+    assert line["body_ms"] <= line["ttfb_ms"] <= line["total_ms"]
+
+
 def test_one_line_per_request(
     upstream: Any,
     make_shim: Callable[..., Any],
@@ -187,11 +217,12 @@ def test_one_line_per_request(
     assert ok["client"] == "127.0.0.1"
     assert ok["path"] == "/v1/chat/completions"
     assert ok["method"] == "POST"
-    for name in ("queue_ms", "ttfb_ms", "upstream_ms", "total_ms"):
+    for name in ("body_ms", "queue_ms", "ttfb_ms", "upstream_ms", "total_ms"):
         assert ok[name] >= 0
-    # The parts fit inside the whole.
+    # The parts fit inside the whole, and the body was read before anything went upstream.
     assert ok["upstream_ms"] <= ok["total_ms"]
     assert ok["queue_ms"] <= ok["total_ms"]
+    assert ok["body_ms"] <= ok["ttfb_ms"]
 
     assert (failed["class"], failed["outcome"], failed["status"]) == ("batch", "upstream_error", 500)
     assert (models["class"], models["outcome"], models["status"], models["queue_ms"]) == (

@@ -11,6 +11,9 @@ malformed, or abandoned by the client). Fields:
                     ``upstream_error``, ``bad_request``
 ``code``            rejection code (``queue_full``...) or bad-request reason
 ``status``          the HTTP status sent to the client (none if it left first)
+``body_ms``         arrival (the request's head) to its body read in full: a client that
+                    writes its head and body apart (httpx and httpcore do, with other
+                    work between) shows here, not in the shim's own time
 ``queue_ms``        time queued for a slot (admitted or rejected after queueing)
 ``ttfb_ms``         arrival to the upstream's response head
 ``upstream_ms``     request sent upstream to the end of the relayed response (or
@@ -68,6 +71,7 @@ class AccessRecord:
     outcome: str = "client_disconnected"
     code: str | None = None
     status: int | None = None
+    body_done: float | None = None
     queue_time: float | None = None
     upstream_start: float | None = None
     first_byte: float | None = None
@@ -136,6 +140,7 @@ class AccessLog:
                 record.upstream_end if record.upstream_end is not None else end
             ) - record.upstream_start
         ttfb = None if record.first_byte is None else record.first_byte - record.arrival
+        body = None if record.body_done is None else record.body_done - record.arrival
         fields: dict[str, Any] = {
             "time": self._timestamp(),
             "method": record.method,
@@ -144,6 +149,7 @@ class AccessLog:
             "outcome": record.outcome,
             "code": record.code,
             "status": record.status,
+            "body_ms": _ms(body),
             "queue_ms": _ms(record.queue_time),
             "ttfb_ms": _ms(ttfb),
             "upstream_ms": _ms(upstream),

@@ -259,6 +259,8 @@ class Proxy:
                 self.metrics.count(request.cls, "client_disconnected")
             self._log(record, _Exchange())
             return  # the client left before sending its whole request
+        if record is not None:
+            record.body_done = self.clock()
         if isinstance(body, Refusal):
             await self._refuse(send, body, record)
             return
