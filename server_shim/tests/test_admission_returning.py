@@ -292,6 +292,19 @@ def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others() -
     assert c.estimator.promised_within(("interactive",), clock.now, clock.now + 10.0) == 1
 
 
+def test_a_lower_class_caller_with_a_long_budget_is_promised_a_slot_after_the_higher_class_wait() -> None:
+    # Interactive callers wait at most 3 s in the queue; a batch caller that can wait a minute
+    # is told to come back after that, and the slots before it go to interactive callers.
+    c, clock = make(limit=1, max_queue=0, max_wait=3.0, returning_share=0.0)
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))  # holds the slot
+    assert rejection(c.submit(fresh("batch", budget=60.0))).retry_after == pytest.approx(3.0)
+    assert rejection(c.submit(fresh(budget=60.0))).retry_after == pytest.approx(1.0)
+    # A batch caller whose budget does not reach past those 3 s is not held back: it takes
+    # the free slot at 2 s.
+    assert rejection(c.submit(fresh("batch", budget=3.5))).retry_after == pytest.approx(2.0)
+
+
 def test_promises_fall_due_and_stop_counting() -> None:
     c, clock = make(limit=1, max_wait=2.5, returning_share=0.0)
     measure(c, clock, 1.0)

@@ -121,10 +121,24 @@ def test_all_classes_share_one_promise_timeline() -> None:
 def test_hints_are_clamped_and_promises_beyond_the_clamp_are_dropped() -> None:
     est, clock = make(retry_after_min=1.0, retry_after_max=5.0, initial_service_time=1.0)
     assert est.retry_after("interactive", ahead=100, slots=1) == 5.0
-    assert est.retry_after("interactive", ahead=0, slots=10) == 5.0  # still inside the burst, at the cap
+    assert est.outstanding("interactive") == 1  # kept, at the cap
+    # Nobody ahead: the slots before the capped promise are free on the timeline.
+    assert est.retry_after("interactive", ahead=0, slots=10) == 1.0
     clock.advance(5.0)
     # The capped promise expired with the clamp; a new burst starts from the queue alone.
     assert est.retry_after("interactive", ahead=0, slots=10) == 1.0
+
+
+def test_a_place_taken_far_ahead_leaves_the_slots_before_it_to_others() -> None:
+    est, _ = make(retry_after_min=1.0, retry_after_max=30.0, initial_service_time=1.0)
+    # One slot per second. A batch caller is kept out of the next 10 s ...
+    assert est.retry_after("batch", ahead=0, slots=1, not_before=10.0) == 10.0
+    # ... and callers turned away after it take the slots before it, one step apart,
+    assert [est.retry_after("interactive", ahead=0, slots=1) for _ in range(9)] == [
+        float(k) for k in range(1, 10)
+    ]
+    # then step over it.
+    assert est.retry_after("interactive", ahead=0, slots=1) == 11.0
 
 
 def test_expected_wait_counts_free_slots() -> None:

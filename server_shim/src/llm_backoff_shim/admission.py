@@ -867,6 +867,15 @@ class AdmissionController:
             # Whether its slot is within reach rests on the prior too: a slot promised on the
             # prior alone would otherwise run up to the end of the budget at a cold start.
             reach = budget_left - (est.expected_service(stream) or est.service_time)
+        # A lower-class caller that sent a budget reaching past the longest queue wait of the
+        # classes above it is promised no slot before then: those slots are left to
+        # higher-class callers (refused now or arriving meanwhile), whose budgets are usually
+        # the shorter; the timeline fills gaps, so they can still be promised them.
+        horizon = 0.0
+        if usable is not None and higher:
+            horizon = max(self._policies[c].max_queue_wait for c in higher)
+            if est.latest_return(est.aim(horizon)) > usable:
+                horizon = 0.0
         # Only a caller that says how long it will wait is served as returning when it comes
         # back (_is_returning); a slot kept for any other would be kept for nobody.
         hint = est.retry_after(
@@ -878,6 +887,7 @@ class AdmissionController:
             aimed=True,
             reserve=budget_left is not None,
             reach=reach,
+            not_before=horizon,
         )
         # (1e-9: a hint brought forward to return by ``reach`` exactly, less rounding.)
         if reach is not None and budget_left is not None and est.latest_return(hint) > reach + 1e-9:

@@ -9,12 +9,15 @@ overstate the wait. Completions/s per class is still tracked, for the
 ``drain_rate`` metric.
 
 Spreading: callers rejected in one burst are each told a different future slot.
-The estimator remembers the last slot it promised, whatever the class; the next
-rejection gets ``max(now + max(min, (ahead + 1) / rate), last_promised + 1 / rate)``, so
-the k-th caller of a burst hears roughly ``(ahead + k) / rate`` (or, when the engine
-drains faster than the minimum hint, ``min + (k - 1) / rate``) and retries come back
-at about the drain rate instead of in one wave. Once time passes the last promise the burst is
-over and hints start again from the queue alone. One timeline for all classes, not one
+The estimator remembers the places it gave, whatever the class, on one timeline; the
+next rejection gets the first time at or after ``now + max(min, (ahead + 1) / rate)``
+that is at least ``1 / rate`` from every place already given, so the k-th caller of a
+burst hears roughly ``(ahead + k) / rate`` (or, when the engine drains faster than the
+minimum hint, ``min + (k - 1) / rate``) and retries come back at about the drain rate
+instead of in one wave. A place given far ahead (a lower class kept out of the next
+seconds, a capped hint) leaves the slots before it to later callers (session 5; until
+then every place went after the last one). Once time passes the last place the burst
+is over and hints start again from the queue alone. One timeline for all classes, not one
 per class: each promise claims one slot freeing on the one engine, so the promised
 returns of all classes together come back no faster than the engine drains. With a
 timeline per class, two classes refused together were promised about twice the drain
@@ -127,8 +130,10 @@ class DrainEstimator:
         self._first_byte = 0.0
         self._first_byte_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
-        # The last slot promised, any class (one engine, one timeline: module docstring).
-        self._last_promised: float | None = None
+        # Every place taken on the one timeline (one engine: module docstring), any class,
+        # kept promise or not, ascending; dropped once past. A new place goes into the first
+        # gap of one step at or after its earliest slot.
+        self._timeline: list[float] = []
         # Promised return times per class, ascending (each promise is at least one slot after
         # the last, and none beyond the clamp), dropped once due: at most max / step entries.
         self._promises: dict[str, deque[float]] = {}
@@ -335,6 +340,7 @@ class DrainEstimator:
         aimed: bool = False,
         reserve: bool = True,
         reach: float | None = None,
+        not_before: float = 0.0,
     ) -> float:
         """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
 
@@ -348,6 +354,8 @@ class DrainEstimator:
         whose guaranteed share serves it sooner than strict priority would). ``aimed``:
         the hint told is :meth:`aim` of the slot's delay, for clients that add jitter above
         a hint (the admission controller's refusals); otherwise the slot's delay itself.
+        ``not_before`` (seconds from now): the earliest slot to give, e.g. a lower class kept
+        out of the slots higher classes may need; the slots before it stay free for others.
         ``reserve=False``: the caller takes its place on the timeline (later callers are
         spread after it) but its return is not remembered as a promise, so fresh arrivals
         do not keep its slot for it: for a caller the shim will not recognise as returning
@@ -371,10 +379,8 @@ class DrainEstimator:
         # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.
         if wait is None:
             wait = self.expected_wait(max(0, ahead), slots, 0, promised_by=promised_by)
-        promised = now + max(cfg.retry_after_min, min(wait, cfg.retry_after_max))
-        last = self._last_promised
-        if last is not None and last + step > promised:
-            promised = last + step
+        earliest = max(cfg.retry_after_min, min(max(wait, not_before), cfg.retry_after_max))
+        promised = self._first_gap(now, now + earliest, step)
         delay = self.aim(promised - now) if aimed else promised - now
         hint = min(cfg.retry_after_max, max(cfg.retry_after_min, delay))
         latest = keep_within if reach is None or keep_within is None else min(keep_within, reach)
@@ -388,7 +394,7 @@ class DrainEstimator:
         # Promises beyond the clamp are not kept: after a long overload the next
         # burst should not inherit a backlog of hints nobody will honour.
         kept = min(promised, now + cfg.retry_after_max)
-        self._last_promised = kept
+        bisect.insort(self._timeline, kept)
         if not reserve:
             return hint
         promises = self._promises.setdefault(cls, deque())
@@ -396,6 +402,19 @@ class DrainEstimator:
         if not promises or kept > promises[-1]:
             promises.append(kept)
         return hint
+
+    def _first_gap(self, now: float, earliest: float, step: float) -> float:
+        """The first time at or after ``earliest`` at least one step from every place taken."""
+        line = self._timeline
+        past = bisect.bisect_left(line, now - step)
+        if past:
+            del line[:past]
+        at = earliest
+        for taken in line[bisect.bisect_left(line, at - step + 1e-12) :]:
+            if taken >= at + step:
+                break
+            at = max(at, taken + step)
+        return at
 
     def _forget_due(self, promises: deque[float], now: float) -> None:
         while promises and promises[0] <= now - self._config.retry_after_min:
