@@ -274,6 +274,26 @@ def test_describe_error_is_short_and_typed() -> None:
     assert describe_error(ValueError("x")) == "ValueError"
 
 
+async def test_a_call_given_up_on_its_start_deadline_says_so() -> None:
+    # A hint past the caller's start deadline: llm_backoff gives up at once, and the
+    # failure is told apart from one on the whole call's deadline.
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        body = {"error": {"message": "full", "type": "server_overloaded", "code": "queue_full"}}
+        return httpx2.Response(429, headers={"retry-after": "20"}, json=body)
+
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(answer)) as http:
+        raw = openai.AsyncOpenAI(base_url="http://shim.test/v1", api_key="k", http_client=http)
+        for policy, expected in (
+            (RetryPolicy(deadline=30, start_deadline=4), "429 queue_full (start deadline)"),
+            (RetryPolicy(deadline=4), "429 queue_full"),
+        ):
+            with pytest.raises(openai.RateLimitError) as caught:
+                await wrap(raw, policy).chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "x"}]
+                )
+            assert describe_error(caught.value) == expected
+
+
 # -- real runs on loopback ------------------------------------------------------------------------
 
 

@@ -297,7 +297,20 @@ def error_code(body: bytes) -> str | None:
 
 
 def describe_error(exc: BaseException) -> str:
-    """A short, typed description: ``429 queue_full``, ``503``, ``connection error``..."""
+    """A short, typed description: ``429 queue_full``, ``503``, ``connection error``...
+
+    `` (start deadline)`` is added when ``llm_backoff`` gave up on the call's start deadline
+    (its note on the error says so): the answer could not have begun within the caller's
+    TTFT budget. Such a call failed fast, with a typed error, like any other here.
+    """
+    text = _describe(exc)
+    notes = getattr(exc, "__notes__", None) or ()
+    if any("start deadline" in str(note) for note in notes):
+        text += " (start deadline)"
+    return text
+
+
+def _describe(exc: BaseException) -> str:
     if isinstance(exc, openai.APIStatusError):
         code = exc.code
         if code is None and isinstance(exc.body, dict):
