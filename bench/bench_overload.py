@@ -316,6 +316,8 @@ def _evidence(text: str, f: Figures) -> str:
             more.append(f"from the request's head: {f.rejection_from_head_p99 * 1000:.1f} ms")
         if f.shim_rejection_p99 is not None:
             more.append(f"inside the shim: {f.shim_rejection_p99 * 1000:.1f} ms")
+        if f.shim_rejection_after_body_p99 is not None:
+            more.append(f"inside the shim after the body: {f.shim_rejection_after_body_p99 * 1000:.1f} ms")
         return f"{f.rejection_p99 * 1000:.1f} ms" + (f" ({'; '.join(more)})" if more else "")
     if "wasted" in text:
         return f"{f.wasted_tokens} tokens ({f.wasted_fraction:.1%})"
@@ -342,6 +344,10 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
         ("interactive TTFT p50 / p99", [f"{_s(f.ttft_p50)} / {_s(f.ttft_p99)}" for f in cells]),
         ("p99 time to rejection, caller-side", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
         ("  same, from the request's head", [_s(f.rejection_from_head_p99) for f in cells]),
+        (
+            "p99 time to rejection, inside the shim after the request's body",
+            [_s(f.shim_rejection_after_body_p99) for f in cells],
+        ),
         (
             "p99 time to rejection, inside the shim (access log)",
             [

@@ -69,6 +69,21 @@ def test_access_log_lines_are_matched_to_attempts_by_request_id() -> None:
     assert f.shim_rejections_matched == 2
     assert "same, inside the shim" in table(f)
     assert "same, inside the shim" in comparison([f])
+    # Access logs without body_ms (before it was logged): no figure after the body.
+    assert f.shim_rejection_after_body_p99 is None
+
+
+def test_the_shims_time_after_the_body_leaves_out_the_wait_for_it() -> None:
+    call = CallRecord(0, "interactive", 0.0, 5.0)
+    call.attempts = [AttemptRecord(1, 0.0, 0.030, 429, code="queue_full")]
+    # 25 ms of the shim's 27 ms went waiting for the client's body.
+    log = json.dumps({"request_id": attempt_id(0, 1), "status": 429, "total_ms": 27.0, "body_ms": 25.0})
+    assert attach_shim_times([call], log) == 1
+    f = figures(_result([call]))
+    assert f.shim_rejection_p99 == pytest.approx(0.027)
+    assert f.shim_rejection_after_body_p99 == pytest.approx(0.002)
+    assert "after the request's body was read" in table(f)
+    assert "inside the shim, after the body" in comparison([f])
 
 
 def test_without_an_access_log_the_shim_figures_stay_empty() -> None:

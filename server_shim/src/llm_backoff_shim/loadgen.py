@@ -65,6 +65,9 @@ class AttemptRecord:
     """``error.code`` of an error answer (``queue_full``, ``queue_timeout``...), when it has one."""
     shim_seconds: float | None = None
     """The shim's own arrival-to-answer time for this attempt (its access log), when known."""
+    shim_body_seconds: float | None = None
+    """Of :attr:`shim_seconds`, the time from the request's head to its body read in full
+    (the access log's ``body_ms``): waiting for the client to send it, when known."""
     written: float | None = None
     """When the request's head started going onto its connection (the HTTP library's trace
     events); None when the library did not report it."""
@@ -270,17 +273,18 @@ def attach_shim_times(calls: Sequence[CallRecord], access_log: str) -> int:
 
     Lines that are not JSON access records (start-up messages, other loggers) are skipped.
     """
-    seen: dict[str, float] = {}
+    seen: dict[str, tuple[float, float | None]] = {}
     for entry in json_records(access_log):
-        rid, total = entry.get("request_id"), entry.get("total_ms")
+        rid, total, body = entry.get("request_id"), entry.get("total_ms"), entry.get("body_ms")
         if isinstance(rid, str) and isinstance(total, (int, float)):
-            seen[rid] = float(total) / 1000.0
+            read = float(body) / 1000.0 if isinstance(body, (int, float)) else None
+            seen[rid] = (float(total) / 1000.0, read)
     matched = 0
     for call in calls:
         for attempt in call.attempts:
             found = seen.get(attempt_id(call.index, attempt.number))
             if found is not None:
-                attempt.shim_seconds = found
+                attempt.shim_seconds, attempt.shim_body_seconds = found
                 matched += 1
     return matched
 
