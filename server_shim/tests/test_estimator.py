@@ -148,6 +148,28 @@ def test_expected_wait_counts_free_slots() -> None:
     assert est.expected_wait(ahead=3, slots=4, free_slots=0) == pytest.approx(4 / 2.0)
 
 
+def test_expected_wait_from_when_the_requests_in_flight_were_admitted() -> None:
+    est, clock = make(initial_service_time=2.0)
+    # Four slots filled together at t=1000 free together at 1002, not one every 0.5 s.
+    together = [1000.0] * 4
+    clock.advance(0.5)
+    assert est.expected_wait(ahead=0, slots=4, free_slots=0, admitted=together) == pytest.approx(1.5)
+    assert est.expected_wait(ahead=3, slots=4, free_slots=0, admitted=together) == pytest.approx(1.5)
+    # The fifth to be served waits a whole service time more, on the first lane.
+    assert est.expected_wait(ahead=4, slots=4, free_slots=0, admitted=together) == pytest.approx(3.5)
+    # Started one after another: the n-th slot frees at its own request's end.
+    staggered = [1000.0, 1000.2, 1000.4, 1000.6]
+    assert est.expected_wait(ahead=2, slots=4, free_slots=0, admitted=staggered) == pytest.approx(1.9)
+    # Fewer in flight than slots: the lanes nobody holds come first, free now.
+    assert est.expected_wait(ahead=1, slots=4, free_slots=0, admitted=[1000.0, 1000.2]) == 0.0
+    assert est.expected_wait(ahead=2, slots=4, free_slots=0, admitted=[1000.0, 1000.2]) == pytest.approx(1.5)
+    # More in flight than this class's slots: the soonest to end are the ones that count.
+    assert est.expected_wait(ahead=0, slots=2, free_slots=0, admitted=staggered) == pytest.approx(1.5)
+    # A request past its expected end frees "now", never in the past.
+    clock.advance(10)
+    assert est.expected_wait(ahead=0, slots=4, free_slots=0, admitted=together) == 0.0
+
+
 def test_instant_upstream_does_not_divide_by_zero() -> None:
     est, _ = make()
     est.observe_completion("interactive", 0.0)

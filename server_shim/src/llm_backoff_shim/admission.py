@@ -355,9 +355,11 @@ class AdmissionController:
         self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
         # Totals kept beside the per-class figures: both are read several times per request.
         self._in_flight_total = 0
-        # The tickets holding a slot: when they were admitted says when their slots free
-        # (DrainEstimator.expected_wait's ``frees``).
-        self._busy: set[Ticket] = set()
+        # When the requests holding a slot were admitted, ascending: when their slots free
+        # (DrainEstimator.expected_wait's ``admitted``). Kept sorted as they come and go, so a
+        # refusal reads the few it needs instead of walking every request in flight (about
+        # 100 us a refusal at 256 in flight).
+        self._admitted: list[float] = []
         self._queued_total = 0
         self._overtaken_total = 0
         self._ids = itertools.count(1)
@@ -480,7 +482,7 @@ class AdmissionController:
             ticket.admitted_at = now
             self._in_flight[cls] += 1
             self._in_flight_total += 1
-            self._busy.add(ticket)
+            bisect.insort(self._admitted, now)
             return ticket
         returning = ticket.returning = self._is_returning(ticket)
         queue = self._queues[cls]
@@ -525,8 +527,9 @@ class AdmissionController:
         ticket.state = TicketState.RELEASED
         self._in_flight[ticket.cls] -= 1
         self._in_flight_total -= 1
-        self._busy.discard(ticket)
         assert ticket.admitted_at is not None
+        # Only the times matter, so any entry equal to this ticket's is the one to drop.
+        del self._admitted[bisect.bisect_left(self._admitted, ticket.admitted_at)]
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
             self._estimator.observe_completion(ticket.cls, service_time)
@@ -737,8 +740,7 @@ class AdmissionController:
         if shares is not None:
             held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
             slots = max(1, limit - held)
-        frees = est.expected_ends(t.admitted_at for t in self._busy if t.admitted_at is not None)
-        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, frees=frees)
+        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, admitted=self._admitted)
         if shares is not None and self._rank[cls]:
             share = shares.minimum_slots(cls, limit)
             if share > 0:
@@ -809,7 +811,7 @@ class AdmissionController:
             ticket.admitted_at = now
             self._in_flight[cls] += 1
             self._in_flight_total += 1
-            self._busy.add(ticket)
+            bisect.insort(self._admitted, now)
             dispatch.admitted.append(ticket)
         return dispatch
 

@@ -209,7 +209,7 @@ class DrainEstimator:
         free_slots: int,
         *,
         promised_by: Iterable[str] = (),
-        frees: Sequence[float] | None = None,
+        admitted: Sequence[float] | None = None,
     ) -> float:
         """Seconds until a request with ``ahead`` others queued before it gets a slot.
 
@@ -217,9 +217,9 @@ class DrainEstimator:
         be served, are served before it (returning callers go ahead of fresh arrivals, and
         higher classes ahead of lower ones); each such promise costs one more slot.
 
-        ``frees``: seconds from now at which the requests in flight are expected to end,
-        ascending (:meth:`expected_ends`). Each of the ``slots`` then frees at its own end
-        and every service time after it, so the n-th slot to free is known, not averaged.
+        ``admitted``: when the requests in flight were admitted (clock times), ascending; each
+        is expected to end a service time later. Each of the ``slots`` then frees at its own
+        end and every service time after it, so the n-th slot to free is known, not averaged.
         Without it, slots free evenly at the drain rate, as if the requests in flight had
         started one after another; after a burst they started together and free together,
         and the even estimate was wrong by up to a service time: in the tail of a burst of
@@ -231,17 +231,20 @@ class DrainEstimator:
             return 0.0
         service = max(self._service_time, 1e-3)
         lanes = max(1, slots)
-        if frees is None:
+        if admitted is None:
 
             def at(n: int) -> float:
                 return n * service / lanes
         else:
-            ends = sorted(frees)[:lanes]
-            ends = [0.0] * (lanes - len(ends)) + ends
+            # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then
+            # the earliest admitted. Only the lanes asked for are computed, not every request.
+            held, now, took = admitted, self._clock(), self._service_time
+            idle = lanes - min(len(held), lanes)
 
             def at(n: int) -> float:
                 turn, lane = divmod(n - 1, lanes)
-                return ends[lane] + turn * service
+                end = 0.0 if lane < idle else max(0.0, held[lane - idle] + took - now)
+                return end + turn * service
 
         wait = at(needed)
         classes = tuple(promised_by)
@@ -256,13 +259,6 @@ class DrainEstimator:
                     break
                 wait = longer
         return wait
-
-    def expected_ends(self, admitted: Iterable[float]) -> list[float]:
-        """Seconds from now until requests admitted at ``admitted`` (clock times) are expected
-        to end, ascending; 0 for one already past the service time."""
-        now = self._clock()
-        service = self._service_time
-        return sorted(max(0.0, t + service - now) for t in admitted)
 
     def promised_within(self, classes: Iterable[str], start: float, end: float) -> int:
         """Callers of ``classes`` told to come back in ``(start, end]`` (promises not yet due)."""
