@@ -170,6 +170,18 @@ def test_expected_wait_from_when_the_requests_in_flight_were_admitted() -> None:
     assert est.expected_wait(ahead=0, slots=4, free_slots=0, admitted=together) == 0.0
 
 
+def test_refusals_past_a_full_timeline_keep_no_place() -> None:
+    # A storm of refusals at one instant: 8 slots of 2 s drain 4/s, so 30 s hold 120 places.
+    est, _ = make(initial_service_time=2.0, retry_after_max=30.0)
+    hints = [est.retry_after("interactive", ahead=0, slots=8) for _ in range(2000)]
+    assert hints[-1] == 30.0
+    # Places are a step (0.25 s) apart up to the clamp and no further: the timeline, which
+    # every refusal scans, stays bounded however long the storm (it held one place per
+    # refusal, piled at the clamp, before).
+    assert len(est._timeline) <= 30.0 * 4 + 1
+    assert hints[:3] == sorted(hints[:3])
+
+
 def test_instant_upstream_does_not_divide_by_zero() -> None:
     est, _ = make()
     est.observe_completion("interactive", 0.0)

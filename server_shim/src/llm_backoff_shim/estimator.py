@@ -134,6 +134,10 @@ class DrainEstimator:
         # kept promise or not, ascending; dropped once past. A new place goes into the first
         # gap of one step at or after its earliest slot.
         self._timeline: list[float] = []
+        # (start, end, step): no place fits anywhere in [start, end) of the timeline at that
+        # step. Places are only ever added there (and pruned behind now), so it stays true,
+        # and a search that starts inside jumps to its end instead of walking a full run.
+        self._packed: tuple[float, float, float] = (0.0, 0.0, 0.0)
         # Promised return times per class, ascending (each promise is at least one slot after
         # the last, and none beyond the clamp), dropped once due: at most max / step entries.
         self._promises: dict[str, deque[float]] = {}
@@ -387,9 +391,15 @@ class DrainEstimator:
             if early < cfg.retry_after_min:
                 return hint
             hint = early
-        # Promises beyond the clamp are not kept: after a long overload the next
-        # burst should not inherit a backlog of hints nobody will honour.
-        kept = min(promised, now + cfg.retry_after_max)
+        # Slots beyond the clamp are not kept, not even at the clamp: after a long overload
+        # the next burst should not inherit a backlog of hints nobody will honour, and every
+        # refusal past a full timeline would otherwise pile one more place at the clamp, so
+        # that each refusal scanned all the ones before it (a storm of refusals cost more
+        # and more: 100 -> 390 us each over 2,000 refusals at one instant, 8 slots). Places
+        # are then at least a step apart within the clamp: at most retry_after_max * rate.
+        if promised > now + cfg.retry_after_max:
+            return hint
+        kept = promised
         bisect.insort(self._timeline, kept)
         if not reserve:
             return hint
@@ -405,11 +415,18 @@ class DrainEstimator:
         past = bisect.bisect_left(line, now - step)
         if past:
             del line[:past]
-        at = earliest
-        for taken in line[bisect.bisect_left(line, at - step + 1e-12) :]:
+        at = start = earliest
+        lo, hi, packed_step = self._packed
+        if packed_step == step and lo <= at < hi:
+            at, start = hi, lo
+        # By index, not over a slice: a slice copies the rest of the timeline on every call.
+        for i in range(bisect.bisect_left(line, at - step + 1e-12), len(line)):
+            taken = line[i]
             if taken >= at + step:
                 break
             at = max(at, taken + step)
+        if at > start:
+            self._packed = (start, at, step)
         return at
 
     def _forget_due(self, promises: deque[float], now: float) -> None:
