@@ -16,37 +16,27 @@ from llm_backoff_shim.sim_engine import (
     SeqState,
     SimEngine,
 )
+from llm_backoff_shim.testing import ManualClock
 
 
-class FakeClock:
-    def __init__(self, t: float = 100.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
-
-
-def make(clock: FakeClock, **params: object) -> SimEngine:
+def make(clock: ManualClock, **params: object) -> SimEngine:
     defaults: dict[str, object] = {"max_num_seqs": 2, "ttft": 1.0, "itl": 0.1, "itl_batch_factor": 0.0}
     defaults.update(params)
     return SimEngine(EngineParams(**defaults), clock)  # type: ignore[arg-type]
 
 
-def run_until_idle(engine: SimEngine, clock: FakeClock, limit: int = 10_000) -> None:
+def run_until_idle(engine: SimEngine, clock: ManualClock, limit: int = 10_000) -> None:
     for _ in range(limit):
         due = engine.next_event_time()
         if due is None:
             return
-        clock.t = max(clock.t, due)
+        clock.now = max(clock.now, due)
         engine.step()
     raise AssertionError("engine did not go idle")
 
 
 def test_batch_is_capped_and_the_rest_wait_in_fifo_order() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock, max_num_seqs=2)
     seqs = [engine.add(f"r{i}", max_tokens=3) for i in range(5)]
     assert [s.state for s in seqs] == [SeqState.RUNNING] * 2 + [SeqState.WAITING] * 3
@@ -54,7 +44,7 @@ def test_batch_is_capped_and_the_rest_wait_in_fifo_order() -> None:
 
     admitted_order: list[str] = []
     while engine.next_event_time() is not None:
-        clock.t = engine.next_event_time()  # type: ignore[assignment]
+        clock.now = engine.next_event_time()  # type: ignore[assignment]
         before = {s.request_id for s in seqs if s.state is SeqState.RUNNING}
         engine.step()
         assert engine.num_running <= 2
@@ -68,22 +58,22 @@ def test_batch_is_capped_and_the_rest_wait_in_fifo_order() -> None:
 
 
 def test_first_token_after_ttft_then_one_every_itl() -> None:
-    clock = FakeClock(10.0)
+    clock = ManualClock(10.0)
     engine = make(clock, ttft=0.5, itl=0.2)
     seq = engine.add("a", max_tokens=3)
     assert engine.next_event_time() == pytest.approx(10.5)
 
-    clock.t = 10.49
+    clock.now = 10.49
     assert engine.step() == []
-    clock.t = 10.5
+    clock.now = 10.5
     assert engine.step() == [seq]
     assert seq.generated == 1
     assert seq.first_token_at == 10.5
     assert engine.next_event_time() == pytest.approx(10.7)
 
-    clock.t = 10.7
+    clock.now = 10.7
     engine.step()
-    clock.t = 10.9
+    clock.now = 10.9
     engine.step()
     assert seq.state is SeqState.FINISHED
     assert seq.finished_at == pytest.approx(10.9)
@@ -92,7 +82,7 @@ def test_first_token_after_ttft_then_one_every_itl() -> None:
 
 
 def test_inter_token_latency_grows_with_the_batch() -> None:
-    clock = FakeClock(0.0)
+    clock = ManualClock(0.0)
     engine = make(clock, max_num_seqs=4, ttft=0.0, itl=0.1, itl_batch_factor=0.5)
     for i in range(3):
         engine.add(f"r{i}", max_tokens=10)
@@ -100,14 +90,14 @@ def test_inter_token_latency_grows_with_the_batch() -> None:
     engine.step()  # first tokens, due at admission
     assert engine.next_event_time() == pytest.approx(0.2)
 
-    alone = make(FakeClock(0.0), max_num_seqs=4, ttft=0.0, itl=0.1, itl_batch_factor=0.5)
+    alone = make(ManualClock(0.0), max_num_seqs=4, ttft=0.0, itl=0.1, itl_batch_factor=0.5)
     alone.add("solo", max_tokens=10)
     alone.step()
     assert alone.next_event_time() == pytest.approx(0.1)
 
 
 def test_max_num_queued_reqs_counts_running_plus_waiting_like_vllm() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock, max_num_seqs=2, max_num_queued_reqs=3)
     for i in range(3):
         engine.add(f"r{i}", max_tokens=2)
@@ -122,7 +112,7 @@ def test_max_num_queued_reqs_counts_running_plus_waiting_like_vllm() -> None:
 
 
 def test_aborting_a_running_sequence_frees_its_slot_for_the_next_waiter_at_once() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock, max_num_seqs=1, ttft=0.0, itl=1.0)
     first = engine.add("first", max_tokens=10)
     second = engine.add("second", max_tokens=10)
@@ -136,7 +126,7 @@ def test_aborting_a_running_sequence_frees_its_slot_for_the_next_waiter_at_once(
     assert aborted is first
     assert first.state is SeqState.ABORTED
     assert second.state is SeqState.RUNNING
-    assert second.admitted_at == clock.t
+    assert second.admitted_at == clock.now
     assert engine.stats.requests_aborted == 1
     assert engine.stats.aborted_tokens == 2
     assert engine.abort("first") is None
@@ -144,7 +134,7 @@ def test_aborting_a_running_sequence_frees_its_slot_for_the_next_waiter_at_once(
 
 
 def test_aborting_a_waiting_sequence_removes_it_from_the_queue() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock, max_num_seqs=1)
     engine.add("run", max_tokens=2)
     engine.add("w1", max_tokens=2)
@@ -158,7 +148,7 @@ def test_aborting_a_waiting_sequence_removes_it_from_the_queue() -> None:
 
 
 def test_fault_aborts_are_not_counted_as_client_departures() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock)
     engine.add("a", max_tokens=5)
     clock.advance(1.0)
@@ -170,12 +160,12 @@ def test_fault_aborts_are_not_counted_as_client_departures() -> None:
 
 
 def test_a_late_caller_catches_up_one_token_per_step_on_the_anchored_schedule() -> None:
-    clock = FakeClock(0.0)
+    clock = ManualClock(0.0)
     engine = make(clock, ttft=0.0, itl=0.1)
     seq = engine.add("a", max_tokens=100)
-    clock.t = 0.55  # tokens were due at 0.0, 0.1, ..., 0.5
+    clock.now = 0.55  # tokens were due at 0.0, 0.1, ..., 0.5
     steps = 0
-    while (due := engine.next_event_time()) is not None and due <= clock.t:
+    while (due := engine.next_event_time()) is not None and due <= clock.now:
         engine.step()
         steps += 1
     assert steps == 6
@@ -184,17 +174,17 @@ def test_a_late_caller_catches_up_one_token_per_step_on_the_anchored_schedule() 
 
 
 def test_tick_slack_emits_nearly_due_tokens_in_the_same_step() -> None:
-    clock = FakeClock(0.0)
+    clock = ManualClock(0.0)
     engine = make(clock, max_num_seqs=2, ttft=1.0, tick_slack=0.01)
     a = engine.add("a", max_tokens=5)
     clock.advance(0.005)
     b = engine.add("b", max_tokens=5)
-    clock.t = 1.0
+    clock.now = 1.0
     assert set(engine.step()) == {a, b}
 
 
 def test_peaks_track_the_high_water_mark_and_reset_to_current_occupancy() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock, max_num_seqs=2)
     for i in range(5):
         engine.add(f"r{i}", max_tokens=1)
@@ -210,7 +200,7 @@ def test_peaks_track_the_high_water_mark_and_reset_to_current_occupancy() -> Non
 
 
 def test_bad_arguments_are_refused() -> None:
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     engine = make(clock)
     engine.add("dup", max_tokens=1)
     with pytest.raises(ValueError, match="duplicate"):
@@ -245,7 +235,7 @@ ops = st.lists(
 def test_invariants_hold_under_any_mix_of_arrivals_aborts_and_time(
     ops: list[tuple[str, float]], max_num_seqs: int, limit: int | None, factor: float
 ) -> None:
-    clock = FakeClock(0.0)
+    clock = ManualClock(0.0)
     engine = make(clock, max_num_seqs=max_num_seqs, max_num_queued_reqs=limit, itl_batch_factor=factor)
     added: list[str] = []
     seqs = []
@@ -259,7 +249,7 @@ def test_invariants_hold_under_any_mix_of_arrivals_aborts_and_time(
             engine.abort(added[int(arg) % len(added)])
         else:
             clock.advance(arg)
-            while (due := engine.next_event_time()) is not None and due <= clock.t:
+            while (due := engine.next_event_time()) is not None and due <= clock.now:
                 engine.step()
         assert engine.num_running <= max_num_seqs
         assert engine.num_waiting == 0 or engine.num_running == max_num_seqs
