@@ -141,6 +141,19 @@ def test_a_place_taken_far_ahead_leaves_the_slots_before_it_to_others() -> None:
     assert est.retry_after("interactive", ahead=0, slots=1) == 11.0
 
 
+def test_a_promise_filling_a_gap_is_remembered_in_order() -> None:
+    est, clock = make(retry_after_min=1.0, retry_after_max=30.0, initial_service_time=1.0)
+    assert est.retry_after("batch", ahead=0, slots=1, not_before=10.0) == 10.0
+    # A batch caller refused after it fills the gap before it: a promise of the same class
+    # earlier than the last one, which must count as much as any (it keeps a slot).
+    assert est.retry_after("batch", ahead=0, slots=1) == 1.0
+    assert est.outstanding("batch") == 2
+    assert est.promised_within(("batch",), clock(), clock() + 2.0) == 1
+    est.redeem("batch")  # the caller due first is back
+    assert est.promised_within(("batch",), clock(), clock() + 2.0) == 0
+    assert est.outstanding("batch") == 1
+
+
 def test_expected_wait_counts_free_slots() -> None:
     est, _ = make(initial_service_time=2.0)
     assert est.expected_wait(ahead=0, slots=4, free_slots=1) == 0.0

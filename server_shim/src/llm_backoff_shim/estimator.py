@@ -138,8 +138,8 @@ class DrainEstimator:
         # step. Places are only ever added there (and pruned behind now), so it stays true,
         # and a search that starts inside jumps to its end instead of walking a full run.
         self._packed: tuple[float, float, float] = (0.0, 0.0, 0.0)
-        # Promised return times per class, ascending (each promise is at least one slot after
-        # the last, and none beyond the clamp), dropped once due: at most max / step entries.
+        # Promised return times per class, ascending (each at least one step from any other
+        # place, and none beyond the clamp), dropped once due: at most max / step entries.
         self._promises: dict[str, deque[float]] = {}
 
     @property
@@ -405,8 +405,9 @@ class DrainEstimator:
             return hint
         promises = self._promises.setdefault(cls, deque())
         self._forget_due(promises, now)
-        if not promises or kept > promises[-1]:
-            promises.append(kept)
+        # In order, not only after the last: a place filling a gap of the timeline is earlier
+        # than the promises already given, and a promise left out is a slot counted for nobody.
+        bisect.insort(promises, kept)
         return hint
 
     def _first_gap(self, now: float, earliest: float, step: float) -> float:
