@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import random
 from collections.abc import Callable
@@ -27,6 +29,7 @@ from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
+from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
 
 def make(
@@ -304,3 +307,97 @@ def test_forward_priority_sets_vllm_priority_from_the_class(
     sent = [json.loads(r.body)["priority"] for r in upstream.received]
     # Off by default: the body goes through untouched; on: the class decides, not the caller.
     assert sent == [-100, -100, 0, 10]
+
+
+# -- a reservation lent while its class's demand is known ----------------------------------
+
+
+def promise_interactive(c: AdmissionController, in_seconds: float) -> None:
+    """Tell an interactive caller to come back in ``in_seconds`` (a promise on the timeline)."""
+    c.estimator.retry_after("interactive", ahead=0, slots=c.limit, wait=in_seconds)
+
+
+def test_a_reservation_is_lent_while_its_class_only_has_returns_not_yet_due() -> None:
+    # Interactive callers were told to come back in 5 s (one service time is 1 s): nothing of
+    # interactive can arrive sooner but a caller nobody foresaw, and there was none lately.
+    c, _ = make(8, reserved=0.25)
+    promise_interactive(c, 5.0)
+    batch = [submit(c, "batch") for _ in range(10)]
+    assert c.in_flight("batch") == 8
+    assert sum(t.state is TicketState.QUEUED for t in batch) == 2
+
+
+def test_a_reservation_is_kept_when_a_return_is_due_within_a_service_time() -> None:
+    c, _ = make(8, reserved=0.25)
+    promise_interactive(c, 5.0)
+    promise_interactive(c, 0.5)
+    [submit(c, "batch") for _ in range(10)]
+    assert c.in_flight("batch") == 6
+    assert c.outlook("interactive") == (2, 1, False)
+
+
+def test_a_reservation_is_kept_without_promises() -> None:
+    c, _ = make(8, reserved=0.25)
+    [submit(c, "batch") for _ in range(10)]
+    assert c.in_flight("batch") == 6  # nothing promised: the reservation is for whoever comes
+    assert c.outlook("interactive") == (0, 0, False)
+
+
+def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved() -> None:
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, 60.0)],
+        limit=FixedLimit(8),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    first = submit(c, "interactive")  # a fresh interactive arrival at t = 10 ...
+    clock.advance(1.0)
+    c.release(first, Outcome.COMPLETED)  # ... served in 1 s: the service time
+    promise_interactive(c, 5.0)  # and an interactive caller told to come back at t = 16
+    queued = [submit(c, "batch") for _ in range(8)]
+    assert c.in_flight("batch") == 6  # the fresh arrival was 1 s ago: the reservation holds
+    assert c.take_moved() is None
+    clock.advance(0.5)  # 1.5 s since the last fresh interactive arrival: lent from now on
+    newcomer = submit(c, "batch")
+    moved = c.take_moved()
+    assert moved is not None
+    assert moved.admitted == queued[6:]
+    assert newcomer.state is TicketState.QUEUED
+    assert c.in_flight("batch") == 8
+    assert c.take_moved() is None  # taken once
+
+
+async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved() -> None:
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, 60.0)],
+        limit=FixedLimit(4),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    admission = AsyncAdmission(c, clock)
+    first = await admission.acquire(AdmissionRequest("interactive"))
+    assert isinstance(first, Grant)
+    clock.advance(1.0)
+    admission.release(first, Outcome.COMPLETED)
+    promise_interactive(c, 5.0)
+    held = [await admission.acquire(AdmissionRequest("batch")) for _ in range(3)]
+    waiting = asyncio.create_task(admission.acquire(AdmissionRequest("batch")))
+    await asyncio.sleep(0)
+    assert admission.waiting == 1
+    clock.advance(0.5)
+    newcomer = asyncio.create_task(admission.acquire(AdmissionRequest("batch")))
+    await asyncio.sleep(0)
+    assert isinstance(await asyncio.wait_for(waiting, 1.0), Grant)  # told, not left holding a slot
+    assert c.in_flight("batch") == 4
+    assert admission.waiting == 1
+    newcomer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await newcomer
+    for grant in [*held, waiting.result()]:
+        assert isinstance(grant, Grant)
+        admission.release(grant, Outcome.COMPLETED)
+    assert (c.in_flight(), c.queued(), admission.waiting) == (0, 0, 0)

@@ -84,7 +84,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from llm_backoff_shim.estimator import DrainEstimator
 from llm_backoff_shim.limit import ConcurrencyLimit
@@ -236,6 +236,19 @@ class Ticket:
         return 0.0 if self.admitted_at is None else self.admitted_at - self.arrived
 
 
+class ClassOutlook(NamedTuple):
+    """The requests of one class the shim can foresee, for schedulers.
+
+    ``promised``: callers told to come back and not back yet; ``due_soon``: those of them due
+    within one service time, or already due (a client's jitter brings one back a little late);
+    ``fresh_recently``: a fresh request (not a retry) arrived within the last service time.
+    """
+
+    promised: int
+    due_soon: int
+    fresh_recently: bool
+
+
 @dataclass
 class Dispatch:
     """Tickets that left the queues in one step: now holding a slot, or dropped as expired."""
@@ -263,6 +276,8 @@ class AdmissionView(Protocol):
     def queued(self, cls: str | None = None) -> int: ...
 
     def policy(self, cls: str) -> ClassPolicy: ...
+
+    def outlook(self, cls: str) -> ClassOutlook: ...
 
 
 class AdmissionGate(Protocol):
@@ -361,6 +376,9 @@ class AdmissionController:
         # 100 us a refusal at 256 in flight).
         self._admitted: list[float] = []
         self._queued_total = 0
+        # When each class last saw a fresh arrival (ClassOutlook.fresh_recently).
+        self._last_fresh: dict[str, float] = {}
+        self._moved: Dispatch | None = None  # see take_moved
         self._overtaken_total = 0
         self._ids = itertools.count(1)
 
@@ -398,6 +416,17 @@ class AdmissionController:
         if cls is None:
             return self._queued_total
         return len(self._queues[cls])
+
+    def outlook(self, cls: str) -> ClassOutlook:
+        """What the shim knows of the requests of ``cls`` to come (see :class:`ClassOutlook`)."""
+        estimator = self._estimator
+        now = self._clock()
+        service = estimator.service_time
+        fresh = now - self._last_fresh.get(cls, -math.inf) <= service
+        promised = estimator.outstanding(cls)
+        if not promised:
+            return ClassOutlook(0, 0, fresh)
+        return ClassOutlook(promised, estimator.promised_within((cls,), -math.inf, now + service), fresh)
 
     def queued_returning(self, cls: str) -> int:
         """Queued requests of ``cls`` that said they are retries (and count as returning)."""
@@ -457,6 +486,8 @@ class AdmissionController:
         if request.budget is not None and request.budget <= 0:
             return self._reject(cls, "queue_timeout", "request budget (x-request-timeout-ms) already spent")
         now = self._clock()
+        if not request.retry:
+            self._last_fresh[cls] = now
         policy = self._policies[cls]
         wait = policy.max_queue_wait
         budget_bound = request.budget is not None and request.budget < wait
@@ -500,7 +531,18 @@ class AdmissionController:
         # usable (e.g. --max-queue 0 with an idle engine), else it is taken back out.
         bisect.insort(queue, ticket, key=_key)
         self._queued_total += 1
-        self._pump()
+        moved = self._pump()
+        if moved.expired or (moved.admitted and moved.admitted != [ticket]):
+            # Others moved too: a slot became usable since the last decision (a reservation
+            # lent as time passed). Kept for the caller of submit to resolve (take_moved).
+            others = Dispatch(
+                [t for t in moved.admitted if t is not ticket], [t for t in moved.expired if t is not ticket]
+            )
+            if others:
+                if self._moved is not None:
+                    others.admitted[:0] = self._moved.admitted
+                    others.expired[:0] = self._moved.expired
+                self._moved = others
         if ticket.state is TicketState.ADMITTED:
             return ticket
         if ticket.state is TicketState.EXPIRED:
@@ -519,6 +561,19 @@ class AdmissionController:
             ticket.state = TicketState.CANCELLED
             return early
         return ticket
+
+    def take_moved(self) -> Dispatch | None:
+        """Tickets other than the newcomer that :meth:`submit` admitted or dropped since the last
+        call (None: none, the usual case; no Dispatch is built per request for it).
+
+        A submit decides with the clock of now, and some decisions change with time alone (a
+        reservation is lent once its class's returns are not due soon, :mod:`classes`), so
+        queued requests may move when a newcomer arrives. The caller of :meth:`submit` resolves
+        them as it resolves a :meth:`release`'s Dispatch; left unresolved, an admitted ticket
+        would hold its slot for a caller that is never told.
+        """
+        moved, self._moved = self._moved, None
+        return moved
 
     def release(self, ticket: Ticket, outcome: Outcome) -> Dispatch:
         """Give back the slot of an ADMITTED ticket; returns who moved up."""

@@ -16,6 +16,14 @@ When a slot frees and several classes have queued requests:
    interactive request arriving mid-flood finds a free slot at once. Reservations
    never cover every slot: each class can always use at least one when the others
    are idle, so a misconfigured reservation cannot starve a class forever.
+   A reservation is kept for a class's arrivals nobody can foresee. While the class is
+   itself being turned away and no fresh request of it has arrived for a service time,
+   its next requests are its callers coming back, and the shim told them when: so
+   while none of those is due within one service time, its unused reserved slots are
+   lent to lower classes (when one falls due, it waits for the next slot to free,
+   about one service time / limit). Without lending, in a burst of 200 the engine left
+   2 of 8 slots idle for 2.4 s while only batch callers were due (docs/benchmarks.md,
+   session 6).
 4. **Holds.** A predicate (``hold(cls)``) may keep a class from taking new slots at
    all: engine saturation holds every class, a YELLOW/RED interactive SLO holds batch.
    A held class still gets its minimum share unless the hold is for every class
@@ -107,7 +115,16 @@ class SharedSlots:
                 break
             slots = self.reserved_slots(higher, view.limit)
             reserved += slots
-            unused += max(0, slots - view.in_flight(higher))
+            idle = slots - view.in_flight(higher)
+            if idle > 0 and not self._lent(higher, view):
+                unused += idle
         # Reservations never take a lower class's last slot: an idle engine always serves it.
+        # (A lent reservation still counts here: it is lent, not given up.)
         excess = reserved - (view.limit - 1)
         return max(0, unused - max(0, excess))
+
+    @staticmethod
+    def _lent(cls: str, view: AdmissionView) -> bool:
+        """``cls``'s unused reservation is lent: all it expects are returns, none due soon."""
+        outlook = view.outlook(cls)
+        return outlook.promised > 0 and not outlook.due_soon and not outlook.fresh_recently

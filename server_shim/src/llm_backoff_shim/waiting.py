@@ -58,6 +58,9 @@ class AsyncAdmission:
     async def acquire(self, request: AdmissionRequest) -> Grant | Rejection:
         """Wait for a slot; returns a Grant (caller must :meth:`release`) or a Rejection."""
         decision = self.controller.submit(request)
+        moved = self.controller.take_moved()
+        if moved is not None:
+            self._apply(moved)
         if isinstance(decision, Rejection):
             return decision
         if decision.state is TicketState.ADMITTED:
