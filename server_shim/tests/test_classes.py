@@ -20,6 +20,7 @@ from llm_backoff_shim.admission import (
     AdmissionRequest,
     ClassPolicy,
     Outcome,
+    Rejection,
     Ticket,
     TicketState,
 )
@@ -401,3 +402,28 @@ async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved() -> None:
         assert isinstance(grant, Grant)
         admission.release(grant, Outcome.COMPLETED)
     assert (c.in_flight(), c.queued(), admission.waiting) == (0, 0, 0)
+
+
+def test_a_lower_class_wait_counts_only_the_slots_it_may_use() -> None:
+    # 8 slots, 2 kept for interactive: 6 batch requests in flight fill what batch may use. A
+    # 7th must wait for one of them (about a service time), not for the two reserved slots
+    # standing free: counted as free, it was queued on a wait of 0 s and turned away after
+    # its whole max_queue_wait (the demo's late refusals; docs/benchmarks.md, session 6).
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, 0.5)],
+        limit=FixedLimit(8),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    first = submit(c, "batch")
+    clock.advance(1.0)
+    c.release(first, Outcome.COMPLETED)  # the service time: 1 s
+    batch = [submit(c, "batch") for _ in range(6)]
+    assert all(t.state is TicketState.ADMITTED for t in batch)
+    refused = c.submit(AdmissionRequest("batch"))
+    assert isinstance(refused, Rejection)
+    assert refused.code == "queue_full"
+    assert "estimated queue wait 1.00 s exceeds the 0.5 s limit" in refused.message
+    assert submit(c, "interactive").state is TicketState.ADMITTED  # the reservation is still there

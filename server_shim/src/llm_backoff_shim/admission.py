@@ -305,6 +305,13 @@ class MinimumShares(Protocol):
     def minimum_slots(self, cls: str, limit: int) -> int: ...
 
 
+@runtime_checkable
+class ReservedShares(Protocol):
+    """A scheduler that keeps some slots of a class from the classes below it."""
+
+    def reserved_slots(self, cls: str, limit: int) -> int: ...
+
+
 class StrictPriority:
     """Serve the highest-priority class with a queue. Starvation control comes later, as another scheduler."""
 
@@ -361,6 +368,9 @@ class AdmissionController:
         # on every call, about 15 us, and _wait_at runs on every refusal.
         self._shares: MinimumShares | None = (
             self._scheduler if isinstance(self._scheduler, MinimumShares) else None
+        )
+        self._reserves: ReservedShares | None = (
+            self._scheduler if isinstance(self._scheduler, ReservedShares) else None
         )
         self.gates: list[AdmissionGate] = list(gates)
         # One list per class, sorted by Ticket.key; together they are the serve order. Lists,
@@ -795,6 +805,10 @@ class AdmissionController:
         if shares is not None:
             held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
             slots = max(1, limit - held)
+        reserves = self._reserves
+        if reserves is not None and self._rank[cls]:
+            kept = sum(reserves.reserved_slots(c, limit) for c in self._classes[: self._rank[cls]])
+            slots = max(1, min(slots, limit - kept))
         wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, admitted=self._admitted)
         if shares is not None and self._rank[cls]:
             share = shares.minimum_slots(cls, limit)
