@@ -65,12 +65,25 @@ ACCESS_LOG_FLAGS = ("--log-level", "info", "--log-format", "json")
 def scenarios(quick: bool) -> list[Scenario]:
     if quick:
         return [
-            Scenario("burst", burst=60, rate_factor=0, duration=0, deadline=10, ttft_budget=5),
+            Scenario(
+                "burst", burst=60, rate_factor=0, duration=0, deadline=10, ttft_budget=5, start_deadline=False
+            ),
             Scenario("poisson-2x", burst=0, rate_factor=2.0, duration=10, deadline=10, ttft_budget=5),
             Scenario("poisson-1.2x", burst=0, rate_factor=1.2, duration=10, deadline=10, ttft_budget=5),
         ]
     return [
-        Scenario("burst", burst=200, rate_factor=0, duration=0, deadline=30, ttft_budget=TTFT_BUDGET),
+        # Issue 7 defines the burst by a 30 s deadline per call and judges it by success within
+        # it; a TTFT budget belongs to the 2x target. With a 10 s budget to begin, 140 interactive
+        # callers at once cannot all start (the engine starts ~67 in 10 s): --start-deadline-everywhere.
+        Scenario(
+            "burst",
+            burst=200,
+            rate_factor=0,
+            duration=0,
+            deadline=30,
+            ttft_budget=TTFT_BUDGET,
+            start_deadline=False,
+        ),
         Scenario("poisson-2x", burst=0, rate_factor=2.0, duration=30, deadline=30, ttft_budget=TTFT_BUDGET),
         Scenario("poisson-1.2x", burst=0, rate_factor=1.2, duration=30, deadline=30, ttft_budget=TTFT_BUDGET),
     ]
@@ -133,7 +146,6 @@ def run_scenario(
     workdir: Path,
     loads: list[float],
     access_logs: Path | None = None,
-    start_deadline: bool = True,
 ) -> list[tuple[RunResult, Figures]]:
     calls = arrivals(scenario, shape.capacity, random.Random(seed))
     print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
@@ -164,7 +176,7 @@ def run_scenario(
                     shim_url=front.url if setup.route == "shim" and front is not None else None,
                     capacity=shape.capacity,
                     progress=line,
-                    start_deadline=start_deadline,
+                    start_deadline=scenario.start_deadline,
                 )
                 result = run_load(run)
                 line.done()
@@ -413,15 +425,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="",
         help="comma-separated set-ups to run: direct, shim-plain, shim-backoff, haproxy (default: all)",
     )
-    p.add_argument(
+    deadlines = p.add_mutually_exclusive_group()
+    deadlines.add_argument(
         "--no-start-deadline",
         action="store_true",
-        help="interactive llm_backoff callers without RetryPolicy(start_deadline=TTFT budget), "
-        "as before session 5 (for before/after comparisons)",
+        help="interactive llm_backoff callers without RetryPolicy(start_deadline=TTFT budget) in "
+        "every scenario, as before session 5 (for before/after comparisons)",
+    )
+    deadlines.add_argument(
+        "--start-deadline-everywhere",
+        action="store_true",
+        help="interactive llm_backoff callers state their TTFT budget in every scenario, the burst "
+        "included (as in session 5); by default the burst's callers have the call's deadline only",
     )
     args = p.parse_args(argv)
     shape = EngineShape()
     chosen = scenarios(args.quick)
+    if args.no_start_deadline or args.start_deadline_everywhere:
+        chosen = [dataclasses.replace(s, start_deadline=args.start_deadline_everywhere) for s in chosen]
     if args.only:
         wanted = set(args.only.split(","))
         chosen = [s for s in chosen if s.name in wanted]
@@ -467,7 +488,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     Path(tmp),
                     loads,
                     args.out if args.keep_logs else None,
-                    start_deadline=not args.no_start_deadline,
                 )
                 results = [r for r, _ in ran]
                 figs = [f for _, f in ran]

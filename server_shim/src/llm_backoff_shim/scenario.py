@@ -73,7 +73,12 @@ class EngineShape:
 
 @dataclass(frozen=True)
 class Scenario:
-    """A burst at t = 0, then Poisson arrivals at ``rate_factor`` x capacity for ``duration`` s."""
+    """A burst at t = 0, then Poisson arrivals at ``rate_factor`` x capacity for ``duration`` s.
+
+    ``start_deadline``: interactive ``llm_backoff`` callers state ``ttft_budget`` as their
+    ``RetryPolicy(start_deadline=...)`` (loadgen.retry_policy); off, their only budget is
+    ``deadline``, the call's.
+    """
 
     name: str
     burst: int
@@ -82,6 +87,7 @@ class Scenario:
     deadline: float
     ttft_budget: float
     interactive_share: float = 0.7
+    start_deadline: bool = True
 
     def __post_init__(self) -> None:
         if self.burst < 0:
@@ -109,7 +115,10 @@ class Scenario:
                 f"for {self.duration:g} s"
             )
         mix = f"{self.interactive_share:.0%} interactive"
-        return f"{', then '.join(parts)}; {mix}; deadline {self.deadline:g} s per call"
+        budget = f"deadline {self.deadline:g} s per call"
+        if self.start_deadline:
+            budget += f" (llm_backoff's interactive callers: to begin within {self.ttft_budget:g} s)"
+        return f"{', then '.join(parts)}; {mix}; {budget}"
 
 
 @dataclass(frozen=True)

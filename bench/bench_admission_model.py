@@ -1,0 +1,106 @@
+"""Issue 7's overload scenarios in virtual time, over many seeds (llm_backoff_shim.overload_model).
+
+The shim's admission decisions, built from the same flags as in bench_overload.py, against
+callers that make llm_backoff's retry decisions, on an engine that takes exactly its service
+time: no sockets, no sleeping, about 0.1 s per run. The real benchmark's success count moves
+by 2-3 between runs of the same code; this shows a change to admission over 20-100 seeds in
+seconds, so it can be judged before the real runs, which remain the judge of the figures.
+
+    .venv/bin/python bench/bench_admission_model.py --seeds 30
+    # a before/after: the other tree's sources first on the path
+    PYTHONPATH=/tmp/before/src:/tmp/before/server_shim/src .venv/bin/python bench/bench_admission_model.py
+
+Per scenario, over the seeds: calls served within the deadline (and the fewest in one run),
+interactive calls served, attempts per call, share of first retries admitted, the largest
+retry wave (100 ms), the worst interactive TTFT p99, and the engine's idle slot-seconds
+before its last completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+from bench_overload import scenarios
+from llm_backoff_shim.demo import shim_flags
+from llm_backoff_shim.overload_model import ModelResult, OverloadModel
+from llm_backoff_shim.scenario import EngineShape, Scenario
+
+
+def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
+    calls = sum(len(r.calls) for r in results)
+    ok = sum(r.successes for r in results)
+    interactive = sum(sum(c.ok for c in r.calls if c.arrival.cls == "interactive") for r in results)
+    admitted = sum(r.first_retry_admitted[0] for r in results)
+    retried = sum(r.first_retry_admitted[1] for r in results)
+    p99s = [p for r in results if (p := r.ttft_p99()) is not None]
+    return [
+        scenario.name + ("" if scenario.start_deadline else " (no start deadline)"),
+        f"{ok}/{calls} = {ok / calls:.1%}",
+        str(min(r.successes for r in results)),
+        str(interactive),
+        f"{sum(r.attempts for r in results) / calls:.2f}",
+        f"{admitted / retried:.1%}" if retried else "-",
+        str(max(r.largest_retry_wave for r in results)),
+        f"{max(p99s):.2f} s" if p99s else "-",
+        f"{sum(r.idle_slot_seconds for r in results) / len(results):.1f}",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, default=30, help="runs per scenario, seeds 1..N")
+    p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    p.add_argument(
+        "--start-deadline-everywhere",
+        action="store_true",
+        help="interactive callers state their TTFT budget in the burst too (bench_overload's flag)",
+    )
+    p.add_argument(
+        "--shim-flag", action="append", default=[], help="an extra shim flag (repeat; e.g. =--x=y)"
+    )
+    args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error("--seeds must be >= 1")
+    shape = EngineShape()
+    chosen = scenarios(quick=False)
+    if args.start_deadline_everywhere:
+        chosen = [dataclasses.replace(s, start_deadline=True) for s in chosen]
+    if args.only:
+        chosen = [s for s in chosen if s.name in set(args.only.split(","))]
+        if not chosen:
+            p.error(f"--only {args.only}: no such scenario")
+    header = [
+        "scenario",
+        "served within deadline",
+        "fewest in a run",
+        "interactive served",
+        "attempts per call",
+        "first retry admitted",
+        "largest retry wave",
+        "worst interactive TTFT p99",
+        "idle slot-s per run",
+    ]
+    rows = []
+    started = time.monotonic()
+    for scenario in chosen:
+        flags = [*shim_flags(shape, scenario), *args.shim_flag]
+        results = []
+        for seed in range(1, args.seeds + 1):
+            results.append(OverloadModel(scenario, shape, flags, seed=seed).run())
+            print(f"\r{scenario.name}: {seed}/{args.seeds} runs", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+        rows.append(summarize(scenario, results))
+    print(f"{args.seeds} seeds per scenario, {time.monotonic() - started:.1f} s\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" + "---:|" * (len(header) - 1))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
