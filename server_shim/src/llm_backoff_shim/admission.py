@@ -372,6 +372,7 @@ class AdmissionController:
         self._reserves: ReservedShares | None = (
             self._scheduler if isinstance(self._scheduler, ReservedShares) else None
         )
+        self._lanes_at: dict[tuple[str, int], tuple[int, int]] = {}  # see _lanes
         self.gates: list[AdmissionGate] = list(gates)
         # One list per class, sorted by Ticket.key; together they are the serve order. Lists,
         # not a heap: queues are short, and a cancel removes from the middle.
@@ -788,10 +789,11 @@ class AdmissionController:
         class's guaranteed minimum share, which serves its class in FIFO order whatever
         higher classes want.
 
-        The drain rate counts the slots this class can have: a lower class's guaranteed share
-        is taken whenever that class has work queued, whatever waits above it, so it is left
-        out (always, not only while that class has queued requests: a lower-class arrival
-        would otherwise make queued requests late that were promised the whole engine).
+        The drain rate counts the slots this class can have (:meth:`_lanes`): not a lower
+        class's guaranteed share, which is taken whenever that class has work queued, whatever
+        waits above it (always left out, not only while that class has queued requests: a
+        lower-class arrival would otherwise make queued requests late that were promised the
+        whole engine), nor the slots reserved for higher classes.
 
         ``soonest``: if a slot freed now (the wait of those ahead only). The estimate has no
         memory of how long the requests in flight have run, so for a request that has already
@@ -799,22 +801,38 @@ class AdmissionController:
         """
         free = 1 if soonest else 0
         est = self._estimator
-        limit = self.limit
-        slots = limit
+        slots, share = self._lanes(cls, self.limit)
+        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, admitted=self._admitted)
+        if share > 0:
+            wait = min(wait, est.expected_wait(in_class, share, free))
+        return wait
+
+    def _lanes(self, cls: str, limit: int) -> tuple[int, int]:
+        """(the slots a wait of ``cls`` drains on, ``cls``'s guaranteed minimum share) at ``limit``.
+
+        A lower class's guaranteed share is taken whenever that class has work queued, so it
+        is left out; so are the slots reserved for higher classes (``cls`` may not use them
+        unless they are lent, which the estimate does not count on). Fixed for a limit, and
+        asked for on every wait estimate (a newcomer's place and the recheck walk the queue),
+        so computed once per limit.
+        """
+        lanes = self._lanes_at.get((cls, limit))
+        if lanes is not None:
+            return lanes
+        slots, share, rank = limit, 0, self._rank[cls]
         shares = self._shares
         if shares is not None:
-            held = sum(shares.minimum_slots(c, limit) for c in self._classes[self._rank[cls] + 1 :])
+            held = sum(shares.minimum_slots(c, limit) for c in self._classes[rank + 1 :])
             slots = max(1, limit - held)
+            share = shares.minimum_slots(cls, limit) if rank else 0
         reserves = self._reserves
-        if reserves is not None and self._rank[cls]:
-            kept = sum(reserves.reserved_slots(c, limit) for c in self._classes[: self._rank[cls]])
+        if reserves is not None and rank:
+            kept = sum(reserves.reserved_slots(c, limit) for c in self._classes[:rank])
             slots = max(1, min(slots, limit - kept))
-        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, admitted=self._admitted)
-        if shares is not None and self._rank[cls]:
-            share = shares.minimum_slots(cls, limit)
-            if share > 0:
-                wait = min(wait, est.expected_wait(in_class, share, free))
-        return wait
+        if len(self._lanes_at) > 4096:  # an adaptive limit that wandered far: start over
+            self._lanes_at.clear()
+        lanes = self._lanes_at[(cls, limit)] = (slots, share)
+        return lanes
 
     def _late(
         self, ticket: Ticket, ahead: int, in_class: int, now: float, *, soonest: bool = False
