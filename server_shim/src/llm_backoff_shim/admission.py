@@ -537,6 +537,13 @@ class AdmissionController:
             has_room = len(queue) < self.fresh_room(policy.max_queue, (cls,)) and (
                 total is None or self._queued_total < self.fresh_room(total, self._classes)
             )
+        if not has_room and self._in_flight_total >= self._limit.limit:
+            # Full, and no slot for the pump to give anyone: refused whatever its place would
+            # be, so its place (a walk of the queue) is not worked out.
+            ticket.state = TicketState.CANCELLED
+            return self._reject(
+                cls, "queue_full", "server at capacity (queue full)", request.budget, stream=request.stream
+            )
         ahead, in_class = self._place(ticket, now)
         # Queued tentatively even when full: the pump admits it at once if a slot is
         # usable (e.g. --max-queue 0 with an idle engine), else it is taken back out.
@@ -667,8 +674,9 @@ class AdmissionController:
         now = self._clock()
         ahead = 0
         seen = dict.fromkeys(self._classes, 0)
+        wait = self._walk_waits(soonest=True)
         for ticket in self.serve_order():
-            why = self._late(ticket, ahead, seen[ticket.cls], now, soonest=True)
+            why = self._late(ticket, ahead, seen[ticket.cls], now, wait)
             if why is None:
                 ahead += 1
                 seen[ticket.cls] += 1
@@ -708,6 +716,7 @@ class AdmissionController:
         order = self.serve_order()
         seen = dict.fromkeys(self._classes, 0)
         last_tight: Ticket | None = None
+        wait = self._walk_waits()
         for ahead, queued in enumerate(order):
             # Would one more request ahead of it (and of its class, if the same) make it late,
             # or leave it less slack than the estimate's error? Without that slack, newcomers
@@ -716,7 +725,7 @@ class AdmissionController:
             slack = self._promise_slack * self._policies[queued.cls].max_queue_wait
             if (
                 queued.key > key
-                and self._late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now + slack)
+                and self._late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now + slack, wait)
                 is not None
             ):
                 last_tight = queued
@@ -781,8 +790,6 @@ class AdmissionController:
         ahead: int,
         in_class: int,
         promised_by: Sequence[str],
-        *,
-        soonest: bool = False,
     ) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
         priority, ``in_class`` of them of its own class: at the drain rate, bounded by the
@@ -794,17 +801,44 @@ class AdmissionController:
         waits above it (always left out, not only while that class has queued requests: a
         lower-class arrival would otherwise make queued requests late that were promised the
         whole engine), nor the slots reserved for higher classes.
-
-        ``soonest``: if a slot freed now (the wait of those ahead only). The estimate has no
-        memory of how long the requests in flight have run, so for a request that has already
-        waited it overstates the wait; the recheck judges on this bound instead.
         """
-        free = 1 if soonest else 0
         est = self._estimator
         slots, share = self._lanes(cls, self.limit)
-        wait = est.expected_wait(ahead, slots, free, promised_by=promised_by, admitted=self._admitted)
+        wait = est.expected_wait(ahead, slots, 0, promised_by=promised_by, admitted=self._admitted)
         if share > 0:
-            wait = min(wait, est.expected_wait(in_class, share, free))
+            wait = min(wait, est.expected_wait(in_class, share, 0))
+        return wait
+
+    def _walk_waits(self, *, soonest: bool = False) -> Callable[[str, int, int], float]:
+        """``wait(cls, ahead, in_class)``: :meth:`_wait_at` without promises, for one walk of
+        the queue (:meth:`_place`, :meth:`recheck`). Each class's slot times are built once
+        per walk, not once per queued request: a walk asks for every queued request, on every
+        newcomer placed ahead of others and every recheck (about 170 us a refusal under 2x
+        overload, most of it here; docs/benchmarks.md, session 6).
+
+        ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
+        no memory of how long the requests in flight have run, so for a request that has
+        already waited it overstates the wait; the recheck judges on this bound instead.
+        """
+        est, limit, free = self._estimator, self.limit, 1 if soonest else 0
+        tables: dict[str, tuple[Callable[[int], float], Callable[[int], float] | None]] = {}
+
+        def wait(cls: str, ahead: int, in_class: int) -> float:
+            table = tables.get(cls)
+            if table is None:
+                slots, share = self._lanes(cls, limit)
+                by_share = est.slot_times(share) if share > 0 else None
+                table = tables[cls] = (est.slot_times(slots, self._admitted), by_share)
+            at, by_share = table
+            needed = ahead + 1 - free
+            if needed <= 0:
+                return 0.0
+            wait = at(needed)
+            if by_share is not None:
+                mine = in_class + 1 - free
+                wait = min(wait, by_share(mine) if mine > 0 else 0.0)
+            return wait
+
         return wait
 
     def _lanes(self, cls: str, limit: int) -> tuple[int, int]:
@@ -835,16 +869,16 @@ class AdmissionController:
         return lanes
 
     def _late(
-        self, ticket: Ticket, ahead: int, in_class: int, now: float, *, soonest: bool = False
+        self, ticket: Ticket, ahead: int, in_class: int, now: float, wait: Callable[[str, int, int], float]
     ) -> str | None:
         """Why a queued ticket with ``ahead`` requests before it (``in_class`` of its class)
-        cannot be served in time, or None (``soonest``: see :meth:`_wait_at`).
+        cannot be served in time, or None (``wait``: the walk's :meth:`_walk_waits`).
 
         Judged on the requests queued ahead of it only, not on promised returns: those may
         not come back (a client gives up, or has no retries left), and a request dropped
         from the queue on a guess cannot be given its place back.
         """
-        expected = self._wait_at(ticket.cls, ahead, in_class, (), soonest=soonest)
+        expected = wait(ticket.cls, ahead, in_class)
         budget = ticket.request.budget
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)

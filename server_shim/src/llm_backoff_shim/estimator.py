@@ -233,23 +233,7 @@ class DrainEstimator:
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
             return 0.0
-        service = max(self._service_time, 1e-3)
-        lanes = max(1, slots)
-        if admitted is None:
-
-            def at(n: int) -> float:
-                return n * service / lanes
-        else:
-            # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then
-            # the earliest admitted. Only the lanes asked for are computed, not every request.
-            held, now, took = admitted, self._clock(), self._service_time
-            idle = lanes - min(len(held), lanes)
-
-            def at(n: int) -> float:
-                turn, lane = divmod(n - 1, lanes)
-                end = 0.0 if lane < idle else max(0.0, held[lane - idle] + took - now)
-                return end + turn * service
-
+        at = self.slot_times(slots, admitted)
         wait = at(needed)
         classes = tuple(promised_by)
         if classes:
@@ -263,6 +247,31 @@ class DrainEstimator:
                     break
                 wait = longer
         return wait
+
+    def slot_times(self, slots: int, admitted: Sequence[float] | None = None) -> Callable[[int], float]:
+        """``at(n)``: seconds from now until the n-th slot (n >= 1) of ``slots`` frees; see
+        :meth:`expected_wait` for ``admitted``. Built once, it answers for any n as long as the
+        clock, the service time and the requests in flight stay as they are: a walk of the
+        queue asks it once per queued request instead of rebuilding it each time."""
+        service = max(self._service_time, 1e-3)
+        lanes = max(1, slots)
+        if admitted is None:
+
+            def at(n: int) -> float:
+                return n * service / lanes
+
+            return at
+        # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then
+        # the earliest admitted. Only the lanes asked for are computed, not every request.
+        held, now, took = admitted, self._clock(), self._service_time
+        idle = lanes - min(len(held), lanes)
+
+        def at_lane(n: int) -> float:
+            turn, lane = divmod(n - 1, lanes)
+            end = 0.0 if lane < idle else max(0.0, held[lane - idle] + took - now)
+            return end + turn * service
+
+        return at_lane
 
     def promised_within(self, classes: Iterable[str], start: float, end: float) -> int:
         """Callers of ``classes`` told to come back in ``(start, end]`` (promises not yet due)."""
