@@ -10,10 +10,11 @@ seconds, so it can be judged before the real runs, which remain the judge of the
     # a before/after: the other tree's sources first on the path
     PYTHONPATH=/tmp/before/src:/tmp/before/server_shim/src .venv/bin/python bench/bench_admission_model.py
 
-Per scenario, over the seeds: calls served within the deadline (and the fewest in one run),
-interactive calls served, attempts per call, share of first retries admitted, the largest
-retry wave (100 ms), the worst interactive TTFT p99, and the engine's idle slot-seconds
-before its last completion.
+Per scenario (issue 7's three, and the demo's load), over the seeds: calls served within the
+deadline (and the fewest in one run), interactive calls served, attempts per call, share of
+first retries admitted, the largest retry wave (100 ms), the worst interactive TTFT p99, the
+engine's idle slot-seconds before its last completion, and the refusals that came after a
+wait in the queue (all others are at once: these set a p99 time to rejection).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from bench_overload import scenarios
 from llm_backoff_shim.demo import shim_flags
 from llm_backoff_shim.overload_model import ModelResult, OverloadModel
-from llm_backoff_shim.scenario import EngineShape, Scenario
+from llm_backoff_shim.scenario import EngineShape, Scenario, demo_scenario
 
 
 def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
@@ -47,6 +48,8 @@ def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
         str(max(r.largest_retry_wave for r in results)),
         f"{max(p99s):.2f} s" if p99s else "-",
         f"{sum(r.idle_slot_seconds for r in results) / len(results):.1f}",
+        f"{sum(len(r.refused_after_a_wait) for r in results)} of "
+        f"{sum(len(c.refusal_times) for r in results for c in r.calls)}",
     ]
 
 
@@ -66,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
     shape = EngineShape()
-    chosen = scenarios(quick=False)
+    chosen = [*scenarios(quick=False), demo_scenario(quick=False)]
     if args.start_deadline_everywhere:
         chosen = [dataclasses.replace(s, start_deadline=True) for s in chosen]
     if args.only:
@@ -83,6 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "largest retry wave",
         "worst interactive TTFT p99",
         "idle slot-s per run",
+        "refusals after a wait",
     ]
     rows = []
     started = time.monotonic()
