@@ -313,6 +313,26 @@ def test_forward_priority_sets_vllm_priority_from_the_class(
 # -- a reservation lent while its class's demand is known ----------------------------------
 
 
+def timed(limit: int, *, batch_wait: float = 60.0) -> tuple[AdmissionController, ManualClock]:
+    """A controller with the default 25 % interactive reservation, and its clock."""
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, batch_wait)],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    return c, clock
+
+
+def served_in_a_second(c: AdmissionController, clock: ManualClock, cls: str) -> None:
+    """One fresh request of ``cls``, served in 1 s: the service time is measured."""
+    first = submit(c, cls)
+    clock.advance(1.0)
+    c.release(first, Outcome.COMPLETED)
+
+
 def promise_interactive(c: AdmissionController, in_seconds: float) -> None:
     """Tell an interactive caller to come back in ``in_seconds`` (a promise on the timeline)."""
     c.estimator.retry_after("interactive", ahead=0, slots=c.limit, wait=in_seconds)
@@ -345,17 +365,8 @@ def test_a_reservation_is_kept_without_promises() -> None:
 
 
 def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved() -> None:
-    clock = ManualClock(10.0)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, 60.0)],
-        limit=FixedLimit(8),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
-    )
-    first = submit(c, "interactive")  # a fresh interactive arrival at t = 10 ...
-    clock.advance(1.0)
-    c.release(first, Outcome.COMPLETED)  # ... served in 1 s: the service time
+    c, clock = timed(8)
+    served_in_a_second(c, clock, "interactive")  # a fresh interactive arrival at t = 10
     promise_interactive(c, 5.0)  # and an interactive caller told to come back at t = 16
     queued = [submit(c, "batch") for _ in range(8)]
     assert c.in_flight("batch") == 6  # the fresh arrival was 1 s ago: the reservation holds
@@ -371,19 +382,9 @@ def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved() -
 
 
 async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved() -> None:
-    clock = ManualClock(10.0)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, 60.0)],
-        limit=FixedLimit(4),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
-    )
+    c, clock = timed(4)
+    served_in_a_second(c, clock, "interactive")
     admission = AsyncAdmission(c, clock)
-    first = await admission.acquire(AdmissionRequest("interactive"))
-    assert isinstance(first, Grant)
-    clock.advance(1.0)
-    admission.release(first, Outcome.COMPLETED)
     promise_interactive(c, 5.0)
     held = [await admission.acquire(AdmissionRequest("batch")) for _ in range(3)]
     waiting = asyncio.create_task(admission.acquire(AdmissionRequest("batch")))
@@ -409,17 +410,8 @@ def test_a_lower_class_wait_counts_only_the_slots_it_may_use() -> None:
     # 7th must wait for one of them (about a service time), not for the two reserved slots
     # standing free: counted as free, it was queued on a wait of 0 s and turned away after
     # its whole max_queue_wait (the demo's late refusals; docs/benchmarks.md, session 6).
-    clock = ManualClock(10.0)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, 0.5)],
-        limit=FixedLimit(8),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
-    )
-    first = submit(c, "batch")
-    clock.advance(1.0)
-    c.release(first, Outcome.COMPLETED)  # the service time: 1 s
+    c, clock = timed(8, batch_wait=0.5)
+    served_in_a_second(c, clock, "batch")
     batch = [submit(c, "batch") for _ in range(6)]
     assert all(t.state is TicketState.ADMITTED for t in batch)
     refused = c.submit(AdmissionRequest("batch"))
