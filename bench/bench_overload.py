@@ -31,12 +31,14 @@ import shutil
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from _wire import WireCapture, WireExchange, capture_unavailable
 from llm_backoff_shim.demo import ProgressLine, shim_flags
-from llm_backoff_shim.loadgen import LoadRun, RunResult, attach_shim_times, run_load
+from llm_backoff_shim.loadgen import LoadRun, RunResult, attach_shim_times, attempt_id, run_load
 from llm_backoff_shim.plots import save_plot
 from llm_backoff_shim.procs import (
     ChildServer,
@@ -45,7 +47,15 @@ from llm_backoff_shim.procs import (
     sigterm_as_interrupt,
     sim_server,
 )
-from llm_backoff_shim.report import REJECTION_WHEN, Figures, comparison, figures, rejections_by_when, table
+from llm_backoff_shim.report import (
+    REJECTION_WHEN,
+    Figures,
+    comparison,
+    figures,
+    percentile,
+    rejections_by_when,
+    table,
+)
 from llm_backoff_shim.scenario import (
     DIRECT_PLAIN,
     SHIM_BACKOFF,
@@ -146,6 +156,8 @@ def run_scenario(
     workdir: Path,
     loads: list[float],
     access_logs: Path | None = None,
+    *,
+    pin_front: bool = False,
 ) -> list[tuple[RunResult, Figures]]:
     calls = arrivals(scenario, shape.capacity, random.Random(seed))
     print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
@@ -161,6 +173,8 @@ def run_scenario(
             with contextlib.ExitStack() as stack:
                 if front is not None:
                     stack.enter_context(front)
+                    if pin_front and front.pid is not None:
+                        pin_apart(front.pid, sim.pid)
                 load = os.getloadavg()[0]
                 loads.append(load)
                 print(
@@ -178,7 +192,11 @@ def run_scenario(
                     progress=line,
                     start_deadline=scenario.start_deadline,
                 )
-                result = run_load(run)
+                with contextlib.ExitStack() as capture:
+                    wire = None
+                    if setup.route == "shim" and front is not None and capture_unavailable() is None:
+                        wire = capture.enter_context(WireCapture(urllib.parse.urlsplit(front.url).port or 80))
+                    result = run_load(run)
                 line.done()
                 when = None
                 if setup.route == "shim" and front is not None:
@@ -190,9 +208,40 @@ def run_scenario(
                         name = f"{scenario.name}-{setup.label.replace(' + ', '-').replace(' ', '-')}.log"
                         (access_logs / name).write_text(log)
             figs = dataclasses.replace(figures(result), shim_rejections_by_when=when)
+            if setup.route == "shim" and wire is not None:
+                figs = with_wire_times(figs, result, wire.exchanges())
             results.append((result, figs))
             print(table(figs) + f"\n  (run took {result.elapsed:.1f} s)", flush=True)
     return results
+
+
+def pin_apart(front: int, engine: int | None) -> None:
+    """The proxy on the last CPU, everything else (this load generator, the engine) on the others.
+
+    As deployed: the shim has a core of its own beside the engine, and its callers are other
+    machines. Unpinned on 2 CPUs, a burst's callers (200 openai calls built at once in this
+    process) take the CPU the shim needs to answer them. Linux only.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return
+    rest = set(cpus[:-1])
+    os.sched_setaffinity(front, {cpus[-1]})
+    os.sched_setaffinity(0, rest)
+    if engine is not None:
+        os.sched_setaffinity(engine, rest)
+
+
+def with_wire_times(figs: Figures, result: RunResult, exchanges: Sequence[WireExchange]) -> Figures:
+    """``figs`` with the p99 time to rejection on the wire, over the rejected attempts matched."""
+    on_wire = {e.request_id: e for e in exchanges}
+    times = [
+        on_wire[key].seconds
+        for call in result.calls
+        for attempt in call.attempts
+        if attempt.rejected and (key := attempt_id(call.index, attempt.number)) in on_wire
+    ]
+    return dataclasses.replace(figs, wire_rejection_p99=percentile(times, 99), wire_rejections=len(times))
 
 
 # -- the shim's own time to reject, without a load generator competing for the CPU ----------------
@@ -330,6 +379,8 @@ def _evidence(text: str, f: Figures) -> str:
             more.append(f"inside the shim: {f.shim_rejection_p99 * 1000:.1f} ms")
         if f.shim_rejection_after_body_p99 is not None:
             more.append(f"inside the shim after the body: {f.shim_rejection_after_body_p99 * 1000:.1f} ms")
+        if f.wire_rejection_p99 is not None:
+            more.append(f"on the wire: {f.wire_rejection_p99 * 1000:.1f} ms")
         return f"{f.rejection_p99 * 1000:.1f} ms" + (f" ({'; '.join(more)})" if more else "")
     if "wasted" in text:
         return f"{f.wasted_tokens} tokens ({f.wasted_fraction:.1%})"
@@ -356,6 +407,10 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
         ("interactive TTFT p50 / p99", [f"{_s(f.ttft_p50)} / {_s(f.ttft_p99)}" for f in cells]),
         ("p99 time to rejection, caller-side", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
         ("  same, from the request's head", [_s(f.rejection_from_head_p99) for f in cells]),
+        (
+            "p99 time to rejection on the wire (request's last byte to answer's first)",
+            [_s(f.wire_rejection_p99) for f in cells],
+        ),
         (
             "p99 time to rejection, inside the shim after the request's body",
             [_s(f.shim_rejection_after_body_p99) for f in cells],
@@ -420,6 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated scenario names to run (default: all)")
     p.add_argument("--probe-only", action="store_true", help="only measure the shim's own time to reject")
     p.add_argument("--keep-logs", action="store_true", help="write each shim's access log into --out")
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="the shim (or peer) on a CPU of its own, the load generator and engine on the others "
+        "(as deployed; Linux)",
+    )
     p.add_argument(
         "--setups",
         default="",
@@ -488,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     Path(tmp),
                     loads,
                     args.out if args.keep_logs else None,
+                    pin_front=args.pin,
                 )
                 results = [r for r, _ in ran]
                 figs = [f for _, f in ran]

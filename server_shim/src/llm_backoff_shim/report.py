@@ -122,6 +122,12 @@ class Figures:
     #: The shim's own time to rejection from the request's body read in full (its access
     #: log's ``total_ms - body_ms``): the shim's work without the wait for the client's body.
     shim_rejection_after_body_p99: float | None = None
+    #: On the wire (kernel timestamps of the loopback segments, bench/_wire.py, root only):
+    #: from the request's last byte to the answer's first, p99 over the rejected attempts
+    #: matched, and how many were. Neither the load generator's loop nor the shim's is in it
+    #: as a delay before reading; the shim's whole handling is.
+    wire_rejection_p99: float | None = None
+    wire_rejections: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -281,6 +287,17 @@ def rows(f: Figures) -> list[tuple[str, str]]:
         *(
             [
                 (
+                    "  same, on the wire",
+                    f"p99 {_seconds(f.wire_rejection_p99)} (request's last byte to the answer's first, "
+                    f"kernel timestamps; {f.wire_rejections} of {f.rejections} matched)",
+                )
+            ]
+            if f.wire_rejection_p99 is not None
+            else []
+        ),
+        *(
+            [
+                (
                     "  p99 from the request's head / writing it",
                     f"{_seconds(f.rejection_from_head_p99)} / {_seconds(f.rejection_write_p99)} "
                     "(the figure above is from its last byte; between head and last byte: the "
@@ -351,6 +368,11 @@ def comparison(all_figures: Sequence[Figures]) -> str:
         *(
             [["  from the request's head", *[_seconds(f.rejection_from_head_p99) for f in all_figures]]]
             if any(f.rejection_from_head_p99 is not None for f in all_figures)
+            else []
+        ),
+        *(
+            [["  on the wire", *[_seconds(f.wire_rejection_p99) for f in all_figures]]]
+            if any(f.wire_rejection_p99 is not None for f in all_figures)
             else []
         ),
         *(
