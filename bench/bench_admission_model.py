@@ -65,9 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--shim-flag", action="append", default=[], help="an extra shim flag (repeat; e.g. =--x=y)"
     )
+    p.add_argument(
+        "--service-jitter",
+        type=float,
+        default=0.0,
+        help="each request holds its slot service time x U(1 - j, 1 + j) (default 0: exact)",
+    )
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
+    if not 0 <= args.service_jitter < 1:
+        p.error("--service-jitter must be in [0, 1)")
     shape = EngineShape()
     chosen = [*scenarios(quick=False), demo_scenario(quick=False)]
     if args.start_deadline_everywhere:
@@ -94,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         flags = [*shim_flags(shape, scenario), *args.shim_flag]
         results = []
         for seed in range(1, args.seeds + 1):
-            results.append(OverloadModel(scenario, shape, flags, seed=seed).run())
+            model = OverloadModel(scenario, shape, flags, seed=seed, service_jitter=args.service_jitter)
+            results.append(model.run())
             print(f"\r{scenario.name}: {seed}/{args.seeds} runs", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         rows.append(summarize(scenario, results))

@@ -69,3 +69,15 @@ def test_the_demo_turns_nobody_away_after_a_wait() -> None:
         result = run(scenario, seed, start_deadline=True).run()
         assert result.refused_after_a_wait == [], (seed, result.summary())
         assert sum(len(c.refusal_times) for c in result.calls) > 50  # it is overloaded
+
+
+def test_engine_jitter_varies_the_service_and_still_loses_nothing() -> None:
+    exact = run(TWICE, 2, start_deadline=True).run()
+    jittered = OverloadModel(
+        TWICE, SHAPE, shim_flags(SHAPE, TWICE), seed=2, start_deadline=True, service_jitter=0.1
+    )
+    result = jittered.run()  # raises if a call hangs or a slot is left taken
+    assert result.summary() != exact.summary()
+    services = {round(end - start, 6) for start, end in jittered._busy if end - start > 1.0}
+    assert len(services) > 10
+    assert all(1.08 - 1e-9 <= s <= 1.32 + 1e-9 for s in services)

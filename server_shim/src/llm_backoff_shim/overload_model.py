@@ -145,6 +145,7 @@ class OverloadModel:
         shim_flags: Sequence[str],
         *,
         seed: int = 1,
+        service_jitter: float = 0.0,
         start_deadline: bool | None = None,
         controller: Callable[[ManualClock], AdmissionController] | None = None,
     ) -> None:
@@ -161,6 +162,9 @@ class OverloadModel:
         # The load generator's arrivals for this seed (bench_overload seeds its Random alike).
         self.arrivals = arrivals(scenario, shape.capacity, random.Random(seed))
         self._rng = random.Random(seed + 1)
+        # The engine's own variation: each request holds its slot service_time x U(1 - j, 1 + j).
+        self._service_jitter = service_jitter
+        self._engine_rng = random.Random(seed + 2)
         # One budget per class client, as the load generator's clients share theirs.
         self._budget = RetryBudget(ratio=1.0, min_per_second=2.0, ttl=scenario.deadline, clock=self.clock)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -250,7 +254,8 @@ class OverloadModel:
         first_token = start + self.shape.ttft
         if first_token <= deadline:
             call.first_token = first_token
-        end = start + self.shape.service_time
+        spread = self._service_jitter
+        end = start + self.shape.service_time * (1 + self._engine_rng.uniform(-spread, spread))
         if end <= deadline:
             self._at(end, lambda: self._release(call, Outcome.COMPLETED, "ok"))
         else:  # the SDK's deadline cuts the stream; the engine's work for it is lost
