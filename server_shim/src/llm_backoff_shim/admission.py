@@ -833,11 +833,11 @@ class AdmissionController:
             needed = ahead + 1 - free
             if needed <= 0:
                 return 0.0
-            wait = at(needed)
+            seconds = at(needed)
             if by_share is not None:
                 mine = in_class + 1 - free
-                wait = min(wait, by_share(mine) if mine > 0 else 0.0)
-            return wait
+                seconds = min(seconds, by_share(mine) if mine > 0 else 0.0)
+            return seconds
 
         return wait
 
