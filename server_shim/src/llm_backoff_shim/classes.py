@@ -92,7 +92,8 @@ class SharedSlots:
         return max(0, view.limit - sum(self.reserved_slots(h, view.limit) for h in higher))
 
     def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None:
-        if not waiting or self.held(None):
+        # pick runs on every admission, the fast path too: no generator when nothing holds.
+        if not waiting or (self._holds and self.held(None)):
             return None
         limit = view.limit
         free = limit - view.in_flight()
@@ -102,13 +103,15 @@ class SharedSlots:
             if view.in_flight(cls) < self.minimum_slots(cls, limit):
                 return cls
         for cls in waiting:
-            if self.held(cls):
+            if self._holds and self.held(cls):
                 continue
             if free - 1 >= self._unused_reservations_above(cls, view):
                 return cls
         return None
 
     def _unused_reservations_above(self, cls: str, view: AdmissionView) -> int:
+        if cls == view.classes[0]:
+            return 0  # nothing above the highest class (the common request's class)
         unused = reserved = 0
         for higher in view.classes:
             if higher == cls:
