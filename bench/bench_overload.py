@@ -174,7 +174,7 @@ def run_scenario(
                 if front is not None:
                     stack.enter_context(front)
                     if pin_front and front.pid is not None:
-                        pin_apart(front.pid, sim.pid)
+                        stack.callback(pin_apart(front.pid, sim.pid))
                 load = os.getloadavg()[0]
                 loads.append(load)
                 print(
@@ -215,21 +215,33 @@ def run_scenario(
     return results
 
 
-def pin_apart(front: int, engine: int | None) -> None:
-    """The proxy on the last CPU, everything else (this load generator, the engine) on the others.
+def pin_apart(front: int, engine: int | None) -> Callable[[], None]:
+    """The proxy on the last CPU, everything else (this load generator, the engine) on the others;
+    returns what puts this process and the engine back as they were (the next set-up starts as
+    unpinned as the first).
 
     As deployed: the shim has a core of its own beside the engine, and its callers are other
     machines. Unpinned on 2 CPUs, a burst's callers (200 openai calls built at once in this
     process) take the CPU the shim needs to answer them. Linux only.
     """
-    cpus = sorted(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    cpus = sorted(mine)
     if len(cpus) < 2:
-        return
+        return lambda: None
+    theirs = os.sched_getaffinity(engine) if engine is not None else None
     rest = set(cpus[:-1])
     os.sched_setaffinity(front, {cpus[-1]})
     os.sched_setaffinity(0, rest)
     if engine is not None:
         os.sched_setaffinity(engine, rest)
+
+    def restore() -> None:
+        os.sched_setaffinity(0, mine)
+        if engine is not None and theirs is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(engine, theirs)
+
+    return restore
 
 
 def with_wire_times(figs: Figures, result: RunResult, exchanges: Sequence[WireExchange]) -> Figures:
