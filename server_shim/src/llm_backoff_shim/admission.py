@@ -550,17 +550,12 @@ class AdmissionController:
         bisect.insort(queue, ticket, key=_key)
         self._queued_total += 1
         moved = self._pump()
-        if moved.expired or (moved.admitted and moved.admitted != [ticket]):
+        if any(t is not ticket for t in (*moved.admitted, *moved.expired)):
             # Others moved too: a slot became usable since the last decision (a reservation
             # lent as time passed). Kept for the caller of submit to resolve (take_moved).
-            others = Dispatch(
-                [t for t in moved.admitted if t is not ticket], [t for t in moved.expired if t is not ticket]
-            )
-            if others:
-                if self._moved is not None:
-                    others.admitted[:0] = self._moved.admitted
-                    others.expired[:0] = self._moved.expired
-                self._moved = others
+            pending = self._moved = self._moved or Dispatch()
+            pending.admitted += [t for t in moved.admitted if t is not ticket]
+            pending.expired += [t for t in moved.expired if t is not ticket]
         if ticket.state is TicketState.ADMITTED:
             return ticket
         if ticket.state is TicketState.EXPIRED:

@@ -353,6 +353,13 @@ def table(f: Figures) -> str:
     return "\n".join(lines)
 
 
+def _seconds_row(label: str, values: Sequence[float | None]) -> list[list[str]]:
+    """A comparison row of times, or none when no configuration measured it."""
+    if all(v is None for v in values):
+        return []
+    return [[label, *[_seconds(v) for v in values]]]
+
+
 def comparison(all_figures: Sequence[Figures]) -> str:
     """One compact side-by-side table of the headline figures."""
     header = ["", *[f.label for f in all_figures]]
@@ -365,25 +372,10 @@ def comparison(all_figures: Sequence[Figures]) -> str:
             if any(f.shim_rejections_matched for f in all_figures)
             else []
         ),
-        *(
-            [["  from the request's head", *[_seconds(f.rejection_from_head_p99) for f in all_figures]]]
-            if any(f.rejection_from_head_p99 is not None for f in all_figures)
-            else []
-        ),
-        *(
-            [["  on the wire", *[_seconds(f.wire_rejection_p99) for f in all_figures]]]
-            if any(f.wire_rejection_p99 is not None for f in all_figures)
-            else []
-        ),
-        *(
-            [
-                [
-                    "  inside the shim, after the body",
-                    *[_seconds(f.shim_rejection_after_body_p99) for f in all_figures],
-                ]
-            ]
-            if any(f.shim_rejection_after_body_p99 is not None for f in all_figures)
-            else []
+        *_seconds_row("  from the request's head", [f.rejection_from_head_p99 for f in all_figures]),
+        *_seconds_row("  on the wire", [f.wire_rejection_p99 for f in all_figures]),
+        *_seconds_row(
+            "  inside the shim, after the body", [f.shim_rejection_after_body_p99 for f in all_figures]
         ),
         [
             "attempts per success",
