@@ -531,3 +531,51 @@ def test_max_queue_wait_is_not_judged_on_the_prior_alone() -> None:
     c, _ = make(limit=1, max_queue=10, max_wait=3.0, service=100.0)
     ticket(c.submit(req()))
     assert all(ticket(c.submit(req())).state is TicketState.QUEUED for _ in range(10))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_refuse_at_once_answers_as_submit_would_and_otherwise_changes_nothing(seed: int) -> None:
+    """Two controllers see the same requests; one asks refuse_at_once first (as the relay does
+    from a request's head), the other only submits. Their every answer and state agree."""
+    rng = random.Random(seed)
+    twins = [make(limit=3, max_queue=3, batch_queue=2, total=4, returning_share=0.5) for _ in range(2)]
+    held: list[list[Ticket]] = [[], []]
+    answered_early = 0
+    for _ in range(400):
+        step = rng.random()
+        elapsed = rng.choice([0.0, 0.05, 0.4])
+        for _, clock in twins:
+            clock.advance(elapsed)
+        if step < 0.3 and held[0]:
+            at = rng.randrange(len(held[0]))
+            for (c, _), mine in zip(twins, held, strict=True):
+                c.release(mine.pop(at), Outcome.COMPLETED)
+        else:
+            request = AdmissionRequest(
+                cls=rng.choice(["interactive", "batch"]),
+                budget=rng.choice([None, 0.0, 2.0, 30.0]),
+                retry=rng.choice([0, 0, 1]),
+            )
+            early = twins[0][0].refuse_at_once(request)
+            first = early if early is not None else twins[0][0].submit(request)
+            second = twins[1][0].submit(request)
+            if early is not None:
+                answered_early += 1
+                assert isinstance(second, Rejection)
+            assert type(first) is type(second)
+            if isinstance(first, Rejection):
+                assert isinstance(second, Rejection)
+                assert (first.code, first.retry_after, first.queue_depth) == (
+                    second.code,
+                    second.retry_after,
+                    second.queue_depth,
+                )
+            else:
+                assert isinstance(second, Ticket)
+                assert first.state is second.state
+                if first.state is TicketState.ADMITTED:
+                    held[0].append(first)
+                    held[1].append(second)
+        states = [[(c.in_flight(cls), c.queued(cls)) for cls in ("interactive", "batch")] for c, _ in twins]
+        assert states[0] == states[1]
+    assert answered_early > 20  # the sequence does reach a full shim

@@ -423,6 +423,10 @@ class AdmissionController:
     def in_flight(self, cls: str | None = None) -> int:
         return self._in_flight_total if cls is None else self._in_flight[cls]
 
+    def saturated(self) -> bool:
+        """Every slot of the current limit is taken."""
+        return self._in_flight_total >= self._limit.limit
+
     def queued(self, cls: str | None = None) -> int:
         if cls is None:
             return self._queued_total
@@ -526,17 +530,9 @@ class AdmissionController:
             self._in_flight_total += 1
             bisect.insort(self._admitted, now)
             return ticket
-        returning = ticket.returning = self._is_returning(ticket)
+        returning = ticket.returning = self._is_returning(request)
         queue = self._queues[cls]
-        if returning:
-            has_room = len(queue) < policy.max_queue and (
-                self._max_total is None or self._queued_total < self._max_total
-            )
-        else:
-            total = self._max_total
-            has_room = len(queue) < self.fresh_room(policy.max_queue, (cls,)) and (
-                total is None or self._queued_total < self.fresh_room(total, self._classes)
-            )
+        has_room = self._has_room(cls, returning)
         if not has_room and self._in_flight_total >= self._limit.limit:
             # Full, and no slot for the pump to give anyone: refused whatever its place would
             # be, so its place (a walk of the queue) is not worked out.
@@ -574,6 +570,26 @@ class AdmissionController:
             ticket.state = TicketState.CANCELLED
             return early
         return ticket
+
+    def refuse_at_once(self, request: AdmissionRequest) -> Rejection | None:
+        """:meth:`submit`'s answer when it can only be a refusal whatever the queue's order: every
+        slot taken and no place in the queue for ``request``; None otherwise (nothing done).
+
+        For a caller that decides before it has the whole request (the relay, from the head:
+        proxy.py): when this returns None it has changed nothing, and the request is submitted
+        later as usual.
+        """
+        cls = request.cls
+        if (
+            not self.saturated()
+            or cls not in self._policies
+            or self._has_room(cls, self._is_returning(request))
+        ):
+            return None
+        decision = self.submit(request)
+        # submit checks the same two conditions, after gates that can only refuse sooner.
+        assert isinstance(decision, Rejection), decision
+        return decision
 
     def take_moved(self) -> Dispatch | None:
         """Tickets other than the newcomer that :meth:`submit` admitted or dropped since the last
@@ -772,12 +788,23 @@ class AdmissionController:
         self._queues[ticket.cls].remove(ticket)
         self._queued_total -= 1
 
-    def _is_returning(self, ticket: Ticket) -> bool:
+    def _is_returning(self, request: AdmissionRequest) -> bool:
         # Only a caller that says how long it will wait: the shim can then check that it can
         # still be served in time. A retry without a budget is served late and cut by its
         # own timeout as often as not (measured: docs/benchmarks.md, docs/demo.md).
-        request = ticket.request
         return self._returning_first and request.returning and request.budget is not None
+
+    def _has_room(self, cls: str, returning: bool) -> bool:
+        """Whether the queue has a place for a newcomer of ``cls`` (fresh ones may not take
+        the places kept for returning callers, :meth:`fresh_room`)."""
+        total = self._max_total
+        if returning:
+            return len(self._queues[cls]) < self._policies[cls].max_queue and (
+                total is None or self._queued_total < total
+            )
+        return len(self._queues[cls]) < self.fresh_room(self._policies[cls].max_queue, (cls,)) and (
+            total is None or self._queued_total < self.fresh_room(total, self._classes)
+        )
 
     def _wait_at(
         self,

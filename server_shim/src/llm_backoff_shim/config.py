@@ -183,6 +183,11 @@ class ShimSettings(BaseSettings):
         description="serve retries (x-stainless-retry-count >= 1 with an x-request-timeout-ms budget) "
         "before fresh requests of their class, and keep queue places for callers told to come back",
     )
+    refuse_from_head: bool = Field(
+        default=True,
+        description="answer a generation request that can only be refused (every slot taken, no queue "
+        "place) from its head, before its body is read (about half the CPU per refusal)",
+    )
     returning_share: float = Field(
         default=0.25,
         ge=0,

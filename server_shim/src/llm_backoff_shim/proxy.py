@@ -65,7 +65,7 @@ from llm_backoff_shim.intake import (
 from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.outage import OutageClock
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
-from llm_backoff_shim.relay_cycle import BODY_FOLLOWS
+from llm_backoff_shim.relay_cycle import BODY_FOLLOWS, wire_answer
 from llm_backoff_shim.relay_protocol import (
     CLIENT_WIRE,
     CONNECTION_GONE,
@@ -186,7 +186,7 @@ class Proxy:
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
         self.max_body_bytes = max_body_bytes
         # One shared timer for every request's body timeout (coarse_timers says why).
-        self._body_timers = CoarseTimers(body_timeout) if body_timeout else None
+        self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
         self.upstream = upstream
         self.admission = admission
         self.metrics = metrics
@@ -250,9 +250,7 @@ class Proxy:
             return
         task = self._current_task()
         try:
-            body = await read_body(
-                receive, limit=self.max_body_bytes, time_limit=self._body_timers, task=task
-            )
+            body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timers, task=task)
         except ClientGone:
             if request is not None:
                 # Counted, so that every generation request the shim saw has an outcome.
@@ -293,6 +291,61 @@ class Proxy:
                 self._log(record, exchange)
         else:
             await self._gated(request, forward, receive, send, arrival, task, record, gone, wire)
+
+    def refuse_from_head(self, scope: Scope) -> bytes | None:
+        """The whole answer to a generation request refused as soon as its head is parsed, or
+        None: then nothing was done, and the request takes the usual path.
+
+        Why: under a burst every refusal costs the shim its whole request path (a task, the
+        body read and parsed, the ASGI messages), about 0.2 ms of CPU each, and a burst of a
+        few hundred requests then waits tens of ms for its answers (docs/benchmarks.md,
+        session 7). A refusal that cannot depend on the body (every slot taken, no place in
+        the class's queue: :meth:`AdmissionController.refuse_at_once`) is decided and written
+        from the head, as a front proxy's connection or rate limit refuses; the serving
+        protocol then reads the body past (relay_protocol.py).
+
+        Anything else takes the usual path, so its answer does not change: a request the
+        intake would refuse (path, key, headers, content type, declared size), one whose
+        hooks read the body before it queues (a tenant's quota), or one whose Retry-After
+        depends on whether its body asks for a stream (``stream_served_at="first_token"``
+        with a budget). A malformed body of a refused request is not seen: its 400 comes
+        when the retry is admitted, as behind any front proxy that limits before it parses.
+        """
+        method: str = scope["method"]
+        path: str = scope["path"]
+        controller = self.controller
+        if not controller.saturated() or not is_generation(method, path) or not is_allowed_path(path):
+            return None
+        headers: RawHeaders = scope["headers"]
+        if (
+            check_api_key(self.api_keys, headers) is not None
+            or check_content_type(headers) is not None
+            or check_declared_length(headers, self.max_body_bytes) is not None
+        ):
+            return None
+        request = self._admission_request(headers)
+        if (
+            isinstance(request, ErrorResponse)
+            or not self.hooks.admits_without_body(request)
+            or (request.budget is not None and controller.estimator.config.stream_served_at != "end")
+        ):
+            return None
+        arrival = self.clock()
+        rejection = controller.refuse_at_once(request)
+        if rejection is None:
+            return None
+        response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
+        exchange = _Exchange(
+            outcome=Outcome.ABORTED, metric="rejected", code=rejection.code, sent=response.status
+        )
+        exchange.retry_after, exchange.detail, exchange.queue_time = (
+            rejection.retry_after,
+            rejection.message,
+            0.0,
+        )
+        self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
+        self._log(self._record(scope, method, path, arrival), exchange, request.cls, request.tenant)
+        return wire_answer(response.status, response.headers, response.body)
 
     async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
         self.metrics.bad_request(refusal.reason)

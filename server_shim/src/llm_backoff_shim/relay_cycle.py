@@ -48,6 +48,11 @@ _ERROR_500 = (
 )
 
 
+def wire_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A whole response the shim made itself (its headers carry content-length), as written."""
+    return b"".join([STATUS_LINE[status], *(b"%b: %b\r\n" % header for header in headers), b"\r\n", body])
+
+
 def _nothing() -> None:
     pass
 

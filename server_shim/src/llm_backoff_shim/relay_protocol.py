@@ -14,6 +14,15 @@ limits and graceful shutdown stay uvicorn's: the cycle has the attributes they u
 Only the httptools protocol has this path; under h11 (httptools missing) every request
 takes uvicorn's path, and the relay falls back to what it does under any ASGI server.
 
+A generation request that admission can only refuse (every slot taken, no place in its
+queue) is answered from its head when the relay says so (``refuse``, the proxy's
+:meth:`~llm_backoff_shim.proxy.Proxy.refuse_from_head`): no task, no body buffered. The
+connection stays open; the request's body is read past (:class:`ReadingPast`) and the
+connection serves its next request as usual. Only on a kept-alive connection that did
+not ask for ``100-continue`` and has no response in progress: closing a connection the
+client is still writing to can reset it before the client reads the answer, and a
+``100-continue`` client waits to be told to send its body.
+
 The protocol also hands the relay two per-connection objects through
 ``scope["extensions"]``:
 
@@ -35,6 +44,7 @@ from typing import Any
 
 import httptools
 
+from llm_backoff_shim.coarse_timers import CoarseTimers
 from llm_backoff_shim.relay_cycle import RelayCycle
 
 #: The ``scope["extensions"]`` key of the connection's :class:`ConnectionGone`.
@@ -44,6 +54,42 @@ CLIENT_WIRE = "llm_backoff.client_wire"
 
 #: Called with each body chunk; False means stop for now (the client is slow or gone).
 ChunkWriter = Callable[[bytes], bool]
+
+#: The relay's answer from a request's head: the whole response to write, or None to go on.
+HeadRefusal = Callable[[dict[str, Any]], bytes | None]
+
+
+class _NoEvent:
+    """The ``message_event`` of a cycle nobody waits on (uvicorn sets it on a disconnect)."""
+
+    __slots__ = ()
+
+    def set(self) -> None:
+        pass
+
+
+_NO_EVENT = _NoEvent()
+
+
+class ReadingPast:
+    """The cycle of a request answered from its head, while its body is still arriving.
+
+    The attributes are the ones uvicorn's protocol uses on a cycle. The response is
+    written but not complete until the request's last byte is read, so the connection's
+    next bytes are still this body (the head guard does not time them as a new head), and
+    the next request begins only then. A client that stops sending mid-body is cut off
+    after the body timeout, as one on the usual path would be.
+    """
+
+    __slots__ = ("disconnected", "keep_alive", "response_complete", "timer")
+
+    message_event = _NO_EVENT
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        self.keep_alive = True  # uvicorn clears it on shutdown: then closed once the body is in
+        self.response_complete = False
+        self.timer: int | None = None
 
 
 class ConnectionGone:
@@ -114,8 +160,16 @@ class ClientWire:
         return write_chunk
 
 
-def relay_protocol(base: type[Any], relay: Callable[..., Any]) -> type[Any]:
-    """A subclass of ``base`` (uvicorn's httptools protocol or a subclass) serving ``/v1/`` with ``relay``."""
+def relay_protocol(
+    base: type[Any],
+    relay: Callable[..., Any],
+    *,
+    refuse: HeadRefusal | None = None,
+    body_timers: CoarseTimers | None = None,
+) -> type[Any]:
+    """A subclass of ``base`` (uvicorn's httptools protocol or a subclass) serving ``/v1/`` with
+    ``relay``; ``refuse`` answers a request from its head when it can, ``body_timers`` time the
+    rest of such a request's body (None: untimed)."""
 
     class RelayProtocol(base):  # type: ignore[misc]
         _relay_gone: ConnectionGone
@@ -128,6 +182,9 @@ def relay_protocol(base: type[Any], relay: Callable[..., Any]) -> type[Any]:
             self._relay_wire = ClientWire(transport, self.flow)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            past = self.cycle
+            if body_timers is not None and past.__class__ is ReadingPast:
+                body_timers.discard(past.timer)
             super().connection_lost(exc)
             self._relay_gone.fire()
 
@@ -160,13 +217,28 @@ def relay_protocol(base: type[Any], relay: Callable[..., Any]) -> type[Any]:
             scope["query_string"] = parsed_url.query or b""
             scope["extensions"] = {CONNECTION_GONE: self._relay_gone, CLIENT_WIRE: self._relay_wire}
             existing = self.cycle
+            keep_alive = http_version != "1.0" and parser.should_keep_alive()
+            if (
+                refuse is not None
+                and keep_alive
+                and not self.expect_100_continue
+                and (existing is None or existing.response_complete)
+            ):
+                answer = refuse(scope)
+                if answer is not None:
+                    self.transport.write(answer)
+                    self.cycle = past = ReadingPast()
+                    self._relay_wire.cycle = None
+                    if body_timers is not None:
+                        past.timer = body_timers.add(self._relay_body_expired, self.loop)
+                    return
             cycle = RelayCycle(
                 scope,
                 self.transport,
                 self.flow,
                 self.logger,
                 expect_100_continue=self.expect_100_continue,
-                keep_alive=http_version != "1.0" and parser.should_keep_alive(),
+                keep_alive=keep_alive,
                 on_response=self.on_response_complete,
             )
             self.cycle = cycle
@@ -177,6 +249,29 @@ def relay_protocol(base: type[Any], relay: Callable[..., Any]) -> type[Any]:
                 # Pipelined: it starts when the response in progress ends (uvicorn's queue).
                 self.flow.pause_reading()
                 self.pipeline.appendleft((cycle, relay))
+
+        def on_body(self, body: bytes) -> None:
+            if self.cycle.__class__ is not ReadingPast:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            past = self.cycle
+            if past.__class__ is not ReadingPast:
+                super().on_message_complete()
+                return
+            if body_timers is not None:
+                body_timers.discard(past.timer)
+            past.response_complete = True
+            if past.keep_alive:
+                self.on_response_complete()  # the next request may begin
+            else:
+                self.transport.close()
+
+        def _relay_body_expired(self) -> None:
+            past = self.cycle
+            if past.__class__ is ReadingPast and not past.response_complete:
+                past.response_complete = True
+                self.transport.close()
 
     RelayProtocol.__name__ = RelayProtocol.__qualname__ = f"Relay{base.__name__}"
     return RelayProtocol

@@ -93,6 +93,11 @@ class RequestHooks:
         """Headers for an admission rejection of ``request`` (e.g. the SLO state)."""
         return rejection
 
+    def admits_without_body(self, request: AdmissionRequest) -> bool:
+        """Whether nothing the hooks do before ``request`` queues reads its body (so an
+        admission refusal may be answered from the head, :meth:`Proxy.refuse_from_head`)."""
+        return True
+
 
 def with_headers(response: ErrorResponse, extra: RawHeaders) -> ErrorResponse:
     return ErrorResponse(response.status, [*response.headers, *extra], response.body) if extra else response
@@ -222,6 +227,10 @@ class ShimPolicies(RequestHooks):
 
     def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
         return with_headers(rejection, self.slo_headers(request.cls))
+
+    def admits_without_body(self, request: AdmissionRequest) -> bool:
+        # A tenant's quota is priced on the body (its tokens), and charged before queueing.
+        return self.quotas is None or request.tenant is None
 
     def slo_headers(self, cls: str) -> RawHeaders:
         if self.slo is None or cls not in self.slo.config.budgets:

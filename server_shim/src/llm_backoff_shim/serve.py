@@ -60,7 +60,14 @@ def connection_options(app: Starlette) -> dict[str, Any]:
     if importlib.util.find_spec("httptools"):
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-        return {"http": relay_protocol(guard(HttpToolsProtocol), runtime.proxy)}
+        proxy = runtime.proxy
+        protocol = relay_protocol(
+            guard(HttpToolsProtocol),
+            proxy,
+            refuse=proxy.refuse_from_head if settings.refuse_from_head else None,
+            body_timers=proxy.body_timers,
+        )
+        return {"http": protocol}
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     return {"http": guard(H11Protocol)}
