@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -249,3 +250,35 @@ def make_shim() -> Iterator[Callable[..., Shim]]:
 @pytest.fixture
 def waiter() -> Callable[..., None]:
     return wait_until
+
+
+#: ``read(sock, count)``: ``count`` answers with a length (status, headers, body) off one connection.
+ReadAnswers = Callable[[socket.socket, int], list[tuple[int, dict[str, str], bytes]]]
+
+
+def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
+    """``count`` answers with a length, read off one connection; nothing more may follow them."""
+    buffer = b""
+    answers: list[tuple[int, dict[str, str], bytes]] = []
+    while len(answers) < count:
+        while b"\r\n\r\n" not in buffer:
+            data = sock.recv(65536)
+            assert data, f"connection closed after {len(answers)} answers"
+            buffer += data
+        head, _, buffer = buffer.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        length = int(headers["content-length"])
+        while len(buffer) < length:
+            data = sock.recv(65536)
+            assert data, "connection closed inside a body"
+            buffer += data
+        answers.append((int(status_line.split()[1]), headers, buffer[:length]))
+        buffer = buffer[length:]
+    assert buffer == b"", "more bytes than the answers expected"
+    return answers
+
+
+@pytest.fixture
+def answers() -> ReadAnswers:
+    return read_answers

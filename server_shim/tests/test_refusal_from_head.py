@@ -30,34 +30,6 @@ def head(extra: bytes = b"", *, length: int = len(BODY), path: bytes = b"/v1/cha
     )
 
 
-def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
-    """``count`` answers with a length, read off one connection (nothing more may follow)."""
-    buffer = b""
-    answers: list[tuple[int, dict[str, str], bytes]] = []
-    while len(answers) < count:
-        while b"\r\n\r\n" not in buffer:
-            data = sock.recv(65536)
-            assert data, f"connection closed after {len(answers)} answers"
-            buffer += data
-        raw_head, _, buffer = buffer.partition(b"\r\n\r\n")
-        status_line, *lines = raw_head.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
-        length = int(headers["content-length"])
-        while len(buffer) < length:
-            data = sock.recv(65536)
-            assert data, "connection closed inside a body"
-            buffer += data
-        answers.append((int(status_line.split()[1]), headers, buffer[:length]))
-        buffer = buffer[length:]
-    assert buffer == b"", "more bytes than the answers expected"
-    return answers
-
-
-def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    [answer] = read_answers(sock, 1)
-    return answer
-
-
 @contextmanager
 def saturated(upstream: Any, make_shim: Callable[..., Any], **settings: Any) -> Iterator[Any]:
     """A shim with one slot, held by a parked request, and no queue: every newcomer is refused."""
@@ -91,12 +63,12 @@ def rejected(shim: Any) -> float:
 
 
 def test_the_refusal_is_written_before_the_body_and_the_connection_serves_on(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     with saturated(upstream, make_shim) as shim:
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
             sock.sendall(head())
-            status, headers, body = read_answer(sock)  # no byte of the body sent yet
+            status, headers, body = answers(sock, 1)[0]  # no byte of the body sent yet
             assert status == 429
             error = json.loads(body)["error"]
             assert error["code"] == "queue_full"
@@ -105,9 +77,9 @@ def test_the_refusal_is_written_before_the_body_and_the_connection_serves_on(
             assert headers.get("connection") != "close"
             sock.sendall(BODY)  # read past, not taken for the next request
             sock.sendall(head() + BODY)
-            assert read_answer(sock)[0] == 429
+            assert answers(sock, 1)[0][0] == 429
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: shim\r\n\r\n")
-            status, _, body = read_answer(sock)
+            status, _, body = answers(sock, 1)[0]
             assert (status, json.loads(body)) == (200, {"status": "ok"})
         assert rejected(shim) == 2
         assert shim.state()["interactive"] == (1, 0)
@@ -117,29 +89,29 @@ def test_the_refusal_is_written_before_the_body_and_the_connection_serves_on(
 
 
 def test_a_refused_request_s_body_is_read_past_in_pieces_and_chunked(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     big = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 300_000 + b'"}]}'
     with saturated(upstream, make_shim) as shim:
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
             sock.sendall(head(length=len(big)))
-            assert read_answer(sock)[0] == 429
+            assert answers(sock, 1)[0][0] == 429
             for at in range(0, len(big), 7_000):
                 sock.sendall(big[at : at + 7_000])
             chunked = (
                 b"POST /v1/chat/completions HTTP/1.1\r\nhost: shim\r\ntransfer-encoding: chunked\r\n\r\n"
             )
             sock.sendall(chunked)
-            assert read_answer(sock)[0] == 429
+            assert answers(sock, 1)[0][0] == 429
             sock.sendall(b"%x\r\n%b\r\n0\r\n\r\n" % (len(BODY), BODY))
             sock.sendall(b"GET /health HTTP/1.1\r\nhost: shim\r\n\r\n")
-            assert read_answer(sock)[0] == 200
+            assert answers(sock, 1)[0][0] == 200
         assert rejected(shim) == 2
     assert shim.state()["interactive"] == (0, 0)
 
 
 def test_pipelined_requests_behind_a_refused_one_are_answered_in_order(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     with saturated(upstream, make_shim) as shim:
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
@@ -151,29 +123,29 @@ def test_pipelined_requests_behind_a_refused_one_are_answered_in_order(
                 + BODY
                 + b"GET /ready HTTP/1.1\r\n\r\n"
             )
-            statuses = [status for status, _, _ in read_answers(sock, 3)]
+            statuses = [status for status, _, _ in answers(sock, 3)]
             assert statuses == [429, 200, 429]
         assert rejected(shim) == 2
 
 
 def test_a_client_that_stops_mid_body_is_cut_off_after_the_body_timeout(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     with saturated(upstream, make_shim, body_read_timeout=0.3) as shim:
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
             sock.sendall(head() + BODY[:10])
-            assert read_answer(sock)[0] == 429
+            assert answers(sock, 1)[0][0] == 429
             # The timeout fires a quarter of it late at most; the socket's 10 s only bounds a
             # broken test.
             assert sock.recv(1) == b""
         assert rejected(shim) == 1
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
             sock.sendall(head() + BODY[:10])
-            assert read_answer(sock)[0] == 429
+            assert answers(sock, 1)[0][0] == 429
         # A client that leaves mid-body: nothing is left behind (the next one is served as usual).
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
             sock.sendall(head() + BODY)
-            assert read_answer(sock)[0] == 429
+            assert answers(sock, 1)[0][0] == 429
         assert rejected(shim) == 3
     assert shim.state()["interactive"] == (0, 0)
 
@@ -184,7 +156,7 @@ def test_a_client_that_stops_mid_body_is_cut_off_after_the_body_timeout(
     ids=["connection-close", "expect-100-continue"],
 )
 def test_close_and_100_continue_requests_are_answered_after_their_body(
-    upstream: Any, make_shim: Callable[..., Any], extra: bytes
+    upstream: Any, make_shim: Callable[..., Any], extra: bytes, answers: Any
 ) -> None:
     with saturated(upstream, make_shim) as shim:
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
@@ -198,21 +170,24 @@ def test_close_and_100_continue_requests_are_answered_after_their_body(
             assert not early.startswith(b"HTTP/1.1 429"), early
             sock.settimeout(10)
             sock.sendall(BODY)
-            status, _, _ = read_answer_after_interim(sock, early)
+            status, _, _ = read_answer_after_interim(sock, early, answers)
             assert status == 429
         assert rejected(shim) == 1
 
 
-def read_answer_after_interim(sock: socket.socket, seen: bytes) -> tuple[int, dict[str, str], bytes]:
+def read_answer_after_interim(
+    sock: socket.socket, seen: bytes, answers: Any
+) -> tuple[int, dict[str, str], bytes]:
     interim = b"HTTP/1.1 100 Continue\r\n\r\n"
     if seen.startswith(interim):
         seen = seen[len(interim) :]
     assert seen == b""
-    return read_answer(sock)
+    [answer] = answers(sock, 1)
+    return answer
 
 
 def test_requests_the_intake_refuses_keep_their_own_answer_while_saturated(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     with saturated(upstream, make_shim, max_body_bytes=1000) as shim:
         cases = [
@@ -224,20 +199,20 @@ def test_requests_the_intake_refuses_keep_their_own_answer_while_saturated(
         for request, status in cases:
             with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
                 sock.sendall(request)
-                assert read_answer(sock)[0] == status, request[:80]
+                assert answers(sock, 1)[0][0] == status, request[:80]
         assert rejected(shim) == 0
     assert shim.state()["interactive"] == (0, 0)
 
 
 def test_the_refusal_is_logged_and_carries_the_slo_state(
-    upstream: Any, make_shim: Callable[..., Any], caplog: pytest.LogCaptureFixture
+    upstream: Any, make_shim: Callable[..., Any], caplog: pytest.LogCaptureFixture, answers: Any
 ) -> None:
     settings = {"access_log": True, "log_format": "json", "ttft_slo": {"interactive": 5.0}}
     with saturated(upstream, make_shim, **settings) as shim:
         caplog.set_level("INFO")
         with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
             sock.sendall(head(b"x-request-id: early-1\r\n"))
-            status, headers, _ = read_answer(sock)
+            status, headers, _ = answers(sock, 1)[0]
             sock.sendall(BODY)
         assert status == 429
         assert headers["x-slo-state"] in {"green", "yellow", "red"}

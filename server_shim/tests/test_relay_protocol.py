@@ -32,30 +32,8 @@ def chat(*, version: bytes = b"1.1", extra: bytes = b"", body: bytes = BODY) -> 
     )
 
 
-def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict[str, str], bytes]]:
-    """``count`` answers with a length (status, headers, body), read off one connection."""
-    buffer = b""
-    answers: list[tuple[int, dict[str, str], bytes]] = []
-    while len(answers) < count:
-        while b"\r\n\r\n" not in buffer:
-            data = sock.recv(65536)
-            assert data, f"connection closed after {len(answers)} answers"
-            buffer += data
-        head, _, buffer = buffer.partition(b"\r\n\r\n")
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
-        length = int(headers["content-length"])
-        while len(buffer) < length:
-            data = sock.recv(65536)
-            assert data, "connection closed inside a body"
-            buffer += data
-        answers.append((int(status_line.split()[1]), headers, buffer[:length]))
-        buffer = buffer[length:]
-    return answers
-
-
 def test_pipelined_requests_mixing_both_paths_are_answered_in_order(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     shim = make_shim(upstream.url)
     with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
@@ -65,7 +43,7 @@ def test_pipelined_requests_mixing_both_paths_are_answered_in_order(
             + b"GET /v1/models HTTP/1.1\r\nhost: shim\r\n\r\n"
             + chat(body=b'{"model":"second"}')
         )
-        answers = read_answers(sock, 4)
+        answers = answers(sock, 4)
     assert [status for status, _, _ in answers] == [200, 200, 200, 200]
     assert json.loads(answers[0][2])["echo"]["messages"][0]["content"] == "hi"
     assert json.loads(answers[1][2]) == {"status": "ok"}
@@ -75,7 +53,7 @@ def test_pipelined_requests_mixing_both_paths_are_answered_in_order(
 
 
 def test_expect_100_continue_gets_its_interim_answer_before_the_body(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     shim = make_shim(upstream.url)
     with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
@@ -91,25 +69,25 @@ def test_expect_100_continue_gets_its_interim_answer_before_the_body(
         sock.sendall(body)
         leftover = interim[len(b"HTTP/1.1 100 Continue\r\n\r\n") :]
         assert leftover == b""
-        [(status, _, answer)] = read_answers(sock, 1)
+        [(status, _, answer)] = answers(sock, 1)
     assert status == 200
     assert json.loads(answer)["echo"]["model"] == "m"
 
 
 def test_an_http_1_0_request_is_answered_and_the_connection_closed(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     shim = make_shim(upstream.url)
     with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
         sock.sendall(chat(version=b"1.0"))
-        [(status, headers, _)] = read_answers(sock, 1)
+        [(status, headers, _)] = answers(sock, 1)
         assert status == 200
         assert headers.get("connection") == "close"
         assert sock.recv(1) == b""  # closed after the answer
 
 
 def test_a_body_split_over_several_writes_reaches_the_engine_whole(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     shim = make_shim(upstream.url)
     content = "x" * 200_000
@@ -118,34 +96,36 @@ def test_a_body_split_over_several_writes_reaches_the_engine_whole(
         request = chat(body=body)
         for at in range(0, len(request), 7_000):
             sock.sendall(request[at : at + 7_000])
-        [(status, _, answer)] = read_answers(sock, 1)
+        [(status, _, answer)] = answers(sock, 1)
     assert status == 200
     assert json.loads(answer)["echo"]["messages"][0]["content"] == content
 
 
 def test_an_encoded_line_break_in_the_path_is_refused_in_openai_format(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], answers: Any
 ) -> None:
     shim = make_shim(upstream.url)
     with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
         sock.sendall(
             b"GET /v1/a%0Ab HTTP/1.1\r\nhost: shim\r\n\r\nGET /v1/models HTTP/1.1\r\nhost: shim\r\n\r\n"
         )
-        (status, _, body), (after, _, _) = read_answers(sock, 2)
+        (status, _, body), (after, _, _) = answers(sock, 2)
     assert status == 404
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
     assert after == 200  # the connection still serves
     assert upstream.paths() == []
 
 
-def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(upstream: Any) -> None:
+def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
+    upstream: Any, answers: Any
+) -> None:
     app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
     with (
         ServerThread(app, **connection_options(app), timeout_keep_alive=1) as shim,
         socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock,
     ):
         sock.sendall(chat())
-        [(status, _, _)] = read_answers(sock, 1)
+        [(status, _, _)] = answers(sock, 1)
         assert status == 200
         # Never early: the timeout counts from the end of the answer.
         sock.settimeout(0.5)
@@ -156,7 +136,7 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(up
         assert sock.recv(1) == b""
 
 
-def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: Any) -> None:
+def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: Any, answers: Any) -> None:
     app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
     with (
         ServerThread(app, **connection_options(app), timeout_keep_alive=2) as shim,
@@ -164,7 +144,7 @@ def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: 
     ):
         for _ in range(6):
             sock.sendall(chat())
-            [(status, _, _)] = read_answers(sock, 1)
+            [(status, _, _)] = answers(sock, 1)
             assert status == 200
             time.sleep(0.6)  # well under the timeout, 3.6 s in all: each request re-arms the idle timer
 
