@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import sys
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from llm_backoff import RetryPolicy, wrap
+from llm_backoff_shim import loadgen
 from llm_backoff_shim.app import create_app
 from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.loadgen import (
@@ -465,3 +467,16 @@ def test_time_to_rejection_runs_from_the_last_byte_with_the_head_and_the_write_b
     assert f.rejection_from_head_p99 == pytest.approx(0.032)
     assert f.rejection_write_p99 == pytest.approx(0.030)
     assert "from the request's head" in table(f)
+
+
+def test_the_heap_built_before_a_run_is_left_out_of_the_collector_s_passes_during_it() -> None:
+    seen: list[int] = []
+
+    class Probe:
+        async def run(self) -> str:
+            seen.append(gc.get_freeze_count())
+            return "done"
+
+    assert loadgen.run_load(Probe()) == "done"  # type: ignore[arg-type]
+    assert seen[0] > 1000  # the imported modules at least
+    assert gc.get_freeze_count() == 0  # collectable again after the run

@@ -30,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import importlib
 import json
 import signal
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
@@ -608,6 +609,24 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+@contextlib.contextmanager
+def _heap_frozen() -> Iterator[None]:
+    """The process's heap so far (openai, pydantic, matplotlib, earlier runs' records) left out of
+    the cyclic GC's passes while the load runs, as the shim does at start-up (``serve.tune_gc``).
+
+    Why: a full collection walked all of it, 34-88 ms per pass (``gc.callbacks``, a 1.2x run
+    of bench/bench_overload.py), during which no answer was read and every call in flight was
+    timed that much slower: the load generator's own pause, not the server's. Unfrozen after,
+    so what the run left behind can be collected later.
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def run_load(run: LoadRun) -> RunResult:
     """Run ``run`` in a fresh event loop (a synchronous entry point for the CLI and the benchmark).
 
@@ -632,7 +651,8 @@ def run_load(run: LoadRun) -> RunResult:
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread, or no signals here: Ctrl-C then works as usual
     try:
-        return loop.run_until_complete(main)
+        with _heap_frozen():
+            return loop.run_until_complete(main)
     except asyncio.CancelledError:
         if interrupted:
             raise KeyboardInterrupt from None
