@@ -428,6 +428,10 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
             [_s(f.shim_rejection_after_body_p99) for f in cells],
         ),
         (
+            "rejections answered from the request's head (before its body)",
+            [str(f.shim_refused_from_head) if f.shim_rejections_matched else "-" for f in cells],
+        ),
+        (
             "p99 time to rejection, inside the shim (access log)",
             [
                 "-"

@@ -69,8 +69,11 @@ def test_access_log_lines_are_matched_to_attempts_by_request_id() -> None:
     assert f.shim_rejections_matched == 2
     assert "same, inside the shim" in table(f)
     assert "same, inside the shim" in comparison([f])
-    # Access logs without body_ms (before it was logged): no figure after the body.
+    # Without body_ms (answered from the head, or logged before body_ms was): no figure after
+    # the body, and counted as answered from the head.
     assert f.shim_rejection_after_body_p99 is None
+    assert f.shim_refused_from_head == 2
+    assert "2 answered from its head" in table(f)
 
 
 def test_the_shims_time_after_the_body_leaves_out_the_wait_for_it() -> None:
@@ -84,6 +87,8 @@ def test_the_shims_time_after_the_body_leaves_out_the_wait_for_it() -> None:
     assert f.shim_rejection_after_body_p99 == pytest.approx(0.002)
     assert "after the request's body was read" in table(f)
     assert "inside the shim, after the body" in comparison([f])
+    assert f.shim_refused_from_head == 0
+    assert "answered from its head" not in table(f)
 
 
 def test_without_an_access_log_the_shim_figures_stay_empty() -> None:

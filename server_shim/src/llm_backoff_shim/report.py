@@ -122,6 +122,9 @@ class Figures:
     #: The shim's own time to rejection from the request's body read in full (its access
     #: log's ``total_ms - body_ms``): the shim's work without the wait for the client's body.
     shim_rejection_after_body_p99: float | None = None
+    #: Rejections the shim answered from the request's head, before its body (no ``body_ms``
+    #: in its access log: ``--refuse-from-head``); not in the figure above.
+    shim_refused_from_head: int = 0
     #: On the wire (kernel timestamps of the loopback segments, bench/_wire.py, root only):
     #: from the request's last byte to the answer's first, p99 over the rejected attempts
     #: matched, and how many were. Neither the load generator's loop nor the shim's is in it
@@ -225,6 +228,9 @@ def figures(result: RunResult) -> Figures:
         rejection_from_head_p99=percentile(from_head, 99),
         rejection_write_p99=percentile(writing, 99),
         shim_rejection_after_body_p99=percentile(after_body, 99),
+        shim_refused_from_head=sum(
+            1 for a in attempts if a.rejected and a.shim_seconds is not None and a.shim_body_seconds is None
+        ),
     )
 
 
@@ -276,6 +282,11 @@ def rows(f: Figures) -> list[tuple[str, str]]:
                         "; p99 after the request's body was read: "
                         + _seconds(f.shim_rejection_after_body_p99)
                         if f.shim_rejection_after_body_p99 is not None
+                        else ""
+                    )
+                    + (
+                        f"; {f.shim_refused_from_head} answered from its head"
+                        if f.shim_refused_from_head
                         else ""
                     )
                     + ")",
