@@ -233,3 +233,23 @@ def test_hooks_that_price_the_body_keep_the_refusal_on_the_usual_path() -> None:
     with_quota = ShimPolicies(controller, quotas=object())  # type: ignore[arg-type]
     assert with_quota.admits_without_body(plain)  # no tenant: no quota to charge
     assert not with_quota.admits_without_body(tenant)
+
+
+def test_a_failure_while_refusing_from_the_head_leaves_the_request_to_the_usual_path(
+    upstream: Any, make_shim: Callable[..., Any], answers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with saturated(upstream, make_shim) as shim:
+        calls: list[int] = []
+
+        def broken(*args: Any) -> bool:
+            calls.append(1)
+            raise RuntimeError("a bug in the head path")
+
+        monkeypatch.setattr(shim.runtime.proxy.hooks, "admits_without_body", broken)
+        with socket.create_connection(("127.0.0.1", shim.server.port), timeout=10) as sock:
+            for _ in range(2):  # one after the other: the connection serves on after the failure
+                sock.sendall(head() + BODY)
+                assert answers(sock, 1)[0][0] == 429
+        assert len(calls) == 2
+        assert rejected(shim) == 2
+    assert shim.state()["interactive"] == (0, 0)

@@ -224,7 +224,13 @@ def relay_protocol(
                 and not self.expect_100_continue
                 and (existing is None or existing.response_complete)
             ):
-                answer = refuse(scope)
+                try:
+                    answer = refuse(scope)
+                except Exception:
+                    # A parser callback has no app to turn a failure into a 500: the request
+                    # takes the usual path instead, where one would.
+                    self.logger.exception("refusing a request from its head failed")
+                    answer = None
                 if answer is not None:
                     self.transport.write(answer)
                     self.cycle = past = ReadingPast()
