@@ -454,7 +454,7 @@ def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
             ],
         ),
         ("attempts per call", [f"{f.attempts / f.calls:.2f}" for f in cells]),
-        ("goodput / capacity", [f"{f.goodput_fraction:.0%}" for f in cells]),
+        ("goodput / capacity", [f"{f.goodput_fraction:.1%}" for f in cells]),
         ("wasted engine work (tokens)", [f"{f.wasted_fraction:.0%} ({f.wasted_tokens})" for f in cells]),
         ("largest retry wave (per 100 ms)", [str(f.retry_wave) for f in cells]),
         (

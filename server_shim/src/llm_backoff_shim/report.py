@@ -335,7 +335,7 @@ def rows(f: Figures) -> list[tuple[str, str]]:
         ),
         (
             "goodput",
-            f"{f.goodput:.2f}/s = {f.goodput_fraction:.0%} of capacity {f.capacity:.2f}/s "
+            f"{f.goodput:.2f}/s = {f.goodput_fraction:.1%} of capacity {f.capacity:.2f}/s "
             f"(over the {f.run_span:.1f} s run)",
         ),
         (
@@ -395,7 +395,7 @@ def comparison(all_figures: Sequence[Figures]) -> str:
                 for f in all_figures
             ],
         ],
-        ["goodput / capacity", *[f"{f.goodput_fraction:.0%}" for f in all_figures]],
+        ["goodput / capacity", *[f"{f.goodput_fraction:.1%}" for f in all_figures]],
         ["wasted engine work", *[f"{f.wasted_fraction:.0%}" for f in all_figures]],
         ["largest retry wave /100ms", *[str(f.retry_wave) for f in all_figures]],
         ["failed fast / at deadline", *[f"{f.failed_fast} / {f.failed_deadline}" for f in all_figures]],
