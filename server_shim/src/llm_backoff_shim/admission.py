@@ -533,7 +533,7 @@ class AdmissionController:
         returning = ticket.returning = self._is_returning(request)
         queue = self._queues[cls]
         has_room = self._has_room(cls, returning)
-        if not has_room and self._in_flight_total >= self._limit.limit:
+        if not has_room and self.saturated():
             # Full, and no slot for the pump to give anyone: refused whatever its place would
             # be, so its place (a walk of the queue) is not worked out.
             ticket.state = TicketState.CANCELLED

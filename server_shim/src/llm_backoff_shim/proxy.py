@@ -159,6 +159,11 @@ class _Exchange:
     first_byte: float | None = None
     upstream_end: float | None = None
 
+    def reject(self, rejection: Rejection, outcome: Outcome = Outcome.ABORTED) -> None:
+        """Record that the shim turned the request away with ``rejection``."""
+        self.outcome, self.metric = outcome, "rejected"
+        self.code, self.retry_after, self.detail = rejection.code, rejection.retry_after, rejection.message
+
 
 class Proxy:
     """ASGI app relaying ``/v1/...`` to the upstream through admission."""
@@ -335,14 +340,8 @@ class Proxy:
         if rejection is None:
             return None
         response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
-        exchange = _Exchange(
-            outcome=Outcome.ABORTED, metric="rejected", code=rejection.code, sent=response.status
-        )
-        exchange.retry_after, exchange.detail, exchange.queue_time = (
-            rejection.retry_after,
-            rejection.message,
-            0.0,
-        )
+        exchange = _Exchange(sent=response.status, queue_time=0.0)
+        exchange.reject(rejection)
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         self._log(self._record(scope, method, path, arrival), exchange, request.cls, request.tenant)
         return wire_answer(response.status, response.headers, response.body)
@@ -432,9 +431,7 @@ class Proxy:
             queued_at = self.clock()
             decision = await self.admission.acquire(request)
             if isinstance(decision, Rejection):
-                exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
-                exchange.code, exchange.retry_after = decision.code, decision.retry_after
-                exchange.detail = decision.message
+                exchange.reject(decision)
                 exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
                 await _answer(send, with_headers(response, scope.response_headers()), exchange)
@@ -557,9 +554,7 @@ class Proxy:
     async def _unavailable(self, send: Send, cls: str | None, detail: str, exchange: _Exchange) -> None:
         rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
         rejection = replace(rejection, retry_after=self.outage.failed())
-        exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "rejected"
-        exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
-        exchange.detail = rejection.message
+        exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
     async def _upstream_overloaded(
@@ -573,9 +568,7 @@ class Proxy:
             await self._unavailable(send, None, f"upstream answered 503: {detail}", exchange)
             return
         rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
-        exchange.outcome, exchange.metric = Outcome.OVERLOADED, "rejected"
-        exchange.code, exchange.retry_after = rejection.code, rejection.retry_after
-        exchange.detail = rejection.message
+        exchange.reject(rejection, Outcome.OVERLOADED)
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
 
 
