@@ -5,7 +5,7 @@
 
 Each variant is a minimal streaming relay (raw ASGI on uvicorn + uvloop + httptools,
 one process pinned to one core) in front of the same fast upstream: on httpx, httpx2,
-aiohttp, and "lean", the shim's own relay client (``llm_backoff_shim.upstream_http``,
+aiohttp, and "lean", the shim's own relay client (``llm_backoff_shim.http.upstream_http``,
 written when this benchmark showed what aiohttp's generality costs per request). The
 real shim (admission, metrics, the lean client) runs as a fifth variant. A load generator (aiohttp, in
 this process) measures, in the same run:
@@ -40,7 +40,7 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-# "lean": the shim's own relay client (llm_backoff_shim.upstream_http), written after this
+# "lean": the shim's own relay client (llm_backoff_shim.http.upstream_http), written after this
 # benchmark showed where aiohttp's CPU goes; the others are the general-purpose clients.
 RELAYS = ("httpx", "httpx2", "aiohttp", "lean")
 HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-connection"}
@@ -109,7 +109,7 @@ def relay_app(kind: str, upstream: str) -> Callable[[Scope, Receive, Send], Awai
 
     async def open_client() -> None:
         if kind == "lean":
-            from llm_backoff_shim.upstream_http import UpstreamPool
+            from llm_backoff_shim.http.upstream_http import UpstreamPool
 
             state["client"] = UpstreamPool(upstream, read_timeout=600.0, keepalive=4.0)
         elif kind == "aiohttp":

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from uvicorn.protocols.http.flow_control import FlowControl
 
-from llm_backoff_shim.relay_cycle import BODY_FOLLOWS, RelayCycle
+from llm_backoff_shim.http.relay_cycle import BODY_FOLLOWS, RelayCycle
 
 
 class RecordingTransport:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import uvloop
 
-from llm_backoff_shim.upstream_http import (
+from llm_backoff_shim.http.upstream_http import (
     UpstreamConnectError,
     UpstreamError,
     UpstreamPool,

@@ -52,6 +52,15 @@ from llm_backoff_shim.admission import (
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
+from llm_backoff_shim.http.relay_cycle import BODY_FOLLOWS, wire_answer
+from llm_backoff_shim.http.relay_protocol import (
+    CLIENT_WIRE,
+    CONNECTION_GONE,
+    ChunkWriter,
+    ClientWire,
+    ConnectionGone,
+)
+from llm_backoff_shim.http.upstream_http import UpstreamError, UpstreamResponse
 from llm_backoff_shim.intake import (
     ClientGone,
     Refusal,
@@ -65,17 +74,8 @@ from llm_backoff_shim.intake import (
 from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.outage import OutageClock
 from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
-from llm_backoff_shim.relay_cycle import BODY_FOLLOWS, wire_answer
-from llm_backoff_shim.relay_protocol import (
-    CLIENT_WIRE,
-    CONNECTION_GONE,
-    ChunkWriter,
-    ClientWire,
-    ConnectionGone,
-)
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
 from llm_backoff_shim.upstream import UpstreamClient
-from llm_backoff_shim.upstream_http import UpstreamError, UpstreamResponse
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
 Scope = MutableMapping[str, Any]

@@ -2,7 +2,7 @@
 
 uvicorn runs without its own ``server``/``date`` headers (the upstream's come through
 and must not be duplicated), on uvloop and httptools when installed, with the
-request-head timeout and size cap of :mod:`llm_backoff_shim.connection_guard`. The
+request-head timeout and size cap of :mod:`llm_backoff_shim.http.connection_guard`. The
 optional ``--metrics-port`` (on ``--metrics-host``) is served by
 :class:`~llm_backoff_shim.ops_server.OpsServer` in its own thread, so scrapes never
 compete with proxied traffic on the event loop.
@@ -22,8 +22,8 @@ from starlette.applications import Starlette
 from llm_backoff_shim.access_log import logging_config
 from llm_backoff_shim.app import create_app, shim_state
 from llm_backoff_shim.config import ConfigError, ShimSettings, load_settings
-from llm_backoff_shim.connection_guard import guarded_protocol
-from llm_backoff_shim.relay_protocol import relay_protocol
+from llm_backoff_shim.http.connection_guard import guarded_protocol
+from llm_backoff_shim.http.relay_protocol import relay_protocol
 
 
 def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:

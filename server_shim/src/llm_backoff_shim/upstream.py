@@ -1,6 +1,6 @@
 """The shim's clients to the engine: the relay's pool and an aiohttp session for the rest.
 
-Proxied requests go through :class:`~llm_backoff_shim.upstream_http.UpstreamPool`, a lean
+Proxied requests go through :class:`~llm_backoff_shim.http.upstream_http.UpstreamPool`, a lean
 HTTP/1.1 client written for the relay (its docstring says why, with the measurement).
 Readiness probes and engine-metrics scrapes, a few requests a second at most, use
 aiohttp (chosen by bench/bench_upstream_clients.py among httpx, httpx2 and aiohttp).
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from llm_backoff_shim.upstream_http import UpstreamPool, parse_origin
+from llm_backoff_shim.http.upstream_http import UpstreamPool, parse_origin
 
 _SKIP_AUTO_HEADERS = ("User-Agent", "Accept-Encoding", "Accept", "Content-Type")
 

@@ -6,7 +6,7 @@ requests that machinery was about half of the shim's CPU per request on the benc
 machines (issue 3's requests/s target; docs/benchmarks.md). :func:`relay_protocol`
 subclasses the serving protocol class (uvicorn's httptools protocol with the
 connection guard): when a request head under ``/v1/`` is parsed, it builds a
-:class:`~llm_backoff_shim.relay_cycle.RelayCycle` and runs the relay on it directly.
+:class:`~llm_backoff_shim.http.relay_cycle.RelayCycle` and runs the relay on it directly.
 Everything else (``/health``, ``/metrics``, odd paths, upgrades) takes uvicorn's own
 path to the Starlette app, unchanged. Keep-alive, pipelining, flow control, the guard's
 limits and graceful shutdown stay uvicorn's: the cycle has the attributes they use.
@@ -45,7 +45,7 @@ from typing import Any
 import httptools
 
 from llm_backoff_shim.coarse_timers import CoarseTimers
-from llm_backoff_shim.relay_cycle import RelayCycle
+from llm_backoff_shim.http.relay_cycle import RelayCycle
 
 #: The ``scope["extensions"]`` key of the connection's :class:`ConnectionGone`.
 CONNECTION_GONE = "llm_backoff.connection_gone"

@@ -24,7 +24,7 @@ Each event is reported through ``on_event(reason)`` so it is counted
 app's business (the proxy has its own body timeout and size limit).
 
 Head completion is detected the same way for both uvicorn implementations (h11 and
-httptools, and the relay's direct path in :mod:`llm_backoff_shim.relay_protocol`): each
+httptools, and the relay's direct path in :mod:`llm_backoff_shim.http.relay_protocol`): each
 makes a new cycle ``self.cycle`` when a head has been parsed.
 """
 
