@@ -160,7 +160,7 @@ def parse_retry_count(value: str | None) -> int:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A refusal, ready for :mod:`llm_backoff_shim.rejection` to render (DESIGN.md protocol).
+    """A refusal, ready for :mod:`llm_backoff_shim.rejection` to render (docs/protocol.md).
 
     ``message`` is the reason only; the renderer appends ", retry in N s".
     ``status`` None means the configured ``--reject-status``.

@@ -1,4 +1,4 @@
-"""The shim's error answers, built in one place (DESIGN.md "The protocol between shim and SDK").
+"""The shim's error answers, built in one place (docs/protocol.md, "The protocol between shim and SDK").
 
 Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds, >= 1,
 rounded up so a client that honours it never comes back early), ``retry-after-ms``
