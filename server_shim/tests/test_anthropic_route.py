@@ -140,16 +140,19 @@ class _Holder:
         self._stream.close()
 
 
-def _busy_shim(make_sim: Callable[..., Sim], make_shim: Callable[..., Any]) -> tuple[Sim, Any, _Holder]:
+def _busy_shim(
+    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], **settings: Any
+) -> tuple[Sim, Any, _Holder]:
     sim = make_sim(output_tokens=1_000_000, itl=0.01)
-    shim = make_shim(sim.url, max_concurrency=1, max_queue=0, **FAST_HINTS)
+    shim = make_shim(sim.url, max_concurrency=1, max_queue=0, **FAST_HINTS, **settings)
     return sim, shim, _Holder(shim.url)
 
 
+@pytest.mark.parametrize("from_head", [True, False], ids=["refused-from-head", "refused-after-body"])
 def test_with_retries_off_an_overloaded_shim_raises_overloaded_error_with_the_hint(
-    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None]
+    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None], from_head: bool
 ) -> None:
-    sim, shim, holder = _busy_shim(make_sim, make_shim)
+    sim, shim, holder = _busy_shim(make_sim, make_shim, refuse_from_head=from_head)
     client = anthropic.Anthropic(base_url=shim.url, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.OverloadedError) as caught:
         client.messages.create(model="sim-model", max_tokens=3, messages=HELLO)

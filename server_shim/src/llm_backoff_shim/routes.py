@@ -193,8 +193,7 @@ class RouteTable:
         row = self._rows.get(path)  # the common case: exactly as the table spells it
         if row is not None:
             return row
-        if _CONTROL.search(path):
-            return None
+        # No row has a control character, so none can match one; stays_under_v1 refuses them.
         row = self._rows.get(canonical(path))
         if row is not None:
             return row
@@ -213,6 +212,8 @@ def stays_under_v1(path: str) -> bool:
         return False
     if _CONTROL.search(path):
         return False
+    if "/." not in path:
+        return True  # no segment can be "." or ".."
     return all(segment not in (".", "..") for segment in path.split("/"))
 
 
