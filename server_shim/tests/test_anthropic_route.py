@@ -11,6 +11,7 @@ retries are counted from the shim's metrics.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -233,6 +234,27 @@ def test_a_stream_rides_out_the_refusals_before_it_starts(
     assert _ride_out(shim, holder, waiter, call) == "token0 token1"
     _settled(shim, sim, waiter)
     assert _outcomes(shim)["completed"] == 1
+
+
+async def test_the_async_sdks_retries_ride_out_the_refusals_of_a_stream(
+    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    sim, shim, holder = _busy_shim(make_sim, make_shim)
+    client = anthropic.AsyncAnthropic(base_url=shim.url, api_key="unused", max_retries=1000)
+
+    async def call() -> str:
+        async with client.messages.stream(model="sim-model", max_tokens=2, messages=HELLO) as stream:
+            return "".join([piece async for piece in stream.text_stream])
+
+    task = asyncio.ensure_future(call())
+    # Polled off the loop, which must stay free for the client's retries.
+    await asyncio.to_thread(waiter, lambda: _outcomes(shim).get("rejected", 0) >= 2, 30, "two refusals")
+    holder.close()
+    assert await asyncio.wait_for(task, 60) == "token0 token1"
+    await client.close()
+    await asyncio.to_thread(_settled, shim, sim, waiter)
+    outcomes = _outcomes(shim)
+    assert (outcomes["admitted"], outcomes["completed"], outcomes["client_disconnected"]) == (2, 1, 1)
 
 
 def test_no_upstream_raises_service_unavailable_in_the_anthropic_shape(make_shim: Callable[..., Any]) -> None:
