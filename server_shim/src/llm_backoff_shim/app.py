@@ -4,8 +4,9 @@
 upstream session. Routes: ``GET /health`` (the shim is up), ``GET /ready`` (the
 upstream answers its ready path), ``GET /metrics`` (Prometheus text),
 ``GET /shim/state`` (live in-flight/queued per class, JSON, for the demo and
-operators) and everything under ``/v1/`` to the proxy. Other paths get an
-OpenAI-format 404.
+operators); every other path goes to the proxy, which serves the engine's routes as the
+route table (routes.py) says and answers the rest with an OpenAI-format 404. The shim's own
+four routes win over the engine's of the same name.
 
 Tests and the demo read live state in-process with :func:`shim_state`.
 """
@@ -34,6 +35,7 @@ from llm_backoff_shim.limit import ConcurrencyLimit
 from llm_backoff_shim.metrics import CONTENT_TYPE, ShimMetrics
 from llm_backoff_shim.proxy import Proxy
 from llm_backoff_shim.rejection import client_error
+from llm_backoff_shim.routes import ROUTES, RouteTable
 from llm_backoff_shim.traffic_policy import TrafficPolicy, build_traffic_policy, concurrency_limit
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.waiting import AsyncAdmission
@@ -135,6 +137,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         hooks=policy.hooks,
         on_first_byte=policy.on_first_byte,
         access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
+        routes=RouteTable(settings.allow_operator_route),
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy)
 
@@ -156,7 +159,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
     async def not_found(request: Request, exc: Exception) -> Response:
         # Paths no route pattern can match (a decoded CR/LF) reach Starlette's own plain 404.
         metrics.bad_request("bad_path")
-        answer = client_error("no such path: the shim serves /v1/...", status=404)
+        answer = client_error("no such path: the shim serves the engine's API (docs/shim.md)", status=404)
         return Response(answer.body, status_code=404, media_type="application/json")
 
     @contextlib.asynccontextmanager
@@ -193,8 +196,12 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
     return app
 
 
+#: Route-table paths outside ``/v1/`` that go straight to the proxy (none is one of the shim's own).
+_DIRECT: frozenset[str] = frozenset(r.path for r in ROUTES if not r.path.startswith("/v1/"))
+
+
 class _ShimApp(Starlette):
-    """Starlette for the control routes; ``/v1/`` requests go straight to the proxy.
+    """Starlette for the control routes; the engine's routes go straight to the proxy.
 
     The proxy answers its own errors, so on the relay path Starlette's router and
     middleware (error and exception wrappers around every ``send``) would only cost
@@ -209,7 +216,7 @@ class _ShimApp(Starlette):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path: str = scope["path"]
-            if path.startswith("/v1/") and "\n" not in path:
+            if (path.startswith("/v1/") and "\n" not in path) or path in _DIRECT:
                 await self._proxy(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)

@@ -3,7 +3,8 @@
 Keys come from ``--api-key`` (one key; prefer the ``LLM_BACKOFF_SHIM_API_KEY``
 variable, which does not show in ``ps``) and/or ``--api-keys-file`` (one key per
 line; blank lines and lines starting with ``#`` are ignored). A client presents its
-key as ``Authorization: Bearer <key>`` (what the openai SDK sends). Without keys
+key as ``Authorization: Bearer <key>`` (what the openai SDK sends) or ``x-api-key: <key>``
+(what Anthropic's SDKs send). Without keys
 configured the shim is open, as before.
 
 Only SHA-256 digests of the keys are held after start-up. A key is identified in
@@ -52,14 +53,21 @@ def read_keys_file(path: str | Path) -> list[str]:
 
 
 def bearer_token(headers: RawHeaders) -> bytes | None:
-    """The credential of an ``Authorization: Bearer ...`` header, or None."""
+    """The credential of an ``Authorization: Bearer ...`` header, or None.
+
+    Without an ``Authorization`` header, an ``x-api-key`` header (what Anthropic's SDKs send)
+    is the credential.
+    """
+    api_key: bytes | None = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.strip().partition(b" ")
             if scheme.lower() == b"bearer" and token.strip():
                 return token.strip()
             return None
-    return None
+        if name == b"x-api-key" and api_key is None and value.strip():
+            api_key = value.strip()
+    return api_key
 
 
 class ApiKeys:

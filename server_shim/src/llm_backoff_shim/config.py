@@ -24,6 +24,7 @@ from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_valida
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llm_backoff_shim.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.routes import UnknownOperatorRouteError, check_allowed
 
 ENV_PREFIX = "LLM_BACKOFF_SHIM_"
 
@@ -266,6 +267,20 @@ class ShimSettings(BaseSettings):
     api_keys_file: str | None = Field(
         default=None, min_length=1, description="file of accepted API keys, one per line ('#' comments)"
     )
+    allow_operator_route: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="forward this operator route of the engine (e.g. /sleep) instead of refusing it "
+        "with a 403; repeat the flag, or comma-separate in the variable (docs/shim.md, route table)",
+    )
+
+    @field_validator("allow_operator_route", mode="before")
+    @classmethod
+    def _operator_routes(cls, value: Any) -> Any:
+        paths = [p for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+        try:
+            return check_allowed(paths)
+        except UnknownOperatorRouteError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("api_keys_file")
     @classmethod
@@ -475,6 +490,10 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
+#: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).
+_REPEATABLE = frozenset({"allow_operator_route"})
+
+
 def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -490,11 +509,13 @@ def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParse
         elif isinstance(default, dict):
             shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
         elif isinstance(default, tuple):
-            shown = ",".join(default)
+            shown = ",".join(default) or "none"
         else:
             shown = str(default)
         # Booleans work as bare switches (--forward-priority) and with a value (... false).
         switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
+        if name in _REPEATABLE:
+            switch = {"action": "append"}
         if field.annotation is bool:
             metavar = "BOOL"
         elif isinstance(default, dict):
@@ -520,6 +541,8 @@ def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") 
     """
     namespace = build_parser(prog).parse_args(list(argv))
     given = {key: value for key, value in vars(namespace).items() if value is not None}
+    for name in _REPEATABLE.intersection(given):
+        given[name] = ",".join(given[name])
     try:
         return ShimSettings(**given)
     except ValidationError as exc:

@@ -31,6 +31,7 @@ BAD_REQUEST_REASONS = (
     "invalid_header",
     "unknown_class",
     "bad_path",
+    "operator_route",
     "unauthorized",
     "header_timeout",
     "headers_too_large",

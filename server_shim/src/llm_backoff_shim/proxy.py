@@ -1,8 +1,9 @@
-"""The streaming relay: one ASGI endpoint for everything under ``/v1/``.
+"""The streaming relay: one ASGI endpoint for every path of the engine's API the shim serves.
 
-For each request: validate the path (it must stay under ``/v1/`` after
-normalisation, so only the configured upstream's API is ever reachable), read the
-body, take a slot through admission for generation endpoints, forward method, path,
+For each request: look the path up in the route table (routes.py: a path no row names is a
+404, an operator route not allowed is a 403, and a ``/v1/`` path must stay under ``/v1/``
+after normalisation, so only the configured upstream's API is ever reachable), read the
+body, take a slot through admission for engine-work routes, forward method, path,
 query, headers (Authorization included; hop-by-hop stripped) and body, then relay
 status, headers and body chunk by chunk as the upstream sends them.
 
@@ -14,9 +15,10 @@ given back in ``finally`` on every path.
 
 Choices where the protocol is silent:
 
-- only POSTs to :data:`GENERATION_PATHS` are admission-controlled, counted in the
+- only POSTs to the table's ``engine`` routes are admission-controlled, counted in the
   ``requests_total`` metric and carry ``x-queue-time-ms``; ``x-request-class`` and
-  ``x-request-timeout-ms`` are validated (400 when malformed) only there;
+  ``x-request-timeout-ms`` are validated (400 when malformed) only there; the shim's own
+  errors take the route's error shape (Anthropic's on ``/v1/messages``, rejection.py);
 - an upstream 503 on a generation request (vLLM's ``--max-num-queued-reqs``
   answer) becomes a ``queue_full`` rejection with the configured status and an
   estimated Retry-After, the upstream's message kept in ours; on other paths it is
@@ -33,8 +35,6 @@ import functools
 import json
 import logging
 import math
-import posixpath
-import re
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
@@ -73,8 +73,15 @@ from llm_backoff_shim.intake import (
 )
 from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.outage import OutageClock
-from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
+from llm_backoff_shim.rejection import (
+    ErrorResponse,
+    client_error,
+    in_shape,
+    operator_route_refused,
+    rejection_response,
+)
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
+from llm_backoff_shim.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
 
@@ -86,10 +93,9 @@ Clock = Callable[[], float]
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
-#: POST to these paths goes through admission; everything else under /v1/ is forwarded directly.
-GENERATION_PATHS: frozenset[str] = frozenset(
-    {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"}
-)
+#: POST to these paths goes through admission (the ``engine`` rows of routes.py).
+GENERATION_PATHS: frozenset[str] = frozenset(r.path for r in ROUTES if r.kind is Kind.ENGINE)
+_DEFAULT_ROUTES = RouteTable()
 
 #: Larger request bodies get a 413 instead of being buffered (``--max-body-bytes``).
 MAX_BODY_BYTES = 8 * 1024 * 1024
@@ -105,26 +111,15 @@ class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than
     """The upstream failed after the response started; the client connection is aborted."""
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
 def is_allowed_path(path: str) -> bool:
     """Whether ``path`` (percent-decoded) stays under ``/v1/``: no dot segments, no backslashes."""
-    if not path.startswith("/v1/") or "\\" in path or "%" in path:
-        # "%" after decoding is double encoding: an upstream that decodes again must not see "..".
-        return False
-    if _CONTROL.search(path):
-        return False
-    if "." not in path:
-        return True  # no dot segment possible; normalising would only fold "//"
-    normalised = posixpath.normpath(path)
-    if not normalised.startswith("/v1/"):
-        return False
-    return all(segment not in (".", "..") for segment in path.split("/"))
+    return stays_under_v1(path)
 
 
 def is_generation(method: str, path: str) -> bool:
-    return method == "POST" and path.rstrip("/") in GENERATION_PATHS
+    """Whether a request to ``path`` goes through admission (with the default route table)."""
+    route = _DEFAULT_ROUTES.lookup(path)
+    return method == "POST" and route is not None and route.admitted
 
 
 def asks_for_stream(body: dict[str, Any]) -> bool:
@@ -151,6 +146,8 @@ class _Exchange:
     metric: str = "client_disconnected"
     code: str = ""
     retry_after: float | None = None
+    #: The error shape of the shim's own answers on this route.
+    shape: Shape = Shape.OPENAI
     # For the access log: the status the client got, why a rejection, and where the time went.
     detail: str | None = None
     sent: int | None = None
@@ -182,8 +179,10 @@ class Proxy:
         hooks: RequestHooks | None = None,
         on_first_byte: Callable[[float, int], None] | None = None,
         access_log: AccessLog | None = None,
+        routes: RouteTable | None = None,
     ) -> None:
         self.access_log = access_log
+        self.routes = routes if routes is not None else _DEFAULT_ROUTES
         # Classes by tenant, quotas, SLO headers, vLLM priority (issue 5); none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
@@ -228,30 +227,38 @@ class Proxy:
         path: str = scope["path"]
         method: str = scope["method"]
         record = self._record(scope, method, path, arrival)
-        if not is_allowed_path(path):
-            missing = client_error(f"no such path {path[:200]!r}: the shim serves /v1/...", status=404)
+        route = self.routes.lookup(path)
+        if route is None:
+            missing = client_error(
+                f"no such path {path[:200]!r}: the shim serves the engine's API (docs/shim.md, routes)",
+                status=404,
+            )
             await self._refuse(send, Refusal("bad_path", missing), record)
+            return
+        shape = route.shape
+        if route.refused:
+            await self._refuse(send, Refusal("operator_route", operator_route_refused(path)), record)
             return
         headers: RawHeaders = list(scope["headers"])
         refusal = check_api_key(self.api_keys, headers)
         if refusal is not None:
-            await self._refuse(send, refusal, record)
+            await self._refuse(send, refusal, record, shape)
             return
-        gated = is_generation(method, path)
+        gated = method == "POST" and route.admitted
         request: AdmissionRequest | None = None
         if gated:
             parsed = self._admission_request(headers)
             if isinstance(parsed, ErrorResponse):
-                await self._refuse(send, Refusal(reason_of(parsed), parsed), record)
+                await self._refuse(send, Refusal(reason_of(parsed), parsed), record, shape)
                 return
             request = parsed
-            refusal = check_content_type(headers)
+            refusal = check_content_type(headers) if route.json_body else None
             if refusal is not None:
-                await self._refuse(send, refusal, record)
+                await self._refuse(send, refusal, record, shape)
                 return
         refusal = check_declared_length(headers, self.max_body_bytes)
         if refusal is not None:
-            await self._refuse(send, refusal, record)
+            await self._refuse(send, refusal, record, shape)
             return
         task = self._current_task()
         try:
@@ -265,13 +272,13 @@ class Proxy:
         if record is not None:
             record.body_done = self.clock()
         if isinstance(body, Refusal):
-            await self._refuse(send, body, record)
+            await self._refuse(send, body, record, shape)
             return
         data: dict[str, Any] | None = None
-        if gated:
+        if gated and route.json_body:
             checked = parse_json_object(body)
             if isinstance(checked, Refusal):
-                await self._refuse(send, checked, record)
+                await self._refuse(send, checked, record, shape)
                 return
             data = checked
             if request is not None and asks_for_stream(data):
@@ -279,7 +286,7 @@ class Proxy:
         forward = _ForwardRequest(
             method=method,
             path=path,
-            target=_target(scope, path),
+            target=_target(scope, path, route),
             headers=[*strip_hop_by_hop(headers, request=True), VIA],
             body=body,
             parsed=data,
@@ -288,14 +295,14 @@ class Proxy:
         gone = extensions.get(CONNECTION_GONE) if extensions else None
         wire = extensions.get(CLIENT_WIRE) if extensions else None
         if request is None:
-            exchange = _Exchange()
+            exchange = _Exchange(shape=shape)
             try:
                 relay = lambda: self._relay(forward, send, None, exchange, arrival, None, wire)  # noqa: E731
                 await _watch_disconnect(task, receive, relay, gone)
             finally:
                 self._log(record, exchange)
         else:
-            await self._gated(request, forward, receive, send, arrival, task, record, gone, wire)
+            await self._gated(request, forward, receive, send, arrival, task, record, gone, wire, shape)
 
     def refuse_from_head(self, scope: Scope) -> bytes | None:
         """The whole answer to a generation request refused as soon as its head is parsed, or
@@ -319,12 +326,15 @@ class Proxy:
         method: str = scope["method"]
         path: str = scope["path"]
         controller = self.controller
-        if not controller.saturated() or not is_generation(method, path) or not is_allowed_path(path):
+        if not controller.saturated() or method != "POST":
+            return None
+        route = self.routes.lookup(path)
+        if route is None or not route.admitted or route.refused:
             return None
         headers: RawHeaders = scope["headers"]
         if (
             check_api_key(self.api_keys, headers) is not None
-            or check_content_type(headers) is not None
+            or (route.json_body and check_content_type(headers) is not None)
             or check_declared_length(headers, self.max_body_bytes) is not None
         ):
             return None
@@ -340,15 +350,18 @@ class Proxy:
         if rejection is None:
             return None
         response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
-        exchange = _Exchange(sent=response.status, queue_time=0.0)
+        response = in_shape(response, route.shape)
+        exchange = _Exchange(sent=response.status, queue_time=0.0, shape=route.shape)
         exchange.reject(rejection)
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         self._log(self._record(scope, method, path, arrival), exchange, request.cls, request.tenant)
         return wire_answer(response.status, response.headers, response.body)
 
-    async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
+    async def _refuse(
+        self, send: Send, refusal: Refusal, record: AccessRecord | None, shape: Shape = Shape.OPENAI
+    ) -> None:
         self.metrics.bad_request(refusal.reason)
-        exchange = _Exchange(metric="bad_request", code=refusal.reason)
+        exchange = _Exchange(metric="bad_request", code=refusal.reason, shape=shape)
         await _answer(send, refusal.response, exchange)
         self._log(record, exchange)
 
@@ -412,10 +425,11 @@ class Proxy:
         record: AccessRecord | None = None,
         gone: ConnectionGone | None = None,
         wire: ClientWire | None = None,
+        shape: Shape = Shape.OPENAI,
     ) -> None:
         cls = request.cls
         grant: Grant | None = None
-        exchange = _Exchange()
+        exchange = _Exchange(shape=shape)
         scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
 
         async def work() -> None:
@@ -584,8 +598,10 @@ class _ForwardRequest(NamedTuple):
     parsed: dict[str, Any] | None = None
 
 
-def _target(scope: Scope, path: str) -> bytes:
+def _target(scope: Scope, path: str, route: Route) -> bytes:
     raw: bytes = scope.get("raw_path") or path.encode()
+    if route.upstream_path is not None:
+        raw = route.upstream_path.encode()
     query: bytes = scope.get("query_string", b"")
     return raw + b"?" + query if query else raw
 
@@ -711,6 +727,8 @@ async def _splice(
 
 
 async def _answer(send: Send, response: ErrorResponse, exchange: _Exchange | None = None) -> None:
+    if exchange is not None and exchange.shape is not Shape.OPENAI:
+        response = in_shape(response, exchange.shape)
     await send(
         {
             "type": "http.response.start",

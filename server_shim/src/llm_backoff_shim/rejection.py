@@ -5,6 +5,14 @@ rounded up so a client that honours it never comes back early), ``retry-after-ms
 (the same estimate in milliseconds, which the openai SDK reads first) and an
 OpenAI-format body whose ``error`` carries ``code``, ``retry_after_seconds`` and
 ``queue_depth``. Client mistakes are 400s in the same OpenAI error shape.
+
+On Anthropic routes (``/v1/messages``) :func:`in_shape` re-renders any of these answers in
+Anthropic's error shape, ``{"type": "error", "error": {"type": ..., "message": ...}}``, with the
+same headers, so the ``anthropic`` SDK retries them and raises its own typed errors: a shim at
+capacity is Anthropic's 529 ``overloaded_error`` (``OverloadedError``), whatever
+``--reject-status`` says; a tenant over quota is 429 ``rate_limit_error`` (``RateLimitError``);
+no upstream is 503 ``overloaded_error`` (``ServiceUnavailableError``). The protocol's ``code``,
+``retry_after_seconds`` and ``queue_depth`` stay in ``error``.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from llm_backoff_shim.admission import Rejection
+from llm_backoff_shim.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -61,6 +70,55 @@ def client_error(
     """An OpenAI-format error for a request the shim will not forward."""
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
     return _json(status, body, [])
+
+
+def operator_route_refused(path: str) -> ErrorResponse:
+    """The 403 of an operator route the operator did not allow (routes.py)."""
+    return client_error(
+        f"{path[:200]!r} is an operator route of the engine, not served through this shim; "
+        "its operator may allow it with --allow-operator-route",
+        code="operator_route",
+        status=403,
+    )
+
+
+#: Anthropic's status for "overloaded": its SDKs retry it and raise ``OverloadedError``.
+ANTHROPIC_OVERLOADED = 529
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+_KEPT = ("code", "retry_after_seconds", "queue_depth")
+
+
+def in_shape(response: ErrorResponse, shape: Shape) -> ErrorResponse:
+    """``response`` (OpenAI-shaped, as every function here builds it) in the route's error shape."""
+    if shape is Shape.OPENAI:
+        return response
+    try:
+        error = json.loads(response.body)["error"]
+        message = str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return response  # not one of ours: leave it as it is
+    status = response.status
+    kind = error.get("type")
+    if kind == "server_overloaded":
+        kind = "overloaded_error"
+        if error.get("code") != "upstream_unavailable":
+            status = ANTHROPIC_OVERLOADED
+    elif kind == "rate_limit_exceeded":
+        kind = "rate_limit_error"
+    else:
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    detail = {"type": kind, "message": message, **{k: error[k] for k in _KEPT if error.get(k) is not None}}
+    headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
+    return _json(status, {"type": "error", "error": detail}, headers)
 
 
 def _json(status: int, body: object, headers: RawHeaders) -> ErrorResponse:

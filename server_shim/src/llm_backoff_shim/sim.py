@@ -3,7 +3,8 @@
     llm-backoff-shim sim --port 8000 --max-num-seqs 8 --ttft 0.2 --itl 0.025 --output-tokens 40
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or
-not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM
+not), ``POST /v1/messages`` (Anthropic's, streaming or not: sim_anthropic.py),
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM
 names + ``sim_*``), ``GET /sim/stats`` (JSON accounting) and ``POST /sim/reset`` (zero
 the accounting between benchmark runs: the ``sim_*`` and ``vllm:*_tokens_total`` counters
 restart from 0, which Prometheus reads as a counter reset; the latency histograms keep
@@ -30,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .sim_anthropic import MessagesEndpoint
 from .sim_config import SimConfig
 from .sim_http import GenerationEndpoint
 from .sim_metrics import CONTENT_TYPE
@@ -92,6 +94,7 @@ def create_sim_app(config: SimConfig, *, clock: Callable[[], float] = time.monot
         routes=[
             Route("/v1/chat/completions", GenerationEndpoint(runtime, "chat")),
             Route("/v1/completions", GenerationEndpoint(runtime, "completion")),
+            Route("/v1/messages", MessagesEndpoint(runtime)),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
