@@ -46,3 +46,19 @@ async def test_async_create_rides_out_a_429(json_rig: Rig) -> None:
     )
     assert person.model_dump() == {"name": "Ada Lovelace", "born": 1815}
     assert_rode_out_one_refusal(json_rig, aw)
+
+
+def test_when_retries_end_instructor_wraps_the_openai_error(json_rig: Rig) -> None:
+    from instructor.core import InstructorRetryException
+
+    w = llm_backoff.wrap(
+        openai.OpenAI(base_url=json_rig.url, api_key="sk-unused"), llm_backoff.RetryPolicy(max_attempts=2)
+    )
+    client = instructor.from_openai(w, mode=instructor.Mode.JSON)
+    json_rig.hold()  # never let go: both attempts are refused
+    with pytest.raises(InstructorRetryException) as caught:
+        client.chat.completions.create(model="json-model", response_model=Person, messages=MESSAGES)
+    cause = caught.value.__cause__
+    assert isinstance(cause, openai.RateLimitError)
+    assert [a.status for a in cause.llm_backoff_attempts] == [429, 429]  # type: ignore[attr-defined]
+    assert json_rig.refused() == {"queue_full": 2.0}  # instructor did not send it again

@@ -13,10 +13,12 @@ pytestmark = pytest.mark.integrations
 langchain_openai = pytest.importorskip("langchain_openai")
 
 
-def chat_model(rig: Rig) -> tuple[object, openai.OpenAI, openai.AsyncOpenAI]:
+def chat_model(
+    rig: Rig, policy: llm_backoff.RetryPolicy | None = None
+) -> tuple[object, openai.OpenAI, openai.AsyncOpenAI]:
     # The recipe: all four clients, the resource clients and the root clients.
-    w = llm_backoff.wrap(openai.OpenAI(base_url=rig.url, api_key="sk-unused"))
-    aw = llm_backoff.wrap(openai.AsyncOpenAI(base_url=rig.url, api_key="sk-unused"))
+    w = llm_backoff.wrap(openai.OpenAI(base_url=rig.url, api_key="sk-unused"), policy)
+    aw = llm_backoff.wrap(openai.AsyncOpenAI(base_url=rig.url, api_key="sk-unused"), policy)
     llm = langchain_openai.ChatOpenAI(
         model="sim-model",
         max_tokens=5,
@@ -25,12 +27,12 @@ def chat_model(rig: Rig) -> tuple[object, openai.OpenAI, openai.AsyncOpenAI]:
         root_client=w,
         root_async_client=aw,
     )
-    rig.release_on_retry(w, aw)
     return llm, w, aw
 
 
 def test_invoke_rides_out_a_429(rig: Rig) -> None:
     llm, w, aw = chat_model(rig)
+    rig.release_on_retry(w, aw)
     rig.hold()
     reply = llm.invoke("hello")  # type: ignore[attr-defined]
     assert reply.content == FIVE_TOKENS
@@ -39,6 +41,7 @@ def test_invoke_rides_out_a_429(rig: Rig) -> None:
 
 async def test_ainvoke_rides_out_a_429(rig: Rig) -> None:
     llm, w, aw = chat_model(rig)
+    rig.release_on_retry(w, aw)
     rig.hold()
     reply = await llm.ainvoke("hello")  # type: ignore[attr-defined]
     assert reply.content == FIVE_TOKENS
@@ -47,6 +50,7 @@ async def test_ainvoke_rides_out_a_429(rig: Rig) -> None:
 
 def test_stream_rides_out_a_429(rig: Rig) -> None:
     llm, w, aw = chat_model(rig)
+    rig.release_on_retry(w, aw)
     rig.hold()
     text = "".join(str(chunk.content) for chunk in llm.stream("hello"))  # type: ignore[attr-defined]
     assert text == FIVE_TOKENS
@@ -61,3 +65,31 @@ def test_root_client_alone_is_replaced_by_a_client_of_langchains_own(rig: Rig) -
     assert llm.root_client is not w
     with pytest.raises(llm_backoff.UnsupportedClientError):
         llm_backoff.client_stats(llm.root_client)
+
+
+def test_when_retries_end_the_error_is_an_openai_rate_limit_error(rig: Rig) -> None:
+    llm, _, _ = chat_model(rig, llm_backoff.RetryPolicy(max_attempts=2))
+    rig.hold()  # never let go: both attempts are refused
+    with pytest.raises(openai.RateLimitError) as caught:
+        llm.invoke("hello")  # type: ignore[attr-defined]
+    # langchain re-raises it as its own subclass, which is a langchain ModelRateLimitError too.
+    from langchain_core.exceptions import ModelRateLimitError
+
+    assert isinstance(caught.value, ModelRateLimitError)
+    cause = caught.value.__cause__
+    assert isinstance(cause, openai.RateLimitError)
+    assert [a.status for a in cause.llm_backoff_attempts] == [429, 429]  # type: ignore[attr-defined]
+    assert rig.refused() == {"queue_full": 2.0}
+
+
+def test_sync_clients_alone_leave_langchain_building_an_async_one(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Why the recipe passes the async pair too: without them ChatOpenAI makes its own
+    # AsyncOpenAI (unwrapped) from the environment, and fails without OPENAI_API_KEY.
+    w = llm_backoff.wrap(openai.OpenAI(base_url=rig.url, api_key="sk-unused"))
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-the-environment")
+    llm = langchain_openai.ChatOpenAI(model="sim-model", client=w.chat.completions, root_client=w)
+    assert llm.root_client is w
+    with pytest.raises(llm_backoff.UnsupportedClientError):
+        llm_backoff.client_stats(llm.root_async_client)

@@ -62,3 +62,23 @@ async def test_acomplete_rides_out_a_429(rig: Rig) -> None:
     rig.hold()
     assert (await llm.acomplete("hello")).text == FIVE_TOKENS  # type: ignore[attr-defined]
     assert_rode_out_one_refusal(rig, w, aw)
+
+
+def test_when_retries_end_the_error_is_the_openai_rate_limit_error(rig: Rig) -> None:
+    w = llm_backoff.wrap(
+        openai.OpenAI(base_url=rig.url, api_key="sk-unused"), llm_backoff.RetryPolicy(max_attempts=2)
+    )
+    llm = openai_like.OpenAILike(
+        model="sim-model",
+        api_base=rig.url,
+        api_key="sk-unused",
+        is_chat_model=True,
+        max_tokens=5,
+        max_retries=0,
+        openai_client=w,
+    )
+    rig.hold()  # never let go: both attempts are refused
+    with pytest.raises(openai.RateLimitError) as caught:
+        llm.complete("hello")
+    assert [a.status for a in caught.value.llm_backoff_attempts] == [429, 429]  # type: ignore[attr-defined]
+    assert rig.refused() == {"queue_full": 2.0}  # with max_retries=0 llama-index did not send it again

@@ -71,3 +71,17 @@ async def test_a_model_of_its_own_rides_out_a_429(rig: Rig) -> None:
     result = await agents.Runner.run(agent(model=model), "hello")
     assert result.final_output == FIVE_TOKENS
     assert_rode_out_one_refusal(rig, aw)
+
+
+def test_when_retries_end_the_error_is_the_openai_rate_limit_error(rig: Rig) -> None:
+    aw = llm_backoff.wrap(
+        openai.AsyncOpenAI(base_url=rig.url, api_key="sk-unused"), llm_backoff.RetryPolicy(max_attempts=2)
+    )
+    agents.set_default_openai_client(aw, use_for_tracing=False)
+    agents.set_default_openai_api("chat_completions")
+    agents.set_tracing_disabled(True)
+    rig.hold()  # never let go: both attempts are refused
+    with pytest.raises(openai.RateLimitError) as caught:
+        agents.Runner.run_sync(agent(model="sim-model"), "hello")
+    assert [a.status for a in caught.value.llm_backoff_attempts] == [429, 429]  # type: ignore[attr-defined]
+    assert rig.refused() == {"queue_full": 2.0}
