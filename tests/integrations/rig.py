@@ -44,19 +44,20 @@ _HOLD_BODY = b'{"model": "holder", "stream": true, "messages": [{"role": "user",
 class Rig:
     """A shim with one slot and no queue, in front of ``upstream``, plus the holder that fills the slot."""
 
-    def __init__(self, upstream: ServerThread) -> None:
+    def __init__(self, upstream: ServerThread, **settings: Any) -> None:
+        """``settings``: further `ShimSettings` fields, e.g. a tenant quota."""
         self.upstream = upstream
-        app = create_app(
-            ShimSettings(
-                upstream=upstream.url,
-                max_concurrency=1,
-                max_queue=0,
-                # Hints of a few tens of ms keep each retry's wait short; the SDK reads retry-after-ms.
-                retry_after_min=0.05,
-                retry_after_max=0.2,
-                log_level="warning",
-            )
-        )
+        values: dict[str, Any] = {
+            "upstream": upstream.url,
+            "max_concurrency": 1,
+            "max_queue": 0,
+            # Hints of a few tens of ms keep each retry's wait short; the SDK reads retry-after-ms.
+            "retry_after_min": 0.05,
+            "retry_after_max": 0.2,
+            "log_level": "warning",
+        }
+        values.update(settings)
+        app = create_app(ShimSettings(**values))
         self.shim = ServerThread(app, **connection_options(app)).start()
         self._holder: socket.socket | None = None
         self._lock = threading.Lock()

@@ -90,3 +90,32 @@ async def test_a_wrapped_client_out_of_attempts_raises_what_the_recipe_catches(r
     assert isinstance(cause, openai.RateLimitError)
     assert [a.status for a in cause.llm_backoff_attempts] == [429, 429]  # type: ignore[attr-defined]
     assert rig.refused() == {"queue_full": 2.0}
+
+
+async def test_model_settings_max_retries_multiplies_the_attempts(rig: Rig) -> None:
+    # Why the recipe leaves ModelSettings["max_retries"] unset: pydantic-ai then sends
+    # through a copy of the client with openai's own retries on, and each of openai's
+    # tries is one whole llm_backoff call: 3 tries x 2 attempts reach the shim.
+    aw = wrapped(rig, llm_backoff.RetryPolicy(max_attempts=2))
+    model = OpenAIChatModel("sim-model", provider=OpenAIProvider(openai_client=aw))
+    agent = pydantic_ai.Agent(model, model_settings={"max_tokens": 5, "max_retries": 2})
+    rig.hold()  # never let go
+    with pytest.raises(ModelOverloadedError):
+        await agent.run("hello")
+    assert rig.refused() == {"queue_full": 6.0}
+
+
+async def test_a_tenant_quota_429_is_a_model_rate_limit_error(rig: Rig) -> None:
+    # The shim's other 429, a tenant over its quota, says "rate_limit_exceeded".
+    quota = Rig(rig.upstream, tenant_requests_per_minute=1)
+    try:
+        plain = openai.AsyncOpenAI(base_url=quota.url, api_key="sk-tenant", max_retries=0)
+        assert (await agent_on(plain).run("hello")).output == FIVE_TOKENS
+        with pytest.raises(ModelRateLimitError) as caught:
+            await agent_on(plain).run("hello")
+        assert not isinstance(caught.value, ModelUnavailableError)
+        assert caught.value.provider_error_type == "rate_limit_exceeded"
+        assert caught.value.provider_error_code == "tenant_rate_limited"
+        assert quota.refused() == {"tenant_rate_limited": 1.0}
+    finally:
+        quota.close()
