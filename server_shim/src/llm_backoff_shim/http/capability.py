@@ -39,6 +39,8 @@ from llm_backoff_shim.http.internals import PROTOCOL_METHODS
 #: Longest the probe may take (it runs in microseconds; this only bounds a hang).
 PROBE_TIMEOUT = 10.0
 
+_REQUIRED_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
 _REFUSED = wire_answer(429, [(b"content-length", b"7")], b"refused")
 
 
@@ -71,9 +73,12 @@ def _check_names() -> str | None:
         method = getattr(HttpToolsProtocol, name, None)
         if not callable(method):
             return f"HttpToolsProtocol.{name} is missing"
-        params = tuple(inspect.signature(method).parameters)[: len(expected)]
-        if params != expected:
-            return f"HttpToolsProtocol.{name} takes {params}, not {expected}"
+        params = list(inspect.signature(method).parameters.values())
+        names = tuple(p.name for p in params)
+        # The parameters the fast path passes, in order; anything after them must be optional.
+        extra = [p for p in params[len(expected) :] if p.default is p.empty and p.kind in _REQUIRED_KINDS]
+        if names[: len(expected)] != expected or extra:
+            return f"HttpToolsProtocol.{name} takes {names}, not {expected}"
     return None
 
 

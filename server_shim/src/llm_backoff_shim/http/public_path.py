@@ -239,8 +239,8 @@ def public_protocol(
             self._conn: _Connection | None = None
             self._peer: Peer | None = None
 
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            assert isinstance(transport, asyncio.Transport)
+        def connection_made(self, transport: Any) -> None:
+            # Any: uvloop's transports are not asyncio.Transport subclasses.
             conn = self._conn = _Connection(transport)
             self._peer = _peer(transport)
             conn.on_answered = self._answered
