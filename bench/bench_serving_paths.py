@@ -124,6 +124,7 @@ def main() -> int:
     med = {name: statistics.median(values) for name, values in per_request.items()}
     med_event = {name: statistics.median(values) for name, values in per_event.items()}
     print()
+
     def row(label: str, cells: list[str]) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
 

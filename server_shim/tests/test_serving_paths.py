@@ -88,6 +88,8 @@ def test_serve_exits_with_a_message_when_the_forced_fast_path_is_missing(
 ) -> None:
     problem = "uvicorn's httptools protocol cannot be imported"
     monkeypatch.setattr(capability, "fast_path_problem", lambda: problem)
+    # serve configures logging for its process; this one is pytest's.
+    monkeypatch.setattr(serve.logging.config, "dictConfig", lambda config: None)
     assert serve.main(["--http-path", "fast", "--port", "0"]) == 2
     assert "the fast HTTP path is unavailable: uvicorn's httptools protocol" in capsys.readouterr().err
 

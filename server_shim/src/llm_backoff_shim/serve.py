@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import logging.config
 import sys
 from typing import Any
 
@@ -105,6 +106,9 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             print(f"{prog}: cannot serve metrics on {host}:{settings.metrics_port}: {exc}", file=sys.stderr)
             return 2
+    options = uvicorn_options(settings)
+    # Before the serving path is chosen: its fallback warning is logged in the configured format.
+    logging.config.dictConfig(options["log_config"])
     try:
         served = shim_serving(app)
     except FastPathUnavailable as exc:
@@ -112,7 +116,7 @@ def main(argv: list[str]) -> int:
         return 2
     tune_gc()
     try:
-        uvicorn.run(served.app, **{**uvicorn_options(settings), **served.options})
+        uvicorn.run(served.app, **{**options, **served.options})
     except OSError as exc:
         print(f"{prog}: cannot serve on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2

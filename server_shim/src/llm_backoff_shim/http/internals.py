@@ -6,9 +6,9 @@ library's public interface. capability.py checks the names below at start-up (an
 drives the protocol through real requests); when any is missing or behaves otherwise,
 the shim serves through the public path (public_path.py) instead.
 
-``TESTED`` says which releases the whole test suite passed on with the fast path, and
-which releases the start-up check sends to the public path (there the suite passed on
-the public path; docs/shim.md, "Serving paths").
+``TESTED`` says where each path was tested: the releases the whole suite passed on, and
+the verdict of the start-up check on each uvicorn release it was run against
+(docs/shim.md, "Serving paths").
 """
 
 from __future__ import annotations
@@ -102,9 +102,32 @@ PUBLIC_PATH: tuple[Internal, ...] = (
     ),
 )
 
-#: Versions the fast path was tested on (the whole suite), and releases the start-up check
-#: sends to the public path (the shim suite passed there on the public path).
+#: Where each path was tested. "suite": the shim's whole test suite passed there; "check": the
+#: start-up check alone was run on that uvicorn (with httptools 0.9.0) and gave that verdict.
 TESTED: dict[str, dict[str, tuple[str, ...]]] = {
-    "fast path": {"uvicorn": ("0.54.0",), "httptools": ("0.9.0",)},
-    "public path (check refuses the fast path)": {"uvicorn": ("0.30.0",), "httptools": ("0.6.0",)},
+    "fast path, suite": {"uvicorn": ("0.54.0",), "httptools": ("0.9.0",)},
+    "public path, suite": {"uvicorn": ("0.30.0", "0.54.0"), "httptools": ("0.6.0", "0.9.0")},
+    "check passes (fast path)": {
+        "uvicorn": ("0.45.0", "0.46.0", "0.47.0", "0.48.0", "0.49.0", "0.50.2", "0.51.0", "0.52.4", "0.53.0"),
+    },
+    "check refuses (_start_asgi_task missing: public path)": {
+        "uvicorn": (
+            "0.30.0",
+            "0.30.6",
+            "0.31.1",
+            "0.32.1",
+            "0.33.0",
+            "0.34.3",
+            "0.35.0",
+            "0.36.1",
+            "0.37.0",
+            "0.38.0",
+            "0.39.0",
+            "0.40.0",
+            "0.41.0",
+            "0.42.0",
+            "0.43.0",
+            "0.44.0",
+        ),
+    },
 }

@@ -452,9 +452,9 @@ class PublicApp:
             return
         conn.in_progress += 1
         extensions = scope.get("extensions")
-        scope["extensions"] = {**extensions, CONNECTION_GONE: conn.gone} if extensions else {
-            CONNECTION_GONE: conn.gone
-        }
+        scope["extensions"] = (
+            {**extensions, CONNECTION_GONE: conn.gone} if extensions else {CONNECTION_GONE: conn.gone}
+        )
         headers: list[tuple[bytes, bytes]] = scope["headers"]
         expects = any(k == b"expect" and v.lower() == b"100-continue" for k, v in headers)
         finished = False
