@@ -22,7 +22,7 @@ from llm_backoff_shim import serve
 from llm_backoff_shim.app import create_app
 from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.http import capability, paths
-from llm_backoff_shim.http.public_path import PublicApp
+from llm_backoff_shim.http.public_app import PublicApp
 from llm_backoff_shim.serve import shim_serving
 from llm_backoff_shim.serving import ServerThread
 

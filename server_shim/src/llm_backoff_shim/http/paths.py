@@ -80,11 +80,12 @@ def fast_protocol(
 
 
 def public_serving(app: Any, limits: Limits, *, refuse: HeadRefusal | None = None) -> Serving:
-    """The public path: ``app`` behind :class:`~llm_backoff_shim.http.public_path.PublicApp`, on h11."""
+    """The public path: ``app`` behind :class:`~llm_backoff_shim.http.public_app.PublicApp`, on h11."""
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
-    from llm_backoff_shim.http.public_path import PublicApp, public_protocol
+    from llm_backoff_shim.http.public_app import PublicApp
+    from llm_backoff_shim.http.public_path import public_protocol
 
     connections: dict[Any, Any] = {}
     protocol = public_protocol(

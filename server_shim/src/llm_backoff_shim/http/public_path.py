@@ -22,14 +22,13 @@ How, and why this way:
   sent nothing is closed quietly), and turns uvicorn's plain-text ``400`` for an
   unparsable head into the shim's OpenAI-format one. To know where each head starts it
   follows the request framing itself (heads end with a blank line, bodies are
-  ``Content-Length`` long); a request it cannot frame (``Transfer-Encoding``, unclear
-  lengths) is left to h11 and its connection is closed after the answer.
-- The ASGI side (:class:`PublicApp`) tells the connection when a request's answer is
+  ``Content-Length`` bytes or chunks); a request it cannot frame plainly (unclear
+  lengths, other transfer codings) is left to h11 and its connection is closed after
+  the answer.
+- The ASGI side (public_app.py) tells the connection when a request's answer is
   complete, so a pipelined head is timed only while no answer is in progress (h11
   stops reading meanwhile), and the body of a request answered before its body was
-  read is read past on a timer, never parsed as the next head. It gives the proxy the
-  connection's :class:`~llm_backoff_shim.http.interface.ConnectionGone` and answers a
-  request the relay can only refuse from its head, without reading its body.
+  read is read past on the body timer, never parsed as the next head.
 
 Connections are matched to requests by the peer address (``scope["client"]``; uvicorn
 runs with ``proxy_headers`` off, so it is the socket's peer).
@@ -38,24 +37,16 @@ runs with ``proxy_headers`` off, so it is the socket's peer).
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from llm_backoff_shim.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.connection_guard import HEAD_TIMEOUT, HEAD_TOO_LARGE, MALFORMED_HTTP, OnEvent
 from llm_backoff_shim.http.connection_guard import _raw_error as raw_error
-from llm_backoff_shim.http.interface import CONNECTION_GONE, ConnectionGone, HeadRefusal
+from llm_backoff_shim.http.interface import ConnectionGone
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Peer = tuple[str, int]
-
-log = logging.getLogger("llm_backoff_shim.http")
 
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 _FRAMING = re.compile(rb"\n(content-length|transfer-encoding)[ \t]*:[ \t]*([^\r\n]*)", re.IGNORECASE)
@@ -64,7 +55,9 @@ _PLAIN_400 = b"HTTP/1.1 400 "
 
 # Where the connection's next byte falls: a head, a body (or a chunk's data), a chunk-size
 # line, a chunked body's trailer section, or somewhere only h11 knows.
-_HEAD, _BODY, _UNFRAMED, _CHUNK_SIZE, _TRAILER = 0, 1, 2, 3, 4
+_HEAD, _BODY, UNFRAMED, _CHUNK_SIZE, _TRAILER = 0, 1, 2, 3, 4
+#: The states inside a request body.
+BODY_STATES = (_BODY, _CHUNK_SIZE, _TRAILER)
 #: A chunk-size line or trailer line longer than this is left to h11 (which refuses it).
 _LINE_LIMIT = 4096
 #: What :func:`_body_length` returns for a chunked body.
@@ -107,8 +100,8 @@ def _body_length(head: bytes) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-class _Connection:
-    """One client connection as the protocol wrapper and :class:`PublicApp` both see it."""
+class Connection:
+    """One client connection as the protocol wrapper and the ASGI side (public_app.py) both see it."""
 
     __slots__ = (
         "body_left",
@@ -140,7 +133,7 @@ class _Connection:
         self.on_answered: Callable[[], None] = _nothing
 
     def answered(self) -> None:
-        """The app finished an answer on this connection (called by :class:`PublicApp`)."""
+        """The app finished an answer on this connection (called by the ASGI side)."""
         self.in_progress -= 1
         self.on_answered()
 
@@ -153,7 +146,7 @@ class _Connection:
 class _Transport(asyncio.Transport):
     """The transport the h11 protocol writes to: the real one, except for uvicorn's plain 400."""
 
-    def __init__(self, real: asyncio.Transport, conn: _Connection, on_event: OnEvent) -> None:
+    def __init__(self, real: asyncio.Transport, conn: Connection, on_event: OnEvent) -> None:
         super().__init__()
         self._real = real
         self._conn = conn
@@ -219,7 +212,7 @@ class _Transport(asyncio.Transport):
 
 def public_protocol(
     inner: Callable[..., asyncio.Protocol],
-    connections: dict[Peer, _Connection],
+    connections: dict[Peer, Connection],
     *,
     head_timeout: float,
     max_head_bytes: int,
@@ -227,7 +220,7 @@ def public_protocol(
     on_event: OnEvent = lambda _reason: None,
 ) -> type[asyncio.Protocol]:
     """An :class:`asyncio.Protocol` class for uvicorn's ``http=``: ``inner`` (uvicorn's h11 protocol
-    class) behind the head limits above; ``connections`` is shared with :class:`PublicApp`."""
+    class) behind the head limits above; ``connections`` is shared with the ASGI side."""
     if not head_timeout > 0 or not body_timeout > 0:
         raise ValueError("head_timeout and body_timeout must be > 0")
     head_timers = CoarseTimers(head_timeout)
@@ -236,12 +229,12 @@ def public_protocol(
     class PublicProtocol(asyncio.Protocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._inner = inner(*args, **kwargs)
-            self._conn: _Connection | None = None
+            self._conn: Connection | None = None
             self._peer: Peer | None = None
 
         def connection_made(self, transport: Any) -> None:
             # Any: uvloop's transports are not asyncio.Transport subclasses.
-            conn = self._conn = _Connection(transport)
+            conn = self._conn = Connection(transport)
             self._peer = _peer(transport)
             conn.on_answered = self._answered
             if self._peer is not None:
@@ -264,7 +257,7 @@ def public_protocol(
             conn = self._conn
             if conn is None or conn.closed:
                 return
-            if conn.state != _UNFRAMED and not self._frame(conn, data):
+            if conn.state != UNFRAMED and not self._frame(conn, data):
                 return
             self._inner.data_received(data)
 
@@ -278,7 +271,7 @@ def public_protocol(
             self._inner.resume_writing()
 
         # -- framing -----------------------------------------------------------------
-        def _frame(self, conn: _Connection, data: bytes) -> bool:
+        def _frame(self, conn: Connection, data: bytes) -> bool:
             """Follow heads and bodies through ``data``; False when the connection was refused."""
             view = memoryview(data)
             while view:
@@ -292,7 +285,7 @@ def public_protocol(
                         else:
                             self._body_read(conn)
                     continue
-                if conn.state == _UNFRAMED:
+                if conn.state == UNFRAMED:
                     return True
                 if conn.state in (_CHUNK_SIZE, _TRAILER):
                     view = self._chunk_lines(conn, view)
@@ -317,21 +310,21 @@ def public_protocol(
                     conn.stop_timer()
                 view = view[len(view) - rest :]
                 if length is None:
-                    conn.state = _UNFRAMED  # h11 frames it; the connection closes after its answer
+                    conn.state = UNFRAMED  # h11 frames it; the connection closes after its answer
                 elif length == _CHUNKED:
                     conn.state, conn.chunked = _CHUNK_SIZE, True
                 elif length:
                     conn.state, conn.body_left = _BODY, length
             return True
 
-        def _chunk_lines(self, conn: _Connection, view: memoryview) -> memoryview:
+        def _chunk_lines(self, conn: Connection, view: memoryview) -> memoryview:
             """Read a chunk-size line or a trailer line off ``view``; the rest of ``view`` after it."""
             start = len(conn.head)
             conn.head += view
             newline = conn.head.find(b"\n", start)
             if newline < 0:
                 if len(conn.head) > _LINE_LIMIT:
-                    conn.state = _UNFRAMED
+                    conn.state = UNFRAMED
                 return view[len(view) :]
             line = bytes(conn.head[:newline]).rstrip(b"\r")
             rest = len(conn.head) - newline - 1
@@ -343,7 +336,7 @@ def public_protocol(
                 try:
                     size = int(line.split(b";", 1)[0].strip(), 16)
                 except ValueError:
-                    conn.state = _UNFRAMED  # h11 refuses it
+                    conn.state = UNFRAMED  # h11 refuses it
                     return view[len(view) :]
                 if size:
                     conn.state, conn.body_left = _BODY, size + 2
@@ -351,7 +344,7 @@ def public_protocol(
                     conn.state = _TRAILER
             return view[len(view) - rest :] if rest else view[len(view) :]
 
-        def _body_read(self, conn: _Connection) -> None:
+        def _body_read(self, conn: Connection) -> None:
             conn.state, conn.chunked = _HEAD, False
             if conn.timer_set is body_timers:
                 conn.stop_timer()
@@ -383,11 +376,11 @@ def public_protocol(
             conn = self._conn
             assert conn is not None
             conn.timer = conn.timer_set = None
-            if not conn.closed and conn.state in (_BODY, _CHUNK_SIZE, _TRAILER) and not conn.in_progress:
+            if not conn.closed and conn.state in BODY_STATES and not conn.in_progress:
                 conn.closed = True
                 conn.transport.close()  # the client stopped mid-body after its answer
 
-        def _refuse(self, conn: _Connection, reason: str) -> bool:
+        def _refuse(self, conn: Connection, reason: str) -> bool:
             conn.stop_timer()
             conn.closed = True
             on_event(reason)
@@ -411,99 +404,10 @@ def public_protocol(
             assert conn is not None
             if conn.closed or conn.in_progress:
                 return
-            if conn.state in (_BODY, _CHUNK_SIZE, _TRAILER):
+            if conn.state in BODY_STATES:
                 self._arm(body_timers)  # answered before its body: read past it, on a timer
             elif conn.state == _HEAD and conn.head and conn.timer is None:
                 self._arm(head_timers)  # a pipelined head, timed from now
 
     PublicProtocol.__name__ = PublicProtocol.__qualname__ = f"Public{getattr(inner, '__name__', 'Protocol')}"
     return PublicProtocol
-
-
-def _split_answer(answer: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """A whole answer made by :func:`~llm_backoff_shim.http.interface.wire_answer`, as ASGI parts."""
-    head, _, body = answer.partition(b"\r\n\r\n")
-    status_line, *lines = head.split(b"\r\n")
-    headers = [(name, value) for name, _, value in (line.partition(b": ") for line in lines)]
-    return int(status_line.split(b" ", 2)[1]), headers, body
-
-
-class PublicApp:
-    """The ASGI side of the public path, in front of the shim's app (see the module docstring)."""
-
-    def __init__(
-        self,
-        app: ASGIApp,
-        connections: dict[Peer, _Connection],
-        *,
-        refuse: HeadRefusal | None = None,
-        on_event: OnEvent = lambda _reason: None,
-    ) -> None:
-        self.app = app
-        self.connections = connections
-        self.refuse = refuse
-        self.on_event = on_event
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        client = scope.get("client") if scope["type"] == "http" else None
-        conn = self.connections.get(client) if client is not None else None
-        if conn is None:
-            await self.app(scope, receive, send)
-            return
-        conn.in_progress += 1
-        extensions = scope.get("extensions")
-        scope["extensions"] = (
-            {**extensions, CONNECTION_GONE: conn.gone} if extensions else {CONNECTION_GONE: conn.gone}
-        )
-        headers: list[tuple[bytes, bytes]] = scope["headers"]
-        expects = any(k == b"expect" and v.lower() == b"100-continue" for k, v in headers)
-        finished = False
-
-        async def guarded_send(message: Message) -> None:
-            nonlocal finished
-            kind = message["type"]
-            if kind == "http.response.start":
-                if conn.state == _UNFRAMED or (expects and conn.state in (_BODY, _CHUNK_SIZE, _TRAILER)):
-                    # A body h11 frames, or one the client may never send: close after the answer.
-                    message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
-            elif kind == "http.response.body" and not message.get("more_body", False) and not finished:
-                # Before the last write: h11 may go on to a pipelined request inside it.
-                finished = True
-                conn.answered()
-            await send(message)
-
-        try:
-            if scope.get("http_version") not in ("1.0", "1.1"):
-                # h11 parses any HTTP/x.y; the fast path's parser and nginx refuse all but these.
-                self.on_event(MALFORMED_HTTP)
-                answer: bytes | None = raw_error(400, "Bad Request", "invalid HTTP request", MALFORMED_HTTP)
-            else:
-                answer = self._refusal(scope, expects, conn)
-            if answer is not None:
-                status, answer_headers, body = _split_answer(answer)
-                start = {"type": "http.response.start", "status": status, "headers": answer_headers}
-                await guarded_send(start)
-                await guarded_send({"type": "http.response.body", "body": body})
-                return
-            await self.app(scope, receive, guarded_send)
-        finally:
-            if not finished:
-                finished = True
-                conn.answered()
-
-    def _refusal(self, scope: Scope, expects: bool, conn: _Connection) -> bytes | None:
-        refuse = self.refuse
-        if refuse is None or expects or conn.state == _UNFRAMED or not _keeps_alive(scope):
-            return None
-        try:
-            return refuse(scope)  # type: ignore[arg-type]
-        except Exception:
-            # The usual path answers instead, where a failure becomes a 500.
-            log.exception("refusing a request from its head failed")
-            return None
-
-
-def _keeps_alive(scope: Scope) -> bool:
-    if scope.get("http_version") != "1.1":
-        return False
-    return not any(k == b"connection" and b"close" in v.lower() for k, v in scope["headers"])
