@@ -70,12 +70,40 @@ def servers(workdir: Path, nice: int | None) -> Iterator[dict[str, bp.Target]]:
         yield targets
 
 
+def plot(path: Path, per_request: dict[str, float], per_event: dict[str, float], rounds: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    labels = ["fast path", "public path", "uvicorn + aiohttp relay"]
+    colours = ["tab:blue", "tab:orange", "tab:grey"]
+    for ax, values, title in (
+        (axes[0], per_request, f"CPU per request, {CONNS} connections (µs)"),
+        (axes[1], per_event, "CPU per SSE event, 64 streams (µs)"),
+    ):
+        heights = [values[t] for t in TARGETS]
+        bars = ax.bar(labels, heights, color=colours)
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_title(title, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle(f"The shim's serving paths, proxy on one core (medians of {rounds} rounds)", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="one round of 2 s windows")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
     parser.add_argument("--seconds", type=float, default=None, help="measuring window (default 4)")
     parser.add_argument("--nice", type=int, default=-10, help="autogroup nice of every process (0: leave)")
+    parser.add_argument(
+        "--plot", type=Path, default=bp.HERE.parent / "docs" / "img" / "serving-paths.png", help="PNG out"
+    )
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (2.0 if args.quick else 4.0)
@@ -137,6 +165,8 @@ def main() -> int:
         "ratio to the relay, per request / per event",
         [f"{med[t] / med['relay']:.2f} / {med_event[t] / med_event['relay']:.2f}" for t in TARGETS],
     )
+    plot(args.plot, med, med_event, rounds)
+    print(f"plot: {args.plot}")
     print(f"\n(took {time.monotonic() - started:.0f} s)")
     return 0
 
