@@ -61,8 +61,8 @@ quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q -c "$CONSTRAINTS" \
 "$VENV_FLOORS/bin/python" - <<'EOF'
 from importlib.metadata import version
 
-names = ["uvicorn", "starlette", "httptools", "aiohttp", "prometheus-client", "pydantic",
-         "pydantic-settings", "matplotlib", "h11"]
+names = ["uvicorn", "starlette", "httptools", "h11", "aiohttp", "prometheus-client", "pydantic",
+         "pydantic-settings", "matplotlib"]
 print("installed:", ", ".join(f"{n} {version(n)}" for n in names))
 from llm_backoff_shim.http.capability import fast_path_problem
 
