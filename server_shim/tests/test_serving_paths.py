@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,17 @@ def test_every_reach_into_a_dependency_s_internals_lives_in_the_http_subpackage(
         if PRIVATE_USE.search(path.read_text())
     }
     assert places == {"http"}
+
+
+def test_the_shim_and_its_public_path_import_no_uvicorn_protocol_module() -> None:
+    """Only the fast path (built after the check) loads uvicorn's protocol modules."""
+    code = (
+        "import sys\n"
+        "import llm_backoff_shim.serve, llm_backoff_shim.proxy, llm_backoff_shim.http.public_app\n"
+        "print(sorted(m for m in sys.modules if m.startswith('uvicorn.protocols')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.fast_path
