@@ -167,3 +167,28 @@ def test_the_public_path_reads_a_refused_body_as_body_never_as_a_head(upstream: 
         time.sleep(1.0)  # past the head timeout: body bytes taken for a head would be cut off here
         sock.sendall(b"GET /health HTTP/1.1\r\nhost: shim\r\n\r\n")
         assert answers(sock, 1)[0][0] == 200
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /v1/other/x\nX-Inj: 1 HTTP/1.1\r\nhost: shim\r\n\r\n",
+        b"GET /v1/other/x HTTP/1.1\r\nhost: shim\r\nhost: other\r\n\r\n",
+        b"GET /v1/other/x HTTP/1.1\r\n\r\n",
+        b"GET /v1/other/x HTTP/9.9\r\nhost: shim\r\n\r\n",
+    ],
+    ids=["bare LF in the request line", "two Hosts", "no Host", "HTTP/9.9"],
+)
+def test_the_public_path_refuses_the_heads_nginx_refuses(upstream: Any, head: bytes) -> None:
+    """/v1/other/... is recorded by the fake upstream: it must see none of them."""
+    server, _ = _public_shim(upstream)
+    with server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        metrics = httpx.get(server.url + "/metrics", timeout=5).text
+    assert answer.startswith(b"HTTP/1.1 400 ")
+    assert b'"code":"malformed_http"' in answer
+    assert 'llm_backoff_shim_bad_requests_total{reason="malformed_http"} 1.0' in metrics
+    assert upstream.received == []
