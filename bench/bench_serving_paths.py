@@ -86,6 +86,7 @@ def plot(path: Path, per_request: dict[str, float], per_event: dict[str, float],
         heights = [values[t] for t in TARGETS]
         bars = ax.bar(labels, heights, color=colours)
         ax.bar_label(bars, fmt="%.1f")
+        ax.margins(y=0.12)
         ax.set_title(title, fontsize=10)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle(f"The shim's serving paths, proxy on one core (medians of {rounds} rounds)", fontsize=11)
