@@ -3,6 +3,8 @@
 #   1. ruff + mypy --strict over both packages
 #   2. the whole suite on openai 3.x (httpx2)
 #   3. the SDK suite again on openai 2.x (httpx), in a second venv
+#   4. the shim's end-to-end tests again on its public HTTP path (docs/shim.md, "Serving paths")
+#   5. the shim suite with its dependencies at their declared floors (scripts/test-shim-floors.sh)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -32,6 +34,11 @@ echo "== mypy --strict"
 
 echo "== pytest (openai 3.x)"
 "$VENV/bin/pytest" -q -p no:cacheprovider "$@"
+
+echo "== pytest: the shim's end-to-end tests on the public HTTP path"
+"$VENV/bin/pytest" -q -p no:cacheprovider --shim-http-path=public \
+  $(grep -l "make_shim\|shim_server\|run_soak" server_shim/tests/test_*.py)
+bash scripts/test-shim-floors.sh
 
 echo "== installing .venv-openai2 (openai 2.x on httpx)"
 VENV2="$ROOT/.venv-openai2"

@@ -12,12 +12,19 @@ picks through headers, so tests stay deterministic without sleeps:
 
 It records what it received and counts requests in flight, their peak, completions
 and requests whose client (the shim) went away mid-way.
+
+Shims start on the HTTP path ``--shim-http-path`` names (``auto``, ``fast`` or
+``public``; default: the environment's ``LLM_BACKOFF_SHIM_HTTP_PATH``, else ``auto``),
+exactly as ``llm-backoff-shim serve --http-path`` would: the option sets that variable,
+which every ``ShimSettings`` made in the run reads. Tests of the fast path's own
+internals carry ``@pytest.mark.fast_path`` and are skipped on the public path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -33,9 +40,57 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
-from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.config import ShimSettings, env_name
+from llm_backoff_shim.serving import ServerThread, shim_server
+
+_HTTP_PATH_ENV = env_name("http_path")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--shim-http-path",
+        choices=("auto", "fast", "public"),
+        default=None,
+        help=f"serving path of every shim the tests start (sets {_HTTP_PATH_ENV}; default: auto)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    marker = "fast_path: tests the fast HTTP path's internals (skipped on the public path)"
+    config.addinivalue_line("markers", marker)
+    chosen = config.getoption("--shim-http-path")
+    if chosen is not None:
+        os.environ[_HTTP_PATH_ENV] = chosen
+
+
+def effective_http_path() -> str:
+    """The path the shims of this run serve on: ``fast`` or ``public``."""
+    requested = os.environ.get(_HTTP_PATH_ENV, "auto")
+    if requested != "auto":
+        return requested
+    from llm_backoff_shim.http.capability import fast_path_problem
+
+    return "fast" if fast_path_problem() is None else "public"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    requested = os.environ.get(_HTTP_PATH_ENV, "auto")
+    return f"shim HTTP path: {effective_http_path()} ({_HTTP_PATH_ENV}={requested})"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if effective_http_path() == "fast":
+        return
+    skip = pytest.mark.skip(reason="tests the fast HTTP path's internals; this run serves on the public path")
+    for item in items:
+        if item.get_closest_marker("fast_path") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shim_http_path() -> str:
+    """``fast`` or ``public``: the path the shims of this run serve on."""
+    return effective_http_path()
 
 
 @dataclass
@@ -234,11 +289,11 @@ def make_shim() -> Iterator[Callable[..., Shim]]:
     servers: list[ServerThread] = []
 
     def factory(upstream_url: str, *, serve_protocol: bool = True, **settings: Any) -> Shim:
-        """A shim on loopback; by default with the protocol ``serve`` runs (connection_options)."""
+        """A shim on loopback, served as ``serve`` serves it; ``serve_protocol=False``: plain uvicorn."""
         values: dict[str, Any] = {"upstream": upstream_url, "log_level": "warning"}
         values.update(settings)
         app = create_app(ShimSettings(**values))
-        server = ServerThread(app, **(connection_options(app) if serve_protocol else {})).start()
+        server = (shim_server(app) if serve_protocol else ServerThread(app)).start()
         servers.append(server)
         return Shim(server, shim_state(app))
 

@@ -20,8 +20,7 @@ import pytest
 
 from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 
 CHAT = "/v1/chat/completions"
 # One pooled client: a fresh httpx client per call costs tens of ms (TLS context set-up).
@@ -67,7 +66,7 @@ def guarded(upstream: Any) -> Iterator[Callable[..., GuardedShim]]:
         }
         values.update(settings)
         app = create_app(ShimSettings(**values))
-        server = ServerThread(app, **connection_options(app)).start()
+        server = shim_server(app).start()
         servers.append(server)
         return GuardedShim(server, shim_state(app))
 

@@ -39,7 +39,7 @@ from llm_backoff_shim.scenario import (
     Scenario,
     arrivals,
 )
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 from llm_backoff_shim.sim_engine import EngineParams, SimEngine
 
@@ -371,7 +371,7 @@ def test_llm_backoff_run_through_a_real_shim_retries_rejections_to_success() -> 
             retry_after_max=1.0,
             initial_service_time=0.1,
         )
-        with ServerThread(create_app(settings)) as shim:
+        with shim_server(create_app(settings)) as shim:
             run = LoadRun(
                 SHIM_BACKOFF,
                 scenario,

@@ -30,7 +30,7 @@ from llm_backoff_shim.loadgen import (
 )
 from llm_backoff_shim.report import comparison, figures, table
 from llm_backoff_shim.scenario import SHIM_PLAIN, Scenario, arrivals
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 
 SCENARIO = Scenario("t", burst=4, rate_factor=0, duration=0, deadline=5.0, ttft_budget=5.0)
@@ -166,7 +166,7 @@ def test_a_real_shims_access_log_times_its_rejections(access_lines: io.StringIO)
             initial_service_time=0.1,
             log_format="json",
         )
-        with ServerThread(create_app(settings)) as shim:
+        with shim_server(create_app(settings)) as shim:
             run = LoadRun(
                 SHIM_PLAIN,
                 scenario,

@@ -34,7 +34,7 @@ from pydantic import AnyHttpUrl
 
 from llm_backoff_shim.app import create_app
 from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def sim_and_shim() -> Iterator[tuple[ServerThread, ServerThread]]:
     try:
         sim.start()
         settings = ShimSettings(upstream=AnyHttpUrl(sim.url), log_level="warning", access_log=False)
-        shim = ServerThread(create_app(settings))
+        shim = shim_server(create_app(settings))
         shim.start()
         yield sim, shim
     finally:

@@ -19,8 +19,7 @@ import pytest
 
 from llm_backoff_shim.app import create_app
 from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import shim_server
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 
@@ -121,7 +120,7 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
 ) -> None:
     app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
     with (
-        ServerThread(app, **connection_options(app), timeout_keep_alive=1) as shim,
+        shim_server(app, timeout_keep_alive=1) as shim,
         socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock,
     ):
         sock.sendall(chat())
@@ -139,7 +138,7 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
 def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: Any, answers: Any) -> None:
     app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
     with (
-        ServerThread(app, **connection_options(app), timeout_keep_alive=2) as shim,
+        shim_server(app, timeout_keep_alive=2) as shim,
         socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock,
     ):
         for _ in range(6):
@@ -151,7 +150,7 @@ def test_a_request_before_the_keep_alive_timeout_keeps_the_connection(upstream: 
 
 def test_shutdown_lets_a_stream_in_flight_finish_then_closes_its_connection(upstream: Any) -> None:
     app = create_app(ShimSettings(upstream=upstream.url, log_level="warning"))
-    shim = ServerThread(app, **connection_options(app), timeout_graceful_shutdown=10).start()
+    shim = shim_server(app, timeout_graceful_shutdown=10).start()
     stopper = threading.Thread(target=shim.stop, kwargs={"timeout": 15})
     try:
         with socket.create_connection(("127.0.0.1", shim.port), timeout=10) as sock:

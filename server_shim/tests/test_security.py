@@ -26,8 +26,7 @@ from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.auth import ApiKeys, KeysFileError, bearer_token, key_id, read_keys_file
 from llm_backoff_shim.config import ConfigError, ShimSettings, load_settings
 from llm_backoff_shim.ops_server import OpsServer
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread, free_socket
+from llm_backoff_shim.serving import ServerThread, free_socket, shim_server
 
 CHAT = "/v1/chat/completions"
 GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -52,8 +51,7 @@ def shim_with(upstream: Any) -> Iterator[Callable[..., Running]]:
         values: dict[str, Any] = {"upstream": upstream.url, "log_level": "warning"}
         values.update(settings)
         app = create_app(ShimSettings(**values))
-        options = {**connection_options(app), **(server_options or {})}
-        server = ServerThread(app, **options).start()
+        server = shim_server(app, **(server_options or {})).start()
         servers.append(server)
         return Running(server, shim_state(app))
 
@@ -396,7 +394,7 @@ def test_metrics_and_health_can_live_on_another_interface(upstream: Any) -> None
     app = create_app(settings)
     ops = OpsServer(shim_state(app), "127.0.0.2", port).start()
     try:
-        with ServerThread(app, **connection_options(app)) as shim:
+        with shim_server(app) as shim:
             assert http.get(shim.url + "/metrics").status_code == 404
             assert http.get(shim.url + "/shim/state").status_code == 404
             assert http.get(shim.url + "/health").status_code == 200
@@ -491,7 +489,7 @@ def test_hop_by_hop_fields_of_the_upstream_response_are_dropped() -> None:
     upstream_app = Starlette(routes=[Route("/v1/models", models)])
     with ServerThread(upstream_app) as up:
         app = create_app(ShimSettings(upstream=up.url, log_level="warning"))
-        with ServerThread(app, **connection_options(app)) as shim:
+        with shim_server(app) as shim:
             response = http.get(shim.url + "/v1/models")
     assert response.status_code == 200
     for hop in ("x-hop-named", "keep-alive", "proxy-authenticate", "trailer"):

@@ -22,8 +22,7 @@ from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.quota import TenantQuotas, quota_headers, reset_duration, specs_for
 from llm_backoff_shim.rejection import ErrorResponse
 from llm_backoff_shim.request_hooks import ShimPolicies
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 from llm_backoff_shim.tenants import (
     Tenant,
@@ -257,7 +256,7 @@ def frozen_shim() -> Iterator[Callable[..., ServerThread]]:
         values.update(settings)
         app = create_app(ShimSettings(**values), clock=lambda: 5000.0)
         # serve's protocol: a stream's usage is then read on the relay's direct path.
-        server = ServerThread(app, **connection_options(app)).start()
+        server = shim_server(app).start()
         servers.append(server)
         return server
 

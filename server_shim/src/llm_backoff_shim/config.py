@@ -260,6 +260,11 @@ class ShimSettings(BaseSettings):
         le=16 * 1024 * 1024,
         description="largest request line + headers; larger ones get a 431",
     )
+    http_path: Literal["auto", "fast", "public"] = Field(
+        default="auto",
+        description="how connections are served: fast (uvicorn's httptools protocol, extended), public "
+        "(uvicorn's h11 protocol, public interfaces only) or auto (fast when the start-up check passes)",
+    )
     api_key: SecretStr | None = Field(
         default=None,
         description="require this key as 'Authorization: Bearer <key>' (prefer the environment variable)",

@@ -52,15 +52,17 @@ from llm_backoff_shim.admission import (
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
 from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
-from llm_backoff_shim.http.relay_cycle import BODY_FOLLOWS, wire_answer
-from llm_backoff_shim.http.relay_protocol import (
+from llm_backoff_shim.http.interface import (
+    BODY_FOLLOWS,
     CLIENT_WIRE,
     CONNECTION_GONE,
     ChunkWriter,
     ClientWire,
     ConnectionGone,
+    UpstreamError,
+    UpstreamResponse,
+    wire_answer,
 )
-from llm_backoff_shim.http.upstream_http import UpstreamError, UpstreamResponse
 from llm_backoff_shim.intake import (
     ClientGone,
     Refusal,

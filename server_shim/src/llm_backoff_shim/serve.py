@@ -1,18 +1,19 @@
 """``llm-backoff-shim serve``: parse settings, build the app, run uvicorn.
 
 uvicorn runs without its own ``server``/``date`` headers (the upstream's come through
-and must not be duplicated), on uvloop and httptools when installed, with the
-request-head timeout and size cap of :mod:`llm_backoff_shim.http.connection_guard`. The
-optional ``--metrics-port`` (on ``--metrics-host``) is served by
-:class:`~llm_backoff_shim.ops_server.OpsServer` in its own thread, so scrapes never
+and must not be duplicated), on uvloop when installed, on the serving path the
+settings ask for (``--http-path``; :mod:`llm_backoff_shim.http.paths`): the fast path
+when the start-up check passes, else the public path, both with the same request-head
+limits and answers. The optional ``--metrics-port`` (on ``--metrics-host``) is served
+by :class:`~llm_backoff_shim.ops_server.OpsServer` in its own thread, so scrapes never
 compete with proxied traffic on the event loop.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 import importlib.util
+import logging.config
 import sys
 from typing import Any
 
@@ -22,8 +23,7 @@ from starlette.applications import Starlette
 from llm_backoff_shim.access_log import logging_config
 from llm_backoff_shim.app import create_app, shim_state
 from llm_backoff_shim.config import ConfigError, ShimSettings, load_settings
-from llm_backoff_shim.http.connection_guard import guarded_protocol
-from llm_backoff_shim.http.relay_protocol import relay_protocol
+from llm_backoff_shim.http.paths import FastPathUnavailable, Limits, Serving, serving
 
 
 def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
@@ -35,42 +35,36 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
         "log_config": logging_config(settings.log_format, settings.log_level),
         "access_log": False,
         # The shim is the first hop: its access log records the peer, on every route alike
-        # (the relay's direct path, relay_protocol.py, bypasses uvicorn's middleware anyway).
+        # (uvicorn's default trusts X-Forwarded-For from 127.0.0.1; the fast path bypasses it).
         "proxy_headers": False,
         "server_header": False,
         "date_header": False,
         "loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        "http": "httptools" if importlib.util.find_spec("httptools") else "h11",
         "lifespan": "on",
         # Streams of a minute or more are normal; do not let shutdown cut them at once.
         "timeout_graceful_shutdown": 30,
     }
 
 
-def connection_options(app: Starlette) -> dict[str, Any]:
-    """uvicorn's protocol for the shim: head limits (counted in the metrics) and the relay's direct path."""
+def shim_serving(app: Starlette) -> Serving:
+    """The ASGI app and uvicorn options that serve a shim app (:func:`create_app`) as ``serve`` does."""
     runtime = shim_state(app)
     settings = runtime.settings
-    guard = functools.partial(
-        guarded_protocol,
+    proxy = runtime.proxy
+    limits = Limits(
         head_timeout=settings.header_read_timeout,
         max_head_bytes=settings.max_header_bytes,
+        body_timeout=settings.body_read_timeout,
         on_event=runtime.metrics.bad_request,
     )
-    if importlib.util.find_spec("httptools"):
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        proxy = runtime.proxy
-        protocol = relay_protocol(
-            guard(HttpToolsProtocol),
-            proxy,
-            refuse=proxy.refuse_from_head if settings.refuse_from_head else None,
-            body_timers=proxy.body_timers,
-        )
-        return {"http": protocol}
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    return {"http": guard(H11Protocol)}
+    return serving(
+        app,
+        proxy,
+        limits,
+        requested=settings.http_path,
+        refuse=proxy.refuse_from_head if settings.refuse_from_head else None,
+        body_timers=proxy.body_timers,
+    )
 
 
 #: Allocations between young-generation collections (CPython's default is 700).
@@ -112,9 +106,17 @@ def main(argv: list[str]) -> int:
         except OSError as exc:
             print(f"{prog}: cannot serve metrics on {host}:{settings.metrics_port}: {exc}", file=sys.stderr)
             return 2
+    options = uvicorn_options(settings)
+    # Before the serving path is chosen: its fallback warning is logged in the configured format.
+    logging.config.dictConfig(options["log_config"])
+    try:
+        served = shim_serving(app)
+    except FastPathUnavailable as exc:
+        print(f"{prog}: {exc} (--http-path auto or public serves without it)", file=sys.stderr)
+        return 2
     tune_gc()
     try:
-        uvicorn.run(app, **{**uvicorn_options(settings), **connection_options(app)})
+        uvicorn.run(served.app, **{**options, **served.options})
     except OSError as exc:
         print(f"{prog}: cannot serve on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 2

@@ -90,6 +90,15 @@ class ServerThread:
         self.stop()
 
 
+def shim_server(app: Any, **options: Any) -> ServerThread:
+    """A :class:`ServerThread` for a shim app (``create_app``), served as ``serve`` serves it: on the
+    HTTP path its settings pick (``--http-path``), with the shim's connection limits."""
+    from llm_backoff_shim.serve import shim_serving
+
+    served = shim_serving(app)
+    return ServerThread(served.app, **{**served.options, **options})
+
+
 @contextlib.contextmanager
 def serve_in_thread(app: Any, **options: Any) -> Iterator[ServerThread]:
     with ServerThread(app, **options) as srv:

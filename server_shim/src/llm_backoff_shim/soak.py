@@ -41,8 +41,7 @@ from pydantic import AnyHttpUrl
 import llm_backoff
 from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 
 KINDS: dict[str, float] = {
@@ -482,7 +481,7 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] | None = None) 
         )
         app = create_app(settings)
         runtime = shim_state(app)
-        with ServerThread(app, **connection_options(app), timeout_keep_alive=1, log_level="critical") as shim:
+        with shim_server(app, timeout_keep_alive=1, log_level="critical") as shim:
             run = _Run(config, shim.url if config.through_shim else sim.url, report)
             asyncio.run(run.run(config.warmup, progress=None, measured=False))
             report.baseline = _settle(shim, sim, runtime, None, config.settle_timeout)

@@ -1,7 +1,10 @@
-"""The shim's own HTTP layer: the serving protocol's fast path and the upstream client.
+"""The shim's own HTTP layer: the two serving paths and the upstream client.
 
-Everything here extends or replaces parts of the HTTP stack (uvicorn's protocol, a
-slimmed request cycle, a head guard, an HTTP/1.1 client on httptools). The rest of the
-shim reaches it through the names its modules export, never through the libraries'
-internals directly.
+The rest of the shim reaches it through three modules: :mod:`.interface` (what the
+proxy needs from a client's connection and from the upstream, importing no server
+internals), :mod:`.paths` (how ``serve`` and the tests run an app: the fast path, which
+extends uvicorn's httptools protocol, when the start-up check in :mod:`.capability`
+passes, else the public path on uvicorn's public interfaces) and :mod:`.upstream_http`
+(the upstream connection pool, for upstream.py). Every use of a dependency's internals
+lives in this subpackage and is listed in :mod:`.internals`.
 """

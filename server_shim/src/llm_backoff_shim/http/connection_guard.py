@@ -36,8 +36,6 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.h11_impl import H11Protocol
-
 from llm_backoff_shim.coarse_timers import CoarseTimers
 
 OnEvent = Callable[[str], None]
@@ -66,9 +64,13 @@ def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
 
 def default_protocol_class() -> type[Any]:
     """uvicorn's httptools protocol when httptools is installed (its ``auto`` choice), else h11."""
+    # Imported here: the public path uses this module's answers and must not depend on
+    # uvicorn's protocol modules being where they are.
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # pragma: no cover - httptools comes with uvicorn[standard]
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
         return H11Protocol
     return HttpToolsProtocol
 

@@ -31,11 +31,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+from llm_backoff_shim.http.interface import BODY_FOLLOWS, STATUS_LINE, wire_answer
 
-#: Key of an ``http.response.start`` message: a body message follows at once.
-BODY_FOLLOWS = "llm_backoff.body_follows"
+__all__ = ["BODY_FOLLOWS", "RelayCycle", "wire_answer"]
 
 _ERROR_500_BODY = (
     b'{"error":{"message":"internal error in the shim","type":"server_error","param":null,"code":"internal"}}'
@@ -46,11 +44,6 @@ _ERROR_500 = (
     b"content-length: %d\r\n"
     b"connection: close\r\n\r\n%b" % (len(_ERROR_500_BODY), _ERROR_500_BODY)
 )
-
-
-def wire_answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-    """A whole response the shim made itself (its headers carry content-length), as written."""
-    return b"".join([STATUS_LINE[status], *(b"%b: %b\r\n" % header for header in headers), b"\r\n", body])
 
 
 def _nothing() -> None:
@@ -83,7 +76,7 @@ class RelayCycle:
         self,
         scope: dict[str, Any],
         transport: asyncio.Transport,
-        flow: FlowControl,
+        flow: Any,  # uvicorn's FlowControl: write_paused, drain(), resume_reading()
         logger: logging.Logger,
         *,
         expect_100_continue: bool,

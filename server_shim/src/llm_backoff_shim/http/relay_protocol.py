@@ -45,18 +45,16 @@ from typing import Any
 import httptools
 
 from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.interface import (
+    CLIENT_WIRE,
+    CONNECTION_GONE,
+    ChunkWriter,
+    ConnectionGone,
+    HeadRefusal,
+)
 from llm_backoff_shim.http.relay_cycle import RelayCycle
 
-#: The ``scope["extensions"]`` key of the connection's :class:`ConnectionGone`.
-CONNECTION_GONE = "llm_backoff.connection_gone"
-#: The ``scope["extensions"]`` key of the connection's :class:`ClientWire`.
-CLIENT_WIRE = "llm_backoff.client_wire"
-
-#: Called with each body chunk; False means stop for now (the client is slow or gone).
-ChunkWriter = Callable[[bytes], bool]
-
-#: The relay's answer from a request's head: the whole response to write, or None to go on.
-HeadRefusal = Callable[[dict[str, Any]], bytes | None]
+__all__ = ["CLIENT_WIRE", "CONNECTION_GONE", "ClientWire", "ConnectionGone", "ReadingPast", "relay_protocol"]
 
 
 class _NoEvent:
@@ -90,32 +88,6 @@ class ReadingPast:
         self.keep_alive = True  # uvicorn clears it on shutdown: then closed once the body is in
         self.response_complete = False
         self.timer: int | None = None
-
-
-class ConnectionGone:
-    """Fires its subscribers once, when the client's connection is lost."""
-
-    __slots__ = ("_callbacks", "lost")
-
-    def __init__(self) -> None:
-        self.lost = False
-        self._callbacks: set[Callable[[], None]] = set()
-
-    def subscribe(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when the connection is lost (at once if it already is)."""
-        if self.lost:
-            callback()
-        else:
-            self._callbacks.add(callback)
-
-    def unsubscribe(self, callback: Callable[[], None]) -> None:
-        self._callbacks.discard(callback)
-
-    def fire(self) -> None:
-        self.lost = True
-        callbacks, self._callbacks = self._callbacks, set()
-        for callback in callbacks:
-            callback()
 
 
 class ClientWire:

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The shim's declared lower bounds, proven: a venv (.venv-shim-floors) with every runtime
+# dependency of server_shim/pyproject.toml at the oldest version its bound allows (as
+# `pip index versions` lists them), then the shim's test suite on it, on whichever HTTP path
+# the start-up capability check picks there (docs/shim.md, "Serving paths").
+#
+#   bash scripts/test-shim-floors.sh [pytest args]     (default: server_shim/tests)
+#
+# Test tools and the SDK come at their newest allowed versions: only the shim's own
+# runtime dependencies are held at their floors.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV_FLOORS="${VENV_FLOORS:-$ROOT/.venv-shim-floors}"
+PY="${PYTHON:-python3}"
+quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+[ -x "$VENV_FLOORS/bin/python" ] || "$PY" -m venv "$VENV_FLOORS"
+quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q --upgrade pip packaging >/dev/null 2>&1 || true
+
+# One constraint per runtime dependency: name==the oldest released version its specifier allows.
+CONSTRAINTS="$VENV_FLOORS/floors.txt"
+"$VENV_FLOORS/bin/python" - "$ROOT/server_shim/pyproject.toml" "$CONSTRAINTS" <<'EOF'
+import subprocess
+import sys
+import tomllib
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+pyproject, out = sys.argv[1], sys.argv[2]
+with open(pyproject, "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+lines = []
+for text in deps:
+    req = Requirement(text)
+    if req.marker is not None and not req.marker.evaluate():
+        continue
+    if not req.specifier:  # the SDK, installed from this checkout
+        continue
+    listing = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", req.name],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    available = listing.split("Available versions:", 1)[1].splitlines()[0]
+    versions = sorted(Version(v.strip()) for v in available.split(",") if v.strip())
+    allowed = [v for v in versions if not v.is_prerelease and req.specifier.contains(v)]
+    if not allowed:
+        sys.exit(f"no released version of {req.name} satisfies {req.specifier}")
+    lines.append(f"{req.name}=={allowed[0]}")
+    print(f"floor: {req.name}=={allowed[0]}  ({text})")
+# Wheels built against numpy 1.x (matplotlib 3.8.0) cannot import under numpy 2.
+lines.append("numpy<2")
+with open(out, "w") as f:
+    f.write("\n".join(lines) + "\n")
+EOF
+
+echo "== installing $VENV_FLOORS (the shim's runtime dependencies at their floors)"
+quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q -c "$CONSTRAINTS" \
+  -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis]"
+"$VENV_FLOORS/bin/python" - <<'EOF'
+from importlib.metadata import version
+
+names = ["uvicorn", "starlette", "httptools", "h11", "aiohttp", "prometheus-client", "pydantic",
+         "pydantic-settings", "matplotlib"]
+print("installed:", ", ".join(f"{n} {version(n)}" for n in names))
+from llm_backoff_shim.http.capability import fast_path_problem
+
+problem = fast_path_problem()
+print("serving path:", "fast" if problem is None else f"public (fast path unavailable: {problem})")
+EOF
+
+echo "== pytest server_shim/tests (shim dependencies at their floors)"
+if [ "$#" -eq 0 ]; then set -- server_shim/tests; fi
+"$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "$@"
