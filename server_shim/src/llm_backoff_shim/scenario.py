@@ -11,9 +11,15 @@ Choices made here (written down because the issue does not fix them):
   then the true ceiling and goodput can be read against it without a model of batching.
 - The burst arrives at t = 0 and the Poisson arrivals start right after it, so the
   engine never gets the time to drain the burst before the sustained overload.
-- Classes are drawn per call (``interactive_share`` interactive, the rest batch);
-  both classes have the same deadline, interactive calls also have a TTFT budget
-  that the report compares p99 TTFT against.
+- Classes are drawn per call (``interactive_share`` interactive, the rest batch).
+  Each class has its own deadline (``deadline`` for interactive, ``batch_deadline`` for
+  batch, the same when that is unset) and its own TTFT budget (``ttft_budget`` for
+  interactive; a batch caller's is its deadline): a call is *served within budget*
+  when it completes before its deadline and its first token came within its budget.
+- With a :class:`~llm_backoff_shim.workload.Workload`, every call has its own prompt
+  and ``max_tokens`` drawn from it, from a second RNG seeded off the first once the
+  instants and classes are drawn: the same seed gives the same instants and classes
+  with or without lengths.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import math
 import random
 from dataclasses import dataclass
 from typing import Literal
+
+from llm_backoff_shim.workload import Workload
 
 RequestClass = Literal["interactive", "batch"]
 ClientKind = Literal["plain", "llm_backoff"]
@@ -56,6 +64,22 @@ class EngineShape:
         """Completions per second the engine sustains with every slot busy."""
         return self.slots / self.service_time
 
+    def service_time_for(self, workload: Workload | None) -> float:
+        """Mean seconds a request of ``workload`` holds a slot (its mean answer length;
+        prefill is left out, a few ms per prompt at the simulator's default rate)."""
+        if workload is None:
+            return self.service_time
+        return self.ttft + (workload.output_tokens.mean() - 1) * self.itl
+
+    def capacity_for(self, workload: Workload | None) -> float:
+        """Completions per second for ``workload``'s lengths with every slot busy."""
+        return self.slots / self.service_time_for(workload)
+
+    def token_capacity_for(self, workload: Workload | None) -> float:
+        """Answer tokens per second for ``workload`` with every slot busy."""
+        mean = self.output_tokens if workload is None else workload.output_tokens.mean()
+        return self.capacity_for(workload) * mean
+
     def sim_flags(self) -> list[str]:
         return [
             "--max-num-seqs",
@@ -78,6 +102,10 @@ class Scenario:
     ``start_deadline``: interactive ``llm_backoff`` callers state ``ttft_budget`` as their
     ``RetryPolicy(start_deadline=...)`` (loadgen.retry_policy); off, their only budget is
     ``deadline``, the call's.
+
+    ``deadline`` is the interactive callers' deadline, and the batch callers' too unless
+    ``batch_deadline`` is set. ``workload``: per-call prompt and answer lengths; None sends
+    a short fixed prompt and no ``max_tokens`` (the engine's own answer length).
     """
 
     name: str
@@ -88,6 +116,8 @@ class Scenario:
     ttft_budget: float
     interactive_share: float = 0.7
     start_deadline: bool = True
+    batch_deadline: float | None = None
+    workload: Workload | None = None
 
     def __post_init__(self) -> None:
         if self.burst < 0:
@@ -104,6 +134,25 @@ class Scenario:
             raise ValueError("ttft_budget must be in (0, deadline]")
         if not 0 <= self.interactive_share <= 1:
             raise ValueError("interactive_share must be in [0, 1]")
+        if self.batch_deadline is not None and not (
+            self.batch_deadline > 0 and math.isfinite(self.batch_deadline)
+        ):
+            raise ValueError("batch_deadline must be a positive finite number of seconds")
+
+    def deadline_of(self, cls: RequestClass) -> float:
+        """The deadline of a call of ``cls``, seconds from its start."""
+        if cls == "batch" and self.batch_deadline is not None:
+            return self.batch_deadline
+        return self.deadline
+
+    def ttft_budget_of(self, cls: RequestClass) -> float:
+        """The time to first token a caller of ``cls`` accepts: interactive ``ttft_budget``,
+        batch its deadline."""
+        return self.ttft_budget if cls == "interactive" else self.deadline_of(cls)
+
+    @property
+    def longest_deadline(self) -> float:
+        return max(self.deadline_of("interactive"), self.deadline_of("batch"))
 
     def describe(self, capacity: float) -> str:
         parts = []
@@ -116,16 +165,28 @@ class Scenario:
             )
         mix = f"{self.interactive_share:.0%} interactive"
         budget = f"deadline {self.deadline:g} s per call"
+        if self.batch_deadline is not None and self.batch_deadline != self.deadline:
+            budget = f"deadline {self.deadline:g} s (interactive) / {self.batch_deadline:g} s (batch)"
         if self.start_deadline:
             budget += f" (llm_backoff's interactive callers: to begin within {self.ttft_budget:g} s)"
-        return f"{', then '.join(parts)}; {mix}; {budget}"
+        lengths = "" if self.workload is None else f"; {self.workload.describe()}"
+        return f"{', then '.join(parts)}; {mix}; {budget}{lengths}"
 
 
 @dataclass(frozen=True)
 class Arrival:
+    """One call: when it starts, its class and, with a workload, its prompt and ``max_tokens``.
+
+    ``prompt`` None: the load generator sends a short fixed prompt naming the call.
+    ``max_tokens`` None: no limit is sent. ``ignore_eos``: send vLLM's ``ignore_eos``.
+    """
+
     index: int
     at: float
     cls: RequestClass
+    prompt: str | None = None
+    max_tokens: int | None = None
+    ignore_eos: bool = False
 
 
 def arrivals(scenario: Scenario, capacity: float, rng: random.Random) -> list[Arrival]:
@@ -137,10 +198,18 @@ def arrivals(scenario: Scenario, capacity: float, rng: random.Random) -> list[Ar
         while t < scenario.duration:
             times.append(t)
             t += rng.expovariate(rate)
-    return [
-        Arrival(i, at, "interactive" if rng.random() < scenario.interactive_share else "batch")
-        for i, at in enumerate(times)
+    classes: list[RequestClass] = [
+        "interactive" if rng.random() < scenario.interactive_share else "batch" for _ in times
     ]
+    workload = scenario.workload
+    if workload is None:
+        return [Arrival(i, at, cls) for i, (at, cls) in enumerate(zip(times, classes, strict=True))]
+    lengths = random.Random(rng.getrandbits(64))
+    calls = []
+    for i, (at, cls) in enumerate(zip(times, classes, strict=True)):
+        prompt, max_tokens = workload.draw(lengths)
+        calls.append(Arrival(i, at, cls, prompt, max_tokens, workload.ignore_eos))
+    return calls
 
 
 @dataclass(frozen=True)
