@@ -49,6 +49,7 @@ from llm_backoff_shim.scenario import (
     Setup,
     arrivals,
     demo_scenario,
+    varied_demo_scenario,
 )
 
 PNG_NAME = "overload-demo.png"
@@ -128,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("."), help="folder for the PNG and JSON (default: .)")
     p.add_argument("--quick", action="store_true", help="a smaller load, ~30 s in all (for CI)")
     p.add_argument("--seed", type=int, default=7, help="seed of the arrivals (default: 7)")
+    p.add_argument(
+        "--fixed-lengths",
+        action="store_true",
+        help="every call the same short prompt and 20-token answer on a 1.2 s engine (the load of "
+        "earlier versions of the demo)",
+    )
     p.add_argument(
         "--duration",
         type=float,
@@ -235,8 +242,12 @@ def main(argv: list[str]) -> int:
     if not os.access(args.out, os.W_OK):
         print(f"llm-backoff-shim demo: --out {args.out} is not writable", file=sys.stderr)
         return 2
-    shape = DEMO_SHAPE
-    scenario = demo_scenario(quick=args.quick, duration=args.duration)
+    if args.fixed_lengths:
+        shape = EngineShape()
+        scenario = demo_scenario(quick=args.quick, duration=args.duration)
+    else:
+        shape = DEMO_SHAPE
+        scenario = varied_demo_scenario(quick=args.quick, duration=args.duration)
     started = time.monotonic()
     try:
         results = run_demo(scenario, shape, args.seed, DEMO_SETUPS, sys.stdout, sys.stderr)

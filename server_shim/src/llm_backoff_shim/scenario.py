@@ -243,13 +243,30 @@ SHIM_BACKOFF = Setup("shim + llm_backoff", "shim", "llm_backoff")
 DEMO_SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF)
 
 
+def demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
+    """The demo's load with fixed lengths (``llm-backoff-shim demo --fixed-lengths``, on
+    :class:`EngineShape`'s defaults; what the virtual-time overload model replays): a burst,
+    then 2x capacity; ~16 s per run (~5 s with ``quick``).
+
+    The burst is larger than the shim's slots plus queue (8 + 16), so every shim run
+    turns callers away from the first second on.
+    """
+    if quick:
+        return Scenario(
+            "demo-quick", burst=30, rate_factor=2.0, duration=duration or 2.0, deadline=3.0, ttft_budget=1.5
+        )
+    return Scenario(
+        "demo", burst=40, rate_factor=2.0, duration=duration or 8.0, deadline=8.0, ttft_budget=4.0
+    )
+
+
 #: The demo's engine: 8 slots, 100 tokens/s per sequence (a fast GPU's pace, so a run of
 #: varied answers fits in seconds), 0.1 s to a first token.
 DEMO_SHAPE = EngineShape(slots=8, ttft=0.1, itl=0.01, output_tokens=64)
 
 
-def demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
-    """The demo's load: a burst, then 2x capacity, with varied lengths (the default
+def varied_demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
+    """The demo's default load: a burst, then 2x capacity, with varied lengths (the default
     :class:`~llm_backoff_shim.workload.Workload`); ~20 s per run (~9 s with ``quick``).
 
     The burst is larger than the shim's slots plus queue (8 + 16), so every shim run turns
