@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/img"), help="folder for the PNG and JSON")
     args = p.parse_args(argv)
     step = 3.0 if args.quick else 5.0
-    seeds = 2 if args.quick else args.seeds
-    rounds = 2 if args.quick else args.rounds
+    seeds = min(args.seeds, 2) if args.quick else args.seeds
+    rounds = min(args.rounds, 2) if args.quick else args.rounds
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     rule = KneeRule(ttft_slo=TTFT_SLO, tpot_slo=TPOT_SLO)

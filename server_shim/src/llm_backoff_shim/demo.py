@@ -154,7 +154,7 @@ def run_demo(
         f"Engine (simulator): {shape.slots} slots, {shape.service_time_for(scenario.workload):.2f} s "
         f"per request on average -> capacity {capacity:.2f} requests/s ({token_capacity:.0f} answer "
         "tokens/s)\n"
-        f"Load: {len(calls)} calls, {scenario.describe(shape.capacity)}; "
+        f"Load: {len(calls)} calls, {scenario.describe(capacity)}; "
         f"interactive TTFT budget {scenario.ttft_budget:g} s; seed {seed}\n"
         f"Shim: {' '.join(shim_flags(shape, scenario))}\n\n"
     )
