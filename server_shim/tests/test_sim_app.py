@@ -392,3 +392,76 @@ def test_slow_first_byte_trips_a_client_read_timeout(start_sim: Callable[..., Si
     stats = sim.stats()
     assert stats["injected_slow_first_byte"] == 1
     assert stats["tokens_generated"] == 0
+
+
+# -- the work follows each request ----------------------------------------------------------
+
+
+def test_ignore_eos_gives_exactly_max_tokens_and_without_it_the_natural_length_is_capped(
+    start_sim: Callable[..., Sim],
+) -> None:
+    sim = start_sim(output_tokens=30, output_tokens_sigma=0.8, seed=3, **FAST)
+    client = sim.client()
+    exact = [
+        client.chat.completions.create(model="m", messages=MSG, max_tokens=n, extra_body={"ignore_eos": True})
+        for n in (1, 7, 80)
+    ]
+    assert [c.usage.completion_tokens for c in exact if c.usage] == [1, 7, 80]
+    assert {c.choices[0].finish_reason for c in exact} == {"length"}
+
+    natural = [client.chat.completions.create(model="m", messages=MSG) for _ in range(12)]
+    lengths = [c.usage.completion_tokens for c in natural if c.usage]
+    assert len(set(lengths)) > 3  # drawn per request
+    assert {c.choices[0].finish_reason for c in natural} == {"stop"}
+    capped = [client.chat.completions.create(model="m", messages=MSG, max_tokens=20) for _ in range(12)]
+    capped_lengths = [c.usage.completion_tokens for c in capped if c.usage]
+    assert max(capped_lengths) <= 20
+    assert any(c.choices[0].finish_reason == "length" for c in capped)
+
+    bad = httpx.post(sim.url + "/v1/chat/completions", json={"messages": MSG, "ignore_eos": "yes"})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "ignore_eos"
+
+
+def test_usage_counts_the_prompt_and_a_longer_prompt_takes_longer_to_start(
+    start_sim: Callable[..., Sim],
+) -> None:
+    # Prefill at 2 ms per token: 1000 words (1300 tokens) is 2.6 s against a few ms.
+    sim = start_sim(output_tokens=1, ttft=0.0, itl=0.001, prefill_time_per_token=0.002)
+    client = sim.client()
+    short = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "one two"}])
+    long = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 1000}])
+    assert short.usage is not None
+    assert long.usage is not None
+    assert short.usage.prompt_tokens == 3 + 4  # ceil(1.3 * 2) + the template's 4
+    assert long.usage.prompt_tokens == 1300 + 4
+    ttft = sim.runtime.metrics.registry.get_sample_value(
+        "vllm:time_to_first_token_seconds_bucket", {"model_name": "sim-model", "engine": "0", "le": "1.0"}
+    )
+    assert ttft == 1  # the short one within 1 s, the long one not (2.6 s of prefill)
+    assert sim.stats()["prefill_tokens"] == 7 + 1304
+
+
+def test_a_kv_cache_too_small_preempts_and_a_request_too_long_gets_vllms_400(
+    start_sim: Callable[..., Sim],
+) -> None:
+    sim = start_sim(max_num_seqs=4, output_tokens=1, ttft=0.0, itl=0.002, kv_cache_tokens=400)
+    client = sim.client()
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 400 tokens"):
+        client.chat.completions.create(model="m", messages=MSG, max_tokens=500)
+
+    async def four() -> list[int]:
+        aclient = sim.async_client()
+        answers = await asyncio.gather(
+            *[
+                aclient.chat.completions.create(
+                    model="m", messages=MSG, max_tokens=150, extra_body={"ignore_eos": True}
+                )
+                for _ in range(4)
+            ]
+        )
+        return [a.usage.completion_tokens if a.usage else 0 for a in answers]
+
+    assert asyncio.run(four()) == [150] * 4
+    assert sim.stats()["preemptions"] >= 1
+    assert sim.metric("vllm:num_preemptions_total") == sim.stats()["preemptions"]

@@ -24,6 +24,11 @@ FLAGS = [
     "--itl",
     "--itl-batch-factor",
     "--output-tokens",
+    "--output-tokens-sigma",
+    "--output-tokens-max",
+    "--prefill-time-per-token",
+    "--max-num-batched-tokens",
+    "--kv-cache-tokens",
     "--error-rate",
     "--reset-rate",
     "--slow-first-byte-rate",
@@ -52,6 +57,9 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--error-rate", "0.6", "--reset-rate", "0.6"], "error_rate + reset_rate must not exceed 1"),
         (["--max-num-queued-reqs", "0"], "--max-num-queued-reqs"),
         (["--port", "70000"], "--port"),
+        (["--kv-cache-tokens", "1"], "--kv-cache-tokens"),
+        (["--output-tokens", "50", "--output-tokens-max", "10"], "output_tokens_max must be >= output"),
+        (["--prefill-time-per-token", "-1"], "--prefill-time-per-token"),
     ],
 )
 def test_invalid_values_stop_with_exit_2_and_one_clear_line(
@@ -81,7 +89,10 @@ def _free_port() -> int:
 
 def test_the_command_serves_openai_clients_without_server_or_date_headers() -> None:
     port = _free_port()
-    argv = ["--port", str(port), "--ttft", "0.01", "--itl", "0.002", "--output-tokens", "3", "--model", "cli"]
+    argv = [
+        "--port", str(port), "--ttft", "0.01", "--itl", "0.002", "--output-tokens", "3",
+        "--output-tokens-sigma", "0", "--model", "cli",
+    ]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "llm_backoff_shim.sim", *argv])
     url = f"http://127.0.0.1:{port}"
     try:

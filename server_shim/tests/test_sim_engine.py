@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from llm_backoff_shim.sim_engine import (
     AbortReason,
     EngineParams,
+    PromptTooLongError,
     QueueFullError,
     SeqState,
     SimEngine,
@@ -265,3 +267,144 @@ def test_invariants_hold_under_any_mix_of_arrivals_aborts_and_time(
     assert stats.aborted_tokens == sum(s.generated for s in seqs if s.state is SeqState.ABORTED)
     assert all(s.generated == s.max_tokens for s in seqs if s.state is SeqState.FINISHED)
     assert stats.peak_running <= max_num_seqs
+
+
+# -- work that follows each request: prefill, chunking, the KV cache ---------------------------
+
+
+def test_time_to_first_token_grows_with_the_prompt() -> None:
+    firsts = {}
+    for prompt in (0, 100, 1000):
+        clock = ManualClock(0.0)
+        engine = make(clock, ttft=0.2, itl=0.1, prefill_time_per_token=0.001)
+        seq = engine.add("a", max_tokens=2, prompt_tokens=prompt)
+        run_until_idle(engine, clock)
+        assert seq.first_token_at is not None
+        assert seq.finished_at is not None
+        firsts[prompt] = seq.first_token_at
+        assert seq.finished_at - seq.first_token_at == pytest.approx(0.1)
+    assert firsts[0] == pytest.approx(0.2)
+    assert firsts[100] == pytest.approx(0.1 + 0.2)
+    assert firsts[1000] == pytest.approx(1.0 + 0.2)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_that_slow_the_decode_steps_it_shares() -> None:
+    clock = ManualClock(0.0)
+    engine = make(
+        clock, max_num_seqs=2, ttft=0.0, itl=0.1, prefill_time_per_token=0.001, max_num_batched_tokens=101
+    )
+    decoder = engine.add("decoder", max_tokens=100)
+    engine.step()  # its first token (no prompt, no ttft)
+    times: list[float] = []
+
+    def advance() -> None:
+        due = engine.next_event_time()
+        assert due is not None
+        clock.now = max(clock.now, due)
+        if decoder in engine.step():
+            times.append(clock.now)
+
+    advance()
+    advance()
+    assert times == [pytest.approx(0.1), pytest.approx(0.2)]
+    long = engine.add("long", max_tokens=1, prompt_tokens=250)
+    # Chunks of 100 prompt tokens (101 minus the decoder's token) ride along three steps.
+    for _ in range(5):
+        advance()
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert gaps[1] == pytest.approx(0.1)  # the step already under way when it arrived
+    assert gaps[2:5] == [pytest.approx(0.2), pytest.approx(0.2), pytest.approx(0.15)]
+    assert gaps[5] == pytest.approx(0.1)  # prefill done: plain decode steps again
+    assert long.state is SeqState.FINISHED
+    assert long.first_token_at == pytest.approx(0.85)
+    assert long.prefilled == 250
+    assert engine.stats.prefill_tokens == 250
+
+
+def test_a_full_kv_cache_preempts_the_youngest_which_recomputes_and_still_finishes() -> None:
+    clock = ManualClock(0.0)
+    engine = make(clock, max_num_seqs=4, ttft=0.0, itl=0.1, kv_cache_tokens=40)
+    old = engine.add("old", max_tokens=20, prompt_tokens=10)
+    young = engine.add("young", max_tokens=15, prompt_tokens=10)
+    assert engine.num_running == 2
+    seen_preempted = False
+    for _ in range(10_000):
+        due = engine.next_event_time()
+        if due is None:
+            break
+        clock.now = max(clock.now, due)
+        engine.step()
+        assert engine.kv_tokens_used <= 40
+        if young.state is SeqState.WAITING:
+            seen_preempted = True
+            assert old.state is SeqState.RUNNING  # the oldest keeps its place
+    assert seen_preempted
+    assert young.preemptions >= 1
+    assert old.preemptions == 0
+    assert engine.stats.preemptions == young.preemptions
+    assert (old.state, young.state) == (SeqState.FINISHED, SeqState.FINISHED)
+    assert (old.generated, young.generated) == (20, 15)
+    # The young one's prompt and the tokens it had made were computed again.
+    assert engine.stats.prefill_tokens > 20
+    assert engine.stats.tokens_generated == 35
+
+
+def test_a_request_that_can_never_fit_the_kv_cache_is_refused() -> None:
+    engine = make(ManualClock(0.0), kv_cache_tokens=100)
+    with pytest.raises(PromptTooLongError, match="maximum context length is 100 tokens"):
+        engine.add("big", max_tokens=50, prompt_tokens=60)
+    engine.add("fits", max_tokens=40, prompt_tokens=60)
+    assert engine.num_running == 1
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.integers(1, 30), st.integers(0, 40)),
+            st.tuples(st.just("abort"), st.integers(0, 30), st.just(0)),
+            st.tuples(st.just("tick"), st.integers(0, 50), st.just(0)),
+        ),
+        max_size=60,
+    ),
+    max_num_seqs=st.integers(1, 4),
+    kv=st.one_of(st.none(), st.integers(80, 200)),
+    chunk=st.integers(4, 64),
+)
+def test_invariants_hold_with_prompts_chunks_and_a_kv_cache(
+    ops: list[tuple[str, int, int]], max_num_seqs: int, kv: int | None, chunk: int
+) -> None:
+    clock = ManualClock(0.0)
+    engine = make(
+        clock,
+        max_num_seqs=max_num_seqs,
+        ttft=0.05,
+        itl=0.01,
+        itl_batch_factor=0.1,
+        prefill_time_per_token=0.001,
+        max_num_batched_tokens=max(chunk, max_num_seqs),
+        kv_cache_tokens=kv,
+    )
+    added: list[str] = []
+    seqs = []
+    for op, a, b in ops:
+        if op == "add":
+            rid = f"r{len(added)}"
+            added.append(rid)
+            seqs.append(engine.add(rid, max_tokens=a, prompt_tokens=b))
+        elif op == "abort" and added:
+            engine.abort(added[a % len(added)])
+        else:
+            clock.advance(a / 100)
+            while (due := engine.next_event_time()) is not None and due <= clock.now:
+                engine.step()
+        assert engine.num_running <= max_num_seqs
+        if kv is not None:
+            assert engine.kv_tokens_used <= kv
+    run_until_idle(engine, clock)
+    stats = engine.stats
+    assert engine.num_running == engine.num_waiting == 0
+    assert stats.requests_completed + stats.requests_aborted == len(seqs)
+    assert stats.tokens_generated == sum(s.generated for s in seqs)
+    assert all(s.generated == s.max_tokens for s in seqs if s.state is SeqState.FINISHED)
+    assert stats.prefill_tokens >= sum(s.prompt_tokens for s in seqs if s.state is SeqState.FINISHED)

@@ -83,7 +83,7 @@ def test_malformed_chat_requests_get_a_clear_error(raw: bytes, param: str | None
 
 @pytest.mark.parametrize(
     ("prompt", "tokens"),
-    [("abcdefgh", 2), (["abcd"], 1), ([1, 2, 3], 3), ([[5, 6]], 2)],
+    [("abcdefgh", 2), (["abcd"], 2), (["two words."], 4), ([1, 2, 3], 3), ([[5, 6]], 2)],
 )
 def test_completion_prompts(prompt: Any, tokens: int) -> None:
     req = parse_generation(

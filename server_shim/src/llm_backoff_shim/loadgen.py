@@ -45,6 +45,7 @@ import openai
 from llm_backoff import RetryPolicy, wrap
 from llm_backoff.budget import RetryBudget
 from llm_backoff_shim.access_log import json_records
+from llm_backoff_shim.loadgen_engine import EngineProbe
 from llm_backoff_shim.scenario import Arrival, RequestClass, Scenario, Setup
 
 Outcome = Literal["ok", "error", "deadline"]
@@ -106,6 +107,9 @@ class AttemptRecord:
 
 @dataclass
 class CallRecord:
+    """One logical call. ``tokens``/``prompt_tokens``: the answer's ``usage`` (the tokens
+    streamed, when no usage came); ``ttft_budget`` None means the deadline."""
+
     index: int
     cls: RequestClass
     scheduled: float
@@ -117,10 +121,23 @@ class CallRecord:
     error: str | None = None
     tokens: int = 0
     attempts: list[AttemptRecord] = field(default_factory=list)
+    ttft_budget: float | None = None
+    max_tokens: int | None = None
+    prompt_tokens: int = 0
+    streamed: int = 0
+    """Content chunks received (about one token each); what a caller who left got."""
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def within_budget(self) -> bool:
+        """Completed before its deadline, its first token within its TTFT budget."""
+        if not self.ok or self.ttft is None:
+            return False
+        budget = self.deadline if self.ttft_budget is None else self.ttft_budget
+        return self.ttft <= budget
 
     @property
     def duration(self) -> float | None:
@@ -142,6 +159,11 @@ class Sample:
 
 @dataclass
 class RunResult:
+    """``engine_stats``: the simulator's ``/sim/stats`` after the run, or for another engine
+    (vLLM) ``tokens_generated`` (its ``vllm:generation_tokens_total`` over the run) and
+    ``aborted_tokens`` (those not delivered in a completed answer). ``token_capacity``:
+    answer tokens/s the engine sustains (None: unknown), for the useful-token ceiling."""
+
     setup: Setup
     scenario: Scenario
     capacity: float
@@ -149,6 +171,7 @@ class RunResult:
     samples: list[Sample]
     engine_stats: dict[str, Any]
     elapsed: float
+    token_capacity: float | None = None
 
 
 @dataclass(frozen=True)
@@ -331,7 +354,7 @@ def _describe(exc: BaseException) -> str:
 def _budget(scenario: Scenario) -> RetryBudget:
     # One retry per first attempt, remembered for a whole call deadline: enough for a
     # caller to come back at its Retry-After, not enough for a fleet to double again.
-    return RetryBudget(ratio=1.0, min_per_second=2.0, ttl=scenario.deadline)
+    return RetryBudget(ratio=1.0, min_per_second=2.0, ttl=scenario.longest_deadline)
 
 
 def retry_policy(cls: RequestClass, scenario: Scenario, *, start_deadline: bool = True) -> RetryPolicy:
@@ -341,9 +364,10 @@ def retry_policy(cls: RequestClass, scenario: Scenario, *, start_deadline: bool 
     then sends what is left of it as ``x-request-timeout-ms``, so the shim refuses at once a
     request that cannot start in time, and no retry waits past it. Batch callers have no
     such budget. Plain openai callers have no such knob."""
+    deadline = scenario.deadline_of(cls)
     if start_deadline and cls == "interactive":
-        return RetryPolicy(deadline=scenario.deadline, start_deadline=scenario.ttft_budget)
-    return RetryPolicy(deadline=scenario.deadline)
+        return RetryPolicy(deadline=deadline, start_deadline=scenario.ttft_budget)
+    return RetryPolicy(deadline=deadline)
 
 
 def build_clients(
@@ -365,12 +389,15 @@ def build_clients(
                 base_url=base_url + "/v1",
                 api_key="demo",
                 http_client=http_client,
-                timeout=scenario.deadline,
+                timeout=scenario.deadline_of(cls),
                 default_headers={"x-request-class": cls},
             )
         else:
             raw = openai.AsyncOpenAI(
-                base_url=base_url + "/v1", api_key="demo", http_client=http_client, timeout=scenario.deadline
+                base_url=base_url + "/v1",
+                api_key="demo",
+                http_client=http_client,
+                timeout=scenario.deadline_of(cls),
             )
             policy = retry_policy(cls, scenario, start_deadline=start_deadline)
             clients[cls] = wrap(raw, policy, request_class=cls, budget=budget)
@@ -378,7 +405,13 @@ def build_clients(
 
 
 class LoadRun:
-    """One configuration against one scenario; :meth:`run` returns the records."""
+    """One configuration against one scenario; :meth:`run` returns the records.
+
+    ``engine_url`` is the engine behind everything (the simulator or a vLLM): it is
+    sampled for its queue (``/sim/stats``, else ``/metrics``) and its token counters are
+    read around the run. ``model`` is what every call asks for. ``token_capacity``
+    (answer tokens/s at full load) is passed through to the result.
+    """
 
     def __init__(
         self,
@@ -393,8 +426,10 @@ class LoadRun:
         model: str = "sim-model",
         progress: Callable[[Progress], None] | None = None,
         start_deadline: bool = True,
+        token_capacity: float | None = None,
     ) -> None:
         self.setup = setup
+        self.token_capacity = token_capacity
         self.scenario = scenario
         self.arrivals = list(arrivals)
         self.target_url = target_url
@@ -418,9 +453,10 @@ class LoadRun:
         # and a pool limit would queue them in the client instead of in the engine.
         limits = http.Limits(max_connections=None, max_keepalive_connections=64)
         transport = CountingTransport(http.AsyncHTTPTransport(limits=limits), self.clock, http.ByteStream)
-        async with http.AsyncClient(timeout=5.0) as probe, http.AsyncClient(transport=transport) as shared:
+        async with http.AsyncClient(timeout=5.0) as client, http.AsyncClient(transport=transport) as shared:
+            probe = EngineProbe(client, self.engine_url)
             await self._warm_up(shared)
-            await self._reset_engine(probe)
+            await probe.reset()
             clients = build_clients(
                 self.setup, self.scenario, self.target_url, shared, start_deadline=self.start_deadline
             )
@@ -437,8 +473,18 @@ class LoadRun:
                 with contextlib.suppress(asyncio.CancelledError):
                     await reporter
             elapsed = self.clock()
-            stats = await self._settled_engine_stats(probe)
-        return RunResult(self.setup, self.scenario, self.capacity, self.calls, self.samples, stats, elapsed)
+            delivered = sum(c.tokens for c in self.calls if c.ok)
+            stats = await probe.settled_stats(delivered)
+        return RunResult(
+            self.setup,
+            self.scenario,
+            self.capacity,
+            self.calls,
+            self.samples,
+            stats,
+            elapsed,
+            self.token_capacity,
+        )
 
     async def _drive(self, clients: dict[RequestClass, openai.AsyncOpenAI]) -> None:
         tasks: set[asyncio.Task[None]] = set()
@@ -447,10 +493,17 @@ class LoadRun:
                 delay = arrival.at - self.clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                record = CallRecord(arrival.index, arrival.cls, arrival.at, self.scenario.deadline)
+                record = CallRecord(
+                    arrival.index,
+                    arrival.cls,
+                    arrival.at,
+                    self.scenario.deadline_of(arrival.cls),
+                    ttft_budget=self.scenario.ttft_budget_of(arrival.cls),
+                    max_tokens=arrival.max_tokens,
+                )
                 self.calls.append(record)
                 self._sent += 1
-                tasks.add(asyncio.create_task(self._call(clients[arrival.cls], record)))
+                tasks.add(asyncio.create_task(self._call(clients[arrival.cls], record, arrival)))
             if tasks:
                 await asyncio.gather(*tasks)
         finally:
@@ -459,11 +512,11 @@ class LoadRun:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _call(self, client: openai.AsyncOpenAI, record: CallRecord) -> None:
+    async def _call(self, client: openai.AsyncOpenAI, record: CallRecord, arrival: Arrival) -> None:
         bind_call(record)  # each task runs in its own copy of the context
         record.start = self.clock()
         try:
-            await _within(self._stream(client, record), record.deadline)
+            await _within(self._stream(client, record, arrival), record.deadline)
         except asyncio.TimeoutError:
             record.outcome = "deadline"
             record.error = f"deadline ({record.deadline:g} s)"
@@ -474,19 +527,30 @@ class LoadRun:
             record.outcome = "ok"
         record.end = self.clock()
 
-    async def _stream(self, client: openai.AsyncOpenAI, record: CallRecord) -> None:
+    async def _stream(self, client: openai.AsyncOpenAI, record: CallRecord, arrival: Arrival) -> None:
+        extra: dict[str, Any] = {}
+        if arrival.max_tokens is not None:
+            extra["max_tokens"] = arrival.max_tokens
+        if arrival.ignore_eos:
+            extra["extra_body"] = {"ignore_eos": True}
         stream = await client.chat.completions.create(
             model=self.model,
-            messages=[{"role": "user", "content": f"call {record.index}"}],
+            messages=[{"role": "user", "content": arrival.prompt or f"call {record.index}"}],
             stream=True,
             stream_options={"include_usage": True},
+            **extra,
         )
         async with stream:
             async for chunk in stream:
-                if record.first_token is None and chunk.choices and chunk.choices[0].delta.content:
-                    record.first_token = self.clock()
+                if chunk.choices and chunk.choices[0].delta.content:
+                    record.streamed += 1
+                    if record.first_token is None:
+                        record.first_token = self.clock()
                 if chunk.usage is not None:
                     record.tokens = chunk.usage.completion_tokens
+                    record.prompt_tokens = chunk.usage.prompt_tokens
+        if record.tokens == 0:
+            record.tokens = record.streamed
 
     # -- side channels ------------------------------------------------------------------
 
@@ -507,43 +571,20 @@ class LoadRun:
             async for _ in stream:
                 pass
 
-    async def _reset_engine(self, probe: Any) -> None:
-        response = await probe.post(self.engine_url + "/sim/reset")
-        response.raise_for_status()
-
-    async def _json(self, probe: Any, url: str) -> dict[str, Any] | None:
-        try:
-            response = await probe.get(url)
-            if response.status_code != 200:
-                return None
-            data = response.json()
-        except Exception:
-            # A missed sample is a gap in a plot, not a reason to abort the run.
-            return None
-        return data if isinstance(data, dict) else None
-
-    async def _sample(self, probe: Any) -> None:
+    async def _sample(self, probe: EngineProbe) -> None:
         while True:
             started = self.clock()
-            engine = await self._json(probe, self.engine_url + "/sim/stats")
+            running, waiting = await probe.occupancy()
             queued = in_flight = None
             if self.shim_url is not None and self.setup.route == "shim":
-                state = await self._json(probe, self.shim_url + "/shim/state")
+                state = await probe.get_json(self.shim_url + "/shim/state")
                 if state is not None:
                     classes = state.get("classes", {}).values()
                     queued = sum(int(c.get("queued", 0)) for c in classes)
                     in_flight = sum(int(c.get("in_flight", 0)) for c in classes)
             # Stamped when the answers are in: under a burst the poll itself can wait
             # a while for the event loop, and the state it reports is the later one.
-            self.samples.append(
-                Sample(
-                    self.clock(),
-                    None if engine is None else int(engine["running"]),
-                    None if engine is None else int(engine["waiting"]),
-                    queued,
-                    in_flight,
-                )
-            )
+            self.samples.append(Sample(self.clock(), running, waiting, queued, in_flight))
             await asyncio.sleep(max(0.0, SAMPLE_EVERY - (self.clock() - started)))
 
     async def _report(self) -> None:
@@ -567,17 +608,6 @@ class LoadRun:
             engine_waiting=None if last is None else last.engine_waiting,
             proxy_queued=None if last is None else last.proxy_queued,
         )
-
-    async def _settled_engine_stats(self, probe: Any, timeout: float = 5.0) -> dict[str, Any]:
-        """The engine's accounting once the callers' disconnects have reached it."""
-        end = time.monotonic() + timeout
-        stats: dict[str, Any] = {}
-        while True:
-            stats = await self._json(probe, self.engine_url + "/sim/stats") or stats
-            idle = stats.get("running") == 0 and stats.get("waiting") == 0
-            if idle or time.monotonic() > end:
-                return stats
-            await asyncio.sleep(0.1)
 
 
 async def _within(call: Coroutine[Any, Any, None], seconds: float) -> None:

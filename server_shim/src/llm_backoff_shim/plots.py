@@ -6,6 +6,7 @@ Matplotlib runs on the Agg backend (no display needed); it is imported only here
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def save_plot(results: Sequence[RunResult], path: Path, *, title: str) -> Path:
     end = max((r.elapsed for r in results), default=1.0)
     for row, result in enumerate(results):
         lat, queue, rej = axes[row]
-        deadline = result.scenario.deadline
+        scenario = result.scenario
         for cls, colour in (("interactive", "tab:blue"), ("batch", "tab:green")):
             ok = [c for c in result.calls if c.cls == cls and c.ok and c.ttft is not None]
             lat.scatter(
@@ -50,7 +51,13 @@ def save_plot(results: Sequence[RunResult], path: Path, *, title: str) -> Path:
             color="tab:red",
             label="failed: time to failure",
         )
-        lat.axhline(deadline, color="grey", linestyle="--", linewidth=1, label=f"deadline {deadline:g} s")
+        deadlines = {scenario.deadline_of("interactive"): "", scenario.deadline_of("batch"): " (batch)"}
+        if len(deadlines) > 1:
+            deadlines[scenario.deadline_of("interactive")] = " (interactive)"
+        for deadline, whose in deadlines.items():
+            lat.axhline(
+                deadline, color="grey", linestyle="--", linewidth=1, label=f"deadline {deadline:g} s{whose}"
+            )
         lat.set_ylabel(result.setup.label + "\nseconds", fontsize=9)
         samples = result.samples
         queue.plot(
@@ -94,7 +101,7 @@ def save_plot(results: Sequence[RunResult], path: Path, *, title: str) -> Path:
         top = max(ax.get_ylim()[1] for ax in axes[:, col])
         for ax in axes[:, col]:
             ax.set_ylim(0, top)
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle("\n".join(textwrap.wrap(title, width=170)), fontsize=11)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

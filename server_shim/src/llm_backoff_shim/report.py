@@ -38,6 +38,15 @@ Definitions (the issue names the figures; these are the exact rules used):
   the others ran into the deadline, either still waiting for a first token or
   *mid-stream* (tokens had started to arrive and the stream was cut: the engine
   worked for a caller who then left).
+- **served within budget**: a call that completed before its deadline and whose first
+  token came within its class's TTFT budget (interactive: the scenario's
+  ``ttft_budget``; batch: its deadline, so every completed batch call is).
+- **useful tokens**: answer tokens (``usage.completion_tokens``) of the calls served within
+  budget: interactive tokens that began in time plus batch tokens delivered by their
+  deadline. Against it, the **ceiling**: the engine's answer tokens/s at full load times
+  (the arrival window + the batch deadline), the most any scheduler could deliver.
+- **failures under 1 s**: the share of failed calls whose caller knew within 1 s
+  (:data:`FAST_FAILURE`) of starting; **p90 time to failure** over the failed calls.
 """
 
 from __future__ import annotations
@@ -50,6 +59,8 @@ from llm_backoff_shim.access_log import json_records
 from llm_backoff_shim.loadgen import CallRecord, RunResult
 
 WAVE_WINDOW = 0.1
+#: A failure a caller learns of within this many seconds "failed fast".
+FAST_FAILURE = 1.0
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -131,6 +142,29 @@ class Figures:
     #: as a delay before reading; the shim's whole handling is.
     wire_rejection_p99: float | None = None
     wire_rejections: int = 0
+    #: Served within budget (module doc): interactive calls, and batch calls completed.
+    interactive_within_budget: int = 0
+    batch_calls: int = 0
+    batch_ok: int = 0
+    useful_tokens: int = 0
+    #: The most any scheduler could deliver (module doc); None without the engine's token rate.
+    useful_ceiling: float | None = None
+    failed_under_1s: int = 0
+    failure_p90: float | None = None
+    preemptions: int = 0
+
+    @property
+    def batch_served(self) -> float | None:
+        return self.batch_ok / self.batch_calls if self.batch_calls else None
+
+    @property
+    def useful_fraction(self) -> float | None:
+        return self.useful_tokens / self.useful_ceiling if self.useful_ceiling else None
+
+    @property
+    def failed_fast_share(self) -> float | None:
+        failed = self.calls - self.ok
+        return self.failed_under_1s / failed if failed else None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -185,6 +219,15 @@ def figures(result: RunResult) -> Figures:
     for c in failed:
         key = c.error or c.outcome or "unknown"
         errors[key] = errors.get(key, 0) + 1
+    batch = [c for c in calls if c.cls == "batch"]
+    served = [c for c in calls if c.within_budget]
+    failure_times = [c.duration for c in failed if c.duration is not None]
+    scenario = result.scenario
+    ceiling = (
+        None
+        if result.token_capacity is None
+        else result.token_capacity * (scenario.duration + scenario.deadline_of("batch"))
+    )
     engine_waiting = [s.engine_waiting for s in result.samples if s.engine_waiting is not None]
     proxy_queued = [s.proxy_queued for s in result.samples if s.proxy_queued is not None]
     return Figures(
@@ -231,6 +274,14 @@ def figures(result: RunResult) -> Figures:
         shim_refused_from_head=sum(
             1 for a in attempts if a.rejected and a.shim_seconds is not None and a.shim_body_seconds is None
         ),
+        interactive_within_budget=sum(1 for c in served if c.cls == "interactive"),
+        batch_calls=len(batch),
+        batch_ok=sum(1 for c in batch if c.ok),
+        useful_tokens=sum(c.tokens for c in served),
+        useful_ceiling=ceiling,
+        failed_under_1s=sum(1 for t in failure_times if t < FAST_FAILURE),
+        failure_p90=percentile(failure_times, 90),
+        preemptions=int(stats.get("preemptions", 0)),
     )
 
 
@@ -258,9 +309,27 @@ def rows(f: Figures) -> list[tuple[str, str]]:
         if failed
         else "none"
     )
+    ceiling = (
+        ""
+        if f.useful_fraction is None
+        else f" = {f.useful_fraction:.0%} of the ceiling {f.useful_ceiling:.0f}"
+    )
     return [
         ("success within deadline", f"{f.ok}/{f.calls} = {f.success_rate:.0%}"),
+        ("useful tokens", f"{f.useful_tokens}{ceiling} (answers served within their class's budget)"),
+        (
+            "interactive served within budget",
+            f"{f.interactive_within_budget}/{f.interactive_calls} (TTFT <= {f.ttft_budget:g} s)",
+        ),
+        (
+            "batch served",
+            f"{f.batch_ok}/{f.batch_calls}" + (f" = {_share(f.batch_served)}" if f.batch_calls else ""),
+        ),
         ("failures", fail_note),
+        (
+            "  known within 1 s / p90 time to failure",
+            f"{_share(f.failed_fast_share)} / {_seconds(f.failure_p90)}",
+        ),
         (
             "interactive TTFT p50 / p99",
             f"{_seconds(f.ttft_p50)} / {_seconds(f.ttft_p99)} (budget {f.ttft_budget:g} s, "
@@ -375,6 +444,19 @@ def comparison(all_figures: Sequence[Figures]) -> str:
     """One compact side-by-side table of the headline figures."""
     header = ["", *[f.label for f in all_figures]]
     lines_data: list[list[str]] = [
+        ["useful tokens", *[str(f.useful_tokens) for f in all_figures]],
+        *(
+            [["  of the ceiling", *[_share(f.useful_fraction) for f in all_figures]]]
+            if any(f.useful_fraction is not None for f in all_figures)
+            else []
+        ),
+        [
+            "interactive within budget",
+            *[f"{f.interactive_within_budget}/{f.interactive_calls}" for f in all_figures],
+        ],
+        ["batch served", *[_share(f.batch_served) for f in all_figures]],
+        ["failures known < 1 s", *[_share(f.failed_fast_share) for f in all_figures]],
+        *_seconds_row("p90 time to failure", [f.failure_p90 for f in all_figures]),
         ["success within deadline", *[f"{f.success_rate:.0%}" for f in all_figures]],
         ["interactive TTFT p99", *[_seconds(f.ttft_p99) for f in all_figures]],
         ["p99 time to rejection", *[_seconds(f.rejection_p99) for f in all_figures]],

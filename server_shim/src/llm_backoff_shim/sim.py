@@ -2,6 +2,14 @@
 
     llm-backoff-shim sim --port 8000 --max-num-seqs 8 --ttft 0.2 --itl 0.025 --output-tokens 40
 
+The work follows each request as on vLLM: prefill time grows with the prompt (estimated
+at 1.3 tokens per word), the answer is ``max_tokens`` long with ``ignore_eos`` and
+otherwise a natural length drawn per request (lognormal around ``--output-tokens``) cut
+to ``max_tokens``; the running requests advance together in engine steps that get
+slower as the batch grows, prompts prefilled in chunks between the decode tokens; with
+``--kv-cache-tokens`` the youngest request is preempted when the cache is full
+(``sim_engine``'s doc has the cost model).
+
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or
 not), ``POST /v1/messages`` (Anthropic's, streaming or not: sim_anthropic.py),
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM
@@ -39,6 +47,10 @@ from .sim_runtime import SimRuntime
 
 __all__ = ["SimConfig", "create_sim_app", "main"]
 
+#: The ``sim`` command's spread of natural answer lengths: varied, as chat answers are.
+#: (``SimConfig`` defaults to 0, fixed lengths, which tests of other components want.)
+CLI_OUTPUT_SIGMA = 0.8
+
 
 def _stats_json(runtime: SimRuntime) -> dict[str, object]:
     engine = runtime.engine
@@ -46,6 +58,7 @@ def _stats_json(runtime: SimRuntime) -> dict[str, object]:
     data["running"] = engine.num_running
     data["waiting"] = engine.num_waiting
     data["kv_cache_usage_perc"] = engine.kv_cache_usage
+    data["kv_tokens_used"] = engine.kv_tokens_used
     return data
 
 
@@ -157,7 +170,40 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-tokens",
         type=int,
         default=defaults.output_tokens,
-        help="tokens per answer; a smaller max_tokens/max_completion_tokens in the request wins",
+        help="median natural answer length; a smaller max_tokens/max_completion_tokens in the request "
+        "wins, and with ignore_eos the request's max_tokens is the exact length",
+    )
+    p.add_argument(
+        "--output-tokens-sigma",
+        type=float,
+        default=CLI_OUTPUT_SIGMA,
+        help="spread of the natural answer lengths (sigma of a lognormal around --output-tokens; "
+        "0 = every answer exactly --output-tokens)",
+    )
+    p.add_argument(
+        "--output-tokens-max",
+        type=_optional_int,
+        default=None,
+        help="longest natural answer (default: 8 x --output-tokens)",
+    )
+    p.add_argument(
+        "--prefill-time-per-token",
+        type=float,
+        default=defaults.prefill_time_per_token,
+        help="engine step seconds per prompt token prefilled (slows the decode steps it shares)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=defaults.max_num_batched_tokens,
+        help="like vLLM: tokens per engine step, decode tokens plus a chunk of prefill",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=_optional_int,
+        default=None,
+        help="KV-cache size in tokens (prompt + generated of the running requests); when full the "
+        "youngest request is preempted and recomputed later, like vLLM (default: unbounded)",
     )
     p.add_argument(
         "--error-rate", type=float, default=0.0, help="fraction of requests answered with HTTP 500"
@@ -207,6 +253,11 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         itl=args.itl,
         itl_batch_factor=args.itl_batch_factor,
         output_tokens=args.output_tokens,
+        output_tokens_sigma=args.output_tokens_sigma,
+        output_tokens_max=args.output_tokens_max,
+        prefill_time_per_token=args.prefill_time_per_token,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_tokens=args.kv_cache_tokens,
         error_rate=args.error_rate,
         reset_rate=args.reset_rate,
         slow_first_byte_rate=args.slow_first_byte_rate,

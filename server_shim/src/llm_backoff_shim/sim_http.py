@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from .sim_engine import AbortReason, QueueFullError, SeqState
+from .sim_engine import AbortReason, PromptTooLongError, QueueFullError, SeqState
 from .sim_faults import plan_faults
 from .sim_protocol import BadRequestError, Kind, ResponseEncoder, error_body, parse_generation
 from .sim_runtime import SimRuntime, Ticket
@@ -152,7 +152,7 @@ class GenerationEndpoint:
         config = runtime.config
         try:
             request = parse_generation(
-                self.kind, raw, default_model=config.model, output_tokens=config.output_tokens
+                self.kind, raw, default_model=config.model, output_tokens=runtime.natural_length()
             )
         except BadRequestError as exc:
             stats.requests_invalid += 1
@@ -184,10 +184,19 @@ class GenerationEndpoint:
                 return
             request_id = self._id_prefix + uuid.uuid4().hex
             try:
+                kv = config.kv_cache_tokens
+                asked = request.limit or request.max_tokens
+                if kv is not None and request.prompt_tokens + asked > kv:
+                    # vLLM checks what was asked for against the context, not what it will make.
+                    raise PromptTooLongError(request.prompt_tokens, asked, kv)
                 ticket = runtime.submit(request_id, request)
             except QueueFullError:
                 body = error_body(QUEUE_FULL_MESSAGE, "ServiceUnavailableError", 503)
                 await send_json(send, 503, body)
+                return
+            except PromptTooLongError as exc:
+                stats.requests_invalid += 1
+                await send_json(send, 400, error_body(str(exc), "BadRequestError", 400))
                 return
             client.ticket = ticket
             encoder = ResponseEncoder(

@@ -63,6 +63,9 @@ class _EngineCollector(Collector):
         yield counter(
             "vllm:generation_tokens", "Number of generation tokens processed.", stats.tokens_generated
         )
+        yield counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions
+        )
 
         yield counter(
             "sim_requests_received", "Generation requests received (valid JSON).", stats.requests_received

@@ -6,6 +6,16 @@ and ``text_completion`` objects, ``usage`` in non-streamed answers and, when
 then ``data: [DONE]``. Errors use vLLM's shape:
 ``{"error": {"message", "type", "param", "code": <HTTP status>}}``.
 
+Prompt tokens are estimated without a tokenizer: 1.3 tokens per word, a word being a run
+of letters and digits or a punctuation mark (English text through the usual BPE
+tokenizers averages about that); token-id prompts count exactly. Each chat message adds 4
+for its role and the template's separators.
+
+Answer length: with vLLM's extra parameter ``ignore_eos`` and a ``max_tokens`` (or
+``max_completion_tokens``), exactly that many tokens (finish_reason ``length``); otherwise
+the request's natural length (drawn by the caller of :func:`parse_generation`), cut to
+``max_tokens`` when that is smaller (``length``), else ``stop``.
+
 The generated text is deterministic filler: ``"token0 token1 token2 ..."``, one word per
 token. Streaming chunks are assembled from pre-encoded byte pieces so a token costs a
 few ``bytes`` joins, not a ``json.dumps``.
@@ -14,6 +24,8 @@ few ``bytes`` joins, not a ``json.dumps``.
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,11 +59,18 @@ class GenerationRequest:
     max_tokens: int
     finish_reason: str
     prompt_tokens: int
+    ignore_eos: bool = False
+    limit: int | None = None
+    """The request's ``max_completion_tokens``/``max_tokens`` as sent (None: not sent)."""
 
 
-def _estimate_tokens(text: str) -> int:
-    # About four characters per token for English text, as tokenizers average.
-    return max(1, (len(text) + 3) // 4)
+TOKENS_PER_WORD = 1.3
+_PIECES = re.compile(r"\w+|[^\w\s]")
+
+
+def estimate_tokens(text: str) -> int:
+    """Tokens of ``text`` by the module doc's estimate (at least 1)."""
+    return max(1, math.ceil(TOKENS_PER_WORD * len(_PIECES.findall(text))))
 
 
 def _optional_positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -73,11 +92,11 @@ def _chat_prompt_tokens(body: dict[str, Any]) -> int:
             raise BadRequestError("Each message must be an object with a string `role`.", param="messages")
         content = message.get("content")
         if isinstance(content, str):
-            total += _estimate_tokens(content)
+            total += estimate_tokens(content)
         elif isinstance(content, list):
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += _estimate_tokens(part["text"])
+                    total += estimate_tokens(part["text"])
         elif content is not None:
             raise BadRequestError(
                 "Message `content` must be a string, a list of parts or null.", param="messages"
@@ -91,7 +110,7 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return _estimate_tokens(prompt)
+        return estimate_tokens(prompt)
     if (
         isinstance(prompt, list)
         and prompt
@@ -106,6 +125,8 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
 
 def parse_generation(kind: Kind, raw: bytes, *, default_model: str, output_tokens: int) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` or ``/v1/completions`` body.
+
+    ``output_tokens`` is this request's natural answer length (module doc).
 
     Raises :class:`BadRequestError` with an OpenAI-style message for anything malformed.
     """
@@ -148,12 +169,18 @@ def parse_generation(kind: Kind, raw: bytes, *, default_model: str, output_token
     if n is not None and n != 1:
         raise BadRequestError("The simulator generates one choice per request; `n` must be 1.", param="n")
 
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is None:
+        ignore_eos = False
+    elif not isinstance(ignore_eos, bool):
+        raise BadRequestError("`ignore_eos` must be a boolean.", param="ignore_eos")
+
     limit: int | None = None
     if kind == "chat":
         limit = _optional_positive_int(body, "max_completion_tokens")
     if limit is None:
         limit = _optional_positive_int(body, "max_tokens")
-    if limit is not None and limit < output_tokens:
+    if limit is not None and (ignore_eos or limit < output_tokens):
         max_tokens, finish_reason = limit, "length"
     else:
         max_tokens, finish_reason = output_tokens, "stop"
@@ -166,6 +193,8 @@ def parse_generation(kind: Kind, raw: bytes, *, default_model: str, output_token
         max_tokens=max_tokens,
         finish_reason=finish_reason,
         prompt_tokens=prompt_tokens,
+        ignore_eos=ignore_eos,
+        limit=limit,
     )
 
 

@@ -70,6 +70,8 @@ class SimRuntime:
         self.config = config
         self.clock = clock
         self.rng = rng if rng is not None else random.Random(config.seed)
+        # Apart from the fault draws, so lengths do not shift which requests get faults.
+        self.length_rng = random.Random(None if config.seed is None else f"lengths:{config.seed}")
         self.stats = SimStats()
         self.engine = SimEngine(
             EngineParams(
@@ -79,6 +81,9 @@ class SimRuntime:
                 itl_batch_factor=config.itl_batch_factor,
                 max_num_queued_reqs=config.max_num_queued_reqs,
                 tick_slack=TICK_SLACK,
+                prefill_time_per_token=config.prefill_time_per_token,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                kv_cache_tokens=config.kv_cache_tokens,
             ),
             clock,
             self.stats,
@@ -107,8 +112,13 @@ class SimRuntime:
 
     # -- handler API ----------------------------------------------------------------
 
+    def natural_length(self) -> int:
+        """The next request's natural answer length (``SimConfig.natural_length``)."""
+        return self.config.natural_length(self.length_rng)
+
     def submit(self, request_id: str, request: GenerationRequest) -> Ticket:
-        """Hand a request to the engine. Raises ``QueueFullError`` when it is refused."""
+        """Hand a request to the engine. Raises ``QueueFullError`` when it is refused and
+        ``PromptTooLongError`` when it can never fit the KV cache."""
         self.start()
         seq = self.engine.add(
             request_id,
