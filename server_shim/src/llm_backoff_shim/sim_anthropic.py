@@ -189,7 +189,7 @@ class MessagesEndpoint:
         config = runtime.config
         try:
             request, limited = parse_messages(
-                raw, default_model=config.model, output_tokens=config.output_tokens
+                raw, default_model=config.model, output_tokens=runtime.natural_length()
             )
         except AnthropicBadRequestError as exc:
             stats.requests_invalid += 1
