@@ -27,8 +27,29 @@ from collections.abc import Sequence
 
 from bench_overload import scenarios
 from llm_backoff_shim.demo import shim_flags
-from llm_backoff_shim.overload_model import ModelResult, OverloadModel
+from llm_backoff_shim.overload_model import ModelResult, OutputLengths, OverloadModel, service_of
 from llm_backoff_shim.scenario import EngineShape, Scenario, demo_scenario
+
+
+def varied_scenarios(shape: EngineShape, lengths: OutputLengths) -> list[tuple[Scenario, list[str]]]:
+    """A load like the real-engine comparison's: 2x capacity for 30 s, 70 % interactive callers
+    that must begin within 5 s, a 20 s deadline per call; once behind the demo's sizing (a
+    queue of two batches, nobody waits longer than the TTFT budget), once behind a sizing like
+    ``calibrate``'s on that engine (5 queue places, a queue wait of one mean service time)."""
+    scenario = Scenario("varied-2x", burst=0, rate_factor=2.0, duration=30, deadline=20, ttft_budget=5)
+    mean_service = service_of(shape, 1) + (lengths.mean() - 1) * shape.itl
+    calibrated = [
+        "--max-concurrency",
+        str(shape.slots),
+        "--max-queue",
+        "5",
+        "--max-queue-wait",
+        f"{mean_service:.2f}",
+        "--initial-service-time",
+        f"{mean_service:.2f}",
+    ]
+    small = dataclasses.replace(scenario, name="varied-2x-small-queue")
+    return [(scenario, shim_flags(shape, scenario)), (small, calibrated)]
 
 
 def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
@@ -50,7 +71,16 @@ def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
         f"{sum(r.idle_slot_seconds for r in results) / len(results):.1f}",
         f"{sum(len(r.refused_after_a_wait) for r in results)} of "
         f"{sum(len(c.refusal_times) for r in results for c in r.calls)}",
+        f"{_median([r.idle_while_servable_share for r in results]):.1%} "
+        f"(max {max(r.idle_while_servable_share for r in results):.1%})",
+        f"{_median([r.useful_share for r in results]):.2f}",
     ]
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,17 +101,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="each request holds its slot service time x U(1 - j, 1 + j) (default 0: exact)",
     )
+    p.add_argument(
+        "--lengths",
+        default="",
+        metavar="MEDIAN,SIGMA,CAP",
+        help="output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens with "
+        "ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)",
+    )
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
     if not 0 <= args.service_jitter < 1:
         p.error("--service-jitter must be in [0, 1)")
+    lengths = None
+    if args.lengths:
+        try:
+            median, sigma, cap = args.lengths.split(",")
+            lengths = OutputLengths(float(median), float(sigma), int(cap))
+        except ValueError as exc:
+            p.error(f"--lengths {args.lengths}: {exc} (want MEDIAN,SIGMA,CAP)")
     shape = EngineShape()
-    chosen = [*scenarios(quick=False), demo_scenario(quick=False)]
+    chosen = [(s, shim_flags(shape, s)) for s in [*scenarios(quick=False), demo_scenario(quick=False)]]
+    if lengths is not None:
+        chosen += varied_scenarios(shape, lengths)
     if args.start_deadline_everywhere:
-        chosen = [dataclasses.replace(s, start_deadline=True) for s in chosen]
+        chosen = [(dataclasses.replace(s, start_deadline=True), f) for s, f in chosen]
     if args.only:
-        chosen = [s for s in chosen if s.name in set(args.only.split(","))]
+        chosen = [(s, f) for s, f in chosen if s.name in set(args.only.split(","))]
         if not chosen:
             p.error(f"--only {args.only}: no such scenario")
     header = [
@@ -95,14 +141,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "worst interactive TTFT p99",
         "idle slot-s per run",
         "refusals after a wait",
+        "idle while a caller could be served (median)",
+        "useful / capacity (median)",
     ]
     rows = []
     started = time.monotonic()
-    for scenario in chosen:
-        flags = [*shim_flags(shape, scenario), *args.shim_flag]
+    for scenario, sizing in chosen:
+        flags = [*sizing, *args.shim_flag]
         results = []
         for seed in range(1, args.seeds + 1):
-            model = OverloadModel(scenario, shape, flags, seed=seed, service_jitter=args.service_jitter)
+            model = OverloadModel(
+                scenario, shape, flags, seed=seed, service_jitter=args.service_jitter, lengths=lengths
+            )
             results.append(model.run())
             print(f"\r{scenario.name}: {seed}/{args.seeds} runs", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)

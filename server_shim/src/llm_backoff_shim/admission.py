@@ -82,7 +82,7 @@ import enum
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -124,19 +124,43 @@ class ClassPolicy:
 @dataclass(frozen=True)
 class AdmissionRequest:
     """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
-    whether the body asks for a stream (served at the first token rather than at the end), and
-    how many times the caller says it has retried this call (``x-stainless-retry-count``)."""
+    whether the body asks for a stream (served at the first token rather than at the end),
+    how many times the caller says it has retried this call (``x-stainless-retry-count``), and
+    the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
+    when it does not say)."""
 
     cls: str
     budget: float | None = None
     tenant: str | None = None
     stream: bool = False
     retry: int = 0
+    max_tokens: int | None = None
 
     @property
     def returning(self) -> bool:
         """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
         return self.retry >= 1
+
+
+#: How far past the slots the higher classes' known demand takes a lower-class caller's first
+#: slot may be held back for their arrivals meanwhile, in service times (``_reject``; the
+#: controller's ``horizon_services``, None for no cap). Measured
+#: in the virtual-time model (docs/benchmarks.md, "Work-conserving admission"): without the
+#: cap (the whole higher-class queue wait, 10 s there) the engine idled for seconds at the
+#: end of a 1.2x run while batch callers waited out their hints; with no horizon at all a
+#: burst's interactive callers lost slots to batch promises.
+HORIZON_SERVICES = 2.0
+
+
+def requested_max_tokens(body: Mapping[str, object]) -> int | None:
+    """The most output tokens a request body asks for (``max_completion_tokens``, else
+    ``max_tokens``), or None when it names no positive whole number. The engine validates
+    the body; this only reads what the admission decision may use."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
 
 
 #: Larger claimed retry counts are read as this: the number only matters as ">= 1".
@@ -279,6 +303,8 @@ class AdmissionView(Protocol):
 
     def outlook(self, cls: str) -> ClassOutlook: ...
 
+    def next_run(self, cls: str) -> float | None: ...
+
 
 class AdmissionGate(Protocol):
     """A pre-admission check; return a refusal to turn the request away before it queues."""
@@ -336,6 +362,7 @@ class AdmissionController:
         returning_share: float = 0.25,
         returning_first: bool = True,
         promise_slack: float = 0.1,
+        horizon_services: float | None = HORIZON_SERVICES,
     ) -> None:
         if not policies:
             raise ValueError("at least one traffic class is needed")
@@ -358,6 +385,9 @@ class AdmissionController:
         # Share of a class's max_queue_wait a newcomer must leave a queued request of it when
         # going ahead: the estimate's error (see _place).
         self._promise_slack = promise_slack
+        if horizon_services is not None and not horizon_services >= 0:
+            raise ValueError("horizon_services must be >= 0 (or None: no cap)")
+        self._horizon_services = horizon_services  # see HORIZON_SERVICES
         # Off: every request is fresh (one FIFO per class, no places kept), as before.
         self._returning_first = returning_first
         self._limit = limit
@@ -390,6 +420,7 @@ class AdmissionController:
         # When each class last saw a fresh arrival (ClassOutlook.fresh_recently).
         self._last_fresh: dict[str, float] = {}
         self._moved: Dispatch | None = None  # see take_moved
+        self._offer: AdmissionRequest | None = None  # a newcomer offered a free slot (next_run)
         self._overtaken_total = 0
         self._ids = itertools.count(1)
 
@@ -442,6 +473,20 @@ class AdmissionController:
         if not promised:
             return ClassOutlook(0, 0, fresh)
         return ClassOutlook(promised, estimator.promised_within((cls,), -math.inf, now + service), fresh)
+
+    def next_run(self, cls: str) -> float | None:
+        """Seconds the request of ``cls`` that would take the next slot (its queue's head, or the
+        newcomer offered a free slot) is expected to hold it: its ``max_tokens`` at the measured
+        token rate (:meth:`DrainEstimator.run_time`). None when there is none, it does not say
+        how long its answer may be, or no token rate was measured yet."""
+        offer = self._offer
+        if offer is not None and offer.cls == cls:
+            request = offer
+        elif self._queues[cls]:
+            request = self._queues[cls][0].request
+        else:
+            return None
+        return self._estimator.run_time(request.max_tokens)
 
     def queued_returning(self, cls: str) -> int:
         """Queued requests of ``cls`` that said they are retries (and count as returning)."""
@@ -515,11 +560,15 @@ class AdmissionController:
             # anyone (it is queued, admitted or refused and told a new one).
             self._estimator.redeem(cls)
         # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
-        if (
-            not self._queued_total
-            and self._in_flight_total < self._limit.limit
-            and self._scheduler.pick((cls,), self) == cls
-        ):
+        if not self._queued_total and self._in_flight_total < self._limit.limit:
+            self._offer = request
+            try:
+                offered = self._scheduler.pick((cls,), self) == cls
+            finally:
+                self._offer = None
+        else:
+            offered = False
+        if offered:
             if self._short_of(ticket, now) is not None:
                 self._expire(ticket)
                 assert ticket.rejection is not None
@@ -617,6 +666,8 @@ class AdmissionController:
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
             self._estimator.observe_completion(ticket.cls, service_time)
+            if ticket.request.max_tokens is not None:
+                self._estimator.observe_tokens(ticket.request.max_tokens, service_time)
         self._limit.on_complete(
             service_time=service_time,
             in_flight=self.in_flight(),
@@ -1015,10 +1066,17 @@ class AdmissionController:
         # A lower-class caller that sent a budget reaching past the longest queue wait of the
         # classes above it is promised no slot before then: those slots are left to
         # higher-class callers (refused now or arriving meanwhile), whose budgets are usually
-        # the shorter; the timeline fills gaps, so they can still be promised them.
+        # the shorter; the timeline fills gaps, so they can still be promised them. No further,
+        # though, than the slots the higher classes' known demand (queued, promised) takes plus
+        # HORIZON_SERVICES service times for their arrivals meanwhile: past that the engine
+        # would idle while the lower class's callers wait out their hints.
         horizon = 0.0
         if usable is not None and higher:
             horizon = max(self._policies[c].max_queue_wait for c in higher)
+            if self._horizon_services is not None:
+                known = sum(len(self._queues[c]) + est.outstanding(c) for c in higher)
+                at = est.slot_times(self.limit, self._admitted)
+                horizon = min(horizon, at(known + 1) + self._horizon_services * est.service_time)
             if est.latest_return(est.aim(horizon)) > usable:
                 horizon = 0.0
         # Only a caller that says how long it will wait is served as returning when it comes
