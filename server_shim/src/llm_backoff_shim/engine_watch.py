@@ -114,11 +114,19 @@ class SaturationDetector:
         self._in_flight_then = 0
         self._slots: float | None = None  # learned from a scrape of a full engine
 
-    def observe(self, sample: EngineSample) -> None:
+    def in_flight_now(self) -> int | None:
+        """The shim's requests in flight, read when a scrape is sent (:meth:`observe`'s ``then``)."""
+        return None if self._in_flight is None else self._in_flight()
+
+    def observe(self, sample: EngineSample, then: int | None = None) -> None:
+        """Take a scrape; ``then``: the shim's in-flight count when it was sent. Admissions
+        after that count as sent since, even those the scrape already saw (it errs towards
+        holding, for one poll interval at most); one admitted before it and still on its way
+        to the engine would be missed otherwise."""
         self._last = sample
         self._at = self._clock()
         if self._in_flight is not None:
-            self._in_flight_then = self._in_flight()
+            self._in_flight_then = self._in_flight() if then is None else then
         if sample.waiting > 0 and sample.running > 0:
             self._slots = max(self._slots or 0.0, sample.running)
 
@@ -195,6 +203,7 @@ class EngineWatch:
 
     async def scrape_once(self) -> None:
         before = self.detector.hold(None)
+        then = self.detector.in_flight_now()
         timeout = aiohttp.ClientTimeout(
             total=max(0.05, min(self._interval * 4, self.detector.config.stale_after))
         )
@@ -203,7 +212,7 @@ class EngineWatch:
                 text = await response.text()
                 if response.status != 200:
                     raise ValueError(f"engine metrics answered {response.status}")
-            self.detector.observe(parse_engine_metrics(text))
+            self.detector.observe(parse_engine_metrics(text), then)
             self.scrapes += 1
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             self.failures += 1
