@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from bench_overload import scenarios
 from llm_backoff_shim.demo import shim_flags
@@ -77,6 +79,63 @@ def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
     ]
 
 
+def measures(results: Sequence[ModelResult]) -> dict[str, list[float]]:
+    """Per seed: idle share while a caller could be served, useful / capacity, share served."""
+    return {
+        "idle_while_servable": [r.idle_while_servable_share for r in results],
+        "useful": [r.useful_share for r in results],
+        "served": [r.successes / len(r.calls) for r in results],
+    }
+
+
+Runs = Mapping[str, Mapping[str, Sequence[float]]]
+
+
+def save_plot(path: Path, after: Runs, before: Runs | None, title: str) -> None:
+    """Per scenario: median (bars) and range over seeds (whiskers), before beside after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(after)
+    panels = (
+        ("idle_while_servable", "slot-time idle while a caller could be served", 100.0, "%"),
+        ("served", "calls served within the deadline", 100.0, "%"),
+        ("useful", "useful tokens / capacity bound", 1.0, ""),
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5))
+    sets: list[tuple[str, Runs | None, str]] = [("", after, "tab:blue")]
+    if before:
+        sets = [("before", before, "tab:gray"), ("after", after, "tab:blue")]
+    width = 0.8 / len(sets)
+    for ax, (key, label, scale, unit) in zip(axes, panels, strict=True):
+        for i, (tag, runs, colour) in enumerate(sets):
+            assert runs is not None
+            xs, mids, lows, highs = [], [], [], []
+            for j, name in enumerate(names):
+                values = runs.get(name, {}).get(key)
+                if not values:
+                    continue
+                mid = _median(values) * scale
+                xs.append(j + (i - (len(sets) - 1) / 2) * width)
+                mids.append(mid)
+                lows.append(mid - min(values) * scale)
+                highs.append(max(values) * scale - mid)
+            ax.bar(xs, mids, width, yerr=[lows, highs], color=colour, label=tag or None, capsize=3)
+        if key == "idle_while_servable":
+            ax.axhline(2.0, color="tab:red", linestyle="--", linewidth=1, label="target 2 %")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_title(label, fontsize=10)
+        if unit:
+            ax.set_ylabel(unit)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -108,6 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens with "
         "ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)",
     )
+    p.add_argument("--json", type=Path, help="write each scenario's per-seed measures here")
+    p.add_argument("--plot", type=Path, help="write a PNG of the measures here (with --before: side by side)")
+    p.add_argument("--before", type=Path, help="a --json file of the reference run, for --plot")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error("--seeds must be >= 1")
@@ -145,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "useful / capacity (median)",
     ]
     rows = []
+    runs: dict[str, dict[str, list[float]]] = {}
     started = time.monotonic()
     for scenario, sizing in chosen:
         flags = [*sizing, *args.shim_flag]
@@ -157,11 +220,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\r{scenario.name}: {seed}/{args.seeds} runs", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         rows.append(summarize(scenario, results))
+        runs[scenario.name] = measures(results)
     print(f"{args.seeds} seeds per scenario, {time.monotonic() - started:.1f} s\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" + "---:|" * (len(header) - 1))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(runs, indent=1) + "\n")
+    if args.plot is not None:
+        before = json.loads(args.before.read_text()) if args.before is not None else None
+        lengths_note = f", output lengths lognormal {args.lengths}" if args.lengths else ", fixed lengths"
+        save_plot(args.plot, runs, before, f"admission model, {args.seeds} seeds{lengths_note}")
+        print(f"\nplot: {args.plot}")
     return 0
 
 
