@@ -142,16 +142,6 @@ class AdmissionRequest:
         return self.retry >= 1
 
 
-#: How far past the slots the higher classes' known demand takes a lower-class caller's first
-#: slot may be held back for their arrivals meanwhile, in service times (``_reject``; the
-#: controller's ``horizon_services``, None for no cap). Measured
-#: in the virtual-time model (docs/benchmarks.md, "Work-conserving admission"): without the
-#: cap (the whole higher-class queue wait, 10 s there) the engine idled for seconds at the
-#: end of a 1.2x run while batch callers waited out their hints; with no horizon at all a
-#: burst's interactive callers lost slots to batch promises.
-HORIZON_SERVICES = 2.0
-
-
 def requested_max_tokens(body: Mapping[str, object]) -> int | None:
     """The most output tokens a request body asks for (``max_completion_tokens``, else
     ``max_tokens``), or None when it names no positive whole number. The engine validates
@@ -362,7 +352,6 @@ class AdmissionController:
         returning_share: float = 0.25,
         returning_first: bool = True,
         promise_slack: float = 0.1,
-        horizon_services: float | None = HORIZON_SERVICES,
     ) -> None:
         if not policies:
             raise ValueError("at least one traffic class is needed")
@@ -385,9 +374,6 @@ class AdmissionController:
         # Share of a class's max_queue_wait a newcomer must leave a queued request of it when
         # going ahead: the estimate's error (see _place).
         self._promise_slack = promise_slack
-        if horizon_services is not None and not horizon_services >= 0:
-            raise ValueError("horizon_services must be >= 0 (or None: no cap)")
-        self._horizon_services = horizon_services  # see HORIZON_SERVICES
         # Off: every request is fresh (one FIFO per class, no places kept), as before.
         self._returning_first = returning_first
         self._limit = limit
@@ -1066,17 +1052,10 @@ class AdmissionController:
         # A lower-class caller that sent a budget reaching past the longest queue wait of the
         # classes above it is promised no slot before then: those slots are left to
         # higher-class callers (refused now or arriving meanwhile), whose budgets are usually
-        # the shorter; the timeline fills gaps, so they can still be promised them. No further,
-        # though, than the slots the higher classes' known demand (queued, promised) takes plus
-        # HORIZON_SERVICES service times for their arrivals meanwhile: past that the engine
-        # would idle while the lower class's callers wait out their hints.
+        # the shorter; the timeline fills gaps, so they can still be promised them.
         horizon = 0.0
         if usable is not None and higher:
             horizon = max(self._policies[c].max_queue_wait for c in higher)
-            if self._horizon_services is not None:
-                known = sum(len(self._queues[c]) + est.outstanding(c) for c in higher)
-                at = est.slot_times(self.limit, self._admitted)
-                horizon = min(horizon, at(known + 1) + self._horizon_services * est.service_time)
             if est.latest_return(est.aim(horizon)) > usable:
                 horizon = 0.0
         # Only a caller that says how long it will wait is served as returning when it comes
