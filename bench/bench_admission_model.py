@@ -2,7 +2,7 @@
 
 The shim's admission decisions, built from the same flags as in bench_overload.py, against
 callers that make llm_backoff's retry decisions, on an engine that takes exactly its service
-time: no sockets, no sleeping, about 0.1 s per run. The real benchmark's success count moves
+time (with --lengths, each call's own): no sockets, no sleeping, about 0.1 s per run. The real benchmark's success count moves
 by 2-3 between runs of the same code; this shows a change to admission over 20-100 seeds in
 seconds, so it can be judged before the real runs, which remain the judge of the figures.
 
@@ -13,8 +13,15 @@ seconds, so it can be judged before the real runs, which remain the judge of the
 Per scenario (issue 7's three, and the demo's load), over the seeds: calls served within the
 deadline (and the fewest in one run), interactive calls served, attempts per call, share of
 first retries admitted, the largest retry wave (100 ms), the worst interactive TTFT p99, the
-engine's idle slot-seconds before its last completion, and the refusals that came after a
-wait in the queue (all others are at once: these set a p99 time to rejection).
+engine's idle slot-seconds before its last completion, the refusals that came after a
+wait in the queue (all others are at once: these set a p99 time to rejection), the share of
+the engine's slot-time idle while a caller that could still have been served waited, and
+useful tokens over the capacity bound (medians over the seeds).
+
+    # varied output lengths (asked as max_tokens), plus the varied-2x scenarios; a PNG and
+    # the per-seed figures beside the table, a reference run's figures side by side
+    .venv/bin/python bench/bench_admission_model.py --seeds 20 --lengths 20,0.8,160 \
+        --json after.json --plot after.png --before before.json
 """
 
 from __future__ import annotations
