@@ -2,9 +2,10 @@
 
 The shim's admission decisions, built from the same flags as in bench_overload.py, against
 callers that make llm_backoff's retry decisions, on an engine that takes exactly its service
-time (with --lengths, each call's own): no sockets, no sleeping, about 0.1 s per run. The real benchmark's success count moves
-by 2-3 between runs of the same code; this shows a change to admission over 20-100 seeds in
-seconds, so it can be judged before the real runs, which remain the judge of the figures.
+time (with --lengths, each call's own): no sockets, no sleeping, about 0.1 s per run. The real
+benchmark's success count moves by 2-3 between runs of the same code; this shows a change to
+admission over 20-100 seeds in seconds, so it can be judged before the real runs, which remain
+the judge of the figures.
 
     .venv/bin/python bench/bench_admission_model.py --seeds 30
     # a before/after: the other tree's sources first on the path

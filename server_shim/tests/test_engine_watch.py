@@ -286,10 +286,16 @@ def test_through_the_shim_admissions_between_scrapes_do_not_queue_in_the_engine(
         direct = [pool.submit(post, sim.url) for _ in range(2)]  # someone fills the engine once
         waiter(lambda: detector.engine_slots == 1, what="the engine's slots learned")
         assert all(f.result().status_code == 200 for f in direct)
-    waiter(lambda: detector.expected_waiting() == 0, what="a scrape of the idle engine")
+
+    def idle() -> bool:
+        last = detector.last
+        return last is not None and (last.running, last.waiting) == (0, 0)
+
+    waiter(idle, what="a scrape of the idle engine")
     with ThreadPoolExecutor(4) as pool:
         through = [pool.submit(post, shim.url) for _ in range(4)]
         waiter(lambda: sum(shim.state()["interactive"]) == 4, what="4 in the shim")
+        waiter(lambda: shim.state()["interactive"][0] >= 1, what="one sent to the engine")
         assert shim.state()["interactive"] == (1, 3)
         assert [f.result().status_code for f in through] == [200] * 4
     waiter(lambda: shim.state()["interactive"] == (0, 0), what="slots back")
