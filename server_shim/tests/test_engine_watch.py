@@ -299,3 +299,15 @@ def test_through_the_shim_admissions_between_scrapes_do_not_queue_in_the_engine(
         assert shim.state()["interactive"] == (1, 3)
         assert [f.result().status_code for f in through] == [200] * 4
     waiter(lambda: shim.state()["interactive"] == (0, 0), what="slots back")
+
+
+def test_the_engines_slots_follow_the_latest_full_scrape() -> None:
+    detector = SaturationDetector(SaturationConfig(), ManualClock(0.0), in_flight=lambda: 0)
+    detector.observe(EngineSample(waiting=3, running=8, kv_cache=None))
+    assert detector.engine_slots == 8
+    detector.observe(EngineSample(waiting=0, running=5, kv_cache=None))  # not full: says nothing
+    assert detector.engine_slots == 8
+    detector.observe(EngineSample(waiting=2, running=4, kv_cache=None))  # restarted smaller
+    assert detector.engine_slots == 4
+    detector.observe(EngineSample(waiting=0, running=6, kv_cache=None))  # runs more than that
+    assert detector.engine_slots == 6

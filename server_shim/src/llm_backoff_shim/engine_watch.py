@@ -20,11 +20,11 @@ grow by everything admitted until the next one. The detector therefore counts th
 own traffic since the last scrape (``in_flight``: the shim's requests in flight now; its
 change since the scrape is the admissions less the requests that left): the engine holds
 about ``running + waiting + (in flight now - in flight then)`` requests, of which those
-beyond its slots wait. Its slots are learned: the ``running`` of a scrape that showed
-requests waiting (the engine was full). Until one such scrape is seen the slots are
-unknown and only the scrape counts. The shim's hold (:meth:`SaturationDetector.hold`)
-admits a request only if the engine's queue, with it, stays within ``max_waiting``;
-another client of the same engine is seen at the next scrape.
+beyond its slots wait. Its slots are learned: the ``running`` of the latest scrape that
+showed requests waiting (the engine was full), or more if a later scrape runs more. Until
+one such scrape is seen the slots are unknown and only the scrape counts. The shim's hold
+(:meth:`SaturationDetector.hold`) admits a request only if the engine's queue, with it,
+stays within ``max_waiting``; another client of the same engine is seen at the next scrape.
 
 Several engines behind one URL (or several label sets) are summed; KV usage takes
 the maximum.
@@ -127,8 +127,11 @@ class SaturationDetector:
         self._at = self._clock()
         if self._in_flight is not None:
             self._in_flight_then = self._in_flight() if then is None else then
-        if sample.waiting > 0 and sample.running > 0:
-            self._slots = max(self._slots or 0.0, sample.running)
+        # A full engine shows its slots; the latest such scrape counts (an engine restarted
+        # with fewer, or one short of KV cache, runs fewer), and more running shows more slots.
+        full = sample.waiting > 0 and sample.running > 0
+        if full or (self._slots is not None and sample.running > self._slots):
+            self._slots = sample.running
 
     @property
     def engine_slots(self) -> float | None:
