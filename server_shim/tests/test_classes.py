@@ -419,3 +419,98 @@ def test_a_lower_class_wait_counts_only_the_slots_it_may_use() -> None:
     assert refused.code == "queue_full"
     assert "estimated queue wait 1.00 s exceeds the 0.5 s limit" in refused.message
     assert submit(c, "interactive").state is TicketState.ADMITTED  # the reservation is still there
+
+
+# -- a reservation lent while its class expects nobody -------------------------------------
+
+
+def budgeted(limit: int, *, ttft_budget: float = 2.0) -> tuple[AdmissionController, ManualClock]:
+    """Interactive reserves 1 of ``limit`` 4 slots and may wait ``ttft_budget`` s in the queue."""
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, ttft_budget), ClassPolicy("batch", 100, 60.0)],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    return c, clock
+
+
+def batch(c: AdmissionController, max_tokens: int | None) -> Ticket:
+    decision = c.submit(AdmissionRequest("batch", max_tokens=max_tokens))
+    assert isinstance(decision, Ticket), decision
+    return decision
+
+
+def measured_at_100_tokens_a_second(c: AdmissionController, clock: ManualClock) -> None:
+    first = batch(c, 100)
+    clock.advance(1.0)
+    c.release(first, Outcome.COMPLETED)
+    assert c.estimator.token_rate == pytest.approx(100.0)
+
+
+def test_a_reservation_is_lent_to_a_request_that_gives_it_back_within_the_ttft_budget() -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    holders = [batch(c, 150) for _ in range(3)]  # the 3 unreserved slots
+    assert all(t.state is TicketState.ADMITTED for t in holders)
+    # Nobody interactive queued or promised: the reserved slot goes to a 1.5 s answer (<= 2 s).
+    assert batch(c, 150).state is TicketState.ADMITTED
+    assert c.in_flight("batch") == 4
+
+
+@pytest.mark.parametrize("max_tokens", [250, None], ids=["too-long", "unknown-length"])
+def test_a_reservation_is_not_lent_to_a_request_that_may_hold_it_past_the_budget(
+    max_tokens: int | None,
+) -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    [batch(c, 100) for _ in range(3)]
+    assert batch(c, max_tokens).state is TicketState.QUEUED  # 2.5 s > 2 s, or nobody knows
+    assert c.in_flight("batch") == 3
+    assert submit(c, "interactive").state is TicketState.ADMITTED  # the slot was kept
+
+
+def test_a_queued_short_request_takes_the_reservation_when_a_slot_frees() -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    holders = [batch(c, 100) for _ in range(3)]
+    long, short = batch(c, 500), batch(c, 50)
+    assert (long.state, short.state) == (TicketState.QUEUED, TicketState.QUEUED)
+    # A slot frees: the long one at the head takes it (unreserved), then the short one is lent
+    # the reserved slot when the queue is walked again.
+    moved = c.release(holders[0], Outcome.COMPLETED)
+    assert moved.admitted == [long, short]
+    assert c.in_flight("batch") == 4
+
+
+def test_a_promised_or_queued_interactive_caller_keeps_the_reservation() -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    promise_interactive(c, 0.5)  # due within a service time: the old rule keeps it too
+    [batch(c, 100) for _ in range(3)]
+    assert batch(c, 10).state is TicketState.QUEUED
+    assert c.outlook("interactive").promised == 1
+
+
+def test_without_a_token_rate_nothing_is_lent() -> None:
+    c, _ = budgeted(4)
+    [batch(c, 10) for _ in range(3)]
+    assert batch(c, 10).state is TicketState.QUEUED  # no completion measured: no price
+    assert c.estimator.token_rate is None
+
+
+def test_through_the_shim_max_tokens_is_read_and_the_token_rate_measured(
+    make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    config = SimConfig(max_num_seqs=2, ttft=0.01, itl=0.001, output_tokens=50, seed=3)
+    with ServerThread(create_sim_app(config)) as sim:
+        shim = make_shim(sim.url, max_concurrency=2)
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+        answer = httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=30)
+        assert answer.status_code == 200
+        estimator = shim.runtime.controller.estimator
+        # The slot is given back once the relay has ended, just after the client has its answer.
+        waiter(lambda: estimator.token_rate is not None, what="the completion measured")
+        assert estimator.run_time(7) == pytest.approx(estimator.service_time)

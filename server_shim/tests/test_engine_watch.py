@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -9,12 +10,23 @@ from typing import Any
 import httpx
 import pytest
 
+from llm_backoff_shim.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    ClassPolicy,
+    Outcome,
+    Ticket,
+    TicketState,
+)
+from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.engine_watch import (
     EngineSample,
     SaturationConfig,
     SaturationDetector,
     parse_engine_metrics,
 )
+from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.limit import FixedLimit
 from llm_backoff_shim.serving import ServerThread
 from llm_backoff_shim.sim import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
@@ -147,3 +159,155 @@ def test_an_upstream_without_metrics_falls_back_to_the_concurrency_cap(
         upstream.release()
         assert [f.result().status_code for f in futures] == [200, 200, 200]
     assert shim.metrics()[("llm_backoff_shim_engine_metrics_stale", ())] == 1
+
+
+# -- the shim's own admissions between scrapes ----------------------------------------------
+
+
+def test_admissions_since_the_scrape_count_once_the_engines_slots_are_known() -> None:
+    clock = ManualClock(10.0)
+    sent = [0]
+    detector = SaturationDetector(SaturationConfig(max_waiting=1), clock, in_flight=lambda: sent[0])
+    detector.observe(EngineSample(waiting=0, running=3, kv_cache=None))
+    sent[0] = 10
+    # Slots unknown (the engine never showed a queue): only the scrape counts, as without counting.
+    assert detector.engine_slots is None
+    assert not detector.hold(None)
+    detector.observe(EngineSample(waiting=2, running=8, kv_cache=None))  # a full engine: 8 slots
+    assert detector.engine_slots == 8
+    assert detector.expected_waiting() == 2
+    assert detector.saturated()
+    sent[0] = 9  # one left the engine: one waiting moved up
+    assert detector.expected_waiting() == 1
+    assert detector.hold(None)
+    sent[0] = 8
+    assert detector.expected_waiting() == 0
+    assert not detector.hold(None)
+    sent[0] = 9  # admitted since the scrape: counted before the next one shows it
+    assert detector.expected_waiting() == 1
+    assert not detector.saturated()
+    assert detector.hold(None)
+    assert not detector.hold("batch")
+    clock.now += 5.0  # stale: the concurrency cap rules again
+    assert detector.expected_waiting() is None
+    assert not detector.hold(None)
+
+
+def test_a_scrape_counts_from_when_it_was_sent() -> None:
+    clock = ManualClock(0.0)
+    sent = [8]
+    detector = SaturationDetector(SaturationConfig(max_waiting=0), clock, in_flight=lambda: sent[0])
+    detector.observe(EngineSample(waiting=1, running=7, kv_cache=None))  # 7 slots
+    then = detector.in_flight_now()
+    sent[0] = 9  # admitted while the scrape was on its way, not yet seen by the engine
+    detector.observe(EngineSample(waiting=1, running=7, kv_cache=None), then)
+    assert detector.expected_waiting() == 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_engines_queue_stays_within_max_waiting_between_scrapes(seed: int) -> None:
+    """The shim is the engine's only client, its cap (16) above the engine's 8 slots. Arrivals,
+    completions and scrapes in random order: once a scrape has shown the engine full, no
+    admission makes the engine's own queue longer than --engine-max-waiting."""
+    rng = random.Random(seed)
+    clock = ManualClock(0.0)
+    slots, max_waiting = 8, 2
+    scheduler = SharedSlots(ClassShares())
+    controller = AdmissionController(
+        [ClassPolicy("interactive", 1000, 1e6)],
+        limit=FixedLimit(16),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=scheduler,
+    )
+    detector = SaturationDetector(
+        SaturationConfig(max_waiting=max_waiting, stale_after=1e9), clock, in_flight=controller.in_flight
+    )
+    scheduler.add_hold(detector.hold)
+    running: list[Ticket] = []
+    admissions_after_learning = [0]
+
+    def engine_sample() -> EngineSample:
+        n = controller.in_flight()
+        return EngineSample(waiting=max(0, n - slots), running=min(n, slots), kv_cache=None)
+
+    def admitted(tickets: list[Ticket]) -> None:
+        running.extend(tickets)
+        if tickets and detector.engine_slots is not None:
+            admissions_after_learning[0] += len(tickets)
+            assert controller.in_flight() - slots <= max_waiting
+
+    for _ in range(20):  # before any scrape the cap alone rules: the engine's queue overfills
+        decision = controller.submit(AdmissionRequest("interactive"))
+        assert isinstance(decision, Ticket)
+        if decision.state is TicketState.ADMITTED:
+            running.append(decision)
+    assert controller.in_flight() == 16
+    for _ in range(400):
+        clock.now += 0.01
+        roll = rng.random()
+        if roll < 0.45:
+            decision = controller.submit(AdmissionRequest("interactive"))
+            assert isinstance(decision, Ticket)
+            if decision.state is TicketState.ADMITTED:
+                admitted([decision])
+        elif roll < 0.85 and running:
+            done = running.pop(rng.randrange(len(running)))
+            admitted(controller.release(done, Outcome.COMPLETED).admitted)
+        else:
+            detector.observe(engine_sample())
+            admitted(controller.reschedule().admitted)
+    assert detector.engine_slots == slots
+    assert admissions_after_learning[0] > 20  # the invariant was put to the test
+
+
+@pytest.fixture
+def slow_poll_sim() -> Iterator[ServerThread]:
+    config = SimConfig(max_num_seqs=1, ttft=0.01, itl=0.005, output_tokens=200, seed=9)
+    with ServerThread(create_sim_app(config)) as server:
+        yield server
+
+
+def test_through_the_shim_admissions_between_scrapes_do_not_queue_in_the_engine(
+    slow_poll_sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    """The simulator has 1 slot, the shim a cap of 4 and a scrape every 0.3 s. Once the shim has
+    seen the engine full (its slots), 4 requests at once send 1 to the engine and queue 3 in the
+    shim, scrapes or not; counted on the scrapes alone, all 4 went."""
+    sim = slow_poll_sim
+    shim = make_shim(
+        sim.url, max_concurrency=4, engine_metrics=True, engine_poll_interval=0.3, engine_stale_after=30
+    )
+    policy = shim.runtime.policy
+    assert policy is not None
+    assert policy.detector is not None
+    detector = policy.detector
+    with ThreadPoolExecutor(4) as pool:
+        direct = [pool.submit(post, sim.url) for _ in range(2)]  # someone fills the engine once
+        waiter(lambda: detector.engine_slots == 1, what="the engine's slots learned")
+        assert all(f.result().status_code == 200 for f in direct)
+
+    def idle() -> bool:
+        last = detector.last
+        return last is not None and (last.running, last.waiting) == (0, 0)
+
+    waiter(idle, what="a scrape of the idle engine")
+    with ThreadPoolExecutor(4) as pool:
+        through = [pool.submit(post, shim.url) for _ in range(4)]
+        waiter(lambda: sum(shim.state()["interactive"]) == 4, what="4 in the shim")
+        waiter(lambda: shim.state()["interactive"][0] >= 1, what="one sent to the engine")
+        assert shim.state()["interactive"] == (1, 3)
+        assert [f.result().status_code for f in through] == [200] * 4
+    waiter(lambda: shim.state()["interactive"] == (0, 0), what="slots back")
+
+
+def test_the_engines_slots_follow_the_latest_full_scrape() -> None:
+    detector = SaturationDetector(SaturationConfig(), ManualClock(0.0), in_flight=lambda: 0)
+    detector.observe(EngineSample(waiting=3, running=8, kv_cache=None))
+    assert detector.engine_slots == 8
+    detector.observe(EngineSample(waiting=0, running=5, kv_cache=None))  # not full: says nothing
+    assert detector.engine_slots == 8
+    detector.observe(EngineSample(waiting=2, running=4, kv_cache=None))  # restarted smaller
+    assert detector.engine_slots == 4
+    detector.observe(EngineSample(waiting=0, running=6, kv_cache=None))  # runs more than that
+    assert detector.engine_slots == 6

@@ -311,3 +311,19 @@ def test_return_jitter_zero_judges_the_hint_itself() -> None:
     est, _ = make(retry_after_min=1.0, initial_service_time=1.0, return_jitter=0.0)
     assert est.retry_after("interactive", ahead=4, slots=1, keep_within=5.0) == pytest.approx(5.0)
     assert est.outstanding("interactive") == 1
+
+
+def test_token_rate_is_the_ratio_of_averages_and_prices_a_max_tokens() -> None:
+    est, _ = make(service_time_alpha=0.5)
+    assert est.token_rate is None
+    assert est.run_time(100) is None  # nothing measured: no price, no loan on a guess
+    est.observe_tokens(100, 1.0)
+    assert est.token_rate == pytest.approx(100.0)
+    assert est.run_time(250) == pytest.approx(2.5)
+    assert est.run_time(None) is None
+    # A short answer and a long one: tokens (300 -> 200) over seconds (1 -> 2), not 150 tok/s.
+    est.observe_tokens(300, 3.0)
+    assert est.token_rate == pytest.approx(200 / 2.0)
+    for tokens, seconds in ((0, 1.0), (10, 0.0), (10, math.nan), (10, -1.0)):
+        est.observe_tokens(tokens, seconds)  # not a measurement: ignored
+    assert est.token_rate == pytest.approx(100.0)

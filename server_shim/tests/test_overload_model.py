@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from llm_backoff_shim.demo import shim_flags
-from llm_backoff_shim.overload_model import OverloadModel
+from llm_backoff_shim.overload_model import OutputLengths, OverloadModel, service_of
 from llm_backoff_shim.scenario import EngineShape, Scenario, demo_scenario
 
 SHAPE = EngineShape()  # 8 slots, 1.2 s per request: 6.7 completions/s
@@ -81,3 +81,36 @@ def test_engine_jitter_varies_the_service_and_still_loses_nothing() -> None:
     services = {round(end - start, 6) for start, end in jittered._busy if end - start > 1.0}
     assert len(services) > 10
     assert all(1.08 - 1e-9 <= s <= 1.32 + 1e-9 for s in services)
+
+
+VARIED = Scenario("varied-2x", burst=0, rate_factor=2.0, duration=30, deadline=20, ttft_budget=5)
+LENGTHS = OutputLengths(median=20, sigma=0.8, cap=160)
+
+
+def test_output_lengths_are_drawn_per_call_and_set_the_capacity() -> None:
+    model = OverloadModel(VARIED, SHAPE, shim_flags(SHAPE, VARIED), seed=1, lengths=LENGTHS)
+    result = model.run()  # raises if a call hangs or a slot is left taken
+    tokens = [c.tokens for c in result.calls]
+    assert len(set(tokens)) > 20
+    assert min(tokens) >= 1
+    assert max(tokens) <= 160
+    assert all(c.service == service_of(SHAPE, c.tokens) for c in result.calls)
+    assert 20 < LENGTHS.mean() < 30  # a lognormal's mean lies above its median
+    assert model.capacity < SHAPE.capacity
+    assert 0 < result.useful_tokens <= result.offered_tokens
+    assert 0 <= result.idle_while_servable <= SHAPE.slots * result.last_completion
+    assert model.controller.estimator.token_rate is not None  # max_tokens reached the shim
+
+
+def test_varied_lengths_leave_no_slot_idle_while_a_caller_could_use_it() -> None:
+    """Work conservation on the admission policy alone: with output lengths varied (lognormal),
+    the median share of engine slot-time left idle while a caller that could still have been
+    served waited is at most 2 % over 10 seeds (3.5 % over 20 seeds with the reservation kept
+    from batch whatever its request's length)."""
+    shares = sorted(
+        OverloadModel(VARIED, SHAPE, shim_flags(SHAPE, VARIED), seed=seed, lengths=LENGTHS)
+        .run()
+        .idle_while_servable_share
+        for seed in range(1, 11)
+    )
+    assert (shares[4] + shares[5]) / 2 <= 0.02, shares

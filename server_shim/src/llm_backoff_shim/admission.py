@@ -82,7 +82,7 @@ import enum
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -124,19 +124,33 @@ class ClassPolicy:
 @dataclass(frozen=True)
 class AdmissionRequest:
     """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
-    whether the body asks for a stream (served at the first token rather than at the end), and
-    how many times the caller says it has retried this call (``x-stainless-retry-count``)."""
+    whether the body asks for a stream (served at the first token rather than at the end),
+    how many times the caller says it has retried this call (``x-stainless-retry-count``), and
+    the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
+    when it does not say)."""
 
     cls: str
     budget: float | None = None
     tenant: str | None = None
     stream: bool = False
     retry: int = 0
+    max_tokens: int | None = None
 
     @property
     def returning(self) -> bool:
         """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
         return self.retry >= 1
+
+
+def requested_max_tokens(body: Mapping[str, object]) -> int | None:
+    """The most output tokens a request body asks for (``max_completion_tokens``, else
+    ``max_tokens``), or None when it names no positive whole number. The engine validates
+    the body; this only reads what the admission decision may use."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
 
 
 #: Larger claimed retry counts are read as this: the number only matters as ">= 1".
@@ -279,6 +293,8 @@ class AdmissionView(Protocol):
 
     def outlook(self, cls: str) -> ClassOutlook: ...
 
+    def next_run(self, cls: str) -> float | None: ...
+
 
 class AdmissionGate(Protocol):
     """A pre-admission check; return a refusal to turn the request away before it queues."""
@@ -390,6 +406,7 @@ class AdmissionController:
         # When each class last saw a fresh arrival (ClassOutlook.fresh_recently).
         self._last_fresh: dict[str, float] = {}
         self._moved: Dispatch | None = None  # see take_moved
+        self._offer: AdmissionRequest | None = None  # a newcomer offered a free slot (next_run)
         self._overtaken_total = 0
         self._ids = itertools.count(1)
 
@@ -442,6 +459,20 @@ class AdmissionController:
         if not promised:
             return ClassOutlook(0, 0, fresh)
         return ClassOutlook(promised, estimator.promised_within((cls,), -math.inf, now + service), fresh)
+
+    def next_run(self, cls: str) -> float | None:
+        """Seconds the request of ``cls`` that would take the next slot (its queue's head, or the
+        newcomer offered a free slot) is expected to hold it: its ``max_tokens`` at the measured
+        token rate (:meth:`DrainEstimator.run_time`). None when there is none, it does not say
+        how long its answer may be, or no token rate was measured yet."""
+        offer = self._offer
+        if offer is not None and offer.cls == cls:
+            request = offer
+        elif self._queues[cls]:
+            request = self._queues[cls][0].request
+        else:
+            return None
+        return self._estimator.run_time(request.max_tokens)
 
     def queued_returning(self, cls: str) -> int:
         """Queued requests of ``cls`` that said they are retries (and count as returning)."""
@@ -515,11 +546,15 @@ class AdmissionController:
             # anyone (it is queued, admitted or refused and told a new one).
             self._estimator.redeem(cls)
         # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
-        if (
-            not self._queued_total
-            and self._in_flight_total < self._limit.limit
-            and self._scheduler.pick((cls,), self) == cls
-        ):
+        if not self._queued_total and self._in_flight_total < self._limit.limit:
+            self._offer = request
+            try:
+                offered = self._scheduler.pick((cls,), self) == cls
+            finally:
+                self._offer = None
+        else:
+            offered = False
+        if offered:
             if self._short_of(ticket, now) is not None:
                 self._expire(ticket)
                 assert ticket.rejection is not None
@@ -617,6 +652,8 @@ class AdmissionController:
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
             self._estimator.observe_completion(ticket.cls, service_time)
+            if ticket.request.max_tokens is not None:
+                self._estimator.observe_tokens(ticket.request.max_tokens, service_time)
         self._limit.on_complete(
             service_time=service_time,
             in_flight=self.in_flight(),

@@ -24,6 +24,14 @@ When a slot frees and several classes have queued requests:
    about one service time / limit). Without lending, in a burst of 200 the engine left
    2 of 8 slots idle for 2.4 s while only batch callers were due (docs/benchmarks.md,
    session 6).
+   Work conservation wins over the reservation in one more case: while the class has
+   nobody queued and nobody promised a return, its unused reserved slots are lent to a
+   lower-class request that gives the slot back within the class's longest queue wait
+   (its TTFT budget: the controller folds ``--ttft-slo`` into it): one whose
+   ``max_tokens`` at the measured token rate
+   (:meth:`~llm_backoff_shim.admission.AdmissionView.next_run`) ends within it. A request
+   of the class arriving meanwhile waits for that slot at most its budget. A request that
+   does not say how long its answer may be is never lent a slot this way.
 4. **Holds.** A predicate (``hold(cls)``) may keep a class from taking new slots at
    all: engine saturation holds every class, a YELLOW/RED interactive SLO holds batch.
    A held class still gets its minimum share unless the hold is for every class
@@ -119,7 +127,7 @@ class SharedSlots:
             slots = self.reserved_slots(higher, view.limit)
             reserved += slots
             idle = slots - view.in_flight(higher)
-            if idle > 0 and not self._lent(higher, view):
+            if idle > 0 and not self._lent(higher, view, cls):
                 unused += idle
         # Reservations never take a lower class's last slot: an idle engine always serves it.
         # (A lent reservation still counts here: it is lent, not given up.)
@@ -127,7 +135,14 @@ class SharedSlots:
         return max(0, unused - max(0, excess))
 
     @staticmethod
-    def _lent(cls: str, view: AdmissionView) -> bool:
-        """``cls``'s unused reservation is lent: all it expects are returns, none due soon."""
+    def _lent(cls: str, view: AdmissionView, borrower: str) -> bool:
+        """``cls``'s unused reservation is lent to ``borrower``'s next request: all ``cls``
+        expects are returns, none due soon; or it expects nothing it was told of and that
+        request gives the slot back within ``cls``'s longest queue wait (module docstring)."""
         outlook = view.outlook(cls)
-        return outlook.promised > 0 and not outlook.due_soon and not outlook.fresh_recently
+        if outlook.promised == 0:
+            if view.queued(cls):
+                return False
+            run = view.next_run(borrower)
+            return run is not None and run <= view.policy(cls).max_queue_wait
+        return not outlook.due_soon and not outlook.fresh_recently

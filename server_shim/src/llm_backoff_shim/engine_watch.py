@@ -15,6 +15,17 @@ the pure :class:`SaturationDetector` decides:
   endpoint is down, slow or not vLLM): the detector then says nothing and the plain
   concurrency cap applies, never "unlimited" and never "nothing forever".
 
+Between scrapes the shim keeps sending work, so a scrape alone lets the engine's queue
+grow by everything admitted until the next one. The detector therefore counts the shim's
+own traffic since the last scrape (``in_flight``: the shim's requests in flight now; its
+change since the scrape is the admissions less the requests that left): the engine holds
+about ``running + waiting + (in flight now - in flight then)`` requests, of which those
+beyond its slots wait. Its slots are learned: the ``running`` of the latest scrape that
+showed requests waiting (the engine was full), or more if a later scrape runs more. Until
+one such scrape is seen the slots are unknown and only the scrape counts. The shim's hold
+(:meth:`SaturationDetector.hold`) admits a request only if the engine's queue, with it,
+stays within ``max_waiting``; another client of the same engine is seen at the next scrape.
+
 Several engines behind one URL (or several label sets) are summed; KV usage takes
 the maximum.
 """
@@ -88,17 +99,56 @@ class SaturationConfig:
 
 
 class SaturationDetector:
-    """Saturated, not saturated, or unknown (stale), from timestamped engine samples."""
+    """Saturated, not saturated, or unknown (stale), from timestamped engine samples and the
+    shim's own admissions since (module docstring; ``in_flight``: the shim's requests in
+    flight, None to judge on the scrapes alone)."""
 
-    def __init__(self, config: SaturationConfig, clock: Clock) -> None:
+    def __init__(
+        self, config: SaturationConfig, clock: Clock, *, in_flight: Callable[[], int] | None = None
+    ) -> None:
         self.config = config
         self._clock = clock
+        self._in_flight = in_flight
         self._last: EngineSample | None = None
         self._at = -math.inf
+        self._in_flight_then = 0
+        self._slots: float | None = None  # learned from a scrape of a full engine
 
-    def observe(self, sample: EngineSample) -> None:
+    def in_flight_now(self) -> int | None:
+        """The shim's requests in flight, read when a scrape is sent (:meth:`observe`'s ``then``)."""
+        return None if self._in_flight is None else self._in_flight()
+
+    def observe(self, sample: EngineSample, then: int | None = None) -> None:
+        """Take a scrape; ``then``: the shim's in-flight count when it was sent. Admissions
+        after that count as sent since, even those the scrape already saw (it errs towards
+        holding, for one poll interval at most); one admitted before it and still on its way
+        to the engine would be missed otherwise."""
         self._last = sample
         self._at = self._clock()
+        if self._in_flight is not None:
+            self._in_flight_then = self._in_flight() if then is None else then
+        # A full engine shows its slots; the latest such scrape counts (an engine restarted
+        # with fewer, or one short of KV cache, runs fewer), and more running shows more slots.
+        full = sample.waiting > 0 and sample.running > 0
+        if full or (self._slots is not None and sample.running > self._slots):
+            self._slots = sample.running
+
+    @property
+    def engine_slots(self) -> float | None:
+        """The engine's slots as learned from a scrape that showed requests waiting; None before."""
+        return self._slots
+
+    def expected_waiting(self, extra: int = 0) -> float | None:
+        """Requests waiting in the engine now (with ``extra`` more sent), counting the shim's
+        admissions since the last scrape once the engine's slots are known; None when stale."""
+        if self.stale():
+            return None
+        sample = self._last
+        assert sample is not None
+        if self._in_flight is None or self._slots is None:
+            return sample.waiting
+        sent = self._in_flight() - self._in_flight_then + extra
+        return max(0.0, sample.running + sample.waiting + sent - self._slots)
 
     @property
     def last(self) -> EngineSample | None:
@@ -109,17 +159,28 @@ class SaturationDetector:
 
     def saturated(self) -> bool:
         """True only on fresh evidence of saturation; stale or missing metrics are never saturation."""
-        if self.stale():
+        waiting = self.expected_waiting()
+        if waiting is None:
             return False
-        sample = self._last
-        assert sample is not None
-        if sample.waiting > self.config.max_waiting:
+        if waiting > self.config.max_waiting:
             return True
-        return sample.kv_cache is not None and sample.kv_cache >= self.config.max_kv_cache
+        return self._kv_full()
 
     def hold(self, cls: str | None) -> bool:
-        """Hold predicate for :class:`~llm_backoff_shim.classes.SharedSlots`: everything waits."""
-        return cls is None and self.saturated()
+        """Hold predicate for :class:`~llm_backoff_shim.classes.SharedSlots`: everything waits
+        while one more request would leave more than ``max_waiting`` waiting in the engine,
+        or its KV cache is full."""
+        if cls is not None:
+            return False
+        waiting = self.expected_waiting(1)
+        if waiting is None:
+            return False
+        return waiting > self.config.max_waiting or self._kv_full()
+
+    def _kv_full(self) -> bool:
+        sample = self._last
+        kv = None if sample is None else sample.kv_cache
+        return kv is not None and kv >= self.config.max_kv_cache
 
 
 class EngineWatch:
@@ -144,7 +205,8 @@ class EngineWatch:
         self.failures = 0
 
     async def scrape_once(self) -> None:
-        before = self.detector.saturated()
+        before = self.detector.hold(None)
+        then = self.detector.in_flight_now()
         timeout = aiohttp.ClientTimeout(
             total=max(0.05, min(self._interval * 4, self.detector.config.stale_after))
         )
@@ -153,13 +215,13 @@ class EngineWatch:
                 text = await response.text()
                 if response.status != 200:
                     raise ValueError(f"engine metrics answered {response.status}")
-            self.detector.observe(parse_engine_metrics(text))
+            self.detector.observe(parse_engine_metrics(text), then)
             self.scrapes += 1
         except (aiohttp.ClientError, TimeoutError, ValueError, UnicodeDecodeError) as exc:
             self.failures += 1
             log.debug("engine metrics scrape failed: %s", exc)
         # Staleness can also end a saturation: wake the queues whenever the verdict flips.
-        if self.detector.saturated() != before:
+        if self.detector.hold(None) != before:
             self._on_change()
 
     async def _run(self) -> None:

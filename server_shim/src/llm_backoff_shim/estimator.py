@@ -44,6 +44,15 @@ wasted. With ``stream_served_at="first_token"`` a streaming caller needs only th
 EWMA of time to first body byte (measured on streaming requests only: a
 non-streaming body's first byte comes with its end), for callers whose budget ends
 once tokens flow. Neither rests on the prior: unmeasured means 0 s needed.
+
+Token rate (:meth:`DrainEstimator.observe_tokens`): output tokens per second of one slot,
+the EWMA of the tokens of completed requests over the EWMA of their service times (a ratio
+of averages, so a short request's prefill does not swing it). It prices a request that says
+how long its answer may be (``max_tokens``): :meth:`DrainEstimator.run_time` is the seconds
+that answer is expected to hold a slot, used to lend a reserved slot only to a request that
+gives it back in time (:mod:`llm_backoff_shim.classes`). The tokens counted are what the
+request asked for at most; one that stopped earlier makes the rate look faster than it is,
+so the estimate is for answers that run to their ``max_tokens`` (``ignore_eos``) or near it.
 """
 
 from __future__ import annotations
@@ -129,6 +138,10 @@ class DrainEstimator:
         self._samples = 0
         self._first_byte = 0.0
         self._first_byte_samples = 0
+        # EWMAs of a completion's tokens and seconds (token_rate is their ratio).
+        self._tokens = 0.0
+        self._token_seconds = 0.0
+        self._token_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
         # Every place taken on the one timeline (one engine: module docstring), any class,
         # kept promise or not, ascending; dropped once past. A new place goes into the first
@@ -178,6 +191,31 @@ class DrainEstimator:
         else:
             self._first_byte += self._config.service_time_alpha * (seconds - self._first_byte)
         self._first_byte_samples += 1
+
+    def observe_tokens(self, tokens: int, seconds: float) -> None:
+        """Record a completed request that generated (at most) ``tokens`` in ``seconds`` on its slot."""
+        if tokens < 1 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        if self._token_samples == 0:
+            self._tokens, self._token_seconds = float(tokens), seconds
+        else:
+            alpha = self._config.service_time_alpha
+            self._tokens += alpha * (tokens - self._tokens)
+            self._token_seconds += alpha * (seconds - self._token_seconds)
+        self._token_samples += 1
+
+    @property
+    def token_rate(self) -> float | None:
+        """Output tokens per second of one slot (module docstring); None until one was measured."""
+        return self._tokens / self._token_seconds if self._token_samples else None
+
+    def run_time(self, max_tokens: int | None) -> float | None:
+        """Seconds a request asking for at most ``max_tokens`` is expected to hold its slot;
+        None when it does not say, or no token rate was measured yet."""
+        rate = self.token_rate
+        if max_tokens is None or rate is None:
+            return None
+        return max_tokens / rate
 
     @property
     def first_byte_time(self) -> float | None:

@@ -14,7 +14,9 @@ a fraction of a second, and a seed gives the same run every time.
 
 What it leaves out, on purpose: the network and the processes' own delays (in a real
 burst the load generator needs ~0.2 s to send 200 requests), the engine's variation
-(every request holds its slot exactly ``shape.service_time``), and the shim's
+unless asked for (by default every request holds its slot exactly ``shape.service_time``;
+``service_jitter`` varies it uniformly, and :class:`OutputLengths` draws each call's
+output length, asked as ``max_tokens`` with ``ignore_eos``, from a capped lognormal), and the shim's
 asyncio edge (:mod:`llm_backoff_shim.waiting`, which this replays step for step: a timer
 at each queued ticket's deadline, a recheck after each request queued). So it measures
 the admission policy, not the machine; the real benchmark remains the judge of the
@@ -31,6 +33,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from llm_backoff import RetryBudget
 from llm_backoff.attempts import GiveUp, RetryState
@@ -53,6 +56,42 @@ from llm_backoff_shim.testing import ManualClock
 _REFUSED = Verdict(True, "429")
 
 
+@dataclass(frozen=True)
+class OutputLengths:
+    """Output tokens per call: a lognormal with this ``median`` and ``sigma``, rounded, in 1..``cap``.
+
+    Each call asks for its length as ``max_tokens`` with ``ignore_eos`` (as the real-engine
+    benchmark does), so the shim knows the most it will generate and the engine generates
+    exactly that: the call holds its slot ``ttft + (tokens - 1) * itl``.
+    """
+
+    median: float
+    sigma: float
+    cap: int
+
+    def __post_init__(self) -> None:
+        if not (self.median >= 1 and math.isfinite(self.median)):
+            raise ValueError("median must be a finite number >= 1")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError("sigma must be a finite number >= 0")
+        if self.cap < 1:
+            raise ValueError("cap must be >= 1")
+
+    def draw(self, rng: random.Random) -> int:
+        return max(1, min(self.cap, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+    def mean(self) -> float:
+        """The expected draw, the cap included (midpoint rule over 4,000 quantiles)."""
+        normal, n = NormalDist(math.log(self.median), self.sigma or 1e-12), 4000
+        draws = (round(math.exp(normal.inv_cdf((i + 0.5) / n))) for i in range(n))
+        return sum(max(1, min(self.cap, d)) for d in draws) / n
+
+
+def service_of(shape: EngineShape, tokens: int) -> float:
+    """Seconds a call generating ``tokens`` holds its slot: first token at ``ttft``, then one per ``itl``."""
+    return shape.ttft + (tokens - 1) * shape.itl
+
+
 @dataclass
 class ModelCall:
     """One caller's call: what it sent and what it got, on the virtual clock."""
@@ -60,6 +99,9 @@ class ModelCall:
     arrival: Arrival
     start: float
     state: RetryState
+    #: Output tokens it asks for and gets, and the seconds that holds a slot (before jitter).
+    tokens: int = 0
+    service: float = 0.0
     attempts: list[str] = field(default_factory=list)  # "refused" | "queued" | "admitted"
     #: Seconds from each refused attempt to its refusal: 0 when refused at once, else the time
     #: it waited in the queue before being turned away (queue_timeout).
@@ -77,10 +119,38 @@ class ModelCall:
 
 @dataclass(frozen=True)
 class ModelResult:
+    """One run's calls and what the engine did.
+
+    ``idle_while_servable``: slot-seconds a slot stood free while a caller that could still
+    have been served (admitted then, it would have ended within its deadline and, for an
+    interactive caller that states a TTFT budget, begun within it) was waiting, queued or
+    between attempts; at any instant the smaller of the free slots and such callers counts.
+    ``useful_tokens``: tokens of the calls served usefully (:meth:`useful`);
+    ``capacity_tokens``: the most any scheduler could deliver, the engine's tokens per second
+    with every slot busy times the arrival window plus the deadline; ``offered_tokens``:
+    what the callers asked for.
+    """
+
     calls: tuple[ModelCall, ...]
     retry_times: tuple[float, ...]
     idle_slot_seconds: float
     last_completion: float
+    slots: int = 1
+    idle_while_servable: float = 0.0
+    useful_tokens: int = 0
+    capacity_tokens: float = 0.0
+    offered_tokens: int = 0
+
+    @property
+    def idle_while_servable_share(self) -> float:
+        """:attr:`idle_while_servable` over the engine's slot-time up to its last completion."""
+        span = self.slots * self.last_completion
+        return self.idle_while_servable / span if span > 0 else 0.0
+
+    @property
+    def useful_share(self) -> float:
+        """Useful tokens over the capacity bound (the issue's "of what the engine could have")."""
+        return self.useful_tokens / self.capacity_tokens if self.capacity_tokens > 0 else 0.0
 
     @property
     def successes(self) -> int:
@@ -146,6 +216,7 @@ class OverloadModel:
         *,
         seed: int = 1,
         service_jitter: float = 0.0,
+        lengths: OutputLengths | None = None,
         start_deadline: bool | None = None,
         controller: Callable[[ManualClock], AdmissionController] | None = None,
     ) -> None:
@@ -159,8 +230,17 @@ class OverloadModel:
             self.controller = controller(self.clock)
         # Whether interactive callers state their TTFT budget: the scenario's choice by default.
         self.start_deadline = scenario.start_deadline if start_deadline is None else start_deadline
+        # Each call's output length: fixed (the shape's), or drawn (its own Random, so that the
+        # arrivals of a seed are those of the fixed runs at the same rate factor).
+        self.lengths = lengths
+        mean_tokens = shape.output_tokens if lengths is None else lengths.mean()
+        mean_service = service_of(shape, 1) + (mean_tokens - 1) * shape.itl
+        #: Completions per second and tokens per second with every slot busy.
+        self.capacity = shape.slots / mean_service
+        self.token_rate = self.capacity * mean_tokens
+        self._lengths_rng = random.Random(seed + 3)
         # The load generator's arrivals for this seed (bench_overload seeds its Random alike).
-        self.arrivals = arrivals(scenario, shape.capacity, random.Random(seed))
+        self.arrivals = arrivals(scenario, self.capacity, random.Random(seed))
         self._rng = random.Random(seed + 1)
         # The engine's own variation: each request holds its slot service_time x U(1 - j, 1 + j).
         self._service_jitter = service_jitter
@@ -188,7 +268,27 @@ class OverloadModel:
                 f"{len(pending)} calls unresolved, {self.controller.in_flight()} in flight, "
                 f"{self.controller.queued()} queued at the end"
             )
-        return ModelResult(tuple(self._calls), tuple(self._retry_times), *self._idle())
+        idle, last = self._idle()
+        return ModelResult(
+            tuple(self._calls),
+            tuple(self._retry_times),
+            idle,
+            last,
+            slots=self.shape.slots,
+            idle_while_servable=self._idle_while_servable(),
+            useful_tokens=sum(c.tokens for c in self._calls if self.useful(c)),
+            capacity_tokens=self.token_rate * (self.scenario.duration + self.scenario.deadline),
+            offered_tokens=sum(c.tokens for c in self._calls),
+        )
+
+    def useful(self, call: ModelCall) -> bool:
+        """Served within its deadline, and an interactive caller that states a TTFT budget
+        got its first token within it."""
+        if not call.ok:
+            return False
+        if call.arrival.cls != "interactive" or not self.start_deadline:
+            return True
+        return call.first_token is not None and call.first_token - call.start <= self.scenario.ttft_budget
 
     # -- events ------------------------------------------------------------------------------
     def _at(self, when: float, action: Callable[[], None]) -> int:
@@ -199,7 +299,9 @@ class OverloadModel:
     def _begin(self, arrival: Arrival) -> None:
         policy = retry_policy(arrival.cls, self.scenario, start_deadline=self.start_deadline)
         state = RetryState(policy, clock=self.clock, rng=self._rng, budget=self._budget)
-        call = ModelCall(arrival, self.clock.now, state)
+        tokens = self.shape.output_tokens if self.lengths is None else self.lengths.draw(self._lengths_rng)
+        service = service_of(self.shape, tokens)
+        call = ModelCall(arrival, self.clock.now, state, tokens=tokens, service=service)
         self._calls.append(call)
         self._budget.record_request()
         self._attempt(call)
@@ -211,7 +313,13 @@ class OverloadModel:
         left = call.state.time_to_start()
         assert left is not None  # every caller has a deadline
         budget = max(1, int(max(left, 0.001) * 1000)) / 1000
-        request = AdmissionRequest(call.arrival.cls, budget=budget, stream=True, retry=len(call.attempts))
+        request = AdmissionRequest(
+            call.arrival.cls,
+            budget=budget,
+            stream=True,
+            retry=len(call.attempts),
+            max_tokens=call.tokens,
+        )
         decision = self.controller.submit(request)
         moved = self.controller.take_moved()
         if moved is not None:
@@ -255,7 +363,7 @@ class OverloadModel:
         if first_token <= deadline:
             call.first_token = first_token
         spread = self._service_jitter
-        end = start + self.shape.service_time * (1 + self._engine_rng.uniform(-spread, spread))
+        end = start + call.service * (1 + self._engine_rng.uniform(-spread, spread))
         if end <= deadline:
             self._at(end, lambda: self._release(call, Outcome.COMPLETED, "ok"))
         else:  # the SDK's deadline cuts the stream; the engine's work for it is lost
@@ -289,6 +397,30 @@ class OverloadModel:
     def _finish(self, call: ModelCall, outcome: str) -> None:
         call.outcome = outcome
         call.end = self.clock.now
+
+    def _idle_while_servable(self) -> float:
+        """See :attr:`ModelResult.idle_while_servable`: one sweep over the slots' and callers' changes."""
+        changes: list[tuple[float, int, int]] = []  # (when, free slots +-, servable callers +-)
+        for start, end in self._busy:
+            changes += [(start, -1, 0), (end, 1, 0)]
+        scenario = self.scenario
+        for call in self._calls:
+            ticket = call.ticket
+            admitted = None if ticket is None else ticket.admitted_at
+            waited_to = admitted if admitted is not None else call.end
+            assert waited_to is not None  # every call ended (run checks)
+            last = call.start + scenario.deadline - call.service
+            if call.arrival.cls == "interactive" and self.start_deadline:
+                last = min(last, call.start + scenario.ttft_budget - self.shape.ttft)
+            until = min(waited_to, last)
+            if until > call.start:
+                changes += [(call.start, 0, 1), (until, 0, -1)]
+        changes.sort()
+        free, waiting, idle, before = self.shape.slots, 0, 0.0, 0.0
+        for when, slots, callers in changes:
+            idle += min(max(free, 0), waiting) * (when - before)
+            free, waiting, before = free + slots, waiting + callers, when
+        return idle
 
     def _idle(self) -> tuple[float, float]:
         """Slot-seconds no request held, up to the last completion."""

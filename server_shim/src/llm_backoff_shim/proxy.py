@@ -48,6 +48,7 @@ from llm_backoff_shim.admission import (
     Rejection,
     UnknownClassError,
     parse_retry_count,
+    requested_max_tokens,
 )
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
@@ -283,8 +284,10 @@ class Proxy:
                 await self._refuse(send, checked, record, shape)
                 return
             data = checked
-            if request is not None and asks_for_stream(data):
-                request = replace(request, stream=True)
+            if request is not None:
+                stream, most = asks_for_stream(data), requested_max_tokens(data)
+                if stream or most is not None:
+                    request = replace(request, stream=stream, max_tokens=most)
         forward = _ForwardRequest(
             method=method,
             path=path,

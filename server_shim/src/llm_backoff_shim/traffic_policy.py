@@ -141,6 +141,7 @@ def build_traffic_policy(
                 stale_after=settings.engine_stale_after,
             ),
             clock,
+            in_flight=controller.in_flight,
         )
         if isinstance(scheduler, SharedSlots):
             scheduler.add_hold(policy.detector.hold)
