@@ -121,7 +121,7 @@ def test_pipelined_requests_behind_a_refused_one_are_answered_in_order(
                 + b"GET /health HTTP/1.1\r\nhost: shim\r\n\r\n"
                 + head()
                 + BODY
-                + b"GET /ready HTTP/1.1\r\n\r\n"
+                + b"GET /ready HTTP/1.1\r\nhost: shim\r\n\r\n"
             )
             statuses = [status for status, _, _ in answers(sock, 3)]
             assert statuses == [429, 200, 429]

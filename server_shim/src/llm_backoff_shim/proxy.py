@@ -60,7 +60,7 @@ from llm_backoff_shim.http.relay_protocol import (
     ClientWire,
     ConnectionGone,
 )
-from llm_backoff_shim.http.upstream_http import UpstreamError, UpstreamResponse
+from llm_backoff_shim.http.upstream_http import UpstreamError, UpstreamProtocolError, UpstreamResponse
 from llm_backoff_shim.intake import (
     ClientGone,
     Refusal,
@@ -73,7 +73,7 @@ from llm_backoff_shim.intake import (
 )
 from llm_backoff_shim.metrics import ShimMetrics
 from llm_backoff_shim.outage import OutageClock
-from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response
+from llm_backoff_shim.rejection import ErrorResponse, client_error, rejection_response, server_error
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
 from llm_backoff_shim.upstream import UpstreamClient
 from llm_backoff_shim.waiting import AsyncAdmission, Grant
@@ -474,7 +474,10 @@ class Proxy:
         except UpstreamError as exc:
             # Nothing of a response arrived: the request may be retried elsewhere or later.
             exchange.upstream_end = self.clock()
-            await self._unavailable(send, cls, str(exc), exchange)
+            if isinstance(exc, UpstreamProtocolError):
+                await self._bad_gateway(send, str(exc), exchange)
+            else:
+                await self._unavailable(send, cls, str(exc), exchange)
             return
         self.outage.answered()
         started = False
@@ -556,6 +559,14 @@ class Proxy:
         rejection = replace(rejection, retry_after=self.outage.failed())
         exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
+
+    async def _bad_gateway(self, send: Send, detail: str, exchange: _Exchange) -> None:
+        # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
+        log.warning("upstream answered with an invalid response: %s", detail)
+        self.outage.answered()
+        exchange.outcome, exchange.metric, exchange.detail = Outcome.UPSTREAM_ERROR, "upstream_error", detail
+        response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
+        await _answer(send, response, exchange)
 
     async def _upstream_overloaded(
         self, send: Send, cls: str | None, response: UpstreamResponse, exchange: _Exchange

@@ -63,6 +63,12 @@ def client_error(
     return _json(status, body, [])
 
 
+def server_error(message: str, *, code: str, status: int = 502) -> ErrorResponse:
+    """An OpenAI-format error for an upstream answer the shim will not relay (nginx: 502)."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return _json(status, body, [])
+
+
 def _json(status: int, body: object, headers: RawHeaders) -> ErrorResponse:
     payload = json.dumps(body, separators=(",", ":")).encode()
     return ErrorResponse(

@@ -47,6 +47,14 @@ import httptools
 #: Response bytes buffered for a slow client before the engine's socket stops being read.
 _HIGH_WATER = 256 * 1024
 
+#: Largest response head (status line and headers) accepted from the upstream, and most header
+#: fields: past either the exchange fails with :class:`UpstreamProtocolError` (the relay answers
+#: 502, as nginx and HAProxy do) before anything of it is relayed. A vLLM head is a few hundred
+#: bytes; the limits keep a broken or hostile upstream from costing memory and CPU without bound
+#: (httptools joins a header's pieces as they arrive, so a growing header costs quadratic time).
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
+MAX_RESPONSE_HEADERS = 100
+
 
 class UpstreamError(Exception):
     """The upstream exchange failed; ``before_response`` tells whether any response had arrived."""
@@ -62,6 +70,10 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamTimeoutError(UpstreamError):
     """The upstream was silent for longer than the read timeout."""
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The upstream's answer is not acceptable HTTP (malformed, or a head over the limits)."""
 
 
 class _Connection(asyncio.Protocol):
@@ -85,6 +97,9 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[None] | None = None
         self._last_read = 0.0
         self.received = False
+        self._head_bytes = -1  # bytes of the response head so far; -1 once the head is in
+        self._head_tail = b""
+        self._head_problem: str | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -99,12 +114,26 @@ class _Connection(asyncio.Protocol):
             # Bytes while no exchange is running: the upstream broke the protocol; drop the connection.
             self._fail(UpstreamError("upstream sent data outside a response"))
             return
+        counted = self._head_bytes
+        if counted >= 0:
+            # Judged before the parser joins the pieces: an oversized head is never built.
+            total = counted + len(data)
+            if total > MAX_RESPONSE_HEAD_BYTES:
+                end = (self._head_tail + data).find(b"\r\n\r\n")
+                if end < 0 or counted - len(self._head_tail) + end + 4 > MAX_RESPONSE_HEAD_BYTES:
+                    self._fail(
+                        UpstreamProtocolError(
+                            f"upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
+                        )
+                    )
+                    return
+            self._head_bytes = total
+            self._head_tail = data[-3:]
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(
-                UpstreamError(f"malformed response from upstream: {exc}", before_response=not self._head_done)
-            )
+            why = self._head_problem or f"malformed response from upstream: {exc}"
+            self._fail(UpstreamProtocolError(why, before_response=not self._head_done))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -123,7 +152,11 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -----------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._response is not None
-        self._response.headers.append((name, value))
+        headers = self._response.headers
+        if len(headers) >= MAX_RESPONSE_HEADERS:
+            self._head_problem = f"upstream response has more than {MAX_RESPONSE_HEADERS} header fields"
+            raise UpstreamProtocolError(self._head_problem)  # stops the parser; reported by data_received
+        headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response = self._response
@@ -133,6 +166,7 @@ class _Connection(asyncio.Protocol):
             response.headers.clear()  # an informational answer; the real one follows
             return
         response.status = status
+        self._head_bytes = -1
         response.keep_alive = self._parser.should_keep_alive()
         if not response.keep_alive and status not in (204, 304):
             lowered = {name.lower() for name, _ in response.headers}
@@ -169,6 +203,9 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response = response
         self.received = False
+        self._head_bytes = 0
+        self._head_tail = b""
+        self._head_problem = None
         self._head = self._loop.create_future()
         if self._read_timeout is not None:
             self._last_read = self._loop.time()
