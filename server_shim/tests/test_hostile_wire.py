@@ -407,3 +407,116 @@ def test_an_oversized_upstream_head_is_a_502_never_relayed_and_the_slot_comes_ba
     )
     assert samples[key] == 1
     serves(shim, recording)
+
+
+# -- forwarding headers ----------------------------------------------------------------------
+
+
+def forwarded_headers(request: bytes) -> list[tuple[str, str]]:
+    lines = request.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+    names = ("x-forwarded-for", "forwarded", "x-real-ip", "x-forwarded-host", "x-forwarded-proto")
+    pairs = [(k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in lines)]
+    return [(k, v) for k, v in pairs if k in names]
+
+
+SPOOFED = (
+    b"x-forwarded-for: 1.2.3.4\r\nX-Forwarded-For: 5.6.7.8\r\nforwarded: for=1.2.3.4;proto=https\r\n"
+    b"x-real-ip: 1.2.3.4\r\nx-forwarded-host: evil.example\r\nx-forwarded-proto: https\r\n"
+)
+
+
+def test_a_clients_forwarding_headers_are_replaced_by_its_real_address(
+    make_shim: Callable[..., Any], recording: RecordingUpstream
+) -> None:
+    shim = make_shim(recording.url)
+    with connect(shim) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + SPOOFED + b"connection: close\r\n\r\n")
+        ((status, _, _),) = split_answers(read_until_closed(sock))
+    assert status == 200
+    (request,) = recording.requests
+    assert b"1.2.3.4" not in request
+    assert b"5.6.7.8" not in request
+    assert b"evil.example" not in request
+    assert forwarded_headers(request) == [
+        ("x-forwarded-for", "127.0.0.1"),
+        ("x-real-ip", "127.0.0.1"),
+        ("forwarded", "for=127.0.0.1"),
+    ]
+
+
+def test_a_trusted_proxys_chain_is_kept_and_the_peer_appended(
+    make_shim: Callable[..., Any], recording: RecordingUpstream
+) -> None:
+    shim = make_shim(recording.url, trusted_proxies="10.0.0.0/8, 127.0.0.1")
+    for extra, chain in [
+        # The load balancer's chain: the client said 1.2.3.4, the balancer saw 203.0.113.9.
+        (b"x-forwarded-for: 1.2.3.4, 203.0.113.9\r\nx-forwarded-proto: https\r\n", "1.2.3.4, 203.0.113.9"),
+        (b"forwarded: for=203.0.113.9;proto=https, for=10.1.2.3\r\n", "203.0.113.9, 10.1.2.3"),
+        (b"", ""),
+    ]:
+        with connect(shim) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + extra + b"connection: close\r\n\r\n")
+            ((status, _, _),) = split_answers(read_until_closed(sock))
+        assert status == 200
+        full = f"{chain}, 127.0.0.1" if chain else "127.0.0.1"
+        hops = full.split(", ")
+        got = dict(forwarded_headers(recording.requests[-1]))
+        assert got["x-forwarded-for"] == full
+        assert got["forwarded"] == ", ".join(f"for={hop}" for hop in hops)
+        # The last hop that is not a trusted proxy is the client.
+        assert got["x-real-ip"] == ("203.0.113.9" if chain else "127.0.0.1")
+        assert got.get("x-forwarded-proto") == ("https" if b"x-forwarded-proto" in extra else None)
+
+
+def test_trusted_proxies_must_be_addresses_or_networks() -> None:
+    from llm_backoff_shim.config import ConfigError, load_settings
+
+    assert load_settings(["--trusted-proxies", "10.0.0.0/8,::1"]).trusted_proxies == ("10.0.0.0/8", "::1")
+    with pytest.raises(ConfigError, match="not an IP address"):
+        load_settings(["--trusted-proxies", "10.0.0.0/8,lb.example"])
+
+
+# -- a stream that stalls --------------------------------------------------------------------
+
+
+def test_a_stalled_stream_is_cut_after_the_stream_timeout_and_its_slot_comes_back(
+    make_shim: Callable[..., Any], recording: RecordingUpstream, waiter: Callable[..., None]
+) -> None:
+    shim = make_shim(recording.url, max_concurrency=1, upstream_stream_read_timeout=0.5)
+    body = json.dumps({"model": "m", "stream": True, "messages": []}).encode()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"x-rec: stall\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+    )
+    with connect(shim) as sock:
+        sock.sendall(head)
+        received = read_until_closed(sock)  # the shim ends it: the socket's 20 s bound a broken test
+    head_part, _, chunks = received.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 200")
+    events = [line for line in chunks.split(b"\n") if line.startswith(b"data: ")]
+    assert events[0] == b'data: {"i": 0}'
+    error = json.loads(events[1].removeprefix(b"data: "))["error"]
+    assert (error["type"], error["code"]) == ("server_error", "upstream_timeout")
+    assert not chunks.endswith(b"0\r\n\r\n")  # cut, never passed off as a complete stream
+    waiter(lambda: recording.closed_streams == 1, what="the upstream connection closed")
+    assert shim.state()["interactive"] == (0, 0)
+    with connect(shim) as sock:  # the only slot serves the next request
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%b" % (len(GOOD), GOOD)
+        )
+        ((status, _, _),) = split_answers(read_until_closed(sock))
+    assert status == 200
+
+
+def test_a_non_streaming_answer_keeps_the_long_read_timeout(
+    make_shim: Callable[..., Any], recording: RecordingUpstream, waiter: Callable[..., None]
+) -> None:
+    """Silence longer than the stream timeout before a plain answer is a long generation, not a stall."""
+    shim = make_shim(recording.url, upstream_stream_read_timeout=0.2, upstream_read_timeout=60)
+    with connect(shim) as sock:
+        sock.sendall(b"GET /v1/hold/x HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        waiter(lambda: len(recording.requests) == 1, what="the request upstream")
+        threading.Timer(1.0, recording.release).start()  # five stream timeouts of silence
+        ((status, _, body),) = split_answers(read_until_closed(sock))
+    assert (status, body) == (200, b'{"ok":true}')

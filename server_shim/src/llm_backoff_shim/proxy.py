@@ -51,7 +51,7 @@ from llm_backoff_shim.admission import (
 )
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
-from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
+from llm_backoff_shim.headers import Forwarding, RawHeaders, strip_hop_by_hop
 from llm_backoff_shim.http.relay_cycle import BODY_FOLLOWS, wire_answer
 from llm_backoff_shim.http.relay_protocol import (
     CLIENT_WIRE,
@@ -60,7 +60,12 @@ from llm_backoff_shim.http.relay_protocol import (
     ClientWire,
     ConnectionGone,
 )
-from llm_backoff_shim.http.upstream_http import UpstreamError, UpstreamProtocolError, UpstreamResponse
+from llm_backoff_shim.http.upstream_http import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeoutError,
+)
 from llm_backoff_shim.intake import (
     ClientGone,
     Refusal,
@@ -182,8 +187,11 @@ class Proxy:
         hooks: RequestHooks | None = None,
         on_first_byte: Callable[[float, int], None] | None = None,
         access_log: AccessLog | None = None,
+        forwarding: Forwarding | None = None,
     ) -> None:
         self.access_log = access_log
+        # Who the client is, said to the upstream by the shim (headers.py says why).
+        self.forwarding = forwarding if forwarding is not None else Forwarding()
         # Classes by tenant, quotas, SLO headers, vLLM priority (issue 5); none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
@@ -280,7 +288,7 @@ class Proxy:
             method=method,
             path=path,
             target=_target(scope, path),
-            headers=[*strip_hop_by_hop(headers, request=True), VIA],
+            headers=[*self.forwarding.request_headers(headers, _peer(scope)), VIA],
             body=body,
             parsed=data,
         )
@@ -531,6 +539,10 @@ class Proxy:
                             break
             except UpstreamError as exc:
                 exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
+                if response.event_stream:
+                    # An error event first, as vLLM ends a stream that fails (the openai SDK raises
+                    # APIError on it); the connection is then cut without the stream's last chunk.
+                    await send({"type": "http.response.body", "body": _stream_error(exc), "more_body": True})
                 raise UpstreamStreamBroken(f"upstream failed mid-response: {exc}") from exc
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -621,6 +633,22 @@ def _error_message(body: bytes) -> str:
         pass
     text = body.decode("utf-8", "replace").strip()
     return text[:300] or "no detail"
+
+
+def _stream_error(exc: UpstreamError) -> bytes:
+    code = "upstream_timeout" if isinstance(exc, UpstreamTimeoutError) else "upstream_error"
+    error = {
+        "message": f"upstream failed mid-stream: {exc}",
+        "type": "server_error",
+        "param": None,
+        "code": code,
+    }
+    return b"data: %b\n\n" % json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+def _peer(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return str(client[0]) if client else None
 
 
 def _raw_header(headers: RawHeaders, name: bytes) -> bytes | None:
