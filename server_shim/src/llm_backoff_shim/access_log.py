@@ -183,6 +183,9 @@ class AccessLog:
             upstream = (
                 record.upstream_end if record.upstream_end is not None else end
             ) - record.upstream_start
+        # f"{ms:.1f}" writes the digits repr(round(ms, 1)) writes (one correctly rounded
+        # conversion either way), below 1e16 ms, for a third of the cost.
+        arrival = record.arrival
         parts = [
             self._timestamp(),
             record.method,
@@ -195,24 +198,24 @@ class AccessLog:
         if record.status is not None:
             parts.append(f"status={record.status}")
         if record.body_done is not None:
-            parts.append(f"body_ms={_ms(record.body_done - record.arrival)}")
+            parts.append(f"body_ms={(record.body_done - arrival) * 1000:.1f}")
         if record.queue_time is not None:
-            parts.append(f"queue_ms={_ms(record.queue_time)}")
+            parts.append(f"queue_ms={record.queue_time * 1000:.1f}")
         if record.first_byte is not None:
-            parts.append(f"ttfb_ms={_ms(record.first_byte - record.arrival)}")
+            parts.append(f"ttfb_ms={(record.first_byte - arrival) * 1000:.1f}")
         if upstream is not None:
-            parts.append(f"upstream_ms={_ms(upstream)}")
-        parts.append(f"total_ms={_ms(end - record.arrival)}")
+            parts.append(f"upstream_ms={upstream * 1000:.1f}")
+        parts.append(f"total_ms={(end - arrival) * 1000:.1f}")
         if record.retry_after is not None:
             parts.append(f"retry_after_s={round(record.retry_after, 3)}")
-        for key, value in (
-            ("detail", record.detail),
-            ("tenant", record.tenant),
-            ("request_id", record.request_id),
-            ("client", record.client),
-        ):
-            if value is not None:
-                parts.append(f"{key}={_plain(value)}")
+        if record.detail is not None:
+            parts.append("detail=" + _plain(record.detail))
+        if record.tenant is not None:
+            parts.append("tenant=" + _plain(record.tenant))
+        if record.request_id is not None:
+            parts.append("request_id=" + _plain(record.request_id))
+        if record.client is not None:
+            parts.append("client=" + _plain(record.client))
         return " ".join(parts)
 
     def write(self, record: AccessRecord) -> None:
