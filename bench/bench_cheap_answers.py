@@ -18,7 +18,7 @@ machine's drift hits both sides of a ratio alike. Three phases:
    --role aiohttp``); ``wrk`` with 64 connections;
 3. SSE: 64 streams of 200 events/s through the same three (``_loadgen.py sse``), CPU per event.
 
-The issue's targets, as ratios: refusal with the log on <= 2.5x the 429 app (log off); the
+The targets, as ratios: refusal with the log on <= 2.5x the 429 app (log off); the
 log adds <= 10 % to an admitted request; the shim's CPU per admitted request and per chunk
 <= the relay's. A table and a PNG (``--plot``) are written.
 """
