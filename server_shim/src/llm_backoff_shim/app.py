@@ -31,6 +31,7 @@ from llm_backoff_shim.admission import AdmissionController, ClassPolicy
 from llm_backoff_shim.classes import ClassShares, SharedSlots
 from llm_backoff_shim.config import ShimSettings
 from llm_backoff_shim.estimator import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.headers import Forwarding
 from llm_backoff_shim.limit import ConcurrencyLimit
 from llm_backoff_shim.metrics import CONTENT_TYPE, ShimMetrics
 from llm_backoff_shim.proxy import Proxy
@@ -121,6 +122,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         connect_timeout=settings.upstream_connect_timeout,
         read_timeout=settings.upstream_read_timeout,
         keepalive=settings.upstream_keepalive,
+        stream_read_timeout=settings.upstream_stream_read_timeout,
     )
     policy = build_traffic_policy(settings, controller, admission, upstream, clock, limit=limit)
     metrics = ShimMetrics(controller, slo_state=policy.slo_state)
@@ -138,6 +140,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         on_first_byte=policy.on_first_byte,
         access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
         routes=RouteTable(settings.allow_operator_route),
+        forwarding=Forwarding(settings.trusted_proxies),
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy)
 

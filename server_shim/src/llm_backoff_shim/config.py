@@ -13,6 +13,7 @@ same validation message whether it came from a flag or from the environment.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import re
 from collections.abc import Sequence
@@ -211,6 +212,13 @@ class ShimSettings(BaseSettings):
         le=86_400,
         description="seconds the upstream may stay silent mid-response (prefill of a long prompt included)",
     )
+    upstream_stream_read_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="seconds an event stream may stay silent between events once its first one has come "
+        "(before it, --upstream-read-timeout); a stalled engine then frees its slot in a minute",
+    )
     upstream_keepalive: float = Field(
         default=4.0,
         gt=0,
@@ -264,6 +272,12 @@ class ShimSettings(BaseSettings):
         default="auto",
         description="how connections are served: fast (uvicorn's httptools protocol, extended), public "
         "(uvicorn's h11 protocol, public interfaces only) or auto (fast when the start-up check passes)",
+    )
+    trusted_proxies: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="addresses or networks (comma-separated, e.g. 10.0.0.0/8) of proxies in front of the "
+        "shim whose X-Forwarded-For/Forwarded are kept and appended to; from any other peer they are "
+        "replaced by the peer's address",
     )
     api_key: SecretStr | None = Field(
         default=None,
@@ -326,6 +340,7 @@ class ShimSettings(BaseSettings):
         "returning_share",
         "upstream_connect_timeout",
         "upstream_read_timeout",
+        "upstream_stream_read_timeout",
         "upstream_keepalive",
         "interactive_max_queue_wait",
         "batch_max_queue_wait",
@@ -341,6 +356,23 @@ class ShimSettings(BaseSettings):
     def _finite(cls, value: float | None) -> float | None:
         if value is not None and not math.isfinite(value):
             raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _address_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network") from None
         return value
 
     @field_validator("classes", mode="before")

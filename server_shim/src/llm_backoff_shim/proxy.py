@@ -52,7 +52,7 @@ from llm_backoff_shim.admission import (
 )
 from llm_backoff_shim.auth import ApiKeys
 from llm_backoff_shim.coarse_timers import CoarseTimers
-from llm_backoff_shim.headers import RawHeaders, strip_hop_by_hop
+from llm_backoff_shim.headers import Forwarding, RawHeaders, strip_hop_by_hop
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
     CLIENT_WIRE,
@@ -61,7 +61,9 @@ from llm_backoff_shim.http.interface import (
     ClientWire,
     ConnectionGone,
     UpstreamError,
+    UpstreamProtocolError,
     UpstreamResponse,
+    UpstreamTimeoutError,
     wire_answer,
 )
 from llm_backoff_shim.intake import (
@@ -82,6 +84,7 @@ from llm_backoff_shim.rejection import (
     in_shape,
     operator_route_refused,
     rejection_response,
+    server_error,
 )
 from llm_backoff_shim.request_hooks import RequestHooks, RequestScope, with_headers
 from llm_backoff_shim.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
@@ -183,9 +186,12 @@ class Proxy:
         on_first_byte: Callable[[float, int], None] | None = None,
         access_log: AccessLog | None = None,
         routes: RouteTable | None = None,
+        forwarding: Forwarding | None = None,
     ) -> None:
         self.access_log = access_log
         self.routes = routes if routes is not None else _DEFAULT_ROUTES
+        # Who the client is, said to the upstream by the shim (headers.py says why).
+        self.forwarding = forwarding if forwarding is not None else Forwarding()
         # Classes by tenant, quotas, SLO headers, vLLM priority (issue 5); none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
@@ -292,7 +298,7 @@ class Proxy:
             method=method,
             path=path,
             target=_target(scope, path, route),
-            headers=[*strip_hop_by_hop(headers, request=True), VIA],
+            headers=[*self.forwarding.request_headers(headers, _peer(scope)), VIA],
             body=body,
             parsed=data,
         )
@@ -493,7 +499,10 @@ class Proxy:
         except UpstreamError as exc:
             # Nothing of a response arrived: the request may be retried elsewhere or later.
             exchange.upstream_end = self.clock()
-            await self._unavailable(send, cls, str(exc), exchange)
+            if isinstance(exc, UpstreamProtocolError):
+                await self._bad_gateway(send, str(exc), exchange)
+            else:
+                await self._unavailable(send, cls, str(exc), exchange)
             return
         self.outage.answered()
         started = False
@@ -547,6 +556,10 @@ class Proxy:
                             break
             except UpstreamError as exc:
                 exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
+                if response.event_stream:
+                    # An error event first, as vLLM ends a stream that fails (the openai SDK raises
+                    # APIError on it); the connection is then cut without the stream's last chunk.
+                    await send({"type": "http.response.body", "body": _stream_error(exc), "more_body": True})
                 raise UpstreamStreamBroken(f"upstream failed mid-response: {exc}") from exc
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -575,6 +588,14 @@ class Proxy:
         rejection = replace(rejection, retry_after=self.outage.failed())
         exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
         await _answer(send, rejection_response(rejection, self.reject_status), exchange)
+
+    async def _bad_gateway(self, send: Send, detail: str, exchange: _Exchange) -> None:
+        # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
+        log.warning("upstream answered with an invalid response: %s", detail)
+        self.outage.answered()
+        exchange.outcome, exchange.metric, exchange.detail = Outcome.UPSTREAM_ERROR, "upstream_error", detail
+        response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
+        await _answer(send, response, exchange)
 
     async def _upstream_overloaded(
         self, send: Send, cls: str | None, response: UpstreamResponse, exchange: _Exchange
@@ -631,6 +652,22 @@ def _error_message(body: bytes) -> str:
         pass
     text = body.decode("utf-8", "replace").strip()
     return text[:300] or "no detail"
+
+
+def _stream_error(exc: UpstreamError) -> bytes:
+    code = "upstream_timeout" if isinstance(exc, UpstreamTimeoutError) else "upstream_error"
+    error = {
+        "message": f"upstream failed mid-stream: {exc}",
+        "type": "server_error",
+        "param": None,
+        "code": code,
+    }
+    return b"data: %b\n\n" % json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+def _peer(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return str(client[0]) if client else None
 
 
 def _raw_header(headers: RawHeaders, name: bytes) -> bytes | None:

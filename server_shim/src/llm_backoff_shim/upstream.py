@@ -40,8 +40,10 @@ class UpstreamClient:
         connect_timeout: float = 5.0,
         read_timeout: float | None = 600.0,
         keepalive: float = 4.0,
+        stream_read_timeout: float | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self._stream_read_timeout = stream_read_timeout
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._keepalive = keepalive
@@ -69,6 +71,7 @@ class UpstreamClient:
             connect_timeout=self._connect_timeout,
             read_timeout=self._read_timeout,
             keepalive=self._keepalive,
+            stream_read_timeout=self._stream_read_timeout,
         )
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=self._keepalive)
         self._session = aiohttp.ClientSession(

@@ -27,7 +27,12 @@ import http
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from llm_backoff_shim.http.upstream_http import UpstreamError, UpstreamResponse
+from llm_backoff_shim.http.upstream_http import (
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeoutError,
+)
 
 __all__ = [
     "BODY_FOLLOWS",
@@ -39,7 +44,9 @@ __all__ = [
     "ConnectionGone",
     "HeadRefusal",
     "UpstreamError",
+    "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamTimeoutError",
     "wire_answer",
 ]
 

@@ -14,7 +14,8 @@ What it keeps from uvicorn's, because the wire depends on it: a header line can 
 carry CR or LF (checked once over the whole head, not per header), content-length is
 enforced in both directions, HEAD answers carry no body, a response without a length
 is chunked, ``connection: close`` is honoured, and an app that fails before
-answering gets a 500.
+answering gets a 500. An answer started before the request's body has all arrived closes
+the connection after it (``connection: close``), as nginx does with a body it did not read.
 
 What it adds: a start message carrying ``BODY_FOLLOWS: True`` promises that a body
 message follows at once, and its head is written together with the first body bytes.
@@ -183,6 +184,10 @@ class RelayCycle:
         self.waiting_for_100_continue = False
         status: int = message["status"]
         headers = message.get("headers", ())
+        if self.more_body:
+            # Answered before the request's body was all received (a refusal from its head):
+            # the rest is never parsed as a next request, the connection ends with this answer.
+            self.keep_alive = False
         content = [STATUS_LINE[status]]
         close = False
         for name, value in headers:

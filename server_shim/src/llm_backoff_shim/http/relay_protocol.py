@@ -45,6 +45,7 @@ from typing import Any
 import httptools
 
 from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.connection_guard import BadHead, head_problem
 from llm_backoff_shim.http.interface import (
     CLIENT_WIRE,
     CONNECTION_GONE,
@@ -180,6 +181,9 @@ def relay_protocol(
                     super().on_headers_complete()  # no route matches it: the app's 404
                     return
             http_version: str = parser.get_http_version()
+            problem = head_problem(http_version, self.headers)
+            if problem is not None:
+                raise BadHead(problem)  # the parser stops; the protocol answers 400
             scope = self.scope
             scope["method"] = parser.get_method().decode("ascii")
             if http_version != "1.1":
@@ -240,6 +244,7 @@ def relay_protocol(
             if body_timers is not None:
                 body_timers.discard(past.timer)
             past.response_complete = True
+            super().on_message_complete()  # the message's end for the head guard (answered: no more)
             if past.keep_alive:
                 self.on_response_complete()  # the next request may begin
             else:

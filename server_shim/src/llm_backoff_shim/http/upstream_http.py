@@ -16,7 +16,11 @@ only what the relay needs:
   is not sent on a socket the upstream is closing;
 - no pool limit (admission already caps generation requests; a pool cap would be a
   second, hidden queue), a connect timeout, and a read timeout: a response silent for
-  ``read_timeout`` seconds fails. One sweep per pool checks every exchange a few times
+  ``read_timeout`` seconds fails, and an event stream (``text/event-stream``) silent for
+  ``stream_read_timeout`` seconds once its first event has arrived (a healthy stream sends
+  an event every few tens of milliseconds; only the wait for its first one, the prompt's
+  prefill, can legitimately last as long as a whole non-streaming answer). One sweep per
+  pool checks every exchange a few times
   per timeout period (at least once a second), because a timer per request, armed and
   cancelled, cost about 15 us of CPU per request here (a quarter of this client's cost);
 - the request is written in one piece (head and the already buffered body); the
@@ -47,6 +51,14 @@ import httptools
 #: Response bytes buffered for a slow client before the engine's socket stops being read.
 _HIGH_WATER = 256 * 1024
 
+#: Largest response head (status line and headers) accepted from the upstream, and most header
+#: fields: past either the exchange fails with :class:`UpstreamProtocolError` (the relay answers
+#: 502, as nginx and HAProxy do) before anything of it is relayed. A vLLM head is a few hundred
+#: bytes; the limits keep a broken or hostile upstream from costing memory and CPU without bound
+#: (httptools joins a header's pieces as they arrive, so a growing header costs quadratic time).
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
+MAX_RESPONSE_HEADERS = 100
+
 
 class UpstreamError(Exception):
     """The upstream exchange failed; ``before_response`` tells whether any response had arrived."""
@@ -64,6 +76,10 @@ class UpstreamTimeoutError(UpstreamError):
     """The upstream was silent for longer than the read timeout."""
 
 
+class UpstreamProtocolError(UpstreamError):
+    """The upstream's answer is not acceptable HTTP (malformed, or a head over the limits)."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries at most one exchange at a time."""
 
@@ -72,9 +88,13 @@ class _Connection(asyncio.Protocol):
         loop: asyncio.AbstractEventLoop,
         read_timeout: float | None,
         on_closed: Callable[[_Connection], None],
+        stream_read_timeout: float | None = None,
     ) -> None:
         self._loop = loop
         self._read_timeout = read_timeout
+        self._stream_timeout = stream_read_timeout if stream_read_timeout is not None else read_timeout
+        self._timeout = read_timeout  # the running exchange's silence limit
+        self._events = False  # the response is an event stream still waiting for its first bytes
         self._on_closed = on_closed
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -85,6 +105,9 @@ class _Connection(asyncio.Protocol):
         self._head: asyncio.Future[None] | None = None
         self._last_read = 0.0
         self.received = False
+        self._head_bytes = -1  # bytes of the response head so far; -1 once the head is in
+        self._head_tail = b""
+        self._head_problem: str | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -99,12 +122,26 @@ class _Connection(asyncio.Protocol):
             # Bytes while no exchange is running: the upstream broke the protocol; drop the connection.
             self._fail(UpstreamError("upstream sent data outside a response"))
             return
+        counted = self._head_bytes
+        if counted >= 0:
+            # Judged before the parser joins the pieces: an oversized head is never built.
+            total = counted + len(data)
+            if total > MAX_RESPONSE_HEAD_BYTES:
+                end = (self._head_tail + data).find(b"\r\n\r\n")
+                if end < 0 or counted - len(self._head_tail) + end + 4 > MAX_RESPONSE_HEAD_BYTES:
+                    self._fail(
+                        UpstreamProtocolError(
+                            f"upstream response head larger than {MAX_RESPONSE_HEAD_BYTES} bytes"
+                        )
+                    )
+                    return
+            self._head_bytes = total
+            self._head_tail = data[-3:]
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(
-                UpstreamError(f"malformed response from upstream: {exc}", before_response=not self._head_done)
-            )
+            why = self._head_problem or f"malformed response from upstream: {exc}"
+            self._fail(UpstreamProtocolError(why, before_response=not self._head_done))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -123,7 +160,11 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks -----------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self._response is not None
-        self._response.headers.append((name, value))
+        headers = self._response.headers
+        if len(headers) >= MAX_RESPONSE_HEADERS:
+            self._head_problem = f"upstream response has more than {MAX_RESPONSE_HEADERS} header fields"
+            raise UpstreamProtocolError(self._head_problem)  # stops the parser; reported by data_received
+        headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response = self._response
@@ -133,6 +174,10 @@ class _Connection(asyncio.Protocol):
             response.headers.clear()  # an informational answer; the real one follows
             return
         response.status = status
+        self._head_bytes = -1
+        for name, value in response.headers:
+            if name.lower() == b"content-type":
+                self._events = response.event_stream = value.lower().startswith(b"text/event-stream")
         response.keep_alive = self._parser.should_keep_alive()
         if not response.keep_alive and status not in (204, 304):
             lowered = {name.lower() for name, _ in response.headers}
@@ -149,6 +194,9 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is None:
             return
+        if self._events:
+            self._events = False
+            self._timeout = self._stream_timeout  # between events from now on
         response.feed(body)
         if response.buffered > _HIGH_WATER and self.transport is not None:
             self.transport.pause_reading()
@@ -169,6 +217,11 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._response = response
         self.received = False
+        self._head_bytes = 0
+        self._head_tail = b""
+        self._head_problem = None
+        self._timeout = self._read_timeout
+        self._events = False
         self._head = self._loop.create_future()
         if self._read_timeout is not None:
             self._last_read = self._loop.time()
@@ -185,7 +238,7 @@ class _Connection(asyncio.Protocol):
 
     def check_silence(self, now: float) -> None:
         """Fail the running exchange when the upstream has been silent for the read timeout."""
-        timeout = self._read_timeout
+        timeout = self._timeout
         if self._parser is not None and timeout is not None and now - self._last_read >= timeout:
             why = f"upstream silent for {timeout:g} s"
             self._fail(UpstreamTimeoutError(why, before_response=not self._head_done))
@@ -229,6 +282,7 @@ class UpstreamResponse:
         "_sink",
         "_waiter",
         "buffered",
+        "event_stream",
         "headers",
         "keep_alive",
         "method_head",
@@ -242,6 +296,8 @@ class UpstreamResponse:
         self.keep_alive = False
         self.until_close = False
         self.method_head = method_head
+        #: The answer is ``text/event-stream`` (its silence limit is the stream one).
+        self.event_stream = False
         self.buffered = 0
         self._chunks: collections.deque[bytes] = collections.deque()
         self._done = False
@@ -392,6 +448,7 @@ class UpstreamPool:
         connect_timeout: float = 5.0,
         read_timeout: float | None = 600.0,
         keepalive: float = 4.0,
+        stream_read_timeout: float | None = None,
     ) -> None:
         parts = parse_origin(base_url)
         assert parts.hostname is not None
@@ -405,6 +462,7 @@ class UpstreamPool:
         self.prefix = parts.path.rstrip("/").encode("latin-1")
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
+        self._stream_read_timeout = stream_read_timeout
         self._keepalive = keepalive
         self._ssl: ssl_module.SSLContext | None = (
             ssl_module.create_default_context() if parts.scheme == "https" else None
@@ -477,7 +535,8 @@ class UpstreamPool:
         return await self._connect(asyncio.get_running_loop())
 
     def _sweep_period(self) -> float | None:
-        return None if self._read_timeout is None else min(1.0, self._read_timeout / 4)
+        timeouts = [t for t in (self._read_timeout, self._stream_read_timeout) if t is not None]
+        return min(1.0, min(timeouts) / 4) if timeouts else None
 
     def _sweep(self) -> None:
         self._sweeper = None
@@ -490,7 +549,7 @@ class UpstreamPool:
             self._sweeper = loop.call_later(period, self._sweep)
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> _Connection:
-        conn = _Connection(loop, self._read_timeout, self._open.discard)
+        conn = _Connection(loop, self._read_timeout, self._open.discard, self._stream_read_timeout)
         try:
             await asyncio.wait_for(
                 loop.create_connection(
