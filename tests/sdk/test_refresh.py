@@ -34,7 +34,10 @@ COMPLETION = {
 
 
 class Counting:
-    """429 (``retry-after-ms: 5``) for the first ``busy`` requests, then a completion; keeps each one's headers."""
+    """429 (``retry-after-ms: 5``) for the first ``busy`` requests, then a completion.
+
+    Keeps the headers of each request.
+    """
 
     def __init__(self, busy: int = 2) -> None:
         self.busy = busy
@@ -75,7 +78,8 @@ def test_the_api_key_provider_is_asked_per_attempt(server: tuple[Counting, str])
     counting, url = server
     wrapped = llm_backoff.wrap(openai.OpenAI(base_url=f"{url}/v1", api_key=keys()))
     with instant_retries():
-        assert wrapped.chat.completions.create(model="m", messages=MESSAGES).choices[0].message.content == "ok"
+        reply = wrapped.chat.completions.create(model="m", messages=MESSAGES)
+    assert reply.choices[0].message.content == "ok"
     assert counting.header("authorization") == ["Bearer key-0", "Bearer key-1", "Bearer key-2"]
     assert counting.header("x-stainless-retry-count") == ["0", "1", "2"]
 
@@ -124,7 +128,10 @@ def test_the_azure_ad_token_provider_is_asked_per_attempt(server: tuple[Counting
     counting, url = server
     wrapped = llm_backoff.wrap(
         openai.AzureOpenAI(
-            azure_endpoint=url, azure_deployment="dep", api_version="2024-06-01", azure_ad_token_provider=keys()
+            azure_endpoint=url,
+            azure_deployment="dep",
+            api_version="2024-06-01",
+            azure_ad_token_provider=keys(),
         )
     )
     with instant_retries():
@@ -147,7 +154,9 @@ def test_request_event_hooks_run_per_attempt(server: tuple[Counting, str], lib: 
     http_client.close()
 
 
-async def test_async_request_event_hooks_run_per_attempt(server: tuple[Counting, str], lib: ModuleType) -> None:
+async def test_async_request_event_hooks_run_per_attempt(
+    server: tuple[Counting, str], lib: ModuleType
+) -> None:
     counting, url = server
     signed = itertools.count()
 
