@@ -32,9 +32,17 @@ from typing import Any
 
 from . import _reach
 
-__all__ = ["AttemptRefresh", "RecordingProvider", "install_recorders", "open_call"]
+__all__ = [
+    "AttemptRefresh",
+    "RecordingProvider",
+    "close_call",
+    "current",
+    "has_recorders",
+    "install_recorders",
+    "open_call",
+]
 
-#: What the providers returned during the current call: (attribute, credential), in order.
+#: The call being made in this context, whose providers note what they return.
 _ISSUED: ContextVar[AttemptRefresh | None] = ContextVar("llm_backoff_issued", default=None)
 
 
@@ -74,6 +82,14 @@ def install_recorders(client: object) -> None:
         if isinstance(provider, RecordingProvider):
             provider = provider.inner
         _reach.set_credential_provider(client, attribute, RecordingProvider(provider, attribute))
+
+
+def has_recorders(client: object) -> bool:
+    """Whether `install_recorders` put a recorder on ``client`` (it has a credential provider)."""
+    return any(
+        isinstance(_reach.credential_provider(client, attribute), RecordingProvider)
+        for attribute, _, _ in _reach.CREDENTIAL_PROVIDERS
+    )
 
 
 class AttemptRefresh:

@@ -61,7 +61,7 @@ from .errors import RateLimitTimeout, UnsupportedClientError
 from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
 from .policy import RetryPolicy, check_request_class
-from .refresh import close_call, install_recorders, open_call
+from .refresh import close_call, has_recorders, install_recorders, open_call
 from .stats import ClientStats
 
 #: An ``openai.OpenAI``/``AsyncOpenAI`` (Azure's too) or an ``anthropic.Anthropic``/``AsyncAnthropic``.
@@ -315,6 +315,8 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
     """
     request = client.request
     http_client = getattr(client, "_client", None)
+    # Only a client with something to redo per attempt pays for noting its calls.
+    refreshing = has_recorders(client) or bool(getattr(http_client, "event_hooks", {}).get("request"))
     hooked: Callable[..., Any]
     if isinstance(client, sdk.async_client):
         stream_cls = sdk.async_stream
@@ -322,7 +324,7 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
         @functools.wraps(request)
         async def hooked(*args: Any, **kwargs: Any) -> Any:
             mark = CALL_STARTED.set(clock()) if clock is not None else None
-            _, noted = open_call(client, http_client)
+            noted = open_call(client, http_client)[1] if refreshing else None
             try:
                 result = await request(*args, **kwargs)
             except BaseException as exc:
@@ -332,7 +334,8 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
                 annotate_openai_error(exc)
                 raise
             finally:
-                close_call(noted)
+                if noted is not None:
+                    close_call(noted)
                 if mark is not None:
                     CALL_STARTED.reset(mark)
             if stream_cls is not None and isinstance(result, stream_cls):
@@ -345,7 +348,7 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
         @functools.wraps(request)
         def hooked(*args: Any, **kwargs: Any) -> Any:
             mark = CALL_STARTED.set(clock()) if clock is not None else None
-            _, noted = open_call(client, http_client)
+            noted = open_call(client, http_client)[1] if refreshing else None
             try:
                 result = request(*args, **kwargs)
             except BaseException as exc:
@@ -355,7 +358,8 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
                 annotate_openai_error(exc)
                 raise
             finally:
-                close_call(noted)
+                if noted is not None:
+                    close_call(noted)
                 if mark is not None:
                     CALL_STARTED.reset(mark)
             if stream_cls is not None and isinstance(result, stream_cls):
