@@ -25,7 +25,8 @@ Per attempt, the engine:
   left of it until the answer's head arrives; a body passed through unread then
   reads under the call's deadline again (`RetryEngine._begun`);
 - on a retry, counts it in ``x-stainless-retry-count`` when the request carries that
-  header (openai's attempt number: 0, 1, 2, ...);
+  header (openai's attempt number: 0, 1, 2, ...), and redoes what the SDK's own retries
+  redo per attempt: credential providers and ``request`` event hooks (`refresh`);
 - buffers JSON bodies and error bodies inside the attempt, so a connection that
   drops half-way through a JSON answer counts as a failed attempt and is retried,
   and the error body can be read for hints and ``insufficient_quota``. Other bodies
