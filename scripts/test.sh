@@ -48,3 +48,4 @@ VENV2="$ROOT/.venv-openai2"
 "$VENV2/bin/python" -c 'import openai; print("openai", openai.__version__)'
 echo "== pytest tests/sdk (openai 2.x)"
 "$VENV2/bin/pytest" -q -p no:cacheprovider tests/sdk -m "not openai3"
+bash scripts/test-sdk-floors.sh  # tests/sdk at the lowest openai 2.x and 3.x allowed

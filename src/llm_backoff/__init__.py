@@ -2,7 +2,10 @@
 
 ``client = llm_backoff.wrap(openai.OpenAI(...), llm_backoff.RetryPolicy(deadline=30))``
 returns a client of the same class whose every request is retried with
-Retry-After-aware, jittered, deadline-bound backoff.
+Retry-After-aware, jittered, deadline-bound backoff (``anthropic.Anthropic`` clients
+too). ``wrap(client, request_class="interactive")`` without a policy fails fast when
+the answer cannot begin within 5 s (`RetryPolicy.interactive`); ``"batch"`` waits
+patiently (`RetryPolicy.batch`).
 """
 
 from .adaptive import AdaptiveRate

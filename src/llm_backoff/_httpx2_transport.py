@@ -1,6 +1,6 @@
 """The retrying transports for httpx2 (openai 3.x).
 
-Thin shells over `llm_backoff.transport.RetryEngine`; see that module for what an
+Thin shells over `llm_backoff.engine.RetryEngine`; see that module for what an
 attempt does. This module imports ``httpx2`` and is only imported when a httpx2
 client is wrapped or one of these classes is asked for.
 
@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx2
 
+from .engine import Flavor, RetryEngine, StreamGuard
 from .policy import RetryPolicy
-from .transport import Flavor, RetryEngine, StreamGuard
 
 
 class _GuardedStream(httpx2.SyncByteStream):

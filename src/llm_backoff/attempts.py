@@ -6,8 +6,9 @@ ended and answers `Retry` (wait this long) or `GiveUp` (why). The checks, in ord
 1. the outcome is not retryable (see `classify`) -> give up;
 2. the server's hint exceeds ``max_retry_after`` -> give up at once;
 3. ``max_attempts`` reached -> give up;
-4. the wait (see `backoff`) would end at or past the start deadline or the deadline
-   -> give up now rather than sleep pointlessly and fail anyway;
+4. the wait (see `backoff`) would end at or past the start deadline -> a shorter wait
+   that still begins in time when one is worth it (`RetryState._fit_to_start`), else
+   give up; past the deadline -> give up now rather than sleep pointlessly and fail anyway;
 5. the retry budget (if any) refuses -> give up.
 
 Pure: the clock and random source are injected; the budget is the only object
@@ -27,6 +28,10 @@ from .limits import RetryBudgetLike
 from .policy import RetryPolicy
 
 Clock = Callable[[], float]
+
+#: A retry fitted before the start deadline begins this fraction of it before the deadline,
+#: leaving the server that much budget (``x-request-timeout-ms``) to start it in.
+LAST_MARGIN = 0.1
 
 #: Key of the attempt history in ``response.extensions`` and name of the attribute on exceptions.
 EXTENSION_KEY = "llm_backoff.attempts"
@@ -102,6 +107,7 @@ class RetryState:
         self._begin_by = self.expires_at if self.starts_by is None else self.starts_by
         self._attempts: list[Attempt] = []
         self._previous_wait: float | None = None
+        self._last_chance_taken = False
         self.final_reason: str | None = None
 
     @property
@@ -210,10 +216,13 @@ class RetryState:
         if start is not None:
             elapsed = now - self.started_at
             if elapsed + wait >= start:
-                return GiveUp(
-                    f"{verdict.reason}: waiting {wait:.3g} s would pass the {start:g} s start deadline "
-                    f"({elapsed:.3g} s elapsed)"
-                )
+                fitted = self._fit_to_start(policy, start, elapsed, wait, hint)
+                if fitted is None:
+                    return GiveUp(
+                        f"{verdict.reason}: waiting {wait:.3g} s would pass the {start:g} s start deadline "
+                        f"({elapsed:.3g} s elapsed)"
+                    )
+                wait = fitted
         if policy.deadline is not None:
             elapsed = now - self.started_at
             if elapsed + wait >= policy.deadline:
@@ -224,6 +233,39 @@ class RetryState:
         if self._budget is not None and not self._budget.try_spend():
             return GiveUp(f"{verdict.reason}: retry budget exhausted")
         return Retry(wait, verdict.reason)
+
+    def _fit_to_start(
+        self, policy: RetryPolicy, start: float, elapsed: float, wait: float, hint: float | None
+    ) -> float | None:
+        """A shorter wait that still begins the retry before the start deadline, or None: give up.
+
+        The retry is placed at the latest useful moment, `LAST_MARGIN` of the start
+        deadline before it (so the server is still given some budget to start it in):
+
+        - when the wait's floor (the server's hint; a computed backoff has none) fits
+          before that moment, only the jitter on top of it pushed the retry out: it is
+          trimmed, rather than failing a call the server said it could take in time;
+        - when the hint itself passes the start deadline, but by at most
+          ``last_chance`` of it, one last attempt is made at that moment: a server's
+          hint is an upper bound (slots free up as answers end early), and a server that
+          still cannot start the request in the budget left refuses it at once;
+        - otherwise (a hint far past it, or the last chance already taken) None.
+        """
+        latest = start * (1.0 - LAST_MARGIN)
+        room = latest - elapsed
+        if room <= 0:
+            return None
+        floor = hint if hint is not None and hint > 0 else 0.0
+        if floor < room:
+            return min(wait, room)
+        if (
+            policy.last_chance > 0
+            and not self._last_chance_taken
+            and elapsed + floor <= start * (1.0 + policy.last_chance)
+        ):
+            self._last_chance_taken = True
+            return room
+        return None
 
 
 def format_history(attempts: tuple[Attempt, ...], final_reason: str | None = None) -> str:

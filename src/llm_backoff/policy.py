@@ -8,7 +8,7 @@ message naming the field; unknown fields are rejected too, so a typo such as
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
@@ -17,7 +17,15 @@ Jitter = Literal["full", "equal", "decorrelated", "none"]
 #: Statuses that no setting makes retryable: the same request cannot succeed later.
 NEVER_RETRY_STATUSES: frozenset[int] = frozenset({400, 401, 403, 404, 422})
 
-DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
+#: 529 is Anthropic's "overloaded" (``overloaded_error``), which its own SDK retries.
+DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504, 529})
+
+#: `RetryPolicy.interactive`'s start deadline: seconds for the answer to begin.
+INTERACTIVE_START_DEADLINE = 5.0
+#: `RetryPolicy.interactive`'s deadline for the whole call (a stream that began runs on under it).
+INTERACTIVE_DEADLINE = 60.0
+#: `RetryPolicy.batch`'s deadline for the whole call; batch has no start deadline.
+BATCH_DEADLINE = 600.0
 
 
 class RetryPolicy(BaseModel):
@@ -69,6 +77,48 @@ class RetryPolicy(BaseModel):
     retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
     retry_connection_errors: StrictBool = True
     retry_timeouts: StrictBool = True
+    last_chance: float = Field(
+        default=0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=(
+            "with a start deadline: a hint that would begin the retry past it, but by at most this "
+            "fraction of the start deadline, still gets one last attempt just before it"
+        ),
+    )
+
+    @classmethod
+    def interactive(
+        cls, start_deadline: float = INTERACTIVE_START_DEADLINE, **fields: Any
+    ) -> RetryPolicy:
+        """For a caller with a time-to-first-token budget: begin within ``start_deadline`` or fail.
+
+        Waits that fit the budget are taken (a hint's jitter is trimmed to fit); a hint
+        that overshoots it by at most half of it earns one last attempt just before the
+        start deadline (servers' hints are upper bounds); a hint past that fails the
+        call at once. Any other field may be given too.
+        """
+        values: dict[str, Any] = {
+            "deadline": max(INTERACTIVE_DEADLINE, start_deadline),
+            "start_deadline": start_deadline,
+            "last_chance": 0.5,
+            "base_delay": 0.25,
+            "max_delay": 2.0,
+        }
+        values.update(fields)
+        return cls(**values)
+
+    @classmethod
+    def batch(cls, deadline: float | None = BATCH_DEADLINE, **fields: Any) -> RetryPolicy:
+        """For work nobody watches: patience (a long ``deadline``, no start deadline, long hints waited)."""
+        values: dict[str, Any] = {
+            "deadline": deadline,
+            "max_attempts": 50,
+            "max_delay": 60.0,
+            "max_retry_after": 600.0,
+        }
+        values.update(fields)
+        return cls(**values)
 
     @field_validator("retry_statuses")
     @classmethod
@@ -95,3 +145,28 @@ class RetryPolicy(BaseModel):
                 "the answer cannot be allowed to begin after the whole call has ended"
             )
         return self
+
+
+_CLASS_PRESETS = {"interactive": RetryPolicy.interactive, "batch": RetryPolicy.batch}
+
+
+def default_policy(request_class: str | None) -> RetryPolicy:
+    """The policy a client gets without one: the class's preset for ``interactive``/``batch``."""
+    preset = _CLASS_PRESETS.get(request_class or "")
+    return preset() if preset is not None else RetryPolicy()
+
+
+def check_request_class(request_class: object) -> None:
+    """Refuse a ``request_class`` that cannot be sent as the ``x-request-class`` header."""
+    if request_class is None:
+        return
+    if not isinstance(request_class, str):
+        raise TypeError(
+            "request_class must be a str such as 'interactive' or 'batch' (or None), "
+            f"got {type(request_class).__name__}"
+        )
+    if not request_class or not request_class.isascii() or not request_class.isprintable():
+        raise ValueError(
+            "request_class must be a non-empty printable ASCII header value such as 'interactive' "
+            f"or 'batch', got {request_class!r}"
+        )

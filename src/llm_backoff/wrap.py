@@ -1,4 +1,4 @@
-"""`wrap()`: an openai client whose every HTTP request goes through a `RetryPolicy`.
+"""`wrap()`: an openai (or anthropic) client whose every HTTP request goes through a `RetryPolicy`.
 
 How the returned client is built, and why this way:
 
@@ -38,29 +38,109 @@ How the returned client is built, and why this way:
   any exception from its http client into ``APIConnectionError``, so the hook
   unwraps that one case.
 - Wrapping a wrapped client replaces the policy instead of nesting retries.
+- Credential providers and ``request`` event hooks, which the SDK's own retries run
+  again per attempt, run again before each of ours (`refresh`).
+- An ``anthropic.Anthropic``/``AsyncAnthropic`` is built by the same generated base
+  client as openai's (``_client``, ``copy(http_client=, max_retries=0)``, ``request``,
+  streams), so it is wrapped the same way; its exceptions stay anthropic's.
+- Every reach into a private attribute of the SDKs or httpx/httpx2 is in `_reach`.
 """
 
 from __future__ import annotations
 
-import copy as _copy
 import functools
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import openai
-
+from . import _reach
 from .attempts import ATTRIBUTE, EXTENSION_KEY
+from .engine import CALL_STARTED, REASON_KEY, RetryEngine, annotate
 from .errors import RateLimitTimeout, UnsupportedClientError
 from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
-from .policy import RetryPolicy
+from .policy import RetryPolicy, check_request_class
+from .refresh import close_call, has_recorders, install_recorders, open_call
 from .stats import ClientStats
-from .transport import CALL_STARTED, REASON_KEY, RetryEngine, annotate
 
-ClientT = TypeVar("ClientT", openai.OpenAI, openai.AsyncOpenAI)
+#: An ``openai.OpenAI``/``AsyncOpenAI`` (Azure's too) or an ``anthropic.Anthropic``/``AsyncAnthropic``.
+ClientT = TypeVar("ClientT")
 
 _ORIGIN_ATTR = "_llm_backoff_origin"
+
+
+@dataclass(frozen=True, slots=True)
+class _Sdk:
+    """The classes of one SDK that `wrap` needs to know."""
+
+    name: str
+    client: type[Any]
+    async_client: type[Any]
+    stream: type[Any] | None
+    async_stream: type[Any] | None
+    connection_error: type[BaseException] | None
+
+
+#: (package, sync client, async client): the SDKs `wrap` takes.
+_SDKS = (("openai", "OpenAI", "AsyncOpenAI"), ("anthropic", "Anthropic", "AsyncAnthropic"))
+
+
+def _sdk_of(client: object) -> tuple[_Sdk, bool] | None:
+    """The SDK ``client`` comes from and whether it is async; None when it is none of them.
+
+    Looked up in ``sys.modules``: a client of a package that was never imported cannot exist.
+    """
+    for package, sync_name, async_name in _SDKS:
+        module = sys.modules.get(package)
+        if module is None:
+            continue
+        sync_cls, async_cls = getattr(module, sync_name, None), getattr(module, async_name, None)
+        for cls, is_async in ((sync_cls, False), (async_cls, True)):
+            if isinstance(cls, type) and isinstance(client, cls):
+                assert isinstance(sync_cls, type)
+                assert isinstance(async_cls, type)
+                sdk = _Sdk(
+                    package,
+                    sync_cls,
+                    async_cls,
+                    getattr(module, "Stream", None),
+                    getattr(module, "AsyncStream", None),
+                    getattr(module, "APIConnectionError", None),
+                )
+                return sdk, is_async
+    return None
+
+
+def _check_arguments(
+    policy: object, on_retry: object, request_class: object, limiter: object, budget: object
+) -> None:
+    """Refuse, naming the argument and what it takes, anything `wrap` could only fail on later."""
+    if policy is not None and not isinstance(policy, RetryPolicy):
+        raise TypeError(
+            "policy must be a llm_backoff.RetryPolicy (or None for the defaults), "
+            f"got {type(policy).__name__}"
+        )
+    if on_retry is not None and not isinstance(on_retry, RetryObservers) and not callable(on_retry):
+        if isinstance(on_retry, (str, bytes)) or not isinstance(on_retry, Iterable):
+            raise TypeError(
+                "on_retry must be a callable taking a RetryEvent, an iterable of them, or a "
+                f"RetryObservers, got {type(on_retry).__name__}"
+            )
+        bad = [type(hook).__name__ for hook in list(on_retry) if not callable(hook)]
+        if bad:
+            raise TypeError(f"on_retry must hold only callables taking a RetryEvent, got {', '.join(bad)}")
+    check_request_class(request_class)
+    if limiter is not None and not isinstance(limiter, CallLimiter):
+        raise TypeError(
+            "limiter must implement llm_backoff.limits.CallLimiter (acquire_for and acquire_for_async), "
+            f"e.g. a llm_backoff.RateLimiter, got {type(limiter).__name__}"
+        )
+    if budget is not None and not isinstance(budget, RetryBudgetLike):
+        raise TypeError(
+            "budget must implement record_request() and try_spend(), e.g. a llm_backoff.RetryBudget, "
+            f"got {type(budget).__name__}"
+        )
 
 
 def wrap(
@@ -74,38 +154,44 @@ def wrap(
 ) -> ClientT:
     """A copy of ``client`` (same class) whose requests are retried under ``policy``.
 
-    ``on_retry`` is called with a `RetryEvent` before each retry's wait (one hook or
-    several); ``request_class`` is sent as ``x-request-class`` (e.g. ``"batch"``)
-    unless a request sets that header itself; ``limiter`` and ``budget`` are shared
-    objects implementing `llm_backoff.limits.CallLimiter` and ``RetryBudgetLike``.
+    ``client`` is an ``openai.OpenAI``/``AsyncOpenAI`` (Azure's too) or an
+    ``anthropic.Anthropic``/``AsyncAnthropic``. Without a ``policy``, a
+    ``request_class`` of ``"interactive"`` or ``"batch"`` picks `RetryPolicy.interactive`
+    or `RetryPolicy.batch`, any other the plain `RetryPolicy`. ``on_retry`` is called
+    with a `RetryEvent` before each retry's wait (one hook or several);
+    ``request_class`` is sent as ``x-request-class`` unless a request sets that header
+    itself; ``limiter`` and ``budget`` are shared objects implementing
+    `llm_backoff.limits.CallLimiter` and ``RetryBudgetLike``.
     """
-    if not isinstance(client, (openai.OpenAI, openai.AsyncOpenAI)):
+    found = _sdk_of(client)
+    if found is None:
         raise UnsupportedClientError(
-            f"wrap() takes an openai.OpenAI or openai.AsyncOpenAI client, got {type(client).__name__}"
+            "wrap() takes an openai.OpenAI / openai.AsyncOpenAI or an anthropic.Anthropic / "
+            f"anthropic.AsyncAnthropic client, got {type(client).__name__}"
         )
-    if policy is not None and not isinstance(policy, RetryPolicy):
-        raise TypeError(f"policy must be a llm_backoff.RetryPolicy, got {type(policy).__name__}")
+    sdk, is_async = found
+    _check_arguments(policy, on_retry, request_class, limiter, budget)
     engine = RetryEngine(
         policy, on_retry=on_retry, request_class=request_class, limiter=limiter, budget=budget
     )
-    is_async = isinstance(client, openai.AsyncOpenAI)
-    http_client = retrying_http_client(client._client, engine, is_async=is_async)
-    wrapped = client.copy(http_client=http_client, max_retries=0)
-    _install_request_hook(wrapped, engine.clock)
+    http_client = retrying_http_client(_reach.http_client_of(client), engine, is_async=is_async)
+    wrapped: ClientT = client.copy(http_client=http_client, max_retries=0)  # type: ignore[attr-defined]
+    install_recorders(wrapped)
+    _install_request_hook(wrapped, engine.clock, sdk)
     return wrapped
 
 
-def retry_observers(client: openai.OpenAI | openai.AsyncOpenAI) -> RetryObservers:
+def retry_observers(client: object) -> RetryObservers:
     """The hook list of a wrapped client, to subscribe a stats collector after the fact."""
     return _engine_of(client).observers
 
 
-def client_stats(client: openai.OpenAI | openai.AsyncOpenAI) -> ClientStats:
+def client_stats(client: object) -> ClientStats:
     """The live counters of a wrapped client (shared with its ``copy()``/``with_options()`` clients)."""
     return _engine_of(client).stats
 
 
-def call_observers(client: openai.OpenAI | openai.AsyncOpenAI) -> CallObservers:
+def call_observers(client: object) -> CallObservers:
     """The `CallObserver` list of a wrapped client (``llm_backoff.otel.instrument`` subscribes here)."""
     return _engine_of(client).watchers
 
@@ -118,8 +204,7 @@ def _engine_of(client: object) -> RetryEngine:
 
 
 def _engine_or_none(client: object) -> RetryEngine | None:
-    transport = getattr(getattr(client, "_client", None), "_transport", None)
-    engine = getattr(transport, "engine", None)
+    engine = getattr(_reach.transport_of(client), "engine", None)
     return engine if isinstance(engine, RetryEngine) else None
 
 
@@ -137,60 +222,34 @@ def _retry_transport_class(http_client: object, *, is_async: bool) -> type[Any]:
         return v1.AsyncHttpxRetryTransport if is_async else v1.HttpxRetryTransport
     kind = "AsyncClient" if is_async else "Client"
     raise UnsupportedClientError(
-        f"the openai client's http_client is a {type(http_client).__name__}, expected an httpx2.{kind} "
+        f"the client's http_client is a {type(http_client).__name__}, expected an httpx2.{kind} "
         f"or httpx.{kind}"
     )
 
 
 def retrying_http_client(http_client: Any, engine: RetryEngine, *, is_async: bool) -> Any:
-    """A shallow copy of an httpx/httpx2 client whose transports retry under ``engine``."""
-    retry_cls = _retry_transport_class(http_client, is_async=is_async)
-    if not hasattr(http_client, "_transport") or not hasattr(http_client, "_mounts"):
-        raise UnsupportedClientError(
-            f"{type(http_client).__name__} does not have the httpx transport layering (_transport, _mounts)"
-        )
-    if http_client.is_closed:
-        raise UnsupportedClientError("the openai client's http client is closed")
+    """A shallow copy of an httpx/httpx2 client whose transports retry under ``engine``.
 
-    owns_pool = _made_by_openai(http_client)
+    Closing it closes the pooled connections only when the SDK built ``http_client``
+    itself (the usual ``wrap(OpenAI(...))``): otherwise they would linger until garbage
+    collection (for async clients, possibly on another event loop). The given client
+    stays usable: httpcore pools open new connections on demand after ``close()``. A
+    caller's own http client is never closed by us; its owner closes it.
+    """
+    retry_cls = _retry_transport_class(http_client, is_async=is_async)
+    if http_client.is_closed:
+        raise UnsupportedClientError("the client's http client is closed")
+
+    owns_pool = _reach.made_by_sdk(http_client)
 
     def retrying(transport: Any) -> Any:
         inner = getattr(transport, "inner", transport) if _is_retry_transport(transport) else transport
         return retry_cls(inner, engine=engine, owns_inner=owns_pool)
 
-    new = _copy.copy(http_client)
-    new.headers = http_client.headers  # the setter builds a fresh Headers
-    new._event_hooks = {event: list(hooks) for event, hooks in http_client._event_hooks.items()}
-    new._transport = retrying(http_client._transport)
-    new._mounts = {
-        pattern: None if transport is None else retrying(transport)
-        for pattern, transport in http_client._mounts.items()
-    }
+    new = _reach.copy_with_transports(http_client, retrying)
     # Keep the pool's owner alive as long as we use its pool (its __del__ may close it).
     setattr(new, _ORIGIN_ATTR, getattr(http_client, _ORIGIN_ATTR, http_client))
     return new
-
-
-def _made_by_openai(http_client: object) -> bool:
-    """True for the http client openai builds itself when the caller passes none.
-
-    Closing the wrapped client then closes the pooled connections too, as closing an
-    unwrapped openai client would: otherwise they would linger until garbage
-    collection (for async clients, possibly on another event loop). The given client
-    stays usable: httpcore pools open new connections on demand after ``close()``.
-    A caller's own http client is never closed by us; its owner closes it.
-    """
-    from openai import _base_client
-
-    wrappers = tuple(
-        cls
-        for cls in (
-            getattr(_base_client, "SyncHttpxClientWrapper", None),
-            getattr(_base_client, "AsyncHttpxClientWrapper", None),
-        )
-        if isinstance(cls, type)
-    )
-    return isinstance(http_client, wrappers)
 
 
 def _is_retry_transport(transport: object) -> bool:
@@ -222,10 +281,11 @@ def annotate_openai_error(exc: BaseException) -> None:
         annotate(exc, *found)
 
 
-def _own_timeout(exc: BaseException) -> RateLimitTimeout | None:
-    """Our `RateLimitTimeout` when openai wrapped it (2.x turns any exception into APIConnectionError)."""
+def _own_timeout(exc: BaseException, sdk: _Sdk) -> RateLimitTimeout | None:
+    """Our `RateLimitTimeout` when the SDK wrapped it (openai 2.x turns any error into APIConnectionError)."""
     cause = exc.__cause__
-    if isinstance(exc, openai.APIConnectionError) and isinstance(cause, RateLimitTimeout):
+    error = sdk.connection_error
+    if error is not None and isinstance(exc, error) and isinstance(cause, RateLimitTimeout):
         return cause
     return None
 
@@ -248,55 +308,62 @@ async def _annotating_aiter(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
         raise
 
 
-def _install_request_hook(
-    client: openai.OpenAI | openai.AsyncOpenAI, clock: Callable[[], float] | None
-) -> None:
-    """Wrap ``client.request``: attempt history onto errors, and the mark of when the call began.
+def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _Sdk) -> None:
+    """Wrap ``client.request``: attempt history onto errors, when the call began, its credentials.
 
     ``clock`` is the retry engine's (None when the client has no retry transport).
     """
     request = client.request
+    http_client = getattr(client, "_client", None)
+    # Only a client with something to redo per attempt pays for noting its calls.
+    refreshing = has_recorders(client) or bool(getattr(http_client, "event_hooks", {}).get("request"))
     hooked: Callable[..., Any]
-    if isinstance(client, openai.AsyncOpenAI):
+    if isinstance(client, sdk.async_client):
+        stream_cls = sdk.async_stream
 
         @functools.wraps(request)
         async def hooked(*args: Any, **kwargs: Any) -> Any:
             mark = CALL_STARTED.set(clock()) if clock is not None else None
+            noted = open_call(client, http_client)[1] if refreshing else None
             try:
                 result = await request(*args, **kwargs)
             except BaseException as exc:
-                own = _own_timeout(exc)
+                own = _own_timeout(exc, sdk)
                 if own is not None:
                     raise own from None
                 annotate_openai_error(exc)
                 raise
             finally:
+                if noted is not None:
+                    close_call(noted)
                 if mark is not None:
                     CALL_STARTED.reset(mark)
-            # A private attribute of openai's stream: guarded, so a renamed one only loses the note.
-            if isinstance(result, openai.AsyncStream) and hasattr(result, "_iterator"):
-                result._iterator = _annotating_aiter(result._iterator)
+            if stream_cls is not None and isinstance(result, stream_cls):
+                _reach.wrap_stream_items(result, _annotating_aiter)
             return result
 
     else:
+        stream_cls = sdk.stream
 
         @functools.wraps(request)
         def hooked(*args: Any, **kwargs: Any) -> Any:
             mark = CALL_STARTED.set(clock()) if clock is not None else None
+            noted = open_call(client, http_client)[1] if refreshing else None
             try:
                 result = request(*args, **kwargs)
             except BaseException as exc:
-                own = _own_timeout(exc)
+                own = _own_timeout(exc, sdk)
                 if own is not None:
                     raise own from None
                 annotate_openai_error(exc)
                 raise
             finally:
+                if noted is not None:
+                    close_call(noted)
                 if mark is not None:
                     CALL_STARTED.reset(mark)
-            # A private attribute of openai's stream: guarded, so a renamed one only loses the note.
-            if isinstance(result, openai.Stream) and hasattr(result, "_iterator"):
-                result._iterator = _annotating_iter(result._iterator)
+            if stream_cls is not None and isinstance(result, stream_cls):
+                _reach.wrap_stream_items(result, _annotating_iter)
             return result
 
     original_copy = client.copy
@@ -305,7 +372,8 @@ def _install_request_hook(
     def copy(*args: Any, **kwargs: Any) -> Any:
         derived = original_copy(*args, **kwargs)
         engine = _engine_or_none(derived)
-        _install_request_hook(derived, engine.clock if engine is not None else None)
+        install_recorders(derived)
+        _install_request_hook(derived, engine.clock if engine is not None else None, sdk)
         return derived
 
     # Instance attributes shadow the class's methods for this one client only.

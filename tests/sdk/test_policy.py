@@ -14,7 +14,7 @@ def test_defaults_match_the_contract() -> None:
     assert p.jitter == "full"
     assert p.max_retry_after == 120.0
     assert p.retry_after_jitter == 0.2
-    assert p.retry_statuses == frozenset({408, 429, 500, 502, 503, 504})
+    assert p.retry_statuses == frozenset({408, 429, 500, 502, 503, 504, 529})
     assert p.retry_connection_errors is True
     assert p.retry_timeouts is True
 

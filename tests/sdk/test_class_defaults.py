@@ -1,0 +1,165 @@
+"""Class-aware defaults: `RetryPolicy.interactive` / `RetryPolicy.batch`, and `wrap` picking them.
+
+Pure checks of the presets and of `RetryState` placing a retry before the start
+deadline, then the transport against a mock server on a fake clock (no sleeping).
+"""
+
+from __future__ import annotations
+
+import random
+from types import ModuleType
+from typing import Any
+
+import openai
+import pytest
+
+import llm_backoff
+from llm_backoff.attempts import GiveUp, Retry, RetryState
+from llm_backoff.classify import Verdict
+from llm_backoff.policy import BATCH_DEADLINE, INTERACTIVE_START_DEADLINE, default_policy
+from llm_backoff.transport import RetryEngine
+from llm_backoff.wrap import _engine_of
+
+BUSY = Verdict(True, "status 429")
+
+
+class MaxJitter(random.Random):
+    """Every jitter at its largest: the case where the jitter alone pushes a retry past the start."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
+def state(policy: llm_backoff.RetryPolicy, now: list[float]) -> RetryState:
+    return RetryState(policy, clock=lambda: now[0], rng=MaxJitter(1))
+
+
+# -- the presets ---------------------------------------------------------------------------
+
+
+def test_the_interactive_preset_has_a_start_deadline_and_the_batch_preset_patience() -> None:
+    fast = llm_backoff.RetryPolicy.interactive()
+    assert fast.start_deadline == INTERACTIVE_START_DEADLINE == 5.0
+    assert fast.deadline == 60.0
+    assert fast.last_chance == 0.5
+    slow = llm_backoff.RetryPolicy.batch()
+    assert slow.start_deadline is None
+    assert slow.deadline == BATCH_DEADLINE == 600.0
+    assert slow.max_retry_after >= 600
+    assert slow.deadline is not None
+    assert slow.deadline > llm_backoff.RetryPolicy().deadline  # type: ignore[operator]
+
+
+def test_the_presets_take_any_field_and_check_it() -> None:
+    tuned = llm_backoff.RetryPolicy.interactive(start_deadline=2.5, max_attempts=4)
+    assert (tuned.start_deadline, tuned.max_attempts, tuned.deadline) == (2.5, 4, 60.0)
+    assert llm_backoff.RetryPolicy.interactive(start_deadline=90).deadline == 90
+    assert llm_backoff.RetryPolicy.batch(deadline=None).deadline is None
+    with pytest.raises(ValueError, match="start_deadline"):
+        llm_backoff.RetryPolicy.interactive(start_deadline=-1)
+    with pytest.raises(ValueError, match="max_retries"):
+        llm_backoff.RetryPolicy.batch(max_retries=3)
+    assert llm_backoff.RetryPolicy.interactive() == llm_backoff.RetryPolicy.interactive()  # frozen, hashable
+    assert hash(llm_backoff.RetryPolicy.batch()) == hash(llm_backoff.RetryPolicy.batch())
+
+
+def test_wrap_without_a_policy_picks_the_preset_of_its_class() -> None:
+    def policy_of(**kwargs: Any) -> llm_backoff.RetryPolicy:
+        wrapped = llm_backoff.wrap(openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k"), **kwargs)
+        return _engine_of(wrapped).policy
+
+    assert policy_of(request_class="interactive") == llm_backoff.RetryPolicy.interactive()
+    assert policy_of(request_class="batch") == llm_backoff.RetryPolicy.batch()
+    assert policy_of(request_class="bulk") == llm_backoff.RetryPolicy()
+    assert policy_of() == llm_backoff.RetryPolicy()
+    mine = llm_backoff.RetryPolicy(deadline=7)
+    assert policy_of(request_class="interactive", policy=mine) is mine
+    assert default_policy("interactive") == llm_backoff.RetryPolicy.interactive()
+
+
+# -- placing a retry before the start deadline -------------------------------------------------
+
+
+def test_a_hint_that_fits_is_kept_when_only_its_jitter_would_pass_the_start_deadline() -> None:
+    now = [0.0]
+    calls = state(llm_backoff.RetryPolicy.interactive(), now)
+    # hint 4.3 s plus 20 % jitter would begin at 5.16 s, past the 5 s start deadline
+    decision = calls.decide(BUSY, attempt_started=0.0, status=429, hint=4.3)
+    assert decision == Retry(4.5, "status 429")  # at the latest useful moment: 10 % before it
+    # a hint that itself ends past that moment fails, unless the policy grants a last chance
+    strict = state(llm_backoff.RetryPolicy(deadline=60, start_deadline=5), now)
+    assert isinstance(strict.decide(BUSY, attempt_started=0.0, status=429, hint=4.6), GiveUp)
+
+
+def test_a_hint_just_past_the_start_deadline_gets_one_last_chance_then_fails() -> None:
+    now = [0.0]
+    calls = state(llm_backoff.RetryPolicy.interactive(), now)
+    first = calls.decide(BUSY, attempt_started=0.0, status=429, hint=6.0)
+    assert first == Retry(4.5, "status 429")
+    now[0] = 4.5
+    second = calls.decide(BUSY, attempt_started=4.5, status=429, hint=2.0)
+    assert isinstance(second, GiveUp)
+    assert "start deadline" in second.reason
+
+
+def test_the_last_chance_is_taken_once_per_call() -> None:
+    now = [0.0]
+    calls = state(llm_backoff.RetryPolicy.interactive(start_deadline=10), now)
+    assert calls.decide(BUSY, attempt_started=0.0, status=429, hint=12.0) == Retry(9.0, "status 429")
+    now[0] = 1.0  # an early answer (a connection error, say), then another long hint
+    assert isinstance(calls.decide(BUSY, attempt_started=1.0, status=429, hint=12.0), GiveUp)
+
+
+def test_a_hint_far_past_the_start_deadline_fails_at_once() -> None:
+    now = [0.0]
+    calls = state(llm_backoff.RetryPolicy.interactive(), now)
+    decision = calls.decide(BUSY, attempt_started=0.0, status=429, hint=7.6)  # > 5 s * 1.5
+    assert isinstance(decision, GiveUp)
+    assert "would pass the 5 s start deadline" in decision.reason
+
+
+def test_no_retry_is_placed_once_the_latest_useful_moment_has_passed() -> None:
+    now = [4.6]
+    calls = RetryState(
+        llm_backoff.RetryPolicy.interactive(), clock=lambda: now[0], rng=MaxJitter(1), started_at=0.0
+    )
+    assert isinstance(calls.decide(BUSY, attempt_started=4.0, status=429, hint=0.5), GiveUp)
+
+
+def test_a_batch_caller_waits_out_a_long_hint() -> None:
+    now = [0.0]
+    calls = state(llm_backoff.RetryPolicy.batch(), now)
+    decision = calls.decide(BUSY, attempt_started=0.0, status=429, hint=200.0)
+    assert isinstance(decision, Retry)
+    assert decision.wait == pytest.approx(240.0)
+    interactive = state(llm_backoff.RetryPolicy(), now)  # the plain default refuses a hint over 120 s
+    assert isinstance(interactive.decide(BUSY, attempt_started=0.0, status=429, hint=200.0), GiveUp)
+
+
+# -- through the transport, on a fake clock ------------------------------------------------------
+
+
+def test_an_interactive_engine_without_a_policy_tries_its_last_chance_with_the_budget_left(
+    lib: ModuleType, fake_time: Any
+) -> None:
+    from llm_backoff import transport
+
+    budgets: list[str] = []
+    classes: list[str] = []
+
+    def server(request: Any) -> Any:
+        budgets.append(request.headers["x-request-timeout-ms"])
+        classes.append(request.headers["x-request-class"])
+        if len(budgets) == 1:
+            return lib.Response(429, headers={"retry-after": "6"}, json={"error": {"message": "busy"}})
+        return lib.Response(200, json={"ok": True})
+
+    sync_cls = transport.Httpx2RetryTransport if lib.__name__ == "httpx2" else transport.HttpxRetryTransport
+    engine = RetryEngine(request_class="interactive", **fake_time.engine_options())
+    assert engine.policy == llm_backoff.RetryPolicy.interactive()
+    with lib.Client(transport=sync_cls(lib.MockTransport(server), engine=engine), timeout=60) as client:
+        response = client.post("http://engine/v1/chat/completions", json={"model": "m"})
+    assert response.status_code == 200
+    assert fake_time.sleeps == [4.5]
+    assert budgets == ["5000", "500"]  # the last attempt tells the server what is left of the 5 s
+    assert classes == ["interactive", "interactive"]
