@@ -26,6 +26,9 @@ export LLM_BACKOFF_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
 echo "== installing .venv (openai 3.x)"
 source scripts/setup-venv.sh
 "$VENV/bin/python" -c 'import openai; print("openai", openai.__version__)'
+# The light third-party clients of docs/integrations.md (tests/integrations, in the main run).
+"$VENV/bin/python" -m pip install -q -e "$ROOT[integrations]" \
+  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 
 echo "== ruff"
 "$VENV/bin/ruff" check .
@@ -43,9 +46,12 @@ bash scripts/test-shim-floors.sh
 echo "== installing .venv-openai2 (openai 2.x on httpx)"
 VENV2="$ROOT/.venv-openai2"
 [ -x "$VENV2/bin/python" ] || python3 -m venv "$VENV2"
-"$VENV2/bin/python" -m pip install -q -e "$ROOT[test,redis]" "openai>=2,<3" httpx \
+"$VENV2/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim" "openai>=2,<3" httpx \
+  "instructor>=1.17" \
   2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 "$VENV2/bin/python" -c 'import openai; print("openai", openai.__version__)'
 echo "== pytest tests/sdk (openai 2.x)"
 "$VENV2/bin/pytest" -q -p no:cacheprovider tests/sdk -m "not openai3"
+echo "== pytest tests/integrations (openai 2.x: instructor)"
+"$VENV2/bin/pytest" -q -p no:cacheprovider tests/integrations -m integrations
 bash scripts/test-sdk-floors.sh  # tests/sdk at the lowest openai 2.x and 3.x allowed

@@ -404,3 +404,76 @@ def test_the_simulators_messages_endpoint_answers_in_anthropics_shape(make_sim: 
     overloaded = {"type": "overloaded_error", "message": "Request queue full."}
     assert full.json() == {"type": "error", "error": overloaded}
     assert sim.runtime.stats.requests_invalid == 4
+
+
+# llm_backoff.wrap() on the anthropic SDK's clients, through the shim's /v1/messages: the
+# wrapped client's own retry engine (the SDK's retries are off in the copy) rides out the
+# shim's 529s, honouring their hints, and gives up with anthropic's typed error when its
+# deadline cannot be met.
+
+
+def _wrapped(client: Any, deadline: float = 30) -> Any:
+    import llm_backoff
+
+    return llm_backoff.wrap(client, llm_backoff.RetryPolicy(deadline=deadline), request_class="interactive")
+
+
+def test_a_wrapped_client_rides_out_the_shims_refusals(
+    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    import llm_backoff
+
+    sim, shim, holder = _busy_shim(make_sim, make_shim)
+    client = _wrapped(anthropic.Anthropic(base_url=shim.url, api_key="unused"))
+
+    def call() -> str:
+        with client.messages.stream(model="sim-model", max_tokens=2, messages=HELLO) as stream:
+            return "".join(stream.text_stream)
+
+    assert _ride_out(shim, holder, waiter, call) == "token0 token1"
+    stats = llm_backoff.client_stats(client).snapshot()
+    _settled(shim, sim, waiter)
+    outcomes = _outcomes(shim)
+    # Every refused attempt is one of the wrapped client's retries; the last one was served.
+    assert stats.calls == 1
+    assert stats.failed_calls == 0
+    assert stats.retries == outcomes["rejected"] >= 2
+    assert stats.attempts == stats.retries + 1
+    assert (outcomes["admitted"], outcomes["completed"]) == (2, 1)
+
+
+async def test_a_wrapped_async_client_rides_out_the_shims_refusals(
+    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    import llm_backoff
+
+    sim, shim, holder = _busy_shim(make_sim, make_shim)
+    client = _wrapped(anthropic.AsyncAnthropic(base_url=shim.url, api_key="unused"))
+    task = asyncio.ensure_future(client.messages.create(model="sim-model", max_tokens=3, messages=HELLO))
+    await asyncio.to_thread(waiter, lambda: _outcomes(shim).get("rejected", 0) >= 2, 30, "two refusals")
+    holder.close()
+    message = await asyncio.wait_for(task, 60)
+    assert message.content[0].text == "token0 token1 token2"
+    stats = llm_backoff.client_stats(client).snapshot()
+    await client.close()
+    await asyncio.to_thread(_settled, shim, sim, waiter)
+    assert stats.retries == _outcomes(shim)["rejected"] >= 2
+
+
+def test_a_wrapped_client_whose_deadline_cannot_be_met_raises_overloaded_error(
+    make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    # Hints of 5 s against a 1 s deadline: the wrapped client does not wait out a hint it
+    # cannot use, and the caller sees anthropic's own typed error with the attempts noted.
+    sim = make_sim(output_tokens=1_000_000, itl=0.01)
+    shim = make_shim(sim.url, max_concurrency=1, max_queue=0, retry_after_min=5, retry_after_max=5)
+    holder = _Holder(shim.url)
+    client = _wrapped(anthropic.Anthropic(base_url=shim.url, api_key="unused"), deadline=1)
+    with pytest.raises(anthropic.OverloadedError) as caught:
+        client.messages.create(model="sim-model", max_tokens=3, messages=HELLO)
+    assert caught.value.status_code == 529
+    assert caught.value.response.headers["retry-after-ms"] == "5000"
+    assert len(caught.value.llm_backoff_attempts) == 1  # type: ignore[attr-defined]
+    holder.close()
+    _settled(shim, sim, waiter)
+    assert _outcomes(shim)["rejected"] == 1
