@@ -4,9 +4,10 @@ Per-operation timeouts (connect, read, write, pool) alone let a response that tr
 in stretch a call past its deadline, so every async attempt runs under a hard bound.
 ``asyncio.timeout`` does that with a timer per attempt: a ``TimerHandle``, a push onto
 the loop's heap (its comparisons are Python calls), a cancellation, and async
-``__aenter__``/``__aexit__`` around it, about 5.5 us per call (issue 2: the async
-overhead target). Deadlines are long next to attempts (a minute against a second), so
-nearly all of those timers are cancelled unfired.
+``__aenter__``/``__aexit__`` around it, about 5.5 us per call, a large share of what the
+async wrapper adds to a call (docs/benchmarks.md, 'After the async fast path'). Deadlines
+are long next to attempts (a minute against a second), so nearly all of those timers are
+cancelled unfired.
 
 Here an attempt joins its loop's `_Watchdog` (a dict entry) and leaves it when it ends;
 the watchdog keeps one timer, armed for the earliest deadline that joined since it

@@ -374,7 +374,7 @@ class AdmissionController:
         # Share of a class's max_queue_wait a newcomer must leave a queued request of it when
         # going ahead: the estimate's error (see _place).
         self._promise_slack = promise_slack
-        # Off: every request is fresh (one FIFO per class, no places kept), as before.
+        # Off: every request is fresh (one FIFO per class, no places kept).
         self._returning_first = returning_first
         self._limit = limit
         self._estimator = estimator
@@ -795,7 +795,7 @@ class AdmissionController:
         # its class: a promise is a slot kept for the caller on the one engine (the estimator's
         # single timeline); a fresh interactive arrival queued into a slot promised to a batch
         # caller pushes that caller's return past its budget (measured: docs/benchmarks.md,
-        # session 4).
+        # 'a hint is a reservation').
         promised_by = higher if ticket.returning else self._classes
         expected = self._wait_at(cls, ahead, in_class, promised_by)
         if budget is not None:
@@ -873,7 +873,7 @@ class AdmissionController:
         the queue (:meth:`_place`, :meth:`recheck`). Each class's slot times are built once
         per walk, not once per queued request: a walk asks for every queued request, on every
         newcomer placed ahead of others and every recheck (about 170 us a refusal under 2x
-        overload, most of it here; docs/benchmarks.md, session 6).
+        overload, most of it here; docs/benchmarks.md, 'the overload scenarios in virtual time').
 
         ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
         no memory of how long the requests in flight have run, so for a request that has

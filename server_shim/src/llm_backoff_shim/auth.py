@@ -5,7 +5,7 @@ variable, which does not show in ``ps``) and/or ``--api-keys-file`` (one key per
 line; blank lines and lines starting with ``#`` are ignored). A client presents its
 key as ``Authorization: Bearer <key>`` (what the openai SDK sends) or ``x-api-key: <key>``
 (what Anthropic's SDKs send). Without keys
-configured the shim is open, as before.
+configured the shim is open.
 
 Only SHA-256 digests of the keys are held after start-up. A key is identified in
 logs and metrics by :func:`key_id` (``sha256:`` + the first 12 hex digits of its

@@ -15,14 +15,16 @@ that is at least ``1 / rate`` from every place already given, so the k-th caller
 burst hears roughly ``(ahead + k) / rate`` (or, when the engine drains faster than the
 minimum hint, ``min + (k - 1) / rate``) and retries come back at about the drain rate
 instead of in one wave. A place given far ahead (a lower class kept out of the next
-seconds, a capped hint) leaves the slots before it to later callers (session 5; until
-then every place went after the last one). Once time passes the last place the burst
+seconds, a capped hint) leaves the slots before it to later callers (with every place after the last one,
+batch callers took the near slots and interactive callers refused after them were told
+slots past their budget: docs/benchmarks.md, 'interactive callers state their TTFT
+budget'). Once time passes the last place the burst
 is over and hints start again from the queue alone. One timeline for all classes, not one
 per class: each promise claims one slot freeing on the one engine, so the promised
 returns of all classes together come back no faster than the engine drains. With a
 timeline per class, two classes refused together were promised about twice the drain
 rate between them, and the returning callers found the queue full (measured under 2x
-overload: docs/benchmarks.md, session 4).
+overload: docs/benchmarks.md, 'a hint is a reservation').
 
 Promises are also remembered one by one (until they fall due), so that a *fresh*
 arrival's expected wait can count the callers already told to come back before it
@@ -266,7 +268,7 @@ class DrainEstimator:
         started one after another; after a burst they started together and free together,
         and the even estimate was wrong by up to a service time: in the tail of a burst of
         200, callers were refused on a wait of 2.06 s that was 1.45 s (docs/benchmarks.md,
-        session 5).
+        'where the burst's slot time went').
         """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
@@ -339,7 +341,7 @@ class DrainEstimator:
         come back around their slot). Without this, a caller back early for its slot counted
         twice in the waits of those behind it, queued and still promised: in the tail of a
         burst, lower-class callers back at their slot were refused on that doubled wait
-        (measured: docs/benchmarks.md, session 5).
+        (measured: docs/benchmarks.md, 'where the burst's slot time went').
         """
         promises = self._promises.get(cls)
         if not promises:
@@ -359,7 +361,8 @@ class DrainEstimator:
         Clients add up to ``return_jitter`` of a hint above it, ``return_jitter / 2`` on
         average; a caller told the slot itself comes back that much later on average, and
         on a timeline paced at the drain rate the engine then idles while it is on its way
-        (measured in a burst of 200 with a 30 s deadline: docs/benchmarks.md, session 4).
+        (measured in a burst of 200 with a 30 s deadline: docs/benchmarks.md, 'a hint is a
+        reservation').
         """
         return delay / (1.0 + self._config.return_jitter / 2.0)
 
@@ -371,7 +374,7 @@ class DrainEstimator:
         cover the service when it comes back is judged at this time, not at the hint
         (measured under 2x overload with a 10 s deadline: callers told 8.2 s came back
         0.6-1.4 s late and were refused with 0.4-0.7 s of budget left; docs/benchmarks.md,
-        session 4).
+        'a hint is a reservation').
         """
         return hint * (1.0 + self._config.return_jitter)
 
@@ -416,7 +419,7 @@ class DrainEstimator:
         ``reach`` (or ``keep_within`` if sooner): it comes back before its slot and waits in
         the queue for it. Without this, the last slots a caller's budget could use were
         promised to nobody, and the engine idled for them at the end of a burst
-        (docs/benchmarks.md, session 5).
+        (docs/benchmarks.md, 'where the burst's slot time went').
         """
         now = self._clock()
         cfg = self._config

@@ -24,7 +24,7 @@ from prometheus_client import utils
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-# The library's own bucket-bound formatting ("0.005", "1.0", "+Inf"), so the text is as before.
+# The library's own bucket-bound formatting ("0.005", "1.0", "+Inf"), so the text is the library's.
 _go_float = cast(Callable[[float], str], utils.floatToGoString)
 
 

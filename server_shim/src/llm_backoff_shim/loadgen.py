@@ -90,8 +90,8 @@ class AttemptRecord:
 
         Not from the head: the HTTP library writes a request's head and body in two writes,
         and under a burst this process's event loop runs other calls between them (up to
-        tens of ms, docs/benchmarks.md, session 5); a server cannot answer a request it has
-        not been sent yet."""
+        tens of ms, docs/benchmarks.md, 'the 2x time to rejection, split'); a server cannot
+        answer a request it has not been sent yet."""
         if self.answered is None:
             return None
         return self.answered - self.body_sent if self.body_sent is not None else self.latency_from_head
@@ -376,7 +376,8 @@ def build_clients(
     """One openai client per class, all sharing ``http_client`` (and its counting transport).
 
     ``start_deadline``: interactive ``llm_backoff`` callers state their TTFT budget
-    (:func:`retry_policy`); off, they have the call's deadline only (as before session 5).
+    (:func:`retry_policy`); off, they have the call's deadline only (the reference
+    to compare ``start_deadline`` against).
     """
     budget = _budget(scenario)
     clients: dict[RequestClass, openai.AsyncOpenAI] = {}
@@ -616,9 +617,9 @@ async def _within(call: Coroutine[Any, Any, None], seconds: float) -> None:
     Not ``asyncio.wait_for``: on Python 3.11 it runs the call in a task of its own,
     scheduled behind every task ready at that moment, and the call's deadline runs
     meanwhile. In a burst of 200 calls, the time from a call's start to its first attempt
-    reaching the transport went from 326 to 271 ms (median) with this (docs/benchmarks.md,
-    session 4). The rest is the openai client's own work before it sends, interleaved
-    with the other calls'.
+    reaching the transport was 271 ms (median) with this and 326 ms without
+    (docs/benchmarks.md, 'a hint is a reservation'). The rest is the openai client's own
+    work before it sends, interleaved with the other calls'.
     """
     timeout = getattr(asyncio, "timeout", None)
     if timeout is None:  # Python 3.10: wait_for is all there is

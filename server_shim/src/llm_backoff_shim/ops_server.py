@@ -4,7 +4,7 @@ With ``--metrics-port`` (and optionally ``--metrics-host``, e.g. a private inter
 while the proxy listens publicly) these are served by a small threaded WSGI server
 (the standard library's, as ``prometheus_client.start_http_server`` uses) in a daemon
 thread, so scrapes never compete with proxied traffic on the event loop, and the
-proxy's own listener no longer answers ``/metrics`` or ``/shim/state``.
+proxy's own listener does not answer ``/metrics`` or ``/shim/state``.
 ``/health`` says the process is up; ``/ready`` (which probes the upstream) stays on the
 proxy listener, where load balancers look for it.
 

@@ -192,7 +192,7 @@ class Proxy:
         self.routes = routes if routes is not None else _DEFAULT_ROUTES
         # Who the client is, said to the upstream by the shim (headers.py says why).
         self.forwarding = forwarding if forwarding is not None else Forwarding()
-        # Classes by tenant, quotas, SLO headers, vLLM priority (issue 5); none by default.
+        # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
         self.on_first_byte = on_first_byte
@@ -322,7 +322,7 @@ class Proxy:
         Why: under a burst every refusal costs the shim its whole request path (a task, the
         body read and parsed, the ASGI messages), about 0.2 ms of CPU each, and a burst of a
         few hundred requests then waits tens of ms for its answers (docs/benchmarks.md,
-        session 7). A refusal that cannot depend on the body (every slot taken, no place in
+        'refusals from the head'). A refusal that cannot depend on the body (every slot taken, no place in
         the class's queue: :meth:`AdmissionController.refuse_at_once`) is decided and written
         from the head, as a front proxy's connection or rate limit refuses; the serving
         protocol then reads the body past (relay_protocol.py).

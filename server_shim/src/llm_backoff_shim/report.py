@@ -11,9 +11,9 @@ Definitions (the issue names the figures; these are the exact rules used):
 - **time to rejection**: from sending an HTTP attempt (its last byte written) to
   receiving its 429/503 response headers (as the client sees it, so the load
   generator's own event-loop lag in noticing the answer is included), over every
-  rejected attempt. Up to session 4 it ran from the request's head; the HTTP library
-  writes head and body in two writes, with this process's other calls in between,
-  so that figure is still given beside it (``rejection_from_head_p99``). That includes requests that waited
+  rejected attempt. Not from the request's head: the HTTP library writes head and
+  body in two writes, with this process's other calls in between; the figure from the
+  head is given beside it (``rejection_from_head_p99``). That includes requests that waited
   in a proxy's queue and were then turned away (``queue_timeout``); the ``queue_full``
   answers alone show how fast a refusal at arrival is. When the shim's access log
   was matched (:func:`~llm_backoff_shim.loadgen.attach_shim_times`), the same
@@ -125,9 +125,10 @@ class Figures:
     errors: dict[str, int]
     #: The shim's own rejections by when they were decided (:func:`rejections_by_when`), if read.
     shim_rejections_by_when: dict[str, int] | None = None
-    #: The caller-side time to rejection measured from the request's head (as up to session 4;
-    #: ``rejection_p99`` is from its last byte), and p99 of the load generator's own time to
-    #: write a rejected request (head started to last byte written).
+    #: The caller-side time to rejection measured from the request's head (so it includes
+    #: the client's own gap between head and body; ``rejection_p99`` is from its last
+    #: byte), and p99 of the load generator's own time to write a rejected request (head
+    #: started to last byte written).
     rejection_from_head_p99: float | None = None
     rejection_write_p99: float | None = None
     #: The shim's own time to rejection from the request's body read in full (its access

@@ -1,4 +1,4 @@
-"""The seam between the relay and the per-request policies of issue 5.
+"""The seam between the relay and the per-request policies: classes, quotas, SLO headers, priority.
 
 The proxy asks its :class:`RequestHooks` four things about each generation request:
 which class and tenant it belongs to (before the body is read), whether the tenant's

@@ -1,4 +1,4 @@
-"""Assembles issue 5's pieces from the settings and plugs them into the shim core.
+"""Assembles the traffic policies from the settings and plugs them into the shim core.
 
 - the concurrency limit: fixed ``--max-concurrency``, or the gradient limit
   (``--adaptive-concurrency``) fed with time-to-first-byte samples by the relay;

@@ -3,8 +3,8 @@
 uvicorn's ``RequestResponseCycle`` serves any ASGI app, so every response pays for
 checks a trusted caller does not need: two regular-expression searches per header,
 the access-log test, a copy of the default headers, the message-type checks of
-arbitrary apps. The relay is one known app, and its cost per request is what the
-shim's requests/s target (issue 3) is made of. This cycle keeps the same ASGI
+arbitrary apps. The relay is one known app, and its cost per request is what bounds
+the shim's requests/s. This cycle keeps the same ASGI
 ``send``/``receive`` contract and the same state attributes uvicorn's protocol reads
 and writes (``disconnected``, ``keep_alive``, ``body``, ``more_body``,
 ``message_event``, ``response_complete``, ...), so the protocol's keep-alive,
