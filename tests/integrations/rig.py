@@ -29,8 +29,7 @@ from starlette.routing import Route
 import llm_backoff
 from llm_backoff_shim.app import create_app
 from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serve import connection_options
-from llm_backoff_shim.serving import ServerThread
+from llm_backoff_shim.serving import ServerThread, shim_server
 
 #: The one answer of `json_upstream`.
 PERSON_JSON = '{"name": "Ada Lovelace", "born": 1815}'
@@ -58,7 +57,7 @@ class Rig:
         }
         values.update(settings)
         app = create_app(ShimSettings(**values))
-        self.shim = ServerThread(app, **connection_options(app)).start()
+        self.shim = shim_server(app).start()
         self._holder: socket.socket | None = None
         self._lock = threading.Lock()
         self.releases = 0
