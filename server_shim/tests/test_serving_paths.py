@@ -62,8 +62,8 @@ def test_the_check_names_an_internal_that_is_gone(monkeypatch: pytest.MonkeyPatc
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     assert capability._check_names() is None
-    monkeypatch.delattr(HttpToolsProtocol, "_start_asgi_task")
-    assert capability._check_names() == "HttpToolsProtocol._start_asgi_task is missing"
+    monkeypatch.delattr(HttpToolsProtocol, "on_response_complete")
+    assert capability._check_names() == "HttpToolsProtocol.on_response_complete is missing"
 
 
 @pytest.mark.fast_path

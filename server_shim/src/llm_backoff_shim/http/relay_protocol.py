@@ -226,7 +226,11 @@ def relay_protocol(
             self.cycle = cycle
             self._relay_wire.cycle = cycle
             if existing is None or existing.response_complete:
-                self._start_asgi_task(cycle, relay)
+                # As uvicorn starts a request's task: in the server's task set, which its
+                # shutdown waits on.
+                task = self.loop.create_task(cycle.run_asgi(relay))
+                task.add_done_callback(self.tasks.discard)
+                self.tasks.add(task)
             else:
                 # Pipelined: it starts when the response in progress ends (uvicorn's queue).
                 self.flow.pause_reading()
