@@ -312,12 +312,16 @@ def test_a_refusal_before_the_body_closes_and_the_body_is_never_a_next_request(
         received = b""
         while b"\r\n\r\n" not in received:
             received += sock.recv(65536)
+        closing = b"\r\nconnection: close\r\n" in received.split(b"\r\n\r\n", 1)[0].lower() + b"\r\n"
+        # The fast path closes after such an answer; the public path reads the body past and
+        # serves on: then a next request on the same connection must be answered as one.
+        after = b"" if closing else b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
         with contextlib.suppress(OSError):
-            sock.sendall(body)  # the body after the answer: the shim has closed, or reads it past
+            sock.sendall(body + after)  # the body after the answer: the shim has closed, or reads it past
         received += read_until_closed(sock)
     answers = split_answers(received)
-    assert [code for code, _, _ in answers] == [status]  # no 408 or 431 later
-    assert answers[0][1]["connection"] == "close"
+    # No 408 or 431 later: the body was never taken for a head.
+    assert [code for code, _, _ in answers] == ([status] if closing else [status, 200])
     counts = bad_requests(shim)
     assert counts["header_timeout"] == 0
     assert counts["headers_too_large"] == 0

@@ -111,6 +111,7 @@ class Connection:
         "head",
         "in_progress",
         "on_answered",
+        "refusal",
         "replacing",
         "state",
         "timer",
@@ -130,6 +131,7 @@ class Connection:
         self.timer_set: CoarseTimers | None = None
         self.closed = False
         self.replacing = False  # uvicorn's plain 400 is being replaced by ours
+        self.refusal: str | None = None  # a pipelined head's refusal, written after the answers in progress
         self.on_answered: Callable[[], None] = _nothing
 
     def answered(self) -> None:
@@ -255,7 +257,7 @@ def public_protocol(
 
         def data_received(self, data: bytes) -> None:
             conn = self._conn
-            if conn is None or conn.closed:
+            if conn is None or conn.closed or conn.refusal is not None:
                 return
             if conn.state != UNFRAMED and not self._frame(conn, data):
                 return
@@ -296,13 +298,13 @@ def public_protocol(
                 end = _HEAD_END.search(conn.head, start)
                 if end is None:
                     if len(conn.head) > max_head_bytes:
-                        return self._refuse(conn, HEAD_TOO_LARGE)
+                        return self._refuse_in_turn(conn, HEAD_TOO_LARGE)
                     view = view[len(view) :]
                     if conn.timer is None and conn.in_progress == 0:
                         self._arm(head_timers)
                     continue
                 if end.end() > max_head_bytes:
-                    return self._refuse(conn, HEAD_TOO_LARGE)
+                    return self._refuse_in_turn(conn, HEAD_TOO_LARGE)
                 rest = len(conn.head) - end.end()
                 length = _body_length(bytes(conn.head[: end.end()]))
                 conn.head = bytearray()
@@ -399,10 +401,25 @@ def public_protocol(
                 conn.transport.close()
             return False
 
+        def _refuse_in_turn(self, conn: Connection, reason: str) -> bool:
+            """Refuse now, or, for a head pipelined behind answers still in progress, once they
+            are written (their clients get them first); meanwhile nothing more is read."""
+            if conn.in_progress == 0:
+                return self._refuse(conn, reason)
+            conn.refusal = reason
+            conn.stop_timer()
+            conn.head = bytearray()
+            conn.transport.pause_reading()
+            return False
+
         def _answered(self) -> None:
             conn = self._conn
             assert conn is not None
             if conn.closed or conn.in_progress:
+                return
+            if conn.refusal is not None:
+                # Called just before the answer's last write: the refusal follows it.
+                asyncio.get_running_loop().call_soon(self._refuse, conn, conn.refusal)
                 return
             if conn.state in BODY_STATES:
                 self._arm(body_timers)  # answered before its body: read past it, on a timer
