@@ -159,8 +159,13 @@ def summary_rows(labels: Sequence[str], cells: Sequence[Cell]) -> list[list[str]
         row = [label]
         for attr, _title, kind in COLUMNS:
             values = [getattr(c, attr) for c in mine]
-            each = " / ".join(show(v, kind) for v in values)
-            row.append(show(median(values), kind) + (f" ({each})" if len(values) > 1 else ""))
+            shown = [show(v, kind) for v in values]
+            if attr == "interactive_within_budget":
+                shown = [f"{text}/{c.interactive_calls}" for text, c in zip(shown, mine, strict=True)]
+            each = " / ".join(shown)
+            row.append(
+                show(median(values), kind) + (f" ({each})" if len(values) > 1 or kind == "count" else "")
+            )
         rows.append(row)
     return rows
 
