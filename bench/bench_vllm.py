@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -146,23 +147,26 @@ def run_calibrate(url: str, workload: Workload, *, quick: bool, slo: float) -> C
         raise RuntimeError(f"calibrate found no recommendation (exit {done.returncode})")
     data: dict[str, Any] = json.loads(done.stdout)
     rec = data["recommendation"]
-    knee = next(s for s in data["steps"] if s["concurrency"] == data["knee"]["concurrency"])
-    flags = [
-        "--max-concurrency",
-        str(rec["max_concurrency"]),
-        "--max-queue",
-        str(rec["max_queue"]),
-        "--max-queue-wait",
-        f"{rec['max_queue_wait']:g}",
-    ]
+    knee: dict[str, Any] = data["knee"]
+    if "output_tokens_per_s" not in knee:  # a calibrate whose knee names only its level
+        knee = next(s for s in data["steps"] if s["concurrency"] == knee["concurrency"])
+    command = str(rec["command"])
     return Calibration(
-        flags,
+        serve_flags(command),
         int(knee["concurrency"]),
         float(knee["output_tokens_per_s"]),
-        float(knee["throughput"]),
-        str(rec["command"]),
+        float(knee.get("requests_per_s", knee.get("throughput", 0.0))),
+        command,
         time.monotonic() - started,
     )
+
+
+def serve_flags(command: str) -> list[str]:
+    """The flags of calibrate's ``llm-backoff-shim serve --upstream URL ...`` after the URL."""
+    words = shlex.split(command)
+    if "--upstream" not in words:
+        raise RuntimeError(f"calibrate's command has no --upstream: {command!r}")
+    return words[words.index("--upstream") + 2 :]
 
 
 def model_name(url: str) -> str:
@@ -263,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--env", type=Path, default=DEFAULT_ENV, help="the vLLM venv (default %(default)s)")
     add("--model", type=Path, default=DEFAULT_MODEL, help="the model folder (default %(default)s)")
     add("--ttft-slo", type=float, default=TTFT_SLO, help="calibrate's --ttft-slo (default %(default)s)")
+    add(
+        "--shim-flags",
+        help="serve flags for the shim instead of calibrate's recommendation, e.g. "
+        "'--max-concurrency 8 --max-queue 16' (calibrate still runs, for its knee's tokens/s)",
+    )
     return p
 
 
@@ -303,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model = model_name(url)
             workload = base.workload or Workload()
             calib = run_calibrate(url, workload, quick=args.quick, slo=args.ttft_slo)
+            if args.shim_flags is not None:
+                calib = dataclasses.replace(calib, flags=shlex.split(args.shim_flags))
             print(
                 f"calibrate ({calib.seconds:.0f} s): knee at {calib.knee_concurrency} in flight, "
                 f"{calib.tokens_per_s:.0f} answer tokens/s; shim flags {' '.join(calib.flags)}",
