@@ -2,9 +2,14 @@
 
     .venv/bin/python bench/bench_overload.py            # ~15 min: burst 200, 2x for 30 s, 1.2x for 30 s
     .venv/bin/python bench/bench_overload.py --quick    # ~2 min: smaller loads, same shape
+    .venv/bin/python bench/bench_overload.py --fixed-lengths   # every answer 20 tokens, 1.2 s
 
-Scenarios run against the simulator at a fixed capacity (8 slots, 1.2 s per request,
-6.67 requests/s), 30 s deadline per call. Set-ups per scenario:
+Every call draws its prompt and answer length (``max_tokens``, ``ignore_eos``) from
+``--prompt-words`` / ``--output-tokens`` (lognormal by default: answers of median 64
+tokens, at most 512), against the simulator with 8 slots at 100 tokens/s per sequence
+(the demo's engine). ``--fixed-lengths`` runs the fixed load the earlier figures were
+measured with: 8 slots, 1.2 s per request, 6.67 requests/s. 30 s deadline per call.
+Set-ups per scenario:
 
 - direct + plain openai: ``AsyncOpenAI`` (2 retries) straight at the engine;
 - shim + plain openai;
@@ -57,6 +62,7 @@ from llm_backoff_shim.report import (
     table,
 )
 from llm_backoff_shim.scenario import (
+    DEMO_SHAPE,
     DIRECT_PLAIN,
     SHIM_BACKOFF,
     SHIM_PLAIN,
@@ -65,6 +71,7 @@ from llm_backoff_shim.scenario import (
     Setup,
     arrivals,
 )
+from llm_backoff_shim.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, Workload
 
 HAPROXY_PLAIN = Setup("haproxy + plain openai", "peer", "plain")
 SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF, HAPROXY_PLAIN)
@@ -159,8 +166,9 @@ def run_scenario(
     *,
     pin_front: bool = False,
 ) -> list[tuple[RunResult, Figures]]:
-    calls = arrivals(scenario, shape.capacity, random.Random(seed))
-    print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(shape.capacity)}", flush=True)
+    capacity = shape.capacity_for(scenario.workload)
+    calls = arrivals(scenario, capacity, random.Random(seed))
+    print(f"\n### {scenario.name}: {len(calls)} calls, {scenario.describe(capacity)}", flush=True)
     results: list[tuple[RunResult, Figures]] = []
     with sim_server(shape.sim_flags()) as sim:
         for setup in setups:
@@ -188,9 +196,10 @@ def run_scenario(
                     target_url=sim.url if front is None else front.url,
                     engine_url=sim.url,
                     shim_url=front.url if setup.route == "shim" and front is not None else None,
-                    capacity=shape.capacity,
+                    capacity=capacity,
                     progress=line,
                     start_deadline=scenario.start_deadline,
+                    token_capacity=shape.token_capacity_for(scenario.workload),
                 )
                 with contextlib.ExitStack() as capture:
                     wire = None
@@ -351,6 +360,9 @@ TARGETS: tuple[Target, ...] = (
         "those not served fail fast with a typed error (no deadline timeouts)",
         lambda f: f.failed_deadline == 0,
     ),
+    Target("poisson-2x", "useful tokens >= 85% of the ceiling", lambda f: _ge(f.useful_fraction, 0.85)),
+    Target("poisson-2x", ">= 80% of batch served within its deadline", lambda f: _ge(f.batch_served, 0.8)),
+    Target("poisson-2x", "failures known within p90 <= 1 s", lambda f: _le(f.failure_p90, 1.0)),
 )
 
 
@@ -369,6 +381,14 @@ def check_targets(cells: Sequence[Cell]) -> list[tuple[str, str, str, str]]:
 
 
 def _evidence(text: str, f: Figures) -> str:
+    if "useful" in text:
+        share = "-" if f.useful_fraction is None else f"{f.useful_fraction:.0%}"
+        return f"{f.useful_tokens} of {f.useful_ceiling or 0:.0f} = {share}"
+    if "batch served" in text:
+        share = "-" if f.batch_served is None else f"{f.batch_served:.0%}"
+        return f"{f.batch_ok}/{f.batch_calls} = {share}"
+    if "failures known" in text:
+        return f"p90 {_s(f.failure_p90)}"
     if "success" in text:
         return f"{f.ok}/{f.calls} = {f.success_rate:.1%}"
     if "attempts" in text:
@@ -411,10 +431,31 @@ def _s(value: float | None) -> str:
     return f"{value * 1000:.1f} ms" if value < 0.1 else f"{value:.2f} s"
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def markdown_cells(scenario: Scenario, cells: Sequence[Figures]) -> str:
     header = "| figure | " + " | ".join(f.label for f in cells) + " |"
     rule = "|---|" + "---:|" * len(cells)
     rows = [
+        (
+            "useful tokens (of the ceiling)",
+            [
+                f"{f.useful_tokens}" + ("" if f.useful_fraction is None else f" ({f.useful_fraction:.0%})")
+                for f in cells
+            ],
+        ),
+        (
+            "interactive within TTFT budget",
+            [f"{f.interactive_within_budget}/{f.interactive_calls}" for f in cells],
+        ),
+        ("batch served", [f"{f.batch_ok}/{f.batch_calls}" for f in cells]),
+        (
+            "failures known < 1 s / p90",
+            [f"{_share(f.failed_fast_share)} / {_s(f.failure_p90)}" for f in cells],
+        ),
+        ("engine tokens wasted", [f"{f.wasted_fraction:.1%}" for f in cells]),
         ("success within deadline", [f"{f.ok}/{f.calls} = {f.success_rate:.0%}" for f in cells]),
         ("interactive TTFT p50 / p99", [f"{_s(f.ttft_p50)} / {_s(f.ttft_p99)}" for f in cells]),
         ("p99 time to rejection, caller-side", [f"{_s(f.rejection_p99)} (n={f.rejections})" for f in cells]),
@@ -515,9 +556,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="interactive llm_backoff callers state their TTFT budget in every scenario, the burst "
         "included (as in session 5); by default the burst's callers have the call's deadline only",
     )
+    p.add_argument(
+        "--prompt-words",
+        default=str(DEFAULT_PROMPT_WORDS),
+        help="prompt length in words per call: N, LOW-HIGH or lognormal:MEDIAN:SIGMA[:LOW-HIGH] "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--output-tokens",
+        default=str(DEFAULT_OUTPUT_TOKENS),
+        help="max_tokens per call (ignore_eos), same forms (default %(default)s)",
+    )
+    p.add_argument(
+        "--fixed-lengths",
+        action="store_true",
+        help="the fixed load of the earlier figures: a short prompt, every answer 20 tokens, 1.2 s",
+    )
     args = p.parse_args(argv)
-    shape = EngineShape()
-    chosen = scenarios(args.quick)
+    workload: Workload | None = None
+    if args.fixed_lengths:
+        shape = EngineShape()
+    else:
+        try:
+            workload = Workload(LengthDist.parse(args.prompt_words), LengthDist.parse(args.output_tokens))
+        except ValueError as exc:
+            p.error(str(exc))
+        shape = DEMO_SHAPE
+    chosen = [dataclasses.replace(s, workload=workload) for s in scenarios(args.quick)]
     if args.no_start_deadline or args.start_deadline_everywhere:
         chosen = [dataclasses.replace(s, start_deadline=args.start_deadline_everywhere) for s in chosen]
     if args.only:
@@ -537,8 +602,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"peer skipped: {missing}", flush=True)
         setups.remove(HAPROXY_PLAIN)
     print(
-        f"Engine: {shape.slots} slots, {shape.service_time:.2f} s per request, "
-        f"capacity {shape.capacity:.2f}/s; "
+        f"Engine: {shape.slots} slots, {shape.service_time_for(workload):.2f} s per request, "
+        f"capacity {shape.capacity_for(workload):.2f}/s ({shape.token_capacity_for(workload):.0f} answer "
+        "tokens/s); "
         f"shim flags: {' '.join(shim_flags(shape, chosen[0]))}",
         flush=True,
     )
@@ -574,7 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 png = save_plot(
                     results,
                     args.out / f"overload-{scenario.name}{suffix}.png",
-                    title=f"overload benchmark, {scenario.name}: {scenario.describe(shape.capacity)}",
+                    title=f"overload benchmark, {scenario.name}: "
+                    f"{scenario.describe(shape.capacity_for(workload))}",
                 )
                 print(f"plot: {png}", flush=True)
                 markdown.append(markdown_cells(scenario, figs) + f"\n\n![{scenario.name}]({png.name})")

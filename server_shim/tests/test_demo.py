@@ -7,6 +7,7 @@ that the figures are consistent with each other, and that the PNG is a real imag
 from __future__ import annotations
 
 import json
+import re
 import signal
 import struct
 import subprocess
@@ -54,7 +55,9 @@ def test_quick_demo_prints_a_table_per_configuration_and_writes_a_png(
     proc, out = quick_demo
     assert proc.returncode == 0, proc.stderr[-3000:]
     stdout = proc.stdout
-    assert "capacity 6.67 requests/s" in stdout
+    assert "requests/s (" in stdout
+    assert "answer tokens/s)" in stdout
+    assert "max_tokens lognormal:64:0.8:1-512, ignore_eos" in stdout  # varied lengths by default
     for setup in DEMO_SETUPS:
         assert f"== {setup.label} ==" in stdout
     assert "Summary (same load, same seed, three configurations):" in stdout
@@ -92,6 +95,12 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
         assert r["goodput_fraction"] == pytest.approx(r["goodput"] / r["capacity"]), label
         assert 0 <= r["wasted_tokens"] <= r["tokens_generated"], label
         assert r["ok_interactive"] <= r["interactive_calls"] <= r["calls"], label
+        # Useful tokens are answers served within their class's budget, no more than delivered.
+        assert r["interactive_within_budget"] <= r["ok_interactive"], label
+        assert r["batch_ok"] <= r["batch_calls"] == r["calls"] - r["interactive_calls"], label
+        assert 0 <= r["useful_tokens"] <= r["tokens_generated"] - r["wasted_tokens"], label
+        assert r["useful_ceiling"] > 0, label
+        assert r["failed_under_1s"] <= r["calls"] - r["ok"], label
         if r["ttft_p50"] is not None:
             assert 0 < r["ttft_p50"] <= r["ttft_p99"] <= deadline, label
         if r["rejections"]:
@@ -101,6 +110,8 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
         # The printed table shows the same numbers.
         section = proc.stdout.split(f"== {label} ==", 1)[1].split("==", 1)[0]
         assert f"{r['ok']}/{r['calls']} = {r['success_rate']:.0%}" in section, label
+        assert re.search(rf"useful tokens +{r['useful_tokens']}\b", section), label
+        assert f"{r['interactive_within_budget']}/{r['interactive_calls']} (TTFT <=" in section, label
         assert f"{r['wasted_tokens']}/{r['tokens_generated']} tokens" in section, label
         assert f"({r['rejections']} rejections" in section, label
         assert sum(r["rejections_by_code"].values()) == r["rejections"], label

@@ -121,9 +121,12 @@ def test_each_class_has_its_own_deadline_and_ttft_budget() -> None:
 
 
 def test_capacity_follows_the_workloads_mean_answer() -> None:
-    shape = EngineShape(slots=8, ttft=0.2, itl=0.01, output_tokens=20)
-    fixed = Workload(output_tokens=LengthDist.fixed(101))
+    shape = EngineShape(slots=8, ttft=0.2, itl=0.01, output_tokens=20, prefill_time_per_token=0.0)
+    fixed = Workload(prompt_words=LengthDist.fixed(10), output_tokens=LengthDist.fixed(101))
     assert shape.service_time_for(fixed) == pytest.approx(0.2 + 100 * 0.01)
+    prefilling = EngineShape(slots=8, ttft=0.2, itl=0.01, output_tokens=20, prefill_time_per_token=0.001)
+    # 10 words: 13 tokens + the chat template's 4, as the simulator counts.
+    assert prefilling.service_time_for(fixed) == pytest.approx(0.2 + 0.017 + 100 * 0.01)
     assert shape.capacity_for(fixed) == pytest.approx(8 / 1.2)
     assert shape.token_capacity_for(fixed) == pytest.approx(8 / 1.2 * 101)
     assert shape.capacity_for(None) == shape.capacity
@@ -263,3 +266,42 @@ def test_a_varied_run_sends_each_calls_lengths_and_records_usage() -> None:
     assert result.engine_stats["tokens_generated"] == sum(a.max_tokens or 0 for a in calls)
     f = figures(result)
     assert f.useful_tokens == sum(a.max_tokens or 0 for a in calls)
+
+
+def test_llm_backoff_callers_through_a_real_shim_send_their_lengths_and_per_class_deadlines() -> None:
+    from llm_backoff_shim.app import create_app
+    from llm_backoff_shim.config import ShimSettings
+    from llm_backoff_shim.scenario import SHIM_BACKOFF
+
+    workload = Workload(prompt_words=LengthDist.uniform(5, 30), output_tokens=LengthDist.uniform(3, 12))
+    scenario = Scenario(
+        "t",
+        burst=6,
+        rate_factor=0,
+        duration=0,
+        deadline=8.0,
+        ttft_budget=4.0,
+        batch_deadline=12.0,
+        workload=workload,
+    )
+    calls = arrivals(scenario, 1.0, random.Random(2))
+    config = SimConfig(max_num_seqs=2, ttft=0.01, itl=0.002, output_tokens=1000, itl_batch_factor=0)
+    with ServerThread(create_sim_app(config)) as sim:
+        settings = ShimSettings(upstream=sim.url, max_concurrency=2, max_queue=8, initial_service_time=0.05)
+        with ServerThread(create_app(settings)) as shim:
+            run = LoadRun(
+                SHIM_BACKOFF,
+                scenario,
+                calls,
+                target_url=shim.url,
+                engine_url=sim.url,
+                shim_url=shim.url,
+                capacity=1.0,
+            )
+            result = asyncio.run(run.run())
+    assert [c.outcome for c in result.calls] == ["ok"] * 6
+    # ignore_eos and max_tokens went through llm_backoff and the shim to the engine.
+    assert [c.tokens for c in result.calls] == [a.max_tokens for a in calls]
+    assert {c.deadline for c in result.calls if c.cls == "batch"} <= {12.0}
+    assert {c.deadline for c in result.calls if c.cls == "interactive"} <= {8.0}
+    assert all(c.within_budget for c in result.calls)

@@ -1,17 +1,22 @@
 """``llm-backoff-shim calibrate``: load-test an upstream, find the knee, suggest shim settings.
 
-    llm-backoff-shim calibrate --upstream http://127.0.0.1:8000 --ttft-slo 1.0
+    llm-backoff-shim calibrate --upstream http://127.0.0.1:8000 --ttft-slo 1.0 --tpot-slo 0.1
 
 Ramps a closed loop of N workers (N = 1, 2, 4, ... up to ``--max-level``, or a
 ``--steps`` list); each worker sends a streaming chat completion
-(``stream_options.include_usage``) with a seeded prompt/output length and sends the
-next one when it ends. A step stops starting requests after ``--step-seconds`` or
-``--step-requests``, lets those in flight finish, and reports TTFT, inter-token
-latency and throughput. The ramp stops early once a step is past the knee, and the
-whole run never exceeds ``--max-seconds`` (requests still running then are cancelled).
-The knee and the recommendation are :mod:`llm_backoff_shim.knee` (pure); this module
-is the load generator, the statistics of one step and the output (table, ``serve``
-flags, PNG, ``--json``).
+(``stream_options.include_usage``, vLLM's ``ignore_eos``) whose prompt and answer lengths
+are drawn (seeded) from ``--prompt-words`` and ``--output-tokens`` (lognormal by default,
+as chat traffic is), and sends the next one when it ends. A step stops starting requests
+after ``--step-seconds`` or ``--step-requests``, lets those in flight finish, and reports
+TTFT, time per output token (TPOT) and throughput in answer tokens/s.
+
+Which level to measure next, when to stop and where the knee is are
+:mod:`llm_backoff_shim.knee` (pure): the ramp climbs while the SLOs hold and throughput
+rises, then repeats the levels next to the knee until the verdict is stable, and the
+recommendation says how confident it is. The whole run never exceeds ``--max-seconds``
+(requests still running then are cancelled). This module is the load generator, the
+statistics of one step and the command; :mod:`llm_backoff_shim.calibrate_report` the
+table, JSON and PNG.
 
 Exit status: 0 with a recommendation, 1 without one (SLO unmet at every level, or the
 upstream unusable), 2 on bad flags.
@@ -29,7 +34,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
@@ -37,24 +42,23 @@ from urllib.parse import urlsplit
 import numpy as np
 import openai
 
-from .knee import Knee, KneeRule, Recommendation, StepStats, find_knee, recommend, should_stop
+from .calibrate_report import plot, render_text, to_json
+from .knee import (
+    Knee,
+    KneeRule,
+    Recommendation,
+    StepStats,
+    find_knee,
+    next_level,
+    recommend,
+    with_confidence,
+)
+from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, prompt_text
 
 PROG = "llm-backoff-shim calibrate"
-PNG_NAME = "calibrate.png"
+PNG_NAME = "calibrate.png"  # written into --out
 DEFAULT_TTFT_SLO = 2.0
-
-#: Short common English words: about one token each with the usual BPE tokenizers, so
-#: ``--prompt-tokens`` maps to a word count. Random order per request defeats prefix caching.
-_WORDS_TEXT = (
-    "the of and to in is it you that he was for on are with as his they be at one have this from "
-    "or had by hot word but what some we can out other were all there when up use your how said an "
-    "each she which do their time if will way about many then them write would like so these her "
-    "long make thing see him two has look more day could go come did number sound no most people my "
-    "over know water than call first who may down side been now find any new work part take get "
-    "place made live where after back little only round man year came show every good me give our "
-    "under name very through just form great think say help low line differ turn cause much mean"
-)
-WORDS: tuple[str, ...] = tuple(_WORDS_TEXT.split())
+DEFAULT_TPOT_SLO = 0.1
 
 
 class CalibrateError(Exception):
@@ -62,37 +66,6 @@ class CalibrateError(Exception):
 
 
 # -- flags ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LengthRange:
-    """A token count drawn uniformly from ``low..high`` (inclusive); ``low == high`` is fixed."""
-
-    low: int
-    high: int
-
-    @classmethod
-    def parse(cls, text: str) -> LengthRange:
-        """``"256"`` or ``"128-512"``; raises ``ValueError`` with a readable message."""
-        parts = text.strip().split("-")
-        try:
-            if len(parts) == 1:
-                low = high = int(parts[0])
-            elif len(parts) == 2:
-                low, high = int(parts[0]), int(parts[1])
-            else:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"expected N or LOW-HIGH (positive integers), got {text!r}") from None
-        if low < 1 or high < low:
-            raise ValueError(f"expected 1 <= LOW <= HIGH, got {text!r}")
-        return cls(low, high)
-
-    def draw(self, rng: random.Random) -> int:
-        return self.low if self.low == self.high else rng.randint(self.low, self.high)
-
-    def __str__(self) -> str:
-        return str(self.low) if self.low == self.high else f"{self.low}-{self.high}"
 
 
 def doubling_levels(max_level: int) -> list[int]:
@@ -138,31 +111,43 @@ class CalibrateConfig:
     levels: tuple[int, ...]
     model: str | None = None
     api_key: str = "EMPTY"
-    prompt_tokens: LengthRange = LengthRange(512, 512)
-    output_tokens: LengthRange = LengthRange(128, 128)
+    tpot_slo: float | None = DEFAULT_TPOT_SLO
+    prompt_words: LengthDist = DEFAULT_PROMPT_WORDS
+    output_tokens: LengthDist = DEFAULT_OUTPUT_TOKENS
     step_seconds: float = 20.0
     step_requests: int = 1000
     max_seconds: float = 600.0
     request_timeout: float = 300.0
     ignore_eos: bool = True
     seed: int = 0
-    max_elasticity: float = 1.0
     max_error_ratio: float = 0.01
+    repeats: int = 4
+    tolerance: float = 0.05
     out: Path = Path(".")
     json: bool = False
 
     @property
     def rule(self) -> KneeRule:
-        return KneeRule(self.ttft_slo, self.max_elasticity, self.max_error_ratio)
+        return KneeRule(
+            self.ttft_slo,
+            self.tpot_slo,
+            self.max_error_ratio,
+            tolerance=self.tolerance,
+            gain=self.tolerance,
+            min_repeats=min(2, self.repeats),
+            max_repeats=self.repeats,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Load-test an OpenAI-compatible upstream (vLLM, the simulator) with a closed-loop "
-        "concurrency ramp, find the knee (the highest level whose p99 TTFT meets --ttft-slo before "
-        "p99 latency grows faster than throughput) and print the `llm-backoff-shim serve` flags it "
-        "implies, a table of the steps and a PNG of the curves. Bounded in time and requests. "
+        "concurrency ramp of varied prompt and answer lengths, find the knee (the lowest level whose "
+        "p99 TTFT and p99 time per output token meet --ttft-slo and --tpot-slo with as much throughput "
+        "as any level within them, repeated until the verdict is stable) and print the "
+        "`llm-backoff-shim serve` flags it implies with how confident it is, a table of the levels "
+        "and a PNG of the curves. Bounded in time and requests. "
         "Exit status: 0 with a recommendation, 1 without one, 2 on bad flags.",
     )
     add = p.add_argument
@@ -174,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="p99 time-to-first-token SLO; the default, %(default)s s, is a common interactive "
         "target: set yours",
+    )
+    add(
+        "--tpot-slo",
+        default=str(DEFAULT_TPOT_SLO),
+        metavar="SECONDS|none",
+        help="p99 time-per-output-token SLO (a request's mean gap between tokens after the first); "
+        "the default, %(default)s s (10 tokens/s, faster than people read), is a common target: "
+        "set yours, or 'none' to judge TTFT only",
     )
     add("--model", help="model to ask for (default: the first of /v1/models)")
     add(
@@ -194,16 +187,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="explicit concurrency levels, e.g. 1,2,4,6,8 (overrides --max-level)",
     )
     add(
+        "--prompt-words",
         "--prompt-tokens",
-        default="512",
-        metavar="N|LOW-HIGH",
-        help="prompt length, fixed or drawn uniformly (seeded) (default %(default)s)",
+        dest="prompt_words",
+        default=str(DEFAULT_PROMPT_WORDS),
+        metavar="SPEC",
+        help="prompt length in words of common English (about a token each with large BPE "
+        "vocabularies, more with small ones: the table shows the upstream's own count): N, "
+        "LOW-HIGH (uniform) or lognormal:MEDIAN:SIGMA[:LOW-HIGH], drawn per request (seeded) "
+        "(default %(default)s)",
     )
     add(
         "--output-tokens",
-        default="128",
-        metavar="N|LOW-HIGH",
-        help="answer length (max_tokens), fixed or drawn uniformly (seeded) (default %(default)s)",
+        default=str(DEFAULT_OUTPUT_TOKENS),
+        metavar="SPEC",
+        help="answer length (max_tokens), same forms as --prompt-words (default %(default)s)",
     )
     add(
         "--step-seconds",
@@ -242,12 +240,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--seed", type=int, default=0, help="seed of the length draws and prompt words (default %(default)s)")
     add(
-        "--max-elasticity",
+        "--repeats",
+        type=int,
+        default=4,
+        metavar="N",
+        help="most measurements of each level next to the knee while the verdict moves; at least "
+        "two each unless N is 1 (default %(default)s)",
+    )
+    add(
+        "--tolerance",
         type=float,
-        default=1.0,
-        metavar="E",
-        help="a level is past the knee when ln(latency growth) / ln(throughput growth) exceeds E "
-        "(default %(default)s)",
+        default=0.05,
+        metavar="FRACTION",
+        help="throughput within this fraction of the best is as good: the knee is the lowest such "
+        "level, and a level must add more than this to count as a rise (default %(default)s)",
     )
     add(
         "--max-error-rate",
@@ -288,10 +294,17 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         check(1 <= args.max_level <= 100_000, f"--max-level: must be 1..100000, got {args.max_level}")
         levels = doubling_levels(args.max_level)
     check(levels[-1] <= 100_000, "--steps: levels above 100000 are not supported")
-    lengths = {}
-    for flag, text in (("--prompt-tokens", args.prompt_tokens), ("--output-tokens", args.output_tokens)):
+    tpot_slo: float | None = None
+    if args.tpot_slo.strip().lower() not in ("none", "off", ""):
         try:
-            lengths[flag] = LengthRange.parse(text)
+            tpot_slo = float(args.tpot_slo)
+        except ValueError:
+            raise ValueError(f"--tpot-slo: expected seconds or 'none', got {args.tpot_slo!r}") from None
+        check(finite_positive(tpot_slo), f"--tpot-slo: must be a positive number of seconds, got {tpot_slo}")
+    lengths = {}
+    for flag, text in (("--prompt-words", args.prompt_words), ("--output-tokens", args.output_tokens)):
+        try:
+            lengths[flag] = LengthDist.parse(text)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
     check(finite_positive(args.step_seconds), f"--step-seconds: must be > 0, got {args.step_seconds}")
@@ -304,10 +317,8 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     check(
         finite_positive(args.request_timeout), f"--request-timeout: must be > 0, got {args.request_timeout}"
     )
-    check(
-        finite_positive(args.max_elasticity),
-        f"--max-elasticity: must be a positive number, got {args.max_elasticity}",
-    )
+    check(1 <= args.repeats <= 20, f"--repeats: must be 1..20, got {args.repeats}")
+    check(0 <= args.tolerance < 0.5, f"--tolerance: must be in [0, 0.5), got {args.tolerance}")
     check(0 <= args.max_error_rate < 1, f"--max-error-rate: must be in [0, 1), got {args.max_error_rate}")
     check(args.model is None or bool(args.model.strip()), "--model: must not be empty")
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
@@ -317,7 +328,8 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         levels=tuple(levels),
         model=args.model,
         api_key=api_key,
-        prompt_tokens=lengths["--prompt-tokens"],
+        tpot_slo=tpot_slo,
+        prompt_words=lengths["--prompt-words"],
         output_tokens=lengths["--output-tokens"],
         step_seconds=args.step_seconds,
         step_requests=args.step_requests,
@@ -325,8 +337,9 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         request_timeout=args.request_timeout,
         ignore_eos=args.ignore_eos,
         seed=args.seed,
-        max_elasticity=args.max_elasticity,
         max_error_ratio=args.max_error_rate,
+        repeats=args.repeats,
+        tolerance=args.tolerance,
         out=Path(args.out),
         json=args.json,
     )
@@ -412,10 +425,6 @@ def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
 # -- the load generator (I/O) -------------------------------------------------------------
 
 
-def prompt_text(tokens: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(tokens))
-
-
 def _has_content(delta: Any) -> bool:
     if delta is None:
         return False
@@ -458,7 +467,7 @@ class Driver:
 
     async def one_request(self, worker: int, seq: int) -> Sample:
         cfg = self.config
-        prompt = prompt_text(cfg.prompt_tokens.draw(self.rng), self.rng)
+        prompt = prompt_text(cfg.prompt_words.draw(self.rng), self.rng)
         max_tokens = cfg.output_tokens.draw(self.rng)
         extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
         start = self.clock()
@@ -535,22 +544,26 @@ class Driver:
 
 @dataclass
 class Outcome:
+    """A finished ramp: every measurement in the order taken (``steps``) and by level (``runs``)."""
+
     upstream: str
     model: str
     config: CalibrateConfig
     steps: list[StepStats]
+    runs: dict[int, list[StepStats]]
     stopped: str
     first_errors: dict[int, str]
     knee: Knee
+    confidence_reason: str
     recommendation: Recommendation | None
     png: Path | None = None
 
 
-def _progress_line(index: int, total: int, step: StepStats, seconds: float, first_error: str | None) -> str:
+def _progress_line(index: int, step: StepStats, seconds: float, first_error: str | None) -> str:
     line = (
-        f"[{index}/{total}] concurrency {step.concurrency:>4}: {step.requests} ok, {step.errors} failed "
+        f"[{index}] concurrency {step.concurrency:>4}: {step.requests} ok, {step.errors} failed "
         f"in {seconds:.1f} s | {step.throughput:.2f} req/s, {step.output_tokens_per_s:.0f} tok/s | "
-        f"TTFT p50 {step.ttft_p50:.3f} p99 {step.ttft_p99:.3f} s | ITL p50 {step.itl_p50 * 1000:.1f} ms"
+        f"TTFT p50 {step.ttft_p50:.3f} p99 {step.ttft_p99:.3f} s | TPOT p99 {step.itl_p99 * 1000:.1f} ms"
     )
     return line + (f" | first error: {first_error}" if first_error else "")
 
@@ -574,8 +587,9 @@ async def run_ramp(
     clock: Callable[[], float],
     progress: Callable[[str], None],
 ) -> Outcome:
-    """Run the ramp within ``config.max_seconds`` and find the knee."""
+    """Measure levels as :func:`~llm_backoff_shim.knee.next_level` asks, within ``config.max_seconds``."""
     base_url, shim_upstream = api_base(config.upstream)
+    rule = config.rule
     client = openai.AsyncOpenAI(
         base_url=base_url,
         api_key=config.api_key,
@@ -598,208 +612,57 @@ async def run_ramp(
                 ) from None
         driver = Driver(client, model, config, clock, random.Random(config.seed))
         steps: list[StepStats] = []
+        runs: dict[int, list[StepStats]] = {}
+        history: list[int | None] = []
         first_errors: dict[int, str] = {}
         stopped = "all levels measured"
-        total = len(config.levels)
+        tpot = "off" if config.tpot_slo is None else f"{config.tpot_slo:g} s"
         progress(
             f"{PROG}: {shim_upstream} model {model!r}, levels {','.join(map(str, config.levels))}, "
-            f"up to {config.step_seconds:g} s / {config.step_requests} requests per level, "
-            f"at most {config.max_seconds:g} s in all"
+            f"SLO p99 TTFT {config.ttft_slo:g} s / TPOT {tpot}, up to {config.step_seconds:g} s / "
+            f"{config.step_requests} requests per measurement, at most {config.max_seconds:g} s in all"
         )
-        for index, level in enumerate(config.levels, 1):
+        # Bounded whatever the plan says: every level climbed once, the ones next to the knee
+        # repeated, a few refinements.
+        for index in range(1, len(config.levels) + 4 * config.repeats + 2 * rule.refine + 1):
+            plan = next_level(runs, config.levels, rule, history)
+            if plan.level is None:
+                stopped = plan.purpose
+                break
+            level = plan.level
             remaining = run_deadline - clock()
             if remaining < config.step_seconds:
-                stopped = f"--max-seconds {config.max_seconds:g} reached before concurrency {level}"
+                stopped = (
+                    f"--max-seconds {config.max_seconds:g} reached before concurrency {level} "
+                    f"({plan.purpose})"
+                )
                 break
-            progress(f"[{index}/{total}] concurrency {level:>4}: running...")
+            progress(f"[{index}] concurrency {level:>4} ({plan.purpose}): running...")
             began = clock()
-            samples: list[Sample] = []
             try:
                 samples = await asyncio.wait_for(
                     driver.run_step(level, config.step_seconds, config.step_requests), timeout=remaining
                 )
             except asyncio.TimeoutError:
                 stopped = f"--max-seconds {config.max_seconds:g} reached during concurrency {level}"
-                progress(f"[{index}/{total}] concurrency {level:>4}: cut by --max-seconds; not counted")
+                progress(f"[{index}] concurrency {level:>4}: cut by --max-seconds; not counted")
                 break
             step = summarize(level, samples)
             error = next((s.error for s in samples if s.error), None)
             if error:
-                first_errors[level] = error
+                first_errors.setdefault(level, error)
             steps.append(step)
-            progress(_progress_line(index, total, step, clock() - began, error))
-            if step.requests == 0:
+            runs.setdefault(level, []).append(step)
+            history.append(find_knee(runs, rule).level)
+            progress(_progress_line(index, step, clock() - began, error))
+            if all(s.requests == 0 for s in steps):
                 stopped = f"every request failed at concurrency {level}"
                 break
-            if should_stop(steps, config.rule) and index < total:
-                stopped = f"past the knee at concurrency {level}; higher levels would only add load"
-                break
-    knee = find_knee(steps, config.rule)
-    rec = recommend(knee.step, config.ttft_slo) if knee.step is not None else None
-    return Outcome(shim_upstream, model, config, steps, stopped, first_errors, knee, rec)
-
-
-# -- output -----------------------------------------------------------------------------
-
-
-def serve_command(outcome: Outcome) -> str | None:
-    if outcome.recommendation is None:
-        return None
-    flags = [
-        "llm-backoff-shim",
-        "serve",
-        "--upstream",
-        outcome.upstream,
-        *outcome.recommendation.serve_flags(),
-    ]
-    return " ".join(flags)
-
-
-def render_table(outcome: Outcome) -> str:
-    header = (
-        f"{'conc':>5} {'ok':>6} {'fail':>5} {'req/s':>8} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'ITL p50':>8} {'ITL p99':>8} {'lat p99':>8} {'elast':>6}  verdict"
-    )
-    lines = [header]
-    knee_level = outcome.knee.step.concurrency if outcome.knee.step else None
-    for step, verdict in zip(outcome.steps, outcome.knee.verdicts, strict=True):
-        e = verdict.elasticity
-        e_text = "-" if e is None else ("inf" if math.isinf(e) else f"{e:.2f}")
-        notes = []
-        if step.concurrency == knee_level:
-            notes.append("KNEE")
-        if not verdict.within_slo:
-            notes.append("over SLO")
-        if not verdict.errors_ok:
-            notes.append("errors")
-        if verdict.saturated:
-            notes.append("saturated")
-        lines.append(
-            f"{step.concurrency:>5} {step.requests:>6} {step.errors:>5} {step.throughput:>8.2f} "
-            f"{step.output_tokens_per_s:>8.0f} {step.ttft_p50:>8.3f}s {step.ttft_p99:>8.3f}s "
-            f"{step.itl_p50 * 1000:>6.1f}ms {step.itl_p99 * 1000:>6.1f}ms {step.latency_p99:>7.2f}s "
-            f"{e_text:>6}  {', '.join(notes) or 'ok'}"
-        )
-    return "\n".join(lines)
-
-
-def _counted(steps: Sequence[StepStats]) -> str:
-    """What the upstream's usage reported, to check the one-word-one-token prompt estimate."""
-    measured = [s for s in steps if s.requests]
-    if not measured or not any(s.mean_prompt_tokens for s in measured):
-        return ""
-    weight = sum(s.requests for s in measured)
-    prompt = sum(s.mean_prompt_tokens * s.requests for s in measured) / weight
-    output = sum(s.mean_output_tokens * s.requests for s in measured) / weight
-    return f" ({prompt:.0f} / {output:.0f} on average by the upstream's count)"
-
-
-def render_text(outcome: Outcome) -> str:
-    cfg = outcome.config
-    lines = [
-        f"upstream {outcome.upstream}, model {outcome.model!r}, p99 TTFT SLO {cfg.ttft_slo:g} s, "
-        f"prompt {cfg.prompt_tokens} / output {cfg.output_tokens} tokens asked{_counted(outcome.steps)}",
-        "",
-        render_table(outcome),
-        "",
-        f"ramp: {outcome.stopped}",
-        f"knee: {outcome.knee.reason}",
-    ]
-    command = serve_command(outcome)
-    rec = outcome.recommendation
-    if command is not None and rec is not None and outcome.knee.step is not None:
-        knee = outcome.knee.step
-        lines += [
-            "",
-            f"recommended: at most {rec.max_concurrency} in flight (throughput {knee.throughput:.2f} req/s, "
-            f"p99 TTFT {knee.ttft_p99:.3f} s there); a queue of {rec.max_queue} drains within "
-            f"{rec.max_queue_wait:g} s, the SLO headroom left",
-            "",
-            f"  {command}",
-        ]
-    else:
-        lines += ["", "no recommendation: " + outcome.knee.reason]
-    if outcome.png is not None:
-        lines += ["", f"curves: {outcome.png}"]
-    return "\n".join(lines)
-
-
-def to_json(outcome: Outcome) -> dict[str, Any]:
-    cfg = outcome.config
-    steps = []
-    for step, verdict in zip(outcome.steps, outcome.knee.verdicts, strict=True):
-        row: dict[str, Any] = asdict(step)
-        e = verdict.elasticity
-        row["elasticity"] = None if e is None or math.isinf(e) else e
-        row["saturated"] = verdict.saturated
-        row["within_slo"] = verdict.within_slo
-        row["errors_ok"] = verdict.errors_ok
-        row["first_error"] = outcome.first_errors.get(step.concurrency)
-        steps.append(row)
-    rec = outcome.recommendation
-    return {
-        "upstream": outcome.upstream,
-        "model": outcome.model,
-        "ttft_slo": cfg.ttft_slo,
-        "prompt_tokens": str(cfg.prompt_tokens),
-        "output_tokens": str(cfg.output_tokens),
-        "levels": list(cfg.levels),
-        "step_seconds": cfg.step_seconds,
-        "step_requests": cfg.step_requests,
-        "max_seconds": cfg.max_seconds,
-        "seed": cfg.seed,
-        "steps": steps,
-        "stopped": outcome.stopped,
-        "knee": None
-        if outcome.knee.step is None
-        else {"concurrency": outcome.knee.step.concurrency, "limit": outcome.knee.limit},
-        "reason": outcome.knee.reason,
-        "recommendation": None if rec is None else {**asdict(rec), "command": serve_command(outcome)},
-        "png": None if outcome.png is None else str(outcome.png),
-    }
-
-
-def plot(outcome: Outcome, path: Path) -> Path:
-    """Throughput, TTFT and ITL against concurrency, the SLO and the knee marked (PNG)."""
-    # Figure without pyplot: no global figure registry, no GUI backend, safe off the main thread.
-    from matplotlib.figure import Figure
-
-    steps = outcome.steps
-    xs = [s.concurrency for s in steps]
-    fig = Figure(figsize=(8, 9), dpi=100, layout="constrained")
-    ax_x, ax_ttft, ax_itl = fig.subplots(3, 1, sharex=True)
-    ax_x.plot(xs, [s.throughput for s in steps], "o-", color="tab:blue")
-    ax_x.set_ylabel("throughput (req/s)")
-    ax_ttft.plot(xs, [s.ttft_p50 for s in steps], "o-", color="tab:green", label="TTFT p50")
-    ax_ttft.plot(xs, [s.ttft_p99 for s in steps], "s-", color="tab:red", label="TTFT p99")
-    ax_ttft.axhline(outcome.config.ttft_slo, color="tab:red", linestyle=":", label="SLO (p99)")
-    ax_ttft.set_ylabel("TTFT (s)")
-    ax_ttft.legend(loc="upper left")
-    ax_itl.plot(xs, [s.itl_p50 * 1000 for s in steps], "o-", color="tab:purple", label="ITL p50")
-    ax_itl.plot(xs, [s.itl_p99 * 1000 for s in steps], "s-", color="tab:orange", label="ITL p99")
-    ax_itl.set_ylabel("inter-token latency (ms)")
-    ax_itl.set_xlabel("concurrency (closed-loop workers)")
-    ax_itl.legend(loc="upper left")
-    if len(xs) > 1:
-        ax_itl.set_xscale("log", base=2)
-    ax_itl.set_xticks(xs, [str(x) for x in xs])
-    if outcome.knee.step is not None:
-        knee = outcome.knee.step.concurrency
-        for ax in (ax_x, ax_ttft, ax_itl):
-            ax.axvline(knee, color="black", linestyle="--", linewidth=1)
-        ax_x.annotate(
-            f"knee: {knee}",
-            xy=(knee, outcome.knee.step.throughput),
-            xytext=(6, -14),
-            textcoords="offset points",
-        )
-    for ax in (ax_x, ax_ttft, ax_itl):
-        ax.grid(True, alpha=0.3)
-        ax.set_ylim(bottom=0)
-    fig.suptitle(f"{outcome.model} @ {outcome.upstream}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    return path
+        else:
+            stopped = "measurement budget used up"
+    knee, why = with_confidence(find_knee(runs, rule), history, rule)
+    rec = recommend(runs[knee.level], config.ttft_slo) if knee.level is not None else None
+    return Outcome(shim_upstream, model, config, steps, runs, stopped, first_errors, knee, why, rec)
 
 
 def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:

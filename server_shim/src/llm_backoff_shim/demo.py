@@ -4,7 +4,8 @@
 
 Starts the simulator (and, per shim run, a fresh shim) as child processes on free
 loopback ports, then drives one seeded load (a burst, then Poisson arrivals at 2x
-capacity, 70 % interactive / 30 % batch callers) three times:
+capacity, 70 % interactive / 30 % batch callers, each call with its own prompt and
+answer length drawn from a lognormal, ``ignore_eos``) three times:
 
 1. plain ``openai`` client straight at the engine (its unbounded queue);
 2. plain ``openai`` client through the shim (openai's default 2 retries);
@@ -40,7 +41,16 @@ from llm_backoff_shim.procs import (
     start_stack,
 )
 from llm_backoff_shim.report import Figures, comparison, figures, table
-from llm_backoff_shim.scenario import DEMO_SETUPS, EngineShape, Scenario, Setup, arrivals, demo_scenario
+from llm_backoff_shim.scenario import (
+    DEMO_SETUPS,
+    DEMO_SHAPE,
+    EngineShape,
+    Scenario,
+    Setup,
+    arrivals,
+    demo_scenario,
+    varied_demo_scenario,
+)
 
 PNG_NAME = "overload-demo.png"
 JSON_NAME = "overload-demo.json"
@@ -60,16 +70,18 @@ def shim_flags(shape: EngineShape, scenario: Scenario) -> list[str]:
         "--max-queue-wait",
         f"{scenario.ttft_budget:g}",
         "--initial-service-time",
-        f"{shape.service_time:g}",
+        f"{shape.service_time_for(scenario.workload):.2f}",
     ]
 
 
 def describe_setup(setup: Setup, scenario: Scenario) -> str:
+    interactive, batch = scenario.deadline_of("interactive"), scenario.deadline_of("batch")
+    timeout = f"{interactive:g}" if interactive == batch else f"{interactive:g} or {batch:g}"
     if setup.client == "plain":
-        client = f"openai.AsyncOpenAI(max_retries=2, timeout={scenario.deadline:g})"
+        client = f"openai.AsyncOpenAI(max_retries=2, timeout={timeout})"
     else:
         client = (
-            f"llm_backoff.wrap(AsyncOpenAI(...), RetryPolicy(deadline={scenario.deadline:g}, "
+            f"llm_backoff.wrap(AsyncOpenAI(...), RetryPolicy(deadline={timeout}, "
             f"start_deadline={scenario.ttft_budget:g} for interactive callers), "
             "request_class=..., budget=RetryBudget(ratio=1.0))"
         )
@@ -115,13 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints a table per configuration and writes a PNG and a JSON file.",
     )
     p.add_argument("--out", type=Path, default=Path("."), help="folder for the PNG and JSON (default: .)")
-    p.add_argument("--quick", action="store_true", help="a smaller load, ~25 s in all (for CI)")
+    p.add_argument("--quick", action="store_true", help="a smaller load, ~30 s in all (for CI)")
     p.add_argument("--seed", type=int, default=7, help="seed of the arrivals (default: 7)")
+    p.add_argument(
+        "--fixed-lengths",
+        action="store_true",
+        help="every call the same short prompt and 20-token answer on a 1.2 s engine (the load of "
+        "earlier versions of the demo)",
+    )
     p.add_argument(
         "--duration",
         type=float,
         default=None,
-        help="seconds of sustained 2x arrivals after the burst (default: 8, or 2 with --quick)",
+        help="seconds of sustained 2x arrivals after the burst (default: 8, or 3 with --quick)",
     )
     return p
 
@@ -129,10 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
 def run_demo(
     scenario: Scenario, shape: EngineShape, seed: int, setups: Sequence[Setup], out: TextIO, err: TextIO
 ) -> list[RunResult]:
-    calls = arrivals(scenario, shape.capacity, random.Random(seed))
+    capacity = shape.capacity_for(scenario.workload)
+    token_capacity = shape.token_capacity_for(scenario.workload)
+    calls = arrivals(scenario, capacity, random.Random(seed))
     out.write(
-        f"Engine (simulator): {shape.slots} slots, {shape.service_time:.2f} s per request "
-        f"-> capacity {shape.capacity:.2f} requests/s\n"
+        f"Engine (simulator): {shape.slots} slots, {shape.service_time_for(scenario.workload):.2f} s "
+        f"per request on average -> capacity {capacity:.2f} requests/s ({token_capacity:.0f} answer "
+        "tokens/s)\n"
         f"Load: {len(calls)} calls, {scenario.describe(shape.capacity)}; "
         f"interactive TTFT budget {scenario.ttft_budget:g} s; seed {seed}\n"
         f"Shim: {' '.join(shim_flags(shape, scenario))}\n\n"
@@ -163,8 +184,9 @@ def run_demo(
                 target_url=sim.url if shim is None else shim.url,
                 engine_url=sim.url,
                 shim_url=None if shim is None else shim.url,
-                capacity=shape.capacity,
+                capacity=capacity,
                 progress=line,
+                token_capacity=token_capacity,
             )
             result = run_load(run)
             line.done()
@@ -193,6 +215,8 @@ def write_outputs(
             "deadline": scenario.deadline,
             "ttft_budget": scenario.ttft_budget,
             "interactive_share": scenario.interactive_share,
+            "batch_deadline": scenario.deadline_of("batch"),
+            "workload": None if scenario.workload is None else scenario.workload.describe(),
             "seed": seed,
         },
         "runs": [f.as_dict() for f in all_figures],
@@ -218,8 +242,12 @@ def main(argv: list[str]) -> int:
     if not os.access(args.out, os.W_OK):
         print(f"llm-backoff-shim demo: --out {args.out} is not writable", file=sys.stderr)
         return 2
-    shape = EngineShape()
-    scenario = demo_scenario(quick=args.quick, duration=args.duration)
+    if args.fixed_lengths:
+        shape = EngineShape()
+        scenario = demo_scenario(quick=args.quick, duration=args.duration)
+    else:
+        shape = DEMO_SHAPE
+        scenario = varied_demo_scenario(quick=args.quick, duration=args.duration)
     started = time.monotonic()
     try:
         results = run_demo(scenario, shape, args.seed, DEMO_SETUPS, sys.stdout, sys.stderr)

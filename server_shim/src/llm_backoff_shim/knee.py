@@ -1,82 +1,79 @@
-"""Where to cap concurrency: the knee of a load ramp, and the shim settings it implies (pure).
+"""Where to cap concurrency: the knee of a load ramp, judged by what LLM users feel (pure).
 
-Input: one :class:`StepStats` per concurrency level of a closed-loop ramp (what
-``llm-backoff-shim calibrate`` measures). Output: a :class:`Knee` and, when there is
-one, a :class:`Recommendation` for ``llm-backoff-shim serve``.
+Input: the :class:`StepStats` of a closed-loop ramp, one or more measurements per
+concurrency level (what ``llm-backoff-shim calibrate`` measures). Output: a :class:`Knee`,
+the next level worth measuring (:func:`next_level`), and a :class:`Recommendation` for
+``llm-backoff-shim serve``.
 
-The rule, exactly:
+What users feel is the time to their first token and the pace of the tokens after it,
+not the whole request's latency, which mostly follows how long the answer is. So:
 
-1. Between two consecutive steps ``a`` -> ``b`` the *elasticity* of a latency ``L``
-   with respect to throughput ``X`` (completed requests per second) is
-   ``ln(L_b / L_a) / ln(X_b / X_a)``: 0 if the latency did not grow, ``inf`` if it
-   grew while throughput did not. It is taken for the end-to-end request latency and
-   for TTFT (raised to ``latency_floor``, 20 ms by default, so jitter on a tiny TTFT is
-   not growth), each at p99 and, when measured, at p90: a latency counts as growing
-   faster than throughput only if its p99 and its p90 both do (the smaller of the
-   two). The step's elasticity ``E`` is the larger of the two latencies'. ``E <= 1``:
-   the extra concurrency bought at least as much throughput as it cost in latency.
-   ``E > 1``: latency now grows faster than throughput.
-2. A step *ends the efficient region* when its elasticity exceeds
-   ``max_elasticity`` (default 1) or more than ``max_error_ratio`` of its requests
-   failed (an upstream that sheds load, e.g. vLLM's 503 "queue full", is past
-   capacity whatever its latency says).
-3. The knee is the highest-concurrency step *before* the first step that ends the
-   efficient region whose p99 TTFT is within the SLO and whose errors are within
-   ``max_error_ratio``. No such step: no knee, no recommendation (the SLO cannot be
-   met even at the lowest level measured).
+1. A level is **within the SLO** when, on the median of its measurements, its p99 TTFT
+   is at most ``ttft_slo``, its p99 time per output token (TPOT: a request's mean gap
+   between tokens after the first) at most ``tpot_slo`` (when set), and at most
+   ``max_error_ratio`` of its requests failed.
+2. Its **throughput** is answer tokens per second (requests per second when the upstream
+   counted no tokens): normalised by answer length, so a level that happened to draw
+   longer answers is not mistaken for a faster one. The median of its measurements.
+3. The **knee** is the lowest level within the SLO whose throughput is at least
+   ``1 - tolerance`` of the best throughput any level within the SLO reached: as much of
+   the engine as the SLO allows, at the lowest concurrency (the shortest queue inside the
+   engine) that gets it. Latency growing faster than throughput is *not* a knee while
+   the SLO holds: a TTFT going from 64 to 125 ms against a 1 s SLO costs users nothing
+   and the throughput it buys is real.
+4. **Climbing** goes on while the highest level measured is within the SLO and the
+   throughput still rises: it, or the level below it, beat every lower level by more than
+   ``gain``. Two levels in a row that add nothing mean the engine is full.
+5. **Repeating**: a machine's noise can fake a rise, a plateau or an SLO miss. The knee
+   and the level above it (the one that stopped the climb) are measured again, up to
+   ``max_repeats`` times each, until each has ``min_repeats`` measurements and one more
+   round did not move the knee. Between the knee and a level above it that missed the
+   SLO, the midpoint is measured too (at most ``refine`` levels between two levels of the
+   ramp), so a capacity between two doubling levels is found. Measurements of the knee or
+   the level above that disagree on the SLO, or whose throughputs spread by more than
+   twice ``tolerance``, are repeated too (up to ``max_repeats``).
+6. **Confidence**: ``high`` when the knee held still over its last round and every
+   measurement of it met the SLO; ``medium`` when it held still but measurements
+   disagreed (an SLO verdict flipped, or throughputs spread by more than twice
+   ``tolerance``);
+   ``low`` when it was still moving, or rests on a single measurement.
 
-Why the p90 next to the p99: with a few dozen requests per step the p99 is nearly the
-maximum, and one request delayed by a busy client machine would fake a knee. A tail
-worth acting on holds a tenth of the requests or more and moves the p90 too: one
-worker over the engine's slots at 9 workers for 8 slots already does, while the
-median barely moves, which is why the median is not the confirmation.
+The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
 
-Why two latencies: below capacity vLLM's TTFT barely moves while its inter-token
-latency grows with the batch, which only the whole request's latency shows; once
-requests queue for a slot, TTFT (queue wait + prefill) climbs first and most, and
-with levels far apart (4 -> 8 around 6 slots) the end-to-end latency alone can still
-look worth it. In a closed loop with no think time Little's law gives
-``X = N / mean latency``, so an end-to-end ``E > 1`` at a doubling of ``N`` means
-throughput grew by less than ``sqrt(2)``. The SLO itself is the hard constraint: the
-knee never has a p99 TTFT above it.
-
-The recommendation at knee step ``K`` with SLO ``S`` (seconds, p99 TTFT):
-
-- ``max_concurrency = K.concurrency``: the last level measured before latency started
-  to outgrow throughput (the issue's "just under the knee"); a finer ``--steps`` list
-  around it narrows the gap to the true knee.
-- ``max_queue_wait = S - K.ttft_p99`` (floored to 10 ms, at least 10 ms): a request
-  admitted after waiting that long still gets its first token within the SLO, since
-  once admitted it sees the knee's TTFT. Waiting longer would only miss the SLO late.
-- ``max_queue = floor(K.throughput * max_queue_wait)``, at least 1: what the engine
-  drains within that wait. One slot even without headroom, because a queue of zero
-  turns every momentary gap between a completion and the next admission into a 429.
+- ``max_concurrency = K``;
+- ``max_queue_wait = S - TTFT_p99(K)`` (floored to 10 ms, at least 10 ms): a request
+  admitted after waiting that long still gets its first token within the SLO;
+- ``max_queue = floor(requests/s at K * max_queue_wait)``, at least 1: what the engine
+  drains within that wait (a queue of zero would turn every momentary gap between a
+  completion and the next admission into a 429).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-#: What bounded the knee: the next step saturated, failed, missed the SLO, or was never measured.
-Limit = Literal["saturation", "errors", "slo", "max_level"]
+#: What bounded the knee: the level above missed the SLO, added no throughput, or was not measured.
+Limit = Literal["slo", "plateau", "max_level"]
+Confidence = Literal["high", "medium", "low"]
 
 #: Smallest ``--max-queue-wait`` recommended (the shim needs a positive wait).
 MIN_QUEUE_WAIT = 0.01
 
 
 class KneeInputError(ValueError):
-    """Step measurements the knee finder cannot work with (unsorted, negative, NaN...)."""
+    """Step measurements the knee finder cannot work with (negative, NaN...)."""
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """One concurrency level of a closed-loop ramp. Times in seconds.
+    """One measurement of one concurrency level of a closed-loop ramp. Times in seconds.
 
     ``requests`` counts successful requests that entered the statistics; with none, the
-    latency fields are 0 and ``throughput`` is 0.
+    latency fields are 0 and ``throughput`` is 0. ``itl_*`` are per-request TPOTs.
     """
 
     concurrency: int
@@ -93,7 +90,6 @@ class StepStats:
     #: Mean tokens per request as the upstream counted them (its ``usage``; 0 if it sent none).
     mean_prompt_tokens: float = 0.0
     mean_output_tokens: float = 0.0
-    #: p90s confirm that a p99 rise is a tail, not one slow request; None: not measured.
     ttft_p90: float | None = None
     latency_p90: float | None = None
 
@@ -106,45 +102,69 @@ class StepStats:
 @dataclass(frozen=True)
 class KneeRule:
     ttft_slo: float
-    max_elasticity: float = 1.0
+    tpot_slo: float | None = None
     max_error_ratio: float = 0.01
-    latency_floor: float = 0.02
+    tolerance: float = 0.05
+    gain: float = 0.05
+    min_repeats: int = 2
+    max_repeats: int = 4
+    refine: int = 2
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ttft_slo) and self.ttft_slo > 0):
             raise KneeInputError(f"ttft_slo must be a positive number of seconds, got {self.ttft_slo!r}")
-        if not (math.isfinite(self.max_elasticity) and self.max_elasticity > 0):
-            raise KneeInputError(f"max_elasticity must be a positive number, got {self.max_elasticity!r}")
+        if self.tpot_slo is not None and not (math.isfinite(self.tpot_slo) and self.tpot_slo > 0):
+            raise KneeInputError(f"tpot_slo must be a positive number of seconds, got {self.tpot_slo!r}")
         if not 0 <= self.max_error_ratio < 1:
             raise KneeInputError(f"max_error_ratio must be in [0, 1), got {self.max_error_ratio!r}")
-        if not (math.isfinite(self.latency_floor) and self.latency_floor >= 0):
-            raise KneeInputError(f"latency_floor must be a number >= 0, got {self.latency_floor!r}")
+        for name in ("tolerance", "gain"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise KneeInputError(f"{name} must be in [0, 1), got {value!r}")
+        if not 1 <= self.min_repeats <= self.max_repeats:
+            raise KneeInputError(
+                f"expected 1 <= min_repeats <= max_repeats, got {self.min_repeats}, {self.max_repeats}"
+            )
+        if self.refine < 0:
+            raise KneeInputError(f"refine must be >= 0, got {self.refine!r}")
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """How one step fares under the rule. ``elasticity`` is None for the first step."""
+    """How one level fares under the rule, on the median of its measurements."""
 
     concurrency: int
-    elasticity: float | None
+    runs: int
+    throughput: float
+    ttft_p99: float
+    tpot_p99: float
     within_slo: bool
     errors_ok: bool
-    saturated: bool
+    #: Measurements whose own verdict (SLO met or not) differs from the median's.
+    disagreeing: int
+    #: (max - min) / median of the throughputs measured; 0 for one measurement.
+    spread: float
+    #: Some request succeeded (on the median measurement).
+    working: bool = True
 
     @property
     def good(self) -> bool:
-        """Within the SLO, few errors, not saturated: the ramp may go on."""
-        return self.within_slo and self.errors_ok and not self.saturated
+        return self.within_slo and self.errors_ok
 
 
 @dataclass(frozen=True)
 class Knee:
-    """``step`` is the knee (None: no level meets the SLO); ``limit`` says what bounded it."""
+    """``level`` is the knee (None: no level meets the SLO); ``limit`` says what bounded it."""
 
-    step: StepStats | None
+    level: int | None
     limit: Limit | None
     verdicts: tuple[Verdict, ...]
     reason: str
+    best_throughput: float = 0.0
+    confidence: Confidence = "low"
+
+    def verdict(self, level: int) -> Verdict | None:
+        return next((v for v in self.verdicts if v.concurrency == level), None)
 
 
 @dataclass(frozen=True)
@@ -164,173 +184,242 @@ class Recommendation:
         ]
 
 
-def _log_ratio_elasticity(
-    latency_a: float, latency_b: float, throughput_a: float, throughput_b: float
-) -> float:
-    latency_growth = math.log(latency_b / latency_a)
-    if latency_growth <= 0:
-        return 0.0
-    throughput_growth = math.log(throughput_b / throughput_a)
-    if throughput_growth <= 0:
-        return math.inf
-    return latency_growth / throughput_growth
+Runs = Mapping[int, Sequence[StepStats]]
 
 
-def elasticity(before: StepStats, after: StepStats, latency_floor: float = 0.02) -> float:
-    """Latency/throughput elasticity from ``before`` to ``after`` (rule 1 of the module doc)."""
-    if after.requests == 0 or after.throughput <= 0 or after.latency_p99 <= 0:
-        return math.inf
-    if before.requests == 0 or before.throughput <= 0 or before.latency_p99 <= 0:
-        # Nothing to compare with: the earlier step failed, so this one is judged on its own.
-        return 0.0
-    floor = max(latency_floor, 1e-9)
-
-    def of(latency_a: float, latency_b: float, *, lowest: float = 1e-9) -> float:
-        return _log_ratio_elasticity(
-            max(latency_a, lowest), max(latency_b, lowest), before.throughput, after.throughput
-        )
-
-    def tail(p90_a: float | None, p90_b: float | None, p99_a: float, p99_b: float, lowest: float) -> float:
-        # One slow request in a small sample moves the p99 alone; a tail that matters
-        # (a tenth of the requests or more) moves the p90 as well.
-        e99 = of(p99_a, p99_b, lowest=lowest)
-        if p90_a is None or p90_b is None:
-            return e99
-        return min(of(p90_a, p90_b, lowest=lowest), e99)
-
-    whole = tail(before.latency_p90, after.latency_p90, before.latency_p99, after.latency_p99, 1e-9)
-    first = tail(before.ttft_p90, after.ttft_p90, before.ttft_p99, after.ttft_p99, floor)
-    return max(whole, first)
+def _validate(step: StepStats) -> None:
+    if step.concurrency < 1:
+        raise KneeInputError(f"concurrency must be >= 1, got {step.concurrency}")
+    if step.requests < 0 or step.errors < 0:
+        raise KneeInputError(f"negative request count at concurrency {step.concurrency}")
+    for name in (
+        "throughput",
+        "ttft_p50",
+        "ttft_p99",
+        "itl_p50",
+        "itl_p99",
+        "latency_p50",
+        "latency_p99",
+        "output_tokens_per_s",
+        "mean_prompt_tokens",
+        "mean_output_tokens",
+    ):
+        value = getattr(step, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
 
 
-def _validate(steps: Sequence[StepStats]) -> None:
-    previous = 0
-    for step in steps:
-        if step.concurrency <= previous:
-            raise KneeInputError(
-                f"concurrency levels must be positive and strictly increasing, got {step.concurrency} "
-                f"after {previous}"
-            )
-        previous = step.concurrency
-        if step.requests < 0 or step.errors < 0:
-            raise KneeInputError(f"negative request count at concurrency {step.concurrency}")
-        for name in (
-            "throughput",
-            "ttft_p50",
-            "ttft_p99",
-            "itl_p50",
-            "itl_p99",
-            "latency_p50",
-            "latency_p99",
-            "output_tokens_per_s",
-            "mean_prompt_tokens",
-            "mean_output_tokens",
-            "ttft_p90",
-            "latency_p90",
-        ):
-            value = getattr(step, name)
-            if value is None and name.endswith("_p90"):
-                continue
-            if not (math.isfinite(value) and value >= 0):
-                raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
+def rate(step: StepStats) -> float:
+    """The throughput the rule compares: answer tokens/s, else requests/s."""
+    return step.output_tokens_per_s if step.output_tokens_per_s > 0 else step.throughput
 
 
-def judge(steps: Sequence[StepStats], rule: KneeRule) -> tuple[Verdict, ...]:
-    """One verdict per step, in order (steps sorted by concurrency, validated)."""
-    _validate(steps)
-    verdicts = []
-    for i, step in enumerate(steps):
-        e = None if i == 0 else elasticity(steps[i - 1], step, rule.latency_floor)
-        verdicts.append(
-            Verdict(
-                concurrency=step.concurrency,
-                elasticity=e,
-                within_slo=step.requests > 0 and step.ttft_p99 <= rule.ttft_slo,
-                errors_ok=step.error_ratio <= rule.max_error_ratio,
-                saturated=e is not None and e > rule.max_elasticity,
-            )
-        )
-    return tuple(verdicts)
-
-
-def find_knee(steps: Sequence[StepStats], rule: KneeRule) -> Knee:
-    """Apply the rule of the module doc to a ramp (may be empty)."""
-    verdicts = judge(steps, rule)
-    end = next((i for i, v in enumerate(verdicts) if v.saturated or not v.errors_ok), len(steps))
-    knee_index = next(
-        (i for i in range(end - 1, -1, -1) if verdicts[i].within_slo and verdicts[i].errors_ok), None
-    )
-    if knee_index is None:
-        return Knee(None, None, verdicts, _no_knee_reason(steps, verdicts, end, rule))
-    knee = steps[knee_index]
-    nxt = knee_index + 1
-    limit: Limit
-    if nxt == len(steps):
-        limit = "max_level"
-        reason = (
-            f"no knee up to concurrency {knee.concurrency}, the highest level measured: "
-            "raise --max-level to look further"
-        )
-    elif nxt == end and not verdicts[nxt].errors_ok:
-        limit = "errors"
-        reason = (
-            f"{steps[nxt].error_ratio:.0%} of requests failed at concurrency {steps[nxt].concurrency} "
-            f"(limit {rule.max_error_ratio:.0%})"
-        )
-    elif nxt == end:
-        limit = "saturation"
-        reason = (
-            f"from concurrency {knee.concurrency} to {steps[nxt].concurrency} latency grew faster "
-            f"than throughput (elasticity {_fmt_e(verdicts[nxt].elasticity)} > {rule.max_elasticity:g})"
-        )
-    else:
-        limit = "slo"
-        reason = (
-            f"p99 TTFT {steps[nxt].ttft_p99:.3f} s at concurrency {steps[nxt].concurrency} is over "
-            f"the {rule.ttft_slo:g} s SLO"
-        )
-    return Knee(knee, limit, verdicts, reason)
-
-
-def _fmt_e(value: float | None) -> str:
-    return "inf" if value is None or math.isinf(value) else f"{value:.2f}"
-
-
-def _no_knee_reason(steps: Sequence[StepStats], verdicts: Sequence[Verdict], end: int, rule: KneeRule) -> str:
-    if not steps:
-        return "no step was measured"
-    if end == 0:
-        first = steps[0]
-        if first.requests == 0:
-            return f"every request failed at concurrency {first.concurrency}"
-        return (
-            f"{first.error_ratio:.0%} of requests failed already at concurrency {first.concurrency} "
-            f"(limit {rule.max_error_ratio:.0%})"
-        )
-    lowest = steps[0]
+def _meets(step: StepStats, rule: KneeRule) -> bool:
     return (
-        f"p99 TTFT {lowest.ttft_p99:.3f} s is over the {rule.ttft_slo:g} s SLO already at "
-        f"concurrency {lowest.concurrency}: no cap meets it; shorten prompts, add capacity or relax "
-        "--ttft-slo"
+        step.requests > 0
+        and step.ttft_p99 <= rule.ttft_slo
+        and (rule.tpot_slo is None or step.itl_p99 <= rule.tpot_slo)
+        and step.error_ratio <= rule.max_error_ratio
     )
 
 
-def should_stop(steps: Sequence[StepStats], rule: KneeRule) -> bool:
-    """True once the last step is past the knee (saturated, failing or over the SLO).
+def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdict:
+    """The verdict on one level from all its measurements (at least one)."""
+    if not steps:
+        raise KneeInputError(f"no measurement at concurrency {level}")
+    for step in steps:
+        _validate(step)
+    rates = [rate(s) for s in steps]
+    median_rate = statistics.median(rates)
+    ttft = statistics.median(s.ttft_p99 for s in steps)
+    tpot = statistics.median(s.itl_p99 for s in steps)
+    errors_ok = statistics.median(s.error_ratio for s in steps) <= rule.max_error_ratio
+    working = statistics.median(s.requests for s in steps) > 0
+    within = (
+        working and ttft <= rule.ttft_slo and (rule.tpot_slo is None or tpot <= rule.tpot_slo) and errors_ok
+    )
+    disagreeing = sum(1 for s in steps if _meets(s, rule) != within)
+    spread = (max(rates) - min(rates)) / median_rate if median_rate > 0 and len(rates) > 1 else 0.0
+    return Verdict(
+        level, len(steps), median_rate, ttft, tpot, within, errors_ok, disagreeing, spread, working
+    )
 
-    Higher levels could only add load: the knee cannot lie beyond a saturated or
-    failing step, and TTFT does not come back under the SLO as load grows.
+
+def judge(runs: Runs, rule: KneeRule) -> tuple[Verdict, ...]:
+    """One verdict per measured level, by concurrency."""
+    return tuple(judge_level(level, runs[level], rule) for level in sorted(runs) if runs[level])
+
+
+def _rising(verdicts: Sequence[Verdict], index: int, gain: float) -> bool:
+    """Whether level ``index`` beat every lower level's throughput by more than ``gain``."""
+    if index == 0:
+        return verdicts[0].throughput > 0
+    below = max(v.throughput for v in verdicts[:index])
+    return verdicts[index].throughput > below * (1 + gain)
+
+
+def climbing(verdicts: Sequence[Verdict], rule: KneeRule) -> bool:
+    """Rule 4: the top level is within the SLO and it, or the one below, still added throughput."""
+    if not verdicts or not verdicts[-1].good:
+        return False
+    top = len(verdicts) - 1
+    return _rising(verdicts, top, rule.gain) or (top > 0 and _rising(verdicts, top - 1, rule.gain))
+
+
+def find_knee(runs: Runs, rule: KneeRule) -> Knee:
+    """Rule 3 on the measurements so far (confidence is :func:`next_level`'s to settle)."""
+    verdicts = judge(runs, rule)
+    if not verdicts:
+        return Knee(None, None, verdicts, "no level was measured")
+    good = [v for v in verdicts if v.good]
+    if not good:
+        return Knee(None, None, verdicts, _no_knee_reason(verdicts, rule))
+    # Only levels below the first SLO miss count: TTFT does not come back under the SLO
+    # as load grows, so a pass above a miss is noise.
+    first_miss = next((v.concurrency for v in verdicts if not v.good), math.inf)
+    good = [v for v in good if v.concurrency < first_miss]
+    if not good:
+        return Knee(None, None, verdicts, _no_knee_reason(verdicts, rule))
+    best = max(v.throughput for v in good)
+    knee = next(v for v in good if v.throughput >= best * (1 - rule.tolerance))
+    above = next((v for v in verdicts if v.concurrency > knee.concurrency), None)
+    limit: Limit
+    if above is None:
+        limit = "max_level"
+        reason = f"no knee up to concurrency {knee.concurrency}, the highest level measured"
+    elif not above.good:
+        limit = "slo"
+        reason = f"concurrency {above.concurrency} misses the SLO ({_miss(above, rule)})"
+    else:
+        limit = "plateau"
+        gained = above.throughput / knee.throughput - 1 if knee.throughput > 0 else 0.0
+        reason = (
+            f"concurrency {above.concurrency} adds {gained:+.0%} throughput over {knee.concurrency} "
+            f"(within the {rule.tolerance:.0%} tolerance): the engine is full"
+        )
+    return Knee(knee.concurrency, limit, verdicts, reason, best)
+
+
+def _miss(v: Verdict, rule: KneeRule) -> str:
+    parts = []
+    if v.ttft_p99 > rule.ttft_slo:
+        parts.append(f"TTFT p99 {v.ttft_p99:.3f} s > {rule.ttft_slo:g} s")
+    if rule.tpot_slo is not None and v.tpot_p99 > rule.tpot_slo:
+        parts.append(f"TPOT p99 {v.tpot_p99 * 1000:.1f} ms > {rule.tpot_slo * 1000:g} ms")
+    if not v.errors_ok:
+        parts.append(f"errors over {rule.max_error_ratio:.0%}")
+    return ", ".join(parts) or "no request succeeded"
+
+
+def _no_knee_reason(verdicts: Sequence[Verdict], rule: KneeRule) -> str:
+    lowest = verdicts[0]
+    if not lowest.working:
+        return f"every request failed at concurrency {lowest.concurrency}"
+    return (
+        f"concurrency {lowest.concurrency}, the lowest level measured, already misses the SLO "
+        f"({_miss(lowest, rule)}): no cap meets it; shorten prompts, add capacity or relax the SLO"
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do next: measure ``level`` (why: ``purpose``), or stop (``level`` None)."""
+
+    level: int | None
+    purpose: str
+
+
+def next_level(runs: Runs, ramp: Sequence[int], rule: KneeRule, history: Sequence[int | None] = ()) -> Plan:
+    """The next measurement of a ramp over ``ramp`` (increasing levels), rules 4 and 5.
+
+    ``history`` is the knee found after each earlier measurement (oldest first); the
+    caller appends :func:`find_knee`'s level after every measurement.
     """
-    return bool(steps) and not judge(steps, rule)[-1].good
+    verdicts = judge(runs, rule)
+    measured = [v.concurrency for v in verdicts]
+    if not verdicts:
+        return Plan(ramp[0], "climb") if ramp else Plan(None, "nothing to measure")
+    if climbing(verdicts, rule):
+        higher = [level for level in ramp if level > measured[-1]]
+        if higher:
+            return Plan(higher[0], "climb")
+    knee = find_knee(runs, rule)
+    if knee.level is None:
+        if verdicts[0].runs < rule.min_repeats:
+            return Plan(verdicts[0].concurrency, "repeat: the lowest level misses the SLO")
+        return Plan(None, "no level meets the SLO")
+    above = next((level for level in measured if level > knee.level), None)
+    if above is not None and knee.limit == "slo" and rule.refine > 0:
+        midpoint = (knee.level + above) // 2
+        # At most ``refine`` levels off the ramp between two ramp levels.
+        floor = max((level for level in ramp if level <= knee.level), default=0)
+        refined = sum(1 for level in measured if floor < level < above and level not in ramp)
+        if knee.level < midpoint < above and midpoint not in runs and refined < rule.refine:
+            return Plan(midpoint, f"refine between {knee.level} and {above}")
+    for level in (knee.level, above):
+        if level is not None and len(runs[level]) < rule.min_repeats:
+            return Plan(level, "repeat next to the knee")
+    for level in (knee.level, above):
+        v = knee.verdict(level) if level is not None else None
+        if v is not None and v.disagreeing and v.runs < min(3, rule.max_repeats):
+            # Two measurements that disagree are a tie: a third one makes the median a real one.
+            return Plan(v.concurrency, "repeat: measurements disagree")
+        if v is not None and v.spread > 2 * rule.tolerance and v.runs < rule.max_repeats:
+            # Throughputs this far apart cannot tell the knee from the level above it.
+            return Plan(v.concurrency, "repeat: throughputs spread")
+    if stable(history, knee.level, rounds=2):
+        return Plan(None, "stable")
+    for level in (knee.level, above):
+        if level is not None and len(runs[level]) < rule.max_repeats:
+            return Plan(level, "repeat: the knee moved")
+    return Plan(None, "repeats exhausted")
 
 
-def recommend(knee: StepStats, ttft_slo: float) -> Recommendation:
-    """Shim settings for a knee step (see the module doc for the formulas)."""
+def stable(history: Sequence[int | None], knee: int | None, rounds: int) -> bool:
+    """The knee was ``knee`` after each of the last ``rounds`` measurements."""
+    return len(history) >= rounds and all(h == knee for h in history[-rounds:])
+
+
+def confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tuple[Confidence, str]:
+    """Rule 6, with a sentence saying why."""
+    if knee.level is None:
+        return "low", "no knee"
+    v = knee.verdict(knee.level)
+    if v is None:  # pragma: no cover - the knee is one of the verdicts
+        return "low", "no verdict at the knee"
+    if v.runs < 2:
+        return "low", f"concurrency {knee.level} was measured once"
+    if not stable(history, knee.level, rounds=2):
+        return "low", "the knee still moved on the last measurement"
+    above = next((u for u in knee.verdicts if u.concurrency > knee.level), None)
+    neighbours = [x for x in (v, above) if x is not None]
+    flipped = sum(x.disagreeing for x in neighbours)
+    spread = max(x.spread for x in neighbours)
+    if flipped:
+        return "medium", f"{flipped} measurement(s) next to the knee disagreed with the SLO verdict"
+    if spread > 2 * rule.tolerance:
+        return "medium", f"throughput next to the knee spread by {spread:.0%} between measurements"
+    return "high", f"{v.runs} measurements of {knee.level} agree and the knee held"
+
+
+def with_confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tuple[Knee, str]:
+    """``knee`` with its confidence set, and the sentence that explains it."""
+    level, why = confidence(knee, history, rule)
+    return Knee(knee.level, knee.limit, knee.verdicts, knee.reason, knee.best_throughput, level), why
+
+
+def recommend(runs: Sequence[StepStats], ttft_slo: float) -> Recommendation:
+    """Shim settings for the knee level, from its measurements (see the module doc)."""
     if not (math.isfinite(ttft_slo) and ttft_slo > 0):
         raise KneeInputError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
-    if knee.requests == 0 or knee.ttft_p99 > ttft_slo:
-        raise KneeInputError(f"the step at concurrency {knee.concurrency} does not meet the SLO")
-    headroom = ttft_slo - knee.ttft_p99
+    if not runs:
+        raise KneeInputError("no measurement of the knee level")
+    level = runs[0].concurrency
+    ttft = statistics.median(s.ttft_p99 for s in runs)
+    throughput = statistics.median(s.throughput for s in runs)
+    if ttft > ttft_slo or throughput <= 0:
+        raise KneeInputError(f"the step at concurrency {level} does not meet the SLO")
+    headroom = ttft_slo - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
-    queue = max(1, math.floor(knee.throughput * wait + 1e-9))
-    return Recommendation(max_concurrency=knee.concurrency, max_queue=queue, max_queue_wait=wait)
+    queue = max(1, math.floor(throughput * wait + 1e-9))
+    return Recommendation(max_concurrency=level, max_queue=queue, max_queue_wait=wait)

@@ -38,12 +38,18 @@ Route = Literal["engine", "shim", "peer"]
 
 @dataclass(frozen=True)
 class EngineShape:
-    """The simulator's settings (8 slots, 1.2 s per request by default)."""
+    """The simulator's settings (8 slots, 1.2 s per request of 20 tokens by default).
+
+    ``output_tokens`` is the length of an answer when the request sets no ``max_tokens``
+    (fixed: the simulator runs with ``--output-tokens-sigma 0``); ``prefill_time_per_token``
+    the simulator's prefill cost (``--prefill-time-per-token``).
+    """
 
     slots: int = 8
     ttft: float = 0.25
     itl: float = 0.05
     output_tokens: int = 20
+    prefill_time_per_token: float = 0.0002
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.output_tokens < 1:
@@ -65,11 +71,17 @@ class EngineShape:
         return self.slots / self.service_time
 
     def service_time_for(self, workload: Workload | None) -> float:
-        """Mean seconds a request of ``workload`` holds a slot (its mean answer length;
-        prefill is left out, a few ms per prompt at the simulator's default rate)."""
+        """Mean seconds a request of ``workload`` holds a slot: its mean answer length, and its
+        mean prompt's prefill (1.3 tokens per word plus the chat template's 4, as the
+        simulator counts)."""
         if workload is None:
             return self.service_time
-        return self.ttft + (workload.output_tokens.mean() - 1) * self.itl
+        prompt_tokens = 1.3 * workload.prompt_words.mean() + 4
+        return (
+            self.ttft
+            + prompt_tokens * self.prefill_time_per_token
+            + (workload.output_tokens.mean() - 1) * self.itl
+        )
 
     def capacity_for(self, workload: Workload | None) -> float:
         """Completions per second for ``workload``'s lengths with every slot busy."""
@@ -92,6 +104,10 @@ class EngineShape:
             "0",
             "--output-tokens",
             str(self.output_tokens),
+            "--output-tokens-sigma",
+            "0",
+            "--prefill-time-per-token",
+            repr(self.prefill_time_per_token),
         ]
 
 
@@ -228,7 +244,9 @@ DEMO_SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF)
 
 
 def demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
-    """The demo's load: a burst, then 2x capacity; ~16 s per run (~5 s with ``quick``).
+    """The demo's load with fixed lengths (``llm-backoff-shim demo --fixed-lengths``, on
+    :class:`EngineShape`'s defaults; what the virtual-time overload model replays): a burst,
+    then 2x capacity; ~16 s per run (~5 s with ``quick``).
 
     The burst is larger than the shim's slots plus queue (8 + 16), so every shim run
     turns callers away from the first second on.
@@ -239,4 +257,41 @@ def demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
         )
     return Scenario(
         "demo", burst=40, rate_factor=2.0, duration=duration or 8.0, deadline=8.0, ttft_budget=4.0
+    )
+
+
+#: The demo's engine: 8 slots, 100 tokens/s per sequence (a fast GPU's pace, so a run of
+#: varied answers fits in seconds), 0.1 s to a first token.
+DEMO_SHAPE = EngineShape(slots=8, ttft=0.1, itl=0.01, output_tokens=64)
+
+
+def varied_demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
+    """The demo's default load: a burst, then 2x capacity, with varied lengths (the default
+    :class:`~llm_backoff_shim.workload.Workload`); ~20 s per run (~9 s with ``quick``).
+
+    The burst is larger than the shim's slots plus queue (8 + 16), so every shim run turns
+    callers away from the first second on. Interactive callers want a first token within
+    2 s (1.5 s quick) and the whole answer within 8 s (4 s); batch callers have 12 s (6 s).
+    """
+    workload = Workload()
+    if quick:
+        return Scenario(
+            "demo-quick",
+            burst=30,
+            rate_factor=2.0,
+            duration=duration or 3.0,
+            deadline=4.0,
+            ttft_budget=1.5,
+            batch_deadline=6.0,
+            workload=workload,
+        )
+    return Scenario(
+        "demo",
+        burst=40,
+        rate_factor=2.0,
+        duration=duration or 8.0,
+        deadline=8.0,
+        ttft_budget=2.0,
+        batch_deadline=12.0,
+        workload=workload,
     )
