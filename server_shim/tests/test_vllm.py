@@ -290,7 +290,11 @@ def test_engine_aware_admission_keeps_vllm_waiting_within_bound_in_a_burst(
     make_shim: Callable[..., Any], model: str, waiter: Callable[..., None]
 ) -> None:
     """A burst arriving between two scrapes: the shim counts what it admitted since the last
-    scrape, so vLLM's waiting queue stays within ``engine_max_waiting``."""
+    scrape, so vLLM's waiting queue stays within ``engine_max_waiting``.
+
+    The engine's slots are not in vLLM's metrics; the shim may learn them from a scrape
+    that shows the engine full (requests waiting), so the engine is shown full to it once
+    before the burst."""
     max_waiting = 2
     shim = make_shim(
         VLLM_URL,
@@ -306,6 +310,21 @@ def test_engine_aware_admission_keeps_vllm_waiting_within_bound_in_a_burst(
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=WAIT) as client:
             await engine_idle(client)
+            holders = [
+                start_stream(client, VLLM_URL, chat_body(model, HOLD_TOKENS)) for _ in range(SLOTS + 1)
+            ]
+
+            async def seen_full() -> bool:
+                return shim_metric(shim, "llm_backoff_shim_engine_waiting") == 1.0
+
+            await until(seen_full, "the shim to scrape vLLM full with one waiting")
+            for holder in holders:
+                await holder.cancel()
+
+            async def seen_idle() -> bool:
+                return shim_metric(shim, "llm_backoff_shim_engine_running") == 0.0
+
+            await until(seen_idle, "the shim to scrape vLLM idle again")
             streams = [start_stream(client, shim.url, chat_body(model, 300)) for _ in range(burst)]
             peak = 0
             while not all(s.finished or s.error for s in streams):
