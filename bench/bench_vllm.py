@@ -347,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     window = base.duration + base.deadline_of("batch")
     head = (
         f"vLLM {SLOTS} slots; calibrate: {calib.command} (knee {calib.knee_concurrency}, "
+        f"shim run with {' '.join(calib.flags)}; "
         f"{calib.tokens_per_s:.0f} tokens/s, ceiling {calib.tokens_per_s * window / 1000:.1f}k useful "
         f"tokens); all slots busy: {full:.0f} tokens/s (ceiling {full * window / 1000:.1f}k); "
         f"{len(seeds)} seed(s); machine load {min(loads):.1f}-{max(loads):.1f}"
