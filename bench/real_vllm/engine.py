@@ -1,0 +1,95 @@
+"""``vllm serve`` as a child process, pinned to one CPU, set up first when it is missing.
+
+The layout that works on a 2-core machine: the engine on one core with one OpenMP thread,
+everything else (the shim, the load generator, calibrate) on the other. vLLM's API server
+and its engine-core process both inherit the pinning. KV-cache memory is given explicitly
+(``--kv-cache-memory-bytes``): the CPU backend otherwise reserves a share of the node's
+memory (``--gpu-memory-utilization``, 0.92 by default) and refuses to start when other
+processes hold more than the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from llm_backoff_shim.procs import ChildServer
+
+HERE = Path(__file__).resolve().parent
+SETUP = HERE / "setup.sh"
+DEFAULT_ENV = Path(os.environ.get("LLM_BACKOFF_VLLM_ENV", "/work/vllm-env"))
+DEFAULT_MODEL = Path(os.environ.get("LLM_BACKOFF_VLLM_MODEL", "/work/vllm-model"))
+KV_CACHE_BYTES = 512 * 1024 * 1024  # 4 KiB per token for this model: ~130k tokens, far more than 8 slots use
+START_TIMEOUT = 240.0  # ~25 s on an idle machine; a loaded one is slower
+
+#: Flags for the engine of the benchmark; ``extra`` in :func:`vllm_server` adds to them.
+BASE_FLAGS = (
+    "--distributed-executor-backend",
+    "uni",
+    "--enforce-eager",
+    "--dtype",
+    "bfloat16",
+    "--kv-cache-memory-bytes",
+    str(KV_CACHE_BYTES),
+    "--disable-uvicorn-access-log",
+)
+
+
+def ready(env: Path, model: Path) -> bool:
+    return (
+        (env / "bin" / "vllm").exists()
+        and (model / "config.json").exists()
+        and (model / "tokenizer.json").exists()
+    )
+
+
+def ensure_setup(env: Path = DEFAULT_ENV, model: Path = DEFAULT_MODEL) -> None:
+    """Run ``setup.sh`` unless the venv and the model are both there (it is idempotent anyway)."""
+    if ready(env, model):
+        return
+    print(f"setting up vLLM in {env} and the model in {model} (a few minutes, once)", flush=True)
+    subprocess.run(["bash", str(SETUP), str(env), str(model)], check=True)
+
+
+def pin(cpu: int | None) -> list[str]:
+    """``taskset -c CPU`` when this process may use that CPU, else nothing."""
+    if cpu is None or cpu not in os.sched_getaffinity(0):
+        return []
+    return ["taskset", "-c", str(cpu)]
+
+
+def vllm_server(
+    *,
+    slots: int,
+    env: Path = DEFAULT_ENV,
+    model: Path = DEFAULT_MODEL,
+    cpu: int | None = 1,
+    extra: Sequence[str] = (),
+) -> ChildServer:
+    """A ``vllm serve`` child (start it with ``with``): ``slots`` is ``--max-num-seqs``."""
+    vllm = str(env / "bin" / "vllm")
+
+    def command(port: int) -> list[str]:
+        return [
+            *pin(cpu),
+            vllm,
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            str(slots),
+            *BASE_FLAGS,
+            *extra,
+        ]
+
+    return ChildServer(
+        "vllm",
+        command,
+        start_timeout=START_TIMEOUT,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
+    )
