@@ -78,6 +78,7 @@ CONFIGS = {
     "direct": Config(Setup("plain openai, direct", "engine", "plain"), False),
     "shim-plain": Config(Setup("plain openai, shim", "shim", "plain"), False),
     "shim-backoff": Config(Setup("llm_backoff, shim", "shim", "llm_backoff"), False),
+    "shim-presets": Config(Setup("llm_backoff presets, shim", "shim", "llm_backoff_presets"), False),
     "shim-budgets": Config(Setup("llm_backoff + budgets, shim", "shim", "llm_backoff"), True),
 }
 

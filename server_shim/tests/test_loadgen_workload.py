@@ -305,3 +305,21 @@ def test_llm_backoff_callers_through_a_real_shim_send_their_lengths_and_per_clas
     assert {c.deadline for c in result.calls if c.cls == "batch"} <= {12.0}
     assert {c.deadline for c in result.calls if c.cls == "interactive"} <= {8.0}
     assert all(c.within_budget for c in result.calls)
+
+
+def test_presets_callers_get_each_classes_sdk_preset() -> None:
+    """``llm_backoff_presets`` wraps with no policy: each class runs the SDK's own preset."""
+    import httpx2
+
+    from llm_backoff import RetryPolicy
+    from llm_backoff.wrap import _engine_of
+    from llm_backoff_shim.loadgen import build_clients
+    from llm_backoff_shim.scenario import SHIM_BACKOFF, SHIM_PRESETS
+
+    scenario = Scenario("t", burst=2, rate_factor=0, duration=0, deadline=8.0, ttft_budget=4.0)
+    http_client = httpx2.AsyncClient()
+    presets = build_clients(SHIM_PRESETS, scenario, "http://127.0.0.1:9", http_client)
+    assert _engine_of(presets["interactive"]).policy == RetryPolicy.interactive()
+    assert _engine_of(presets["batch"]).policy == RetryPolicy.batch()
+    stated = build_clients(SHIM_BACKOFF, scenario, "http://127.0.0.1:9", http_client)
+    assert _engine_of(stated["interactive"]).policy.deadline == 8.0

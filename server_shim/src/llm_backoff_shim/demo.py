@@ -79,6 +79,8 @@ def describe_setup(setup: Setup, scenario: Scenario) -> str:
     timeout = f"{interactive:g}" if interactive == batch else f"{interactive:g} or {batch:g}"
     if setup.client == "plain":
         client = f"openai.AsyncOpenAI(max_retries=2, timeout={timeout})"
+    elif setup.client == "llm_backoff_presets":
+        client = "llm_backoff.wrap(AsyncOpenAI(...), request_class=..., budget=RetryBudget(ratio=1.0))"
     else:
         client = (
             f"llm_backoff.wrap(AsyncOpenAI(...), RetryPolicy(deadline={timeout}, "

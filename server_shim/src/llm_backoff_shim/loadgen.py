@@ -400,8 +400,11 @@ def build_clients(
                 http_client=http_client,
                 timeout=scenario.deadline_of(cls),
             )
-            policy = retry_policy(cls, scenario, start_deadline=start_deadline)
-            clients[cls] = wrap(raw, policy, request_class=cls, budget=budget)
+            if setup.client == "llm_backoff_presets":
+                clients[cls] = wrap(raw, request_class=cls, budget=budget)  # the class's preset
+            else:
+                policy = retry_policy(cls, scenario, start_deadline=start_deadline)
+                clients[cls] = wrap(raw, policy, request_class=cls, budget=budget)
     return clients
 
 

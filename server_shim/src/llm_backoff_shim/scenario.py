@@ -32,7 +32,9 @@ from typing import Literal
 from llm_backoff_shim.workload import Workload
 
 RequestClass = Literal["interactive", "batch"]
-ClientKind = Literal["plain", "llm_backoff"]
+#: ``llm_backoff_presets``: ``wrap(client, request_class=cls)`` with no policy, so each class
+#: gets the SDK's preset (`RetryPolicy.interactive` / `RetryPolicy.batch`).
+ClientKind = Literal["plain", "llm_backoff", "llm_backoff_presets"]
 Route = Literal["engine", "shim", "peer"]
 
 
@@ -240,6 +242,7 @@ class Setup:
 DIRECT_PLAIN = Setup("direct + plain openai", "engine", "plain")
 SHIM_PLAIN = Setup("shim + plain openai", "shim", "plain")
 SHIM_BACKOFF = Setup("shim + llm_backoff", "shim", "llm_backoff")
+SHIM_PRESETS = Setup("shim + llm_backoff presets", "shim", "llm_backoff_presets")
 DEMO_SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF)
 
 
