@@ -452,3 +452,48 @@ def test_calibrate_finds_a_knee_above_one(tmp_path: Path) -> None:
     assert knee["mean_output_tokens"] > 0
     flags = recommendation["command"].split()
     assert "--max-concurrency" in flags
+
+
+async def test_anthropic_messages_through_the_shim_and_its_refusals(
+    make_shim: Callable[..., Any], model: str, waiter: Callable[..., None]
+) -> None:
+    """vLLM's Anthropic-compatible /v1/messages through the shim, with the real anthropic SDK.
+
+    With the shim's only slot held by a long generation on vLLM, a call with the SDK's
+    retries off gets the shim's 529 ``overloaded_error`` with the hint; a call through
+    ``llm_backoff.wrap`` rides it out once the slot frees, and vLLM answers it.
+    """
+    anthropic = pytest.importorskip("anthropic")
+    shim = make_shim(VLLM_URL, max_concurrency=1, max_queue=0, retry_after_min=0.05, retry_after_max=0.2)
+    hello = [{"role": "user", "content": "name a river"}]
+    plain = anthropic.AsyncAnthropic(base_url=shim.url, api_key="EMPTY", max_retries=0)
+    message = await plain.messages.create(model=model, max_tokens=8, messages=hello)
+    assert message.type == "message"
+    assert message.usage.output_tokens > 0
+    async with httpx.AsyncClient(timeout=WAIT) as client:
+        await engine_idle(client)
+        holder = start_stream(client, shim.url, chat_body(model, HOLD_TOKENS))
+        await until(lambda: asyncio.sleep(0, holder.chunks > 0), "the holder to generate")
+        with pytest.raises(anthropic.OverloadedError) as caught:
+            await plain.messages.create(model=model, max_tokens=8, messages=hello)
+        assert caught.value.status_code == 529
+        assert caught.value.response.headers["retry-after-ms"]
+        assert caught.value.body["error"]["type"] == "overloaded_error"
+        wrapped = wrap(anthropic.AsyncAnthropic(base_url=shim.url, api_key="EMPTY"), request_class="batch")
+        call = asyncio.ensure_future(wrapped.messages.create(model=model, max_tokens=8, messages=hello))
+        await until(lambda: asyncio.sleep(0, (shim_metric_total(shim, "rejected") or 0) >= 2), "a retry")
+        await holder.cancel()
+        answer = await asyncio.wait_for(call, WAIT)
+        assert answer.usage.output_tokens > 0
+    await plain.close()
+    await wrapped.close()
+    await asyncio.to_thread(slots_back, shim, waiter)
+
+
+def shim_metric_total(shim: Any, outcome: str) -> float | None:
+    """``llm_backoff_shim_requests_total`` summed over the labels with this outcome."""
+    total = None
+    for (sample, labels), value in shim.metrics().items():
+        if sample == "llm_backoff_shim_requests_total" and dict(labels).get("outcome") == outcome:
+            total = (total or 0.0) + float(value)
+    return total
