@@ -22,7 +22,15 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from .sim_engine import AbortReason, QueueFullError, SeqState
-from .sim_http import MAX_BODY_BYTES, QUEUE_FULL_MESSAGE, _BodyTooLargeError, _Client, _read_body, send_json
+from .sim_http import (
+    MAX_BODY_BYTES,
+    QUEUE_FULL_MESSAGE,
+    _BodyTooLargeError,
+    _Client,
+    _read_body,
+    send_json,
+    until_settled,
+)
 from .sim_protocol import GenerationRequest, TokenTable
 from .sim_runtime import SimRuntime, Ticket
 
@@ -224,8 +232,7 @@ class MessagesEndpoint:
 
 async def _whole(ticket: Ticket, encoder: MessageEncoder, client: _Client, send: Send) -> None:
     seq = ticket.seq
-    while not seq.done and not client.gone and not ticket.failed:
-        await ticket.wait()
+    await until_settled(ticket, client)
     if seq.state is SeqState.FINISHED:
         await send_json(send, 200, encoder.full(seq.generated))
     elif ticket.failed and not client.gone:

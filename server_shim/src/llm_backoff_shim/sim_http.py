@@ -126,6 +126,14 @@ async def _cut_without_transport(send: Send, started: bool) -> None:
     await send({"type": "http.response.body", "body": b"{", "more_body": True})
 
 
+async def until_settled(ticket: Ticket, client: _Client) -> None:
+    """Wait until the ticket's sequence is done, its client has gone or the engine failed it
+    (what a whole, non-streamed answer waits for, on every endpoint)."""
+    seq = ticket.seq
+    while not seq.done and not client.gone and not ticket.failed:
+        await ticket.wait()
+
+
 class GenerationEndpoint:
     """``POST /v1/chat/completions`` (kind ``chat``) or ``POST /v1/completions`` (``completion``)."""
 
@@ -213,10 +221,7 @@ class GenerationEndpoint:
 
     async def _whole(self, ticket: Ticket, encoder: ResponseEncoder, client: _Client, send: Send) -> None:
         seq = ticket.seq
-        while not seq.done:
-            if client.gone or ticket.failed:
-                break
-            await ticket.wait()
+        await until_settled(ticket, client)
         if seq.state is SeqState.FINISHED:
             await send_json(send, 200, encoder.full(seq.generated))
         elif ticket.failed and not client.gone:
