@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from llm_backoff_shim.procs import free_port, is_healthy, terminate
+from llm_backoff_shim.lab.procs import free_port, is_healthy, terminate
 
 __all__ = ["Child", "cpu_seconds", "free_port", "nginx_argv", "nginx_config", "pin_prefix"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from llm_backoff_shim.procs import shim_server, sigterm_as_interrupt, sim_server
+from llm_backoff_shim.lab.procs import shim_server, sigterm_as_interrupt, sim_server
 
 KNEE = 8
 SIM_FLAGS = [

@@ -1,4 +1,4 @@
-"""Issue 7's overload scenarios in virtual time, over many seeds (llm_backoff_shim.overload_model).
+"""Issue 7's overload scenarios in virtual time, over many seeds (llm_backoff_shim.lab.overload_model).
 
 The shim's admission decisions, built from the same flags as in bench_overload.py, against
 callers that make llm_backoff's retry decisions, on an engine that takes exactly its service
@@ -36,9 +36,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bench_overload import scenarios
-from llm_backoff_shim.demo import shim_flags
-from llm_backoff_shim.overload_model import ModelResult, OutputLengths, OverloadModel, service_of
-from llm_backoff_shim.scenario import EngineShape, Scenario, demo_scenario
+from llm_backoff_shim.lab.demo import shim_flags
+from llm_backoff_shim.lab.overload_model import ModelResult, OutputLengths, OverloadModel, service_of
+from llm_backoff_shim.lab.scenario import EngineShape, Scenario, demo_scenario
 
 
 def varied_scenarios(shape: EngineShape, lengths: OutputLengths) -> list[tuple[Scenario, list[str]]]:

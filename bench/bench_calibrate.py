@@ -34,10 +34,10 @@ from typing import Any
 
 import openai
 
-from llm_backoff_shim import calibrate
-from llm_backoff_shim.calibrate import CalibrateConfig, Driver, summarize
-from llm_backoff_shim.knee import KneeRule, StepStats, Verdict, judge_level
-from llm_backoff_shim.procs import sim_server
+from llm_backoff_shim.lab import calibrate
+from llm_backoff_shim.lab.calibrate import CalibrateConfig, Driver, summarize
+from llm_backoff_shim.lab.knee import KneeRule, StepStats, Verdict, judge_level
+from llm_backoff_shim.lab.procs import sim_server
 
 SIM_FLAGS = [
     "--max-num-seqs", "8", "--ttft", "0.02", "--itl", "0.008", "--itl-batch-factor", "0.1",

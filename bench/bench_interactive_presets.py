@@ -1,6 +1,6 @@
 """How interactive callers fare under the start-deadline policies, in the shim's virtual-time model.
 
-The shim's overload model (``llm_backoff_shim.overload_model``: the shim's real admission
+The shim's overload model (``llm_backoff_shim.lab.overload_model``: the shim's real admission
 decisions against callers making ``llm_backoff``'s real retry decisions, on a virtual
 clock) plays the overload scenarios over many seeds. Interactive callers get one of:
 
@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import llm_backoff_shim.overload_model as model
+import llm_backoff_shim.lab.overload_model as model
 from bench_overload import scenarios
 from llm_backoff import RetryPolicy
-from llm_backoff_shim.demo import shim_flags
-from llm_backoff_shim.scenario import EngineShape, RequestClass, Scenario, demo_scenario
+from llm_backoff_shim.lab.demo import shim_flags
+from llm_backoff_shim.lab.scenario import EngineShape, RequestClass, Scenario, demo_scenario
 
 
 def policy_maker(mode: str) -> Callable[..., RetryPolicy]:

@@ -19,7 +19,7 @@ Set-ups per scenario:
   with a printed reason otherwise.
 
 Every server is a child process on loopback; the load generator is
-``llm_backoff_shim.loadgen`` (the demo's). Prints progress, a table per cell, a
+``llm_backoff_shim.lab.loadgen`` (the demo's). Prints progress, a table per cell, a
 comparison per scenario, the targets of the issue checked against the
 shim + llm_backoff cells, writes one PNG per scenario and a Markdown section.
 """
@@ -42,17 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _wire import WireCapture, WireExchange, capture_unavailable
-from llm_backoff_shim.demo import ProgressLine, shim_flags
-from llm_backoff_shim.loadgen import LoadRun, RunResult, attach_shim_times, attempt_id, run_load
-from llm_backoff_shim.plots import save_plot
-from llm_backoff_shim.procs import (
+from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
+from llm_backoff_shim.lab.loadgen import LoadRun, RunResult, attach_shim_times, attempt_id, run_load
+from llm_backoff_shim.lab.plots import save_plot
+from llm_backoff_shim.lab.procs import (
     ChildServer,
     ServerStartError,
     shim_server,
     sigterm_as_interrupt,
     sim_server,
 )
-from llm_backoff_shim.report import (
+from llm_backoff_shim.lab.report import (
     REJECTION_WHEN,
     Figures,
     comparison,
@@ -61,7 +61,7 @@ from llm_backoff_shim.report import (
     rejections_by_when,
     table,
 )
-from llm_backoff_shim.scenario import (
+from llm_backoff_shim.lab.scenario import (
     DEMO_SHAPE,
     DIRECT_PLAIN,
     SHIM_BACKOFF,
@@ -71,7 +71,7 @@ from llm_backoff_shim.scenario import (
     Setup,
     arrivals,
 )
-from llm_backoff_shim.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, Workload
+from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, Workload
 
 HAPROXY_PLAIN = Setup("haproxy + plain openai", "peer", "plain")
 SETUPS: tuple[Setup, ...] = (DIRECT_PLAIN, SHIM_PLAIN, SHIM_BACKOFF, HAPROXY_PLAIN)

@@ -37,7 +37,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 import _procs
-from llm_backoff_shim.procs import free_port
+from llm_backoff_shim.lab.procs import free_port
 
 SHIM_CPU, LOAD_CPU = (1, 0) if (os.cpu_count() or 1) >= 2 else (None, None)
 MODES = ("head", "body")

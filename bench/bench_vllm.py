@@ -25,8 +25,8 @@ What it does, in order:
 5. prints a table of medians over the seeds (each seed's value beside it), writes a PNG,
    a JSON of every cell and a Markdown table into ``--out``.
 
-The load generator is :mod:`llm_backoff_shim.loadgen` (the demo's and the overload
-benchmark's); the figures are :mod:`llm_backoff_shim.report`'s plus those in
+The load generator is :mod:`llm_backoff_shim.lab.loadgen` (the demo's and the overload
+benchmark's); the figures are :mod:`llm_backoff_shim.lab.report`'s plus those in
 :mod:`real_vllm.measures`.
 """
 
@@ -50,13 +50,13 @@ from typing import Any
 
 import httpx
 
-from llm_backoff_shim import calibrate
-from llm_backoff_shim.demo import ProgressLine
-from llm_backoff_shim.loadgen import LoadRun, RunResult, run_load
-from llm_backoff_shim.procs import ChildServer, ServerStartError, cli_command, sigterm_as_interrupt
-from llm_backoff_shim.report import figures
-from llm_backoff_shim.scenario import Scenario, Setup, arrivals
-from llm_backoff_shim.workload import Workload
+from llm_backoff_shim.lab import calibrate
+from llm_backoff_shim.lab.demo import ProgressLine
+from llm_backoff_shim.lab.loadgen import LoadRun, RunResult, run_load
+from llm_backoff_shim.lab.procs import ChildServer, ServerStartError, cli_command, sigterm_as_interrupt
+from llm_backoff_shim.lab.report import figures
+from llm_backoff_shim.lab.scenario import Scenario, Setup, arrivals
+from llm_backoff_shim.lab.workload import Workload
 from real_vllm import plot
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, vllm_server

@@ -1,10 +1,10 @@
-"""The longer soak with faults (opt-in; the CI-sized one is server_shim/tests/test_soak.py).
+"""The longer soak with faults (opt-in; the CI-sized one is server_shim/tests/lab/test_soak.py).
 
     .venv/bin/python bench/soak.py --requests 20000 --seconds 300
     .venv/bin/python bench/soak.py --quick          # 1500 requests, about a minute
 
 Three runs in one invocation, each with its own simulator and shim on 127.0.0.1 (see
-``llm_backoff_shim.soak``), so the SDK's numbers sit side by side:
+``llm_backoff_shim.lab.soak``), so the SDK's numbers sit side by side:
 
 1. ``mix``: every kind of client through the shim (plain httpx with and without a
    budget, streams, clients leaving while queued or mid-stream, wrapped openai clients
@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from llm_backoff_shim.soak import SoakConfig, SoakReport, run_soak
+from llm_backoff_shim.lab.soak import SoakConfig, SoakReport, run_soak
 
 SDK_ONLY = (("sdk", 0.5), ("sdk_stream", 0.5))
 

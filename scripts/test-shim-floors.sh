@@ -77,5 +77,5 @@ if [ "$*" = "server_shim/tests" ]; then
   # The fallback on the oldest uvicorn too: every test file that starts a shim, on the public path.
   echo "== pytest: the shim's end-to-end tests on the public HTTP path (floors)"
   "$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider --shim-http-path=public \
-    $(grep -l "make_shim\|shim_server\|run_soak" server_shim/tests/test_*.py)
+    $(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests)
 fi

@@ -40,7 +40,7 @@ echo "== pytest (openai 3.x)"
 
 echo "== pytest: the shim's end-to-end tests on the public HTTP path"
 "$VENV/bin/pytest" -q -p no:cacheprovider --shim-http-path=public \
-  $(grep -l "make_shim\|shim_server\|run_soak" server_shim/tests/test_*.py)
+  $(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests)
 bash scripts/test-shim-floors.sh
 
 echo "== installing .venv-openai2 (openai 2.x on httpx)"

@@ -18,8 +18,8 @@ import random
 import httpx
 import openai
 
-from llm_backoff_shim.loadgen_engine import GENERATED, metric_sum
-from llm_backoff_shim.workload import Workload
+from llm_backoff_shim.lab.loadgen_engine import GENERATED, metric_sum
+from llm_backoff_shim.lab.workload import Workload
 
 WARM_UP = 1.0
 

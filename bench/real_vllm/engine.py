@@ -15,7 +15,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from llm_backoff_shim.procs import ChildServer
+from llm_backoff_shim.lab.procs import ChildServer
 
 HERE = Path(__file__).resolve().parent
 SETUP = HERE / "setup.sh"

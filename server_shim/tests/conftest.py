@@ -39,9 +39,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llm_backoff_shim.app import ShimRuntime, create_app, shim_state
-from llm_backoff_shim.config import ShimSettings, env_name
-from llm_backoff_shim.serving import ServerThread, shim_server
+from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
+from llm_backoff_shim.serve.config import ShimSettings, env_name
+from llm_backoff_shim.serve.serving import ServerThread, shim_server
 
 _HTTP_PATH_ENV = env_name("http_path")
 

@@ -362,7 +362,7 @@ def test_promql_check_flags_what_the_shim_does_not_export(expr: str) -> None:
     ("path", "included"),
     [
         ("src/llm_backoff/__init__.py", True),
-        ("server_shim/src/llm_backoff_shim/serving.py", True),
+        ("server_shim/src/llm_backoff_shim/serve/serving.py", True),
         ("pyproject.toml", True),
         ("README.md", True),
         ("server_shim/pyproject.toml", True),

@@ -27,9 +27,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import llm_backoff
-from llm_backoff_shim.app import create_app
-from llm_backoff_shim.config import ShimSettings
-from llm_backoff_shim.serving import ServerThread, shim_server
+from llm_backoff_shim.serve.app import create_app
+from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.serving import ServerThread, shim_server
 
 #: The one answer of `json_upstream`.
 PERSON_JSON = '{"name": "Ada Lovelace", "born": 1815}'

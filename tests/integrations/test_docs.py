@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 import llm_backoff
-from llm_backoff_shim.serving import ServerThread
-from llm_backoff_shim.sim import SimConfig, create_sim_app
+from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 
 from .rig import FIVE_TOKENS, PERSON_JSON, Rig
 

@@ -17,7 +17,7 @@ import pytest
 
 @pytest.mark.timeout(120)
 def test_sdk_under_faults_never_hangs_duplicates_or_retries_a_started_stream() -> None:
-    soak = pytest.importorskip("llm_backoff_shim.soak")
+    soak = pytest.importorskip("llm_backoff_shim.lab.soak")
     config = soak.SoakConfig(
         requests=600,
         seconds=30.0,

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 
 #: subcommand -> (module, one-line summary)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("llm_backoff_shim.serve", "run the admission-controlled proxy in front of vLLM"),
-    "sim": ("llm_backoff_shim.sim", "run the vLLM-like simulator (tests, demo, rehearsals)"),
-    "demo": ("llm_backoff_shim.demo", "run the overload demo on the simulator"),
-    "calibrate": ("llm_backoff_shim.calibrate", "measure an upstream and suggest shim settings"),
+    "serve": ("llm_backoff_shim.serve.command", "run the admission-controlled proxy in front of vLLM"),
+    "sim": ("llm_backoff_shim.sim.server", "run the vLLM-like simulator (tests, demo, rehearsals)"),
+    "demo": ("llm_backoff_shim.lab.demo", "run the overload demo on the simulator"),
+    "calibrate": ("llm_backoff_shim.lab.calibrate", "measure an upstream and suggest shim settings"),
 }
 
 

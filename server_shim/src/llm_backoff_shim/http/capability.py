@@ -26,7 +26,7 @@ import inspect
 import threading
 from typing import Any
 
-from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
     CLIENT_WIRE,

@@ -10,7 +10,7 @@ documented ``http=`` extension point of ``uvicorn.Config``) that:
 
 - starts a timeout when a request head begins (connection opened, or first bytes of the
   next request on a kept-alive connection, when they do not hold the whole head; kept on a shared
-  :class:`~llm_backoff_shim.coarse_timers.CoarseTimers`, so it may fire up to a quarter
+  :class:`~llm_backoff_shim.http.coarse_timers.CoarseTimers`, so it may fire up to a quarter
   of ``head_timeout`` late) and, if the head is not complete when it fires, answers
   ``408`` in OpenAI error format and closes the connection; a new connection that has
   sent nothing at all by then is closed quietly and not counted (a client's idle
@@ -49,7 +49,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.coarse_timers import CoarseTimers
 
 OnEvent = Callable[[str], None]
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.connection_guard import OnEvent
 from llm_backoff_shim.http.interface import HeadRefusal
 

@@ -41,7 +41,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from llm_backoff_shim.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.connection_guard import HEAD_TIMEOUT, HEAD_TOO_LARGE, MALFORMED_HTTP, OnEvent
 from llm_backoff_shim.http.connection_guard import _raw_error as raw_error
 from llm_backoff_shim.http.interface import ConnectionGone

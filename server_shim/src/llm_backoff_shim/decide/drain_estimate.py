@@ -1,0 +1,491 @@
+"""Drain rate and Retry-After estimates (pure; the clock is injected).
+
+The hint answers "when would a retry find room?". Room appears as requests ahead of
+the caller are admitted, i.e. at the rate slots free up. That rate is estimated from
+capacity by Little's law, ``slots / EWMA(service time)``, not from completions per
+second: after light traffic few completions were observed although every slot could
+turn over quickly, so a completions/s estimate would understate the drain rate and
+overstate the wait. Completions/s per class is still tracked, for the
+``drain_rate`` metric.
+
+Spreading: callers rejected in one burst are each told a different future slot.
+The estimator remembers the places it gave, whatever the class, on one timeline; the
+next rejection gets the first time at or after ``now + max(min, (ahead + 1) / rate)``
+that is at least ``1 / rate`` from every place already given, so the k-th caller of a
+burst hears roughly ``(ahead + k) / rate`` (or, when the engine drains faster than the
+minimum hint, ``min + (k - 1) / rate``) and retries come back at about the drain rate
+instead of in one wave. A place given far ahead (a lower class kept out of the next
+seconds, a capped hint) leaves the slots before it to later callers (with every place after the last one,
+batch callers took the near slots and interactive callers refused after them were told
+slots past their budget: docs/benchmarks.md, 'interactive callers state their TTFT
+budget'). Once time passes the last place the burst
+is over and hints start again from the queue alone. One timeline for all classes, not one
+per class: each promise claims one slot freeing on the one engine, so the promised
+returns of all classes together come back no faster than the engine drains. With a
+timeline per class, two classes refused together were promised about twice the drain
+rate between them, and the returning callers found the queue full (measured under 2x
+overload: docs/benchmarks.md, 'a hint is a reservation').
+
+Promises are also remembered one by one (until they fall due), so that a *fresh*
+arrival's expected wait can count the callers already told to come back before it
+would be served: the admission decision serves a returning caller before the fresh
+arrivals of its class, so under sustained overload each promise takes a slot that a
+fresh arrival would otherwise have had. Without that, a fresh arrival would be
+queued on the strength of the queue alone and then overtaken by the returners, to be
+told ``queue_timeout`` after its whole wait; with it, it is told at once, and its
+hint comes after the last promise. A promise the caller cannot keep (its remaining
+budget is shorter than the hint) is not remembered: it will not come back.
+
+Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`):
+the admission decision refuses a caller whose remaining budget cannot cover the
+expected wait plus this, since such a call would start on the engine only to be cut
+by its own deadline. By default every caller needs the whole service time (EWMA):
+a caller whose budget is its deadline for the whole call (``llm_backoff``'s is) and
+whose stream is cut by it was not served, and the engine's tokens for it were
+wasted. With ``stream_served_at="first_token"`` a streaming caller needs only the
+EWMA of time to first body byte (measured on streaming requests only: a
+non-streaming body's first byte comes with its end), for callers whose budget ends
+once tokens flow. Neither rests on the prior: unmeasured means 0 s needed.
+
+Token rate (:meth:`DrainEstimator.observe_tokens`): output tokens per second of one slot,
+the EWMA of the tokens of completed requests over the EWMA of their service times (a ratio
+of averages, so a short request's prefill does not swing it). It prices a request that says
+how long its answer may be (``max_tokens``): :meth:`DrainEstimator.run_time` is the seconds
+that answer is expected to hold a slot, used to lend a reserved slot only to a request that
+gives it back in time (:mod:`llm_backoff_shim.decide.classes`). The tokens counted are what the
+request asked for at most; one that stopped earlier makes the rate look faster than it is,
+so the estimate is for answers that run to their ``max_tokens`` (``ignore_eos``) or near it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """Knobs of :class:`DrainEstimator`.
+
+    ``initial_service_time`` is the prior used until the first completion is measured;
+    ``service_time_alpha`` is the EWMA weight of each new sample; ``rate_window`` is the
+    time constant (seconds) of the completions/s estimate; ``stream_served_at``: whether
+    a streaming caller's budget must cover the whole service (``end``) or only the first
+    token (see the module docstring); ``return_jitter``: how late, as a fraction of its
+    hint, a caller may come back (clients add jitter above a hint: ``llm_backoff``'s
+    ``retry_after_jitter`` is 0.2 by default), see :meth:`DrainEstimator.latest_return`.
+    """
+
+    retry_after_min: float = 1.0
+    retry_after_max: float = 30.0
+    initial_service_time: float = 1.0
+    service_time_alpha: float = 0.2
+    rate_window: float = 10.0
+    stream_served_at: Literal["end", "first_token"] = "end"
+    return_jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not (0 < self.retry_after_min <= self.retry_after_max):
+            raise ValueError("need 0 < retry_after_min <= retry_after_max")
+        if not self.initial_service_time > 0:
+            raise ValueError("initial_service_time must be > 0")
+        if not (0 < self.service_time_alpha <= 1):
+            raise ValueError("service_time_alpha must be in (0, 1]")
+        if not self.rate_window > 0:
+            raise ValueError("rate_window must be > 0")
+        if not 0 <= self.return_jitter <= 1:
+            raise ValueError("return_jitter must be between 0 and 1")
+
+
+class _DecayingRate:
+    """Events per second with exponential forgetting (time constant ``tau``).
+
+    Each event adds ``1 / tau`` and the sum decays by ``exp(-dt / tau)``: a steady
+    stream of ``r`` events/s converges to ``r``.
+    """
+
+    __slots__ = ("_last", "_tau", "_value")
+
+    def __init__(self, tau: float) -> None:
+        self._tau = tau
+        self._value = 0.0
+        self._last: float | None = None
+
+    def _decayed(self, now: float) -> float:
+        if self._last is None:
+            return 0.0
+        return self._value * math.exp(-max(0.0, now - self._last) / self._tau)
+
+    def add(self, now: float) -> None:
+        self._value = self._decayed(now) + 1.0 / self._tau
+        self._last = now
+
+    def value(self, now: float) -> float:
+        return self._decayed(now)
+
+
+class DrainEstimator:
+    """Service time, drain rate and spread Retry-After hints for the shim's classes."""
+
+    def __init__(self, config: EstimatorConfig, clock: Clock) -> None:
+        self._config = config
+        self._clock = clock
+        self._service_time = config.initial_service_time
+        self._samples = 0
+        self._first_byte = 0.0
+        self._first_byte_samples = 0
+        # EWMAs of a completion's tokens and seconds (token_rate is their ratio).
+        self._tokens = 0.0
+        self._token_seconds = 0.0
+        self._token_samples = 0
+        self._completions: dict[str, _DecayingRate] = {}
+        # Every place taken on the one timeline (one engine: module docstring), any class,
+        # kept promise or not, ascending; dropped once past. A new place goes into the first
+        # gap of one step at or after its earliest slot.
+        self._timeline: list[float] = []
+        # (start, end, step): no place fits anywhere in [start, end) of the timeline at that
+        # step. Places are only ever added there (and pruned behind now), so it stays true,
+        # and a search that starts inside jumps to its end instead of walking a full run.
+        self._packed: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        # Promised return times per class, ascending (each at least one step from any other
+        # place, and none beyond the clamp), dropped once due: at most max / step entries.
+        self._promises: dict[str, deque[float]] = {}
+
+    @property
+    def config(self) -> EstimatorConfig:
+        return self._config
+
+    @property
+    def service_time(self) -> float:
+        """EWMA of seconds from admission to completion (the prior until measured)."""
+        return self._service_time
+
+    @property
+    def samples(self) -> int:
+        """How many completions have been measured; 0 means estimates rest on the prior."""
+        return self._samples
+
+    def observe_completion(self, cls: str, service_time: float) -> None:
+        """Record a request that held a slot for ``service_time`` seconds and finished normally."""
+        now = self._clock()
+        if math.isfinite(service_time) and service_time >= 0:
+            alpha = self._config.service_time_alpha
+            if self._samples == 0:
+                # The prior is a guess: the first measurement replaces it outright.
+                self._service_time = service_time
+            else:
+                self._service_time += alpha * (service_time - self._service_time)
+            self._samples += 1
+        self._rate(cls).add(now)
+
+    def observe_first_byte(self, seconds: float) -> None:
+        """Record seconds from admission to a streaming response's first body byte (first token)."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            return
+        if self._first_byte_samples == 0:
+            self._first_byte = seconds
+        else:
+            self._first_byte += self._config.service_time_alpha * (seconds - self._first_byte)
+        self._first_byte_samples += 1
+
+    def observe_tokens(self, tokens: int, seconds: float) -> None:
+        """Record a completed request that generated (at most) ``tokens`` in ``seconds`` on its slot."""
+        if tokens < 1 or not (math.isfinite(seconds) and seconds > 0):
+            return
+        if self._token_samples == 0:
+            self._tokens, self._token_seconds = float(tokens), seconds
+        else:
+            alpha = self._config.service_time_alpha
+            self._tokens += alpha * (tokens - self._tokens)
+            self._token_seconds += alpha * (seconds - self._token_seconds)
+        self._token_samples += 1
+
+    @property
+    def token_rate(self) -> float | None:
+        """Output tokens per second of one slot (module docstring); None until one was measured."""
+        return self._tokens / self._token_seconds if self._token_samples else None
+
+    def run_time(self, max_tokens: int | None) -> float | None:
+        """Seconds a request asking for at most ``max_tokens`` is expected to hold its slot;
+        None when it does not say, or no token rate was measured yet."""
+        rate = self.token_rate
+        if max_tokens is None or rate is None:
+            return None
+        return max_tokens / rate
+
+    @property
+    def first_byte_time(self) -> float | None:
+        """EWMA of a streaming request's time to first body byte; None until one was measured."""
+        return self._first_byte if self._first_byte_samples else None
+
+    def expected_service(self, stream: bool) -> float:
+        """Seconds an admitted request needs before it has been served (see module docstring).
+
+        0 when nothing was measured yet, so no caller is refused on the cold-start prior.
+        """
+        if stream and self._config.stream_served_at == "first_token":
+            return self._first_byte if self._first_byte_samples else 0.0
+        return self._service_time if self._samples else 0.0
+
+    def completion_rate(self, cls: str) -> float:
+        """Completions per second observed for ``cls`` (decaying average).
+
+        Read-only, so a metrics thread may call it while the event loop records completions.
+        """
+        rate = self._completions.get(cls)
+        return 0.0 if rate is None else rate.value(self._clock())
+
+    def capacity_rate(self, slots: int) -> float:
+        """Slots freed per second when all ``slots`` are busy (Little's law)."""
+        # A zero EWMA (instant upstream) would make the rate infinite; 1 ms floors it.
+        return max(1, slots) / max(self._service_time, 1e-3)
+
+    def expected_wait(
+        self,
+        ahead: int,
+        slots: int,
+        free_slots: int,
+        *,
+        promised_by: Iterable[str] = (),
+        admitted: Sequence[float] | None = None,
+    ) -> float:
+        """Seconds until a request with ``ahead`` others queued before it gets a slot.
+
+        ``promised_by``: classes whose callers, promised a return before this request would
+        be served, are served before it (returning callers go ahead of fresh arrivals, and
+        higher classes ahead of lower ones); each such promise costs one more slot.
+
+        ``admitted``: when the requests in flight were admitted (clock times), ascending; each
+        is expected to end a service time later. Each of the ``slots`` then frees at its own
+        end and every service time after it, so the n-th slot to free is known, not averaged.
+        Without it, slots free evenly at the drain rate, as if the requests in flight had
+        started one after another; after a burst they started together and free together,
+        and the even estimate was wrong by up to a service time: in the tail of a burst of
+        200, callers were refused on a wait of 2.06 s that was 1.45 s (docs/benchmarks.md,
+        'where the burst's slot time went').
+        """
+        needed = ahead + 1 - max(0, free_slots)
+        if needed <= 0:
+            return 0.0
+        at = self.slot_times(slots, admitted)
+        wait = at(needed)
+        classes = tuple(promised_by)
+        if classes:
+            now = self._clock()
+            # Fixed point of wait = time of the (needed + promises due within wait)-th free
+            # slot; it only grows, by at least one promise per round, and promises are few
+            # (bounded by the clamp).
+            for _ in range(10_000):
+                longer = at(needed + self.promised_within(classes, now, now + wait))
+                if longer <= wait:
+                    break
+                wait = longer
+        return wait
+
+    def slot_times(self, slots: int, admitted: Sequence[float] | None = None) -> Callable[[int], float]:
+        """``at(n)``: seconds from now until the n-th slot (n >= 1) of ``slots`` frees; see
+        :meth:`expected_wait` for ``admitted``. Built once, it answers for any n as long as the
+        clock, the service time and the requests in flight stay as they are: a walk of the
+        queue asks it once per queued request instead of rebuilding it each time."""
+        service = max(self._service_time, 1e-3)
+        lanes = max(1, slots)
+        if admitted is None:
+
+            def at(n: int) -> float:
+                return n * service / lanes
+
+            return at
+        # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then
+        # the earliest admitted. Only the lanes asked for are computed, not every request.
+        held, now, took = admitted, self._clock(), self._service_time
+        idle = lanes - min(len(held), lanes)
+
+        def at_lane(n: int) -> float:
+            turn, lane = divmod(n - 1, lanes)
+            end = 0.0 if lane < idle else max(0.0, held[lane - idle] + took - now)
+            return end + turn * service
+
+        return at_lane
+
+    def promised_within(self, classes: Iterable[str], start: float, end: float) -> int:
+        """Callers of ``classes`` told to come back in ``(start, end]`` (promises not yet due)."""
+        count = 0
+        for cls in classes:
+            promises = self._promises.get(cls)
+            if not promises:
+                continue
+            self._forget_due(promises, self._clock())
+            count += bisect.bisect_right(promises, end) - bisect.bisect_right(promises, start)
+        return count
+
+    def outstanding(self, cls: str) -> int:
+        """Promises of ``cls`` not yet due, or due less than ``retry_after_min`` ago: a caller
+        comes back a little after its hint (whole seconds rounded up, a client's jitter)."""
+        promises = self._promises.get(cls)
+        if not promises:
+            return 0
+        now = self._clock()
+        self._forget_due(promises, now)
+        return len(promises)
+
+    def redeem(self, cls: str) -> None:
+        """A caller of ``cls`` told to come back has come back: its promise is kept no longer.
+
+        Which caller it is the shim cannot tell, so the promise nearest to now goes (callers
+        come back around their slot). Without this, a caller back early for its slot counted
+        twice in the waits of those behind it, queued and still promised: in the tail of a
+        burst, lower-class callers back at their slot were refused on that doubled wait
+        (measured: docs/benchmarks.md, 'where the burst's slot time went').
+        """
+        promises = self._promises.get(cls)
+        if not promises:
+            return
+        now = self._clock()
+        self._forget_due(promises, now)
+        if not promises:
+            return
+        i = bisect.bisect_left(promises, now)
+        if i == len(promises) or (i > 0 and now - promises[i - 1] <= promises[i] - now):
+            i -= 1
+        del promises[i]
+
+    def aim(self, delay: float) -> float:
+        """The hint that brings a caller back, on average, ``delay`` seconds from now.
+
+        Clients add up to ``return_jitter`` of a hint above it, ``return_jitter / 2`` on
+        average; a caller told the slot itself comes back that much later on average, and
+        on a timeline paced at the drain rate the engine then idles while it is on its way
+        (measured in a burst of 200 with a 30 s deadline: docs/benchmarks.md, 'a hint is a
+        reservation').
+        """
+        return delay / (1.0 + self._config.return_jitter / 2.0)
+
+    def latest_return(self, hint: float) -> float:
+        """Seconds from now by which a caller told ``hint`` is back, at the latest.
+
+        A client that honours a hint adds its jitter above it, so a caller told ``hint``
+        comes back up to ``return_jitter * hint`` later: whether its budget will still
+        cover the service when it comes back is judged at this time, not at the hint
+        (measured under 2x overload with a 10 s deadline: callers told 8.2 s came back
+        0.6-1.4 s late and were refused with 0.4-0.7 s of budget left; docs/benchmarks.md,
+        'a hint is a reservation').
+        """
+        return hint * (1.0 + self._config.return_jitter)
+
+    def retry_after(
+        self,
+        cls: str,
+        ahead: int,
+        slots: int,
+        *,
+        promised_by: Iterable[str] = (),
+        keep_within: float | None = None,
+        wait: float | None = None,
+        aimed: bool = False,
+        reserve: bool = True,
+        reach: float | None = None,
+        not_before: float = 0.0,
+    ) -> float:
+        """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
+
+        Grows with ``ahead`` (the queued work that would be served before a retry), with
+        the promises of ``promised_by`` (higher classes) due before then, and with the
+        number of callers (of any class) already told a slot in the current burst. With
+        ``keep_within`` (the caller's remaining budget less the time it needs once
+        admitted, seconds), a hint whose :meth:`latest_return` is beyond it is not
+        remembered as a promise: that caller may not come back in time. ``wait``, when
+        given, replaces the estimate from ``ahead`` (the caller knows better, e.g. a class
+        whose guaranteed share serves it sooner than strict priority would). ``aimed``:
+        the hint told is :meth:`aim` of the slot's delay, for clients that add jitter above
+        a hint (the admission controller's refusals); otherwise the slot's delay itself.
+        ``not_before`` (seconds from now): the earliest slot to give, e.g. a lower class kept
+        out of the slots higher classes may need; the slots before it stay free for others.
+        ``reserve=False``: the caller takes its place on the timeline (later callers are
+        spread after it) but its return is not remembered as a promise, so fresh arrivals
+        do not keep its slot for it: for a caller the shim will not recognise as returning
+        when it comes back (it sent no budget), which would compete for the slot as a fresh
+        arrival, with the slot kept for nobody.
+
+        ``reach`` (seconds from now, with ``keep_within``): the latest slot at which the caller
+        can still be served (its remaining budget less the service it needs, the prior
+        included). A slot within reach whose aimed hint the caller might come back too late
+        for is still promised, with the hint brought forward so that its latest return is
+        ``reach`` (or ``keep_within`` if sooner): it comes back before its slot and waits in
+        the queue for it. Without this, the last slots a caller's budget could use were
+        promised to nobody, and the engine idled for them at the end of a burst
+        (docs/benchmarks.md, 'where the burst's slot time went').
+        """
+        now = self._clock()
+        cfg = self._config
+        rate = self.capacity_rate(slots)
+        step = 1.0 / rate
+        # Nobody may come back before the minimum, so the burst's slots start there:
+        # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.
+        if wait is None:
+            wait = self.expected_wait(max(0, ahead), slots, 0, promised_by=promised_by)
+        earliest = max(cfg.retry_after_min, min(max(wait, not_before), cfg.retry_after_max))
+        promised = self._first_gap(now, now + earliest, step)
+        delay = self.aim(promised - now) if aimed else promised - now
+        hint = min(cfg.retry_after_max, max(cfg.retry_after_min, delay))
+        latest = keep_within if reach is None or keep_within is None else min(keep_within, reach)
+        if latest is not None and self.latest_return(hint) > latest:
+            if reach is None or keep_within is None or promised - now > reach:
+                return hint
+            early = min(keep_within, reach) / (1.0 + cfg.return_jitter)
+            if early < cfg.retry_after_min:
+                return hint
+            hint = early
+        # Slots beyond the clamp are not kept, not even at the clamp: after a long overload
+        # the next burst should not inherit a backlog of hints nobody will honour, and every
+        # refusal past a full timeline would otherwise pile one more place at the clamp, so
+        # that each refusal scanned all the ones before it (a storm of refusals cost more
+        # and more: 100 -> 390 us each over 2,000 refusals at one instant, 8 slots). Places
+        # are then at least a step apart within the clamp: at most retry_after_max * rate.
+        if promised > now + cfg.retry_after_max:
+            return hint
+        kept = promised
+        bisect.insort(self._timeline, kept)
+        if not reserve:
+            return hint
+        promises = self._promises.setdefault(cls, deque())
+        self._forget_due(promises, now)
+        # In order, not only after the last: a place filling a gap of the timeline is earlier
+        # than the promises already given, and a promise left out is a slot counted for nobody.
+        bisect.insort(promises, kept)
+        return hint
+
+    def _first_gap(self, now: float, earliest: float, step: float) -> float:
+        """The first time at or after ``earliest`` at least one step from every place taken."""
+        line = self._timeline
+        past = bisect.bisect_left(line, now - step)
+        if past:
+            del line[:past]
+        at = start = earliest
+        lo, hi, packed_step = self._packed
+        if packed_step == step and lo <= at < hi:
+            at, start = hi, lo
+        # By index, not over a slice: a slice copies the rest of the timeline on every call.
+        for i in range(bisect.bisect_left(line, at - step + 1e-12), len(line)):
+            taken = line[i]
+            if taken >= at + step:
+                break
+            at = max(at, taken + step)
+        if at > start:
+            self._packed = (start, at, step)
+        return at
+
+    def _forget_due(self, promises: deque[float], now: float) -> None:
+        while promises and promises[0] <= now - self._config.retry_after_min:
+            promises.popleft()
+
+    def _rate(self, cls: str) -> _DecayingRate:
+        rate = self._completions.get(cls)
+        if rate is None:
+            rate = self._completions[cls] = _DecayingRate(self._config.rate_window)
+        return rate

@@ -1,0 +1,218 @@
+"""What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the serve command, JSON, PNG.
+
+Pure functions of an :class:`~llm_backoff_shim.lab.calibrate.Outcome` (the PNG aside).
+Figures per level are the medians of its measurements, as the knee rule judges them.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .knee import StepStats, Verdict, rate
+
+if TYPE_CHECKING:
+    from .calibrate import Outcome
+
+
+def serve_command(outcome: Outcome) -> str | None:
+    if outcome.recommendation is None:
+        return None
+    flags = [
+        "llm-backoff-shim",
+        "serve",
+        "--upstream",
+        outcome.upstream,
+        *outcome.recommendation.serve_flags(),
+    ]
+    return " ".join(flags)
+
+
+def _median(steps: Sequence[StepStats], name: str) -> float:
+    return float(statistics.median(getattr(s, name) for s in steps))
+
+
+def _notes(outcome: Outcome, v: Verdict) -> str:
+    notes = []
+    if v.concurrency == outcome.knee.level:
+        notes.append("KNEE")
+    if not v.within_slo:
+        notes.append("over SLO" if v.errors_ok else "errors")
+    if v.disagreeing:
+        notes.append(f"{v.disagreeing}/{v.runs} disagree")
+    return ", ".join(notes) or "ok"
+
+
+def render_table(outcome: Outcome) -> str:
+    header = (
+        f"{'conc':>5} {'runs':>4} {'ok':>6} {'fail':>5} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'spread':>6}  verdict"
+    )
+    lines = [header]
+    for v in outcome.knee.verdicts:
+        steps = outcome.runs[v.concurrency]
+        lines.append(
+            f"{v.concurrency:>5} {v.runs:>4} {sum(s.requests for s in steps):>6} "
+            f"{sum(s.errors for s in steps):>5} {_median(steps, 'throughput'):>7.2f} "
+            f"{_median(steps, 'output_tokens_per_s'):>8.0f} {_median(steps, 'ttft_p50'):>8.3f}s "
+            f"{v.ttft_p99:>8.3f}s {_median(steps, 'itl_p50') * 1000:>7.1f}ms {v.tpot_p99 * 1000:>7.1f}ms "
+            f"{v.spread:>6.0%}  {_notes(outcome, v)}"
+        )
+    return "\n".join(lines)
+
+
+def _counted(steps: Sequence[StepStats]) -> str:
+    """What the upstream's usage reported, against the words asked for."""
+    measured = [s for s in steps if s.requests]
+    if not measured or not any(s.mean_prompt_tokens for s in measured):
+        return ""
+    weight = sum(s.requests for s in measured)
+    prompt = sum(s.mean_prompt_tokens * s.requests for s in measured) / weight
+    output = sum(s.mean_output_tokens * s.requests for s in measured) / weight
+    return f" ({prompt:.0f} prompt / {output:.0f} answer tokens on average by the upstream's count)"
+
+
+def render_text(outcome: Outcome) -> str:
+    cfg = outcome.config
+    tpot = "off" if cfg.tpot_slo is None else f"{cfg.tpot_slo * 1000:g} ms"
+    lines = [
+        f"upstream {outcome.upstream}, model {outcome.model!r}, SLO p99 TTFT {cfg.ttft_slo:g} s, "
+        f"p99 TPOT {tpot}; prompt {cfg.prompt_words} words, output {cfg.output_tokens} tokens"
+        f"{_counted(outcome.steps)}",
+        "",
+        render_table(outcome),
+        "",
+        f"ramp: {outcome.stopped} ({len(outcome.steps)} measurements)",
+        f"knee: {outcome.knee.reason}",
+    ]
+    command = serve_command(outcome)
+    rec = outcome.recommendation
+    knee = outcome.knee
+    if command is not None and rec is not None and knee.level is not None:
+        v = knee.verdict(knee.level)
+        assert v is not None
+        steps = outcome.runs[knee.level]
+        lines += [
+            "",
+            f"recommended: at most {rec.max_concurrency} in flight "
+            f"({_median(steps, 'output_tokens_per_s'):.0f} tok/s, {_median(steps, 'throughput'):.2f} req/s, "
+            f"p99 TTFT {v.ttft_p99:.3f} s there; the best level within the SLO did "
+            f"{knee.best_throughput:.0f}); a queue of {rec.max_queue} drains within "
+            f"{rec.max_queue_wait:g} s, the SLO headroom left",
+            f"confidence: {knee.confidence} ({outcome.confidence_reason})",
+            "",
+            f"  {command}",
+        ]
+    else:
+        lines += ["", "no recommendation: " + knee.reason]
+    if outcome.png is not None:
+        lines += ["", f"curves: {outcome.png}"]
+    return "\n".join(lines)
+
+
+def to_json(outcome: Outcome) -> dict[str, Any]:
+    cfg = outcome.config
+    knee = outcome.knee
+    steps = []
+    for step in outcome.steps:
+        row: dict[str, Any] = asdict(step)
+        row["first_error"] = outcome.first_errors.get(step.concurrency)
+        steps.append(row)
+    levels = [
+        {
+            **asdict(v),
+            "output_tokens_per_s": _median(outcome.runs[v.concurrency], "output_tokens_per_s"),
+            "requests_per_s": _median(outcome.runs[v.concurrency], "throughput"),
+        }
+        for v in knee.verdicts
+    ]
+    rec = outcome.recommendation
+    at_knee = None
+    if knee.level is not None:
+        runs = outcome.runs[knee.level]
+        at_knee = {
+            "concurrency": knee.level,
+            "limit": knee.limit,
+            "output_tokens_per_s": _median(runs, "output_tokens_per_s"),
+            "requests_per_s": _median(runs, "throughput"),
+            "best_in_slo": knee.best_throughput,
+        }
+    return {
+        "upstream": outcome.upstream,
+        "model": outcome.model,
+        "ttft_slo": cfg.ttft_slo,
+        "tpot_slo": cfg.tpot_slo,
+        "prompt_words": str(cfg.prompt_words),
+        "output_tokens": str(cfg.output_tokens),
+        "levels_planned": list(cfg.levels),
+        "step_seconds": cfg.step_seconds,
+        "step_requests": cfg.step_requests,
+        "max_seconds": cfg.max_seconds,
+        "seed": cfg.seed,
+        "steps": steps,
+        "levels": levels,
+        "stopped": outcome.stopped,
+        "knee": at_knee,
+        "reason": knee.reason,
+        "confidence": knee.confidence if knee.level is not None else None,
+        "confidence_reason": outcome.confidence_reason,
+        "recommendation": None if rec is None else {**asdict(rec), "command": serve_command(outcome)},
+        "png": None if outcome.png is None else str(outcome.png),
+    }
+
+
+def plot(outcome: Outcome, path: Path) -> Path:
+    """Throughput, TTFT and TPOT against concurrency (each measurement and the medians), SLOs, knee."""
+    # Figure without pyplot: no global figure registry, no GUI backend, safe off the main thread.
+    from matplotlib.figure import Figure
+
+    verdicts = outcome.knee.verdicts
+    xs = [v.concurrency for v in verdicts]
+    fig = Figure(figsize=(8, 9), dpi=100, layout="constrained")
+    ax_x, ax_ttft, ax_tpot = fig.subplots(3, 1, sharex=True)
+    every = outcome.steps
+    ax_x.scatter([s.concurrency for s in every], [rate(s) for s in every], s=12, color="tab:blue", alpha=0.4)
+    ax_x.plot(xs, [v.throughput for v in verdicts], "o-", color="tab:blue", label="median")
+    ax_x.set_ylabel("throughput (answer tok/s)")
+    ax_ttft.scatter(
+        [s.concurrency for s in every], [s.ttft_p99 for s in every], s=12, color="tab:red", alpha=0.4
+    )
+    ax_ttft.plot(xs, [v.ttft_p99 for v in verdicts], "s-", color="tab:red", label="TTFT p99 (median)")
+    ax_ttft.axhline(outcome.config.ttft_slo, color="tab:red", linestyle=":", label="SLO")
+    ax_ttft.set_ylabel("TTFT (s)")
+    ax_ttft.legend(loc="upper left")
+    ax_tpot.scatter(
+        [s.concurrency for s in every], [s.itl_p99 * 1000 for s in every], s=12, color="tab:orange", alpha=0.4
+    )
+    ax_tpot.plot(
+        xs, [v.tpot_p99 * 1000 for v in verdicts], "s-", color="tab:orange", label="TPOT p99 (median)"
+    )
+    if outcome.config.tpot_slo is not None:
+        ax_tpot.axhline(outcome.config.tpot_slo * 1000, color="tab:orange", linestyle=":", label="SLO")
+    ax_tpot.set_ylabel("time per output token (ms)")
+    ax_tpot.set_xlabel("concurrency (closed-loop workers)")
+    ax_tpot.legend(loc="upper left")
+    if len(xs) > 1:
+        ax_tpot.set_xscale("log", base=2)
+    ax_tpot.set_xticks(xs, [str(x) for x in xs])
+    knee = outcome.knee
+    if knee.level is not None:
+        for ax in (ax_x, ax_ttft, ax_tpot):
+            ax.axvline(knee.level, color="black", linestyle="--", linewidth=1)
+        v = knee.verdict(knee.level)
+        ax_x.annotate(
+            f"knee: {knee.level} ({knee.confidence} confidence)",
+            xy=(knee.level, v.throughput if v else 0.0),
+            xytext=(6, -14),
+            textcoords="offset points",
+        )
+    for ax in (ax_x, ax_ttft, ax_tpot):
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    fig.suptitle(f"{outcome.model} @ {outcome.upstream}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path

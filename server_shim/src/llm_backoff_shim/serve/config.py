@@ -1,0 +1,601 @@
+"""The shim's configuration: one validated pydantic-settings model.
+
+Values come from ``LLM_BACKOFF_SHIM_<FIELD>`` environment variables and from
+command-line flags (``--max-queue`` <-> ``LLM_BACKOFF_SHIM_MAX_QUEUE``); flags win.
+
+Why argparse in front of pydantic-settings rather than pydantic-settings' own CLI
+source: we want one hand-written help line per flag, the exact flag names of the
+issue, and control of the failure path (a one-line message and exit status 2, never
+a traceback). Flags are passed to the model as strings so that a bad value gets the
+same validation message whether it came from a flag or from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.serve.routes import UnknownOperatorRouteError, check_allowed
+
+ENV_PREFIX = "LLM_BACKOFF_SHIM_"
+
+#: The traffic classes the shim knows, highest priority first.
+DEFAULT_CLASSES: tuple[str, ...] = ("interactive", "batch")
+
+
+class ShimSettings(BaseSettings):
+    """Everything ``llm-backoff-shim serve`` can be told.
+
+    Per-class queue limits (``interactive_max_queue`` ...) default to the shared
+    ``max_queue`` / ``max_queue_wait``; ``max_queue`` is also the bound on all
+    classes together, so "at most --max-queue waiting" holds whatever the classes.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    upstream: AnyHttpUrl = Field(
+        default=AnyHttpUrl("http://127.0.0.1:8000"),
+        description="base URL of the OpenAI-compatible engine (vLLM), e.g. http://127.0.0.1:8000",
+    )
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to listen on")
+    port: int = Field(default=8080, ge=0, le=65535, description="port to listen on (0: any free port)")
+    metrics_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="serve /metrics and /shim/state on this port instead of the main one (/health too)",
+    )
+    max_concurrency: int = Field(
+        default=8, ge=1, le=100_000, description="most generation requests in flight upstream at once"
+    )
+    max_queue: int = Field(
+        default=20,
+        ge=0,
+        le=1_000_000,
+        description="most generation requests waiting for a slot, all classes together (0: no queue)",
+    )
+    max_queue_wait: float = Field(
+        default=10.0, gt=0, le=86_400, description="seconds a request may wait in the queue before a 429"
+    )
+    interactive_max_queue: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="queue bound for class interactive (default --max-queue)",
+    )
+    batch_max_queue: int | None = Field(
+        default=None, ge=0, le=1_000_000, description="queue bound for class batch (default --max-queue)"
+    )
+    interactive_max_queue_wait: float | None = Field(
+        default=None,
+        gt=0,
+        le=86_400,
+        description="queue wait for class interactive (default --max-queue-wait)",
+    )
+    batch_max_queue_wait: float | None = Field(
+        default=None, gt=0, le=86_400, description="queue wait for class batch (default --max-queue-wait)"
+    )
+    classes: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=DEFAULT_CLASSES,
+        description="traffic classes, highest priority first, comma-separated (x-request-class values)",
+    )
+    default_class: str = Field(
+        default="interactive", description="class of requests without an x-request-class header"
+    )
+    reserved_share: Annotated[dict[str, float], NoDecode] = Field(
+        default={"interactive": 0.25},
+        description="share of the in-flight slots that lower classes may never take, per class "
+        "(class=fraction,...; rounded up to whole slots)",
+    )
+    min_share: Annotated[dict[str, float], NoDecode] = Field(
+        default={"batch": 0.1},
+        description="share of the in-flight slots a class gets even while higher classes wait "
+        "(anti-starvation; class=fraction,...; rounded up to whole slots)",
+    )
+    ttft_slo: Annotated[dict[str, float], NoDecode] = Field(
+        default={},
+        description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
+        "turns on queue-time SLO shedding for the classes named",
+    )
+    slo_yellow_fraction: float = Field(
+        default=0.4, gt=0, lt=1, description="estimated wait / budget above which a growing queue is YELLOW"
+    )
+    slo_trend_window: float = Field(
+        default=1.0, gt=0, le=600, description="seconds over which 'the wait keeps growing' is judged"
+    )
+    forward_priority: bool = Field(
+        default=False,
+        description="set vLLM's 'priority' request field from the class (upstream runs "
+        "--scheduling-policy priority)",
+    )
+    class_priority: Annotated[dict[str, int], NoDecode] = Field(
+        default={},
+        description="vLLM priority per class, lower is served first (default: the class's position "
+        "in --classes, 0 for the first)",
+    )
+    tenants_file: Path | None = Field(
+        default=None,
+        description="JSON or TOML file: per-API-key (or tenant-header value) limits and allowed classes",
+    )
+    tenant_header: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$",
+        description="identify tenants by this request header instead of the API key",
+    )
+    tenant_requests_per_minute: float | None = Field(
+        default=None, gt=0, description="request limit of tenants the tenants file does not list"
+    )
+    tenant_tokens_per_minute: float | None = Field(
+        default=None, gt=0, description="LLM-token limit of tenants the tenants file does not list"
+    )
+    redis_url: str | None = Field(
+        default=None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="keep tenant buckets in this Redis so several shims enforce one quota",
+    )
+    engine_metrics: bool = Field(
+        default=False,
+        description="scrape the upstream's /metrics and admit nothing new while the engine is saturated",
+    )
+    engine_metrics_path: str = Field(
+        default="/metrics", pattern=r"^/", description="upstream path of the Prometheus metrics"
+    )
+    engine_poll_interval: float = Field(
+        default=0.25, gt=0, le=60, description="seconds between scrapes of the upstream's metrics"
+    )
+    engine_max_waiting: int = Field(
+        default=0, ge=0, description="saturated when the engine reports more waiting requests than this"
+    )
+    engine_max_kv_cache: float = Field(
+        default=0.95, gt=0, le=1, description="saturated when the engine's KV-cache usage (0..1) reaches this"
+    )
+    engine_stale_after: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="engine metrics older than this many seconds are ignored (the concurrency cap rules)",
+    )
+    adaptive_concurrency: bool = Field(
+        default=False,
+        description="adapt the concurrency limit to measured time to first byte (gradient), between "
+        "--min-concurrency and --max-concurrency",
+    )
+    min_concurrency: int = Field(
+        default=1, ge=1, le=100_000, description="lower bound of the adaptive concurrency limit"
+    )
+    reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
+    retry_after_min: float = Field(
+        default=1.0, gt=0, le=86_400, description="smallest Retry-After hint, seconds"
+    )
+    retry_after_max: float = Field(
+        default=30.0, gt=0, le=86_400, description="largest Retry-After hint, seconds"
+    )
+    returning_first: bool = Field(
+        default=True,
+        description="serve retries (x-stainless-retry-count >= 1 with an x-request-timeout-ms budget) "
+        "before fresh requests of their class, and keep queue places for callers told to come back",
+    )
+    refuse_from_head: bool = Field(
+        default=True,
+        description="answer a generation request that can only be refused (every slot taken, no queue "
+        "place) from its head, before its body is read (a quarter less CPU per refusal)",
+    )
+    returning_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="at most this fraction of --max-queue is kept for returning callers while returns "
+        "are promised",
+    )
+    initial_service_time: float = Field(
+        default=1.0,
+        gt=0,
+        le=3_600,
+        description="assumed seconds per request until the first completion is measured (Retry-After prior)",
+    )
+    upstream_connect_timeout: float = Field(
+        default=5.0, gt=0, le=600, description="seconds to open a connection to the upstream"
+    )
+    upstream_read_timeout: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="seconds the upstream may stay silent mid-response (prefill of a long prompt included)",
+    )
+    upstream_stream_read_timeout: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="seconds an event stream may stay silent between events once its first one has come "
+        "(before it, --upstream-read-timeout); a stalled engine then frees its slot in a minute",
+    )
+    upstream_keepalive: float = Field(
+        default=4.0,
+        gt=0,
+        le=3_600,
+        description="seconds an idle pooled upstream connection is kept; keep it below the upstream's "
+        "own idle timeout (uvicorn/vLLM: 5 s)",
+    )
+    ready_path: str = Field(
+        default="/health", pattern=r"^/", description="upstream path probed by GET /ready (vLLM: /health)"
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        default="info", description="log level of the shim and uvicorn (request lines are info)"
+    )
+    log_format: Literal["plain", "json"] = Field(
+        default="plain",
+        description="log line format: plain (key=value request lines) or json (one object per line)",
+    )
+    access_log: bool = Field(
+        default=True,
+        description="log one line per /v1/ request to stdout (class, outcome, status, timings; never "
+        "keys or prompts)",
+    )
+    metrics_host: str | None = Field(
+        default=None,
+        min_length=1,
+        description="address of the --metrics-port listener (default --host); with --metrics-port set, "
+        "/metrics and /shim/state are served only there",
+    )
+    max_body_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1, le=1024**3, description="largest request body; larger ones get a 413"
+    )
+    body_read_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        le=3_600,
+        description="seconds a client may take to send a request body (408 after)",
+    )
+    header_read_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        le=3_600,
+        description="seconds a client may take to send a request line and headers (408 after)",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * 1024 * 1024,
+        description="largest request line + headers; larger ones get a 431",
+    )
+    http_path: Literal["auto", "fast", "public"] = Field(
+        default="auto",
+        description="how connections are served: fast (uvicorn's httptools protocol, extended), public "
+        "(uvicorn's h11 protocol, public interfaces only) or auto (fast when the start-up check passes)",
+    )
+    trusted_proxies: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="addresses or networks (comma-separated, e.g. 10.0.0.0/8) of proxies in front of the "
+        "shim whose X-Forwarded-For/Forwarded are kept and appended to; from any other peer they are "
+        "replaced by the peer's address",
+    )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="require this key as 'Authorization: Bearer <key>' (prefer the environment variable)",
+    )
+    api_keys_file: str | None = Field(
+        default=None, min_length=1, description="file of accepted API keys, one per line ('#' comments)"
+    )
+    allow_operator_route: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="forward this operator route of the engine (e.g. /sleep) instead of refusing it "
+        "with a 403; repeat the flag, or comma-separate in the variable (docs/shim.md, route table)",
+    )
+
+    @field_validator("allow_operator_route", mode="before")
+    @classmethod
+    def _operator_routes(cls, value: Any) -> Any:
+        paths = [p for p in value.split(",") if p.strip()] if isinstance(value, str) else value
+        try:
+            return check_allowed(paths)
+        except UnknownOperatorRouteError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            read_keys_file(value)  # fail at start-up, not on the first request
+        return value
+
+    def api_keys(self) -> ApiKeys:
+        """The keys clients must present; empty (authentication off) when none is configured."""
+        keys = [] if self.api_key is None else [self.api_key.get_secret_value()]
+        if self.api_keys_file is not None:
+            keys += read_keys_file(self.api_keys_file)
+        return ApiKeys(keys)
+
+    @field_validator("upstream")
+    @classmethod
+    def _no_path_query(cls, value: AnyHttpUrl) -> AnyHttpUrl:
+        if value.query or value.fragment:
+            raise ValueError("must be a base URL without query or fragment")
+        if value.path not in (None, "", "/"):
+            raise ValueError("must be a base URL without a path (the shim forwards /v1/... itself)")
+        return value
+
+    @field_validator("reject_status")
+    @classmethod
+    def _reject_status(cls, value: int) -> int:
+        # A Literal[429, 503] would refuse the string "503" from the environment.
+        if value not in (429, 503):
+            raise ValueError("must be 429 or 503")
+        return value
+
+    @field_validator(
+        "max_queue_wait",
+        "retry_after_min",
+        "retry_after_max",
+        "initial_service_time",
+        "returning_share",
+        "upstream_connect_timeout",
+        "upstream_read_timeout",
+        "upstream_stream_read_timeout",
+        "upstream_keepalive",
+        "interactive_max_queue_wait",
+        "batch_max_queue_wait",
+        "slo_yellow_fraction",
+        "slo_trend_window",
+        "tenant_requests_per_minute",
+        "tenant_tokens_per_minute",
+        "engine_poll_interval",
+        "engine_max_kv_cache",
+        "engine_stale_after",
+    )
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _address_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network") from None
+        return value
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _class_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part.strip().lower() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("classes")
+    @classmethod
+    def _class_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("at least one class is needed")
+        for name in value:
+            if not _CLASS_NAME.fullmatch(name):
+                raise ValueError(f"class name {name!r}: use lowercase letters, digits, '-' and '_'")
+        if len(set(value)) != len(value):
+            raise ValueError("class names must be unique")
+        return value
+
+    @field_validator("reserved_share", "min_share", "ttft_slo", "class_priority", mode="before")
+    @classmethod
+    def _class_map(cls, value: Any) -> Any:
+        return parse_class_map(value) if isinstance(value, str) else value
+
+    @field_validator("reserved_share", "min_share")
+    @classmethod
+    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, share in value.items():
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{name}={share}: a share is a fraction between 0 and 1")
+        return value
+
+    @field_validator("ttft_slo")
+    @classmethod
+    def _budgets(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, budget in value.items():
+            if not (budget > 0 and math.isfinite(budget)):
+                raise ValueError(f"{name}={budget}: a budget is a positive number of seconds")
+        return value
+
+    @model_validator(mode="after")
+    def _ranges(self) -> ShimSettings:
+        if self.retry_after_max < self.retry_after_min:
+            raise ValueError(
+                f"retry_after_max ({self.retry_after_max}) must be >= "
+                f"retry_after_min ({self.retry_after_min})"
+            )
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError("metrics_port must differ from port")
+        if self.default_class not in self.classes:
+            raise ValueError(
+                f"default_class {self.default_class!r} is not one of classes {list(self.classes)}"
+            )
+        for name in ("reserved_share", "min_share", "ttft_slo", "class_priority"):
+            unknown = sorted(set(getattr(self, name)) - set(self.classes))
+            if unknown:
+                raise ValueError(f"{name} names unknown classes {unknown}; classes are {list(self.classes)}")
+        if sum(self.reserved_share.values()) > 1.0:
+            raise ValueError("reserved_share adds up to more than 1")
+        if self.min_concurrency > self.max_concurrency:
+            raise ValueError(
+                f"min_concurrency ({self.min_concurrency}) must be <= "
+                f"max_concurrency ({self.max_concurrency})"
+            )
+        if self.tenants_file is not None:
+            # Imported here: tenants imports this module's parse helpers.
+            from llm_backoff_shim.decide.tenants import TenantsFileError, load_tenants_file
+
+            try:
+                load_tenants_file(self.tenants_file, self.classes)
+            except TenantsFileError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL without a trailing slash, ready for ``base + "/v1/..."``."""
+        return str(self.upstream).rstrip("/")
+
+    def class_limits(self) -> dict[str, ClassLimits]:
+        """Queue bound and wait per class, highest priority first.
+
+        Classes other than ``interactive`` and ``batch`` use the shared ``max_queue`` /
+        ``max_queue_wait``.
+        """
+        overrides = {
+            "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
+            "batch": (self.batch_max_queue, self.batch_max_queue_wait),
+        }
+        limits = {}
+        for name in self.classes:
+            queue, wait = overrides.get(name, (None, None))
+            limits[name] = ClassLimits(
+                max_queue=_pick(queue, self.max_queue), max_queue_wait=_pick(wait, self.max_queue_wait)
+            )
+        return limits
+
+    def vllm_priority(self) -> dict[str, int]:
+        """The ``priority`` each class sends to vLLM (lower is served first)."""
+        return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
+
+
+_CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+def parse_class_map(text: str) -> dict[str, str]:
+    """``"interactive=2, batch=60"`` -> ``{"interactive": "2", "batch": "60"}`` (pydantic converts values).
+
+    A JSON object is accepted too (convenient in environment files).
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        import json
+
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON object: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        return {str(k).strip().lower(): v for k, v in data.items()}
+    result: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{item!r}: expected class=value pairs separated by commas")
+        result[name.strip().lower()] = value.strip()
+    return result
+
+
+@dataclass(frozen=True)
+class ClassLimits:
+    max_queue: int
+    max_queue_wait: float
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class ConfigError(ValueError):
+    """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+#: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).
+_REPEATABLE = frozenset({"allow_operator_route"})
+
+
+def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Admission-controlled OpenAI-compatible proxy in front of vLLM: caps what is in "
+        "flight, keeps short bounded queues per traffic class and answers the rest at once with a 429 "
+        "(or 503) carrying an estimated Retry-After. Every flag can also be set through the environment "
+        f"variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_QUEUE=50); flags win.",
+    )
+    for name, field in ShimSettings.model_fields.items():
+        default = field.default
+        if default is None:
+            shown = "none"
+        elif isinstance(default, dict):
+            shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
+        elif isinstance(default, tuple):
+            shown = ",".join(default) or "none"
+        else:
+            shown = str(default)
+        # Booleans work as bare switches (--forward-priority) and with a value (... false).
+        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
+        if name in _REPEATABLE:
+            switch = {"action": "append"}
+        if field.annotation is bool:
+            metavar = "BOOL"
+        elif isinstance(default, dict):
+            metavar = "CLASS=VALUE,..."
+        else:
+            metavar = name.split("_")[-1].upper()
+        parser.add_argument(
+            flag_name(name),
+            dest=name,
+            default=None,
+            metavar=metavar,
+            help=f"{field.description} [env {env_name(name)}; default {shown}]",
+            **switch,
+        )
+    return parser
+
+
+def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:
+    """Parse flags, merge them over the environment, validate.
+
+    Raises :class:`ConfigError` with a one-line message on bad values; argparse itself
+    exits (status 2) on unknown flags and prints ``--help``.
+    """
+    namespace = build_parser(prog).parse_args(list(argv))
+    given = {key: value for key, value in vars(namespace).items() if value is not None}
+    for name in _REPEATABLE.intersection(given):
+        given[name] = ",".join(given[name])
+    try:
+        return ShimSettings(**given)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, set(given))) from None
+
+
+def _describe(exc: ValidationError, from_flags: set[str]) -> str:
+    problems = []
+    for error in exc.errors(include_url=False):
+        loc = [str(part) for part in error["loc"]]
+        field = loc[0] if loc else ""
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if field in ShimSettings.model_fields:
+            source = flag_name(field) if field in from_flags else env_name(field)
+            value = error.get("input")
+            problems.append(f"{source}={value!s}: {message}")
+        else:
+            problems.append(message)
+    return "invalid configuration: " + "; ".join(problems)

@@ -1,0 +1,159 @@
+"""The shim's error answers, built in one place (docs/protocol.md, "The protocol between shim and SDK").
+
+Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds, >= 1,
+rounded up so a client that honours it never comes back early), ``retry-after-ms``
+(the same estimate in milliseconds, which the openai SDK reads first) and an
+OpenAI-format body whose ``error`` carries ``code``, ``retry_after_seconds`` and
+``queue_depth``. Client mistakes are 400s in the same OpenAI error shape.
+
+On Anthropic routes (``/v1/messages``) :func:`in_shape` re-renders any of these answers in
+Anthropic's error shape, ``{"type": "error", "error": {"type": ..., "message": ...}}``, with the
+same headers, so the ``anthropic`` SDK retries them and raises its own typed errors: a shim at
+capacity is Anthropic's 529 ``overloaded_error`` (``OverloadedError``), whatever
+``--reject-status`` says; a tenant over quota is 429 ``rate_limit_error`` (``RateLimitError``);
+no upstream is 503 ``overloaded_error`` (``ServiceUnavailableError``). The protocol's ``code``,
+``retry_after_seconds`` and ``queue_depth`` stay in ``error``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+
+from llm_backoff_shim.decide.admission import Rejection
+from llm_backoff_shim.serve.routes import Shape
+
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class ErrorResponse:
+    """Status, raw headers and body of an answer the shim makes itself."""
+
+    status: int
+    headers: RawHeaders
+    body: bytes
+
+
+def retry_after_header(seconds: float) -> int:
+    """RFC 9110 delay-seconds: a whole number >= 1, never below the estimate."""
+    if not math.isfinite(seconds):
+        return 1
+    return max(1, math.ceil(seconds - 1e-9))
+
+
+def rejection_response(rejection: Rejection, default_status: int) -> ErrorResponse:
+    status = rejection.status if rejection.status is not None else default_status
+    whole = retry_after_header(rejection.retry_after)
+    millis = max(1, round(rejection.retry_after * 1000))
+    seconds = round(rejection.retry_after, 3)
+    # The body json.dumps would write for {"error": {...}} (keys in this order), built from a
+    # template: under overload this runs for most answers, and the generic encoder was a
+    # tenth of a refusal's CPU.
+    payload = _REJECTION_BODY % (
+        _json_text(f"{rejection.message}, retry in {whole} s"),
+        _json_text(rejection.type),
+        _json_text(rejection.code),
+        float.__repr__(seconds) if math.isfinite(seconds) else json.dumps(seconds),
+        int(rejection.queue_depth),
+    )
+    body = payload.encode()
+    return ErrorResponse(
+        status=status,
+        headers=[
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(whole).encode()),
+            (b"retry-after-ms", str(millis).encode()),
+        ],
+        body=body,
+    )
+
+
+_REJECTION_BODY = (
+    '{"error":{"message":%s,"type":%s,"param":null,"code":%s,"retry_after_seconds":%s,"queue_depth":%d}}'
+)
+
+
+@functools.lru_cache(maxsize=512)
+def _json_text(text: str) -> str:
+    """``text`` as a JSON string (messages repeat: the same few per limit and wait)."""
+    return json.dumps(text)
+
+
+def client_error(
+    message: str, *, param: str | None = None, code: str | None = None, status: int = 400
+) -> ErrorResponse:
+    """An OpenAI-format error for a request the shim will not forward."""
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    return _json(status, body, [])
+
+
+def operator_route_refused(path: str) -> ErrorResponse:
+    """The 403 of an operator route the operator did not allow (routes.py)."""
+    return client_error(
+        f"{path[:200]!r} is an operator route of the engine, not served through this shim; "
+        "its operator may allow it with --allow-operator-route",
+        code="operator_route",
+        status=403,
+    )
+
+
+#: Anthropic's status for "overloaded": its SDKs retry it and raise ``OverloadedError``.
+ANTHROPIC_OVERLOADED = 529
+
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+}
+_KEPT = ("code", "retry_after_seconds", "queue_depth")
+
+
+def in_shape(response: ErrorResponse, shape: Shape) -> ErrorResponse:
+    """``response`` (OpenAI-shaped, as every function here builds it) in the route's error shape."""
+    if shape is Shape.OPENAI:
+        return response
+    try:
+        error = json.loads(response.body)["error"]
+        message = str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        return response  # not one of ours: leave it as it is
+    status = response.status
+    kind = error.get("type")
+    if kind == "server_overloaded":
+        kind = "overloaded_error"
+        if error.get("code") != "upstream_unavailable":
+            status = ANTHROPIC_OVERLOADED
+    elif kind == "rate_limit_exceeded":
+        kind = "rate_limit_error"
+    else:
+        kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    detail = {"type": kind, "message": message, **{k: error[k] for k in _KEPT if error.get(k) is not None}}
+    headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
+    return _json(status, {"type": "error", "error": detail}, headers)
+
+
+def server_error(message: str, *, code: str, status: int = 502) -> ErrorResponse:
+    """An OpenAI-format error for an upstream answer the shim will not relay (nginx: 502)."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return _json(status, body, [])
+
+
+def _json(status: int, body: object, headers: RawHeaders) -> ErrorResponse:
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    return ErrorResponse(
+        status=status,
+        headers=[
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            *headers,
+        ],
+        body=payload,
+    )

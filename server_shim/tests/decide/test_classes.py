@@ -1,0 +1,516 @@
+"""Reserved and minimum shares between traffic classes (pure controller, fake clock, no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llm_backoff_shim.decide.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    ClassPolicy,
+    Outcome,
+    Rejection,
+    Ticket,
+    TicketState,
+)
+from llm_backoff_shim.decide.classes import ClassShares, SharedSlots, share_slots
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
+from llm_backoff_shim.sim.server import SimConfig, create_sim_app
+from llm_backoff_shim.testing import ManualClock
+
+
+def make(
+    limit: int, *, reserved: float = 0.25, minimum: float = 0.0, queue: int = 100
+) -> tuple[AdmissionController, SharedSlots]:
+    clock = ManualClock(10.0)
+    scheduler = SharedSlots(ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}))
+    controller = AdmissionController(
+        [ClassPolicy("interactive", queue, 60.0), ClassPolicy("batch", queue, 60.0)],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=scheduler,
+    )
+    return controller, scheduler
+
+
+def submit(c: AdmissionController, cls: str) -> Ticket:
+    decision = c.submit(AdmissionRequest(cls))
+    assert isinstance(decision, Ticket), decision
+    return decision
+
+
+def test_share_slots_rounds_up_and_stays_within_the_limit() -> None:
+    assert share_slots(0.0, 8) == 0
+    assert share_slots(0.25, 8) == 2
+    assert share_slots(0.26, 8) == 3
+    assert share_slots(0.01, 8) == 1
+    assert share_slots(1.0, 3) == 3
+
+
+def test_shares_are_validated() -> None:
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        ClassShares(reserved={"interactive": 1.5})
+    with pytest.raises(ValueError, match="more than 1"):
+        ClassShares(reserved={"interactive": 0.7, "batch": 0.5})
+
+
+def test_a_batch_flood_leaves_the_reserved_slots_to_interactive() -> None:
+    c, _ = make(8, reserved=0.25)
+    batch = [submit(c, "batch") for _ in range(20)]
+    assert sum(t.state is TicketState.ADMITTED for t in batch) == 6
+    assert c.in_flight("batch") == 6
+    assert c.queued("batch") == 14
+    first = submit(c, "interactive")
+    second = submit(c, "interactive")
+    assert first.state is TicketState.ADMITTED
+    assert second.state is TicketState.ADMITTED
+    assert submit(c, "interactive").state is TicketState.QUEUED
+
+
+def test_without_a_reservation_batch_takes_every_slot() -> None:
+    c, _ = make(8, reserved=0.0)
+    for _ in range(10):
+        submit(c, "batch")
+    assert c.in_flight("batch") == 8
+    assert submit(c, "interactive").state is TicketState.QUEUED
+
+
+def test_interactive_beyond_its_reservation_does_not_lift_the_cap_on_batch() -> None:
+    c, _ = make(4, reserved=0.25)
+    interactive = [submit(c, "interactive") for _ in range(3)]
+    batch = [submit(c, "batch") for _ in range(4)]
+    # 3 interactive use more than their 1 reserved slot, so one slot is left for batch.
+    assert [t.state for t in batch] == [TicketState.ADMITTED] + [TicketState.QUEUED] * 3
+    assert c.release(interactive[0], Outcome.COMPLETED).admitted == [batch[1]]
+    assert c.release(interactive[1], Outcome.COMPLETED).admitted == [batch[2]]
+    # Batch is at limit - reserved = 3: the slot interactive frees now stays free for it.
+    assert c.release(interactive[2], Outcome.COMPLETED).admitted == []
+    assert (c.in_flight("batch"), c.in_flight("interactive"), c.queued("batch")) == (3, 0, 1)
+    assert submit(c, "interactive").state is TicketState.ADMITTED
+
+
+def test_interactive_is_served_first_when_both_wait() -> None:
+    c, _ = make(2, reserved=0.0)
+    holders = [submit(c, "interactive"), submit(c, "interactive")]
+    batch = submit(c, "batch")
+    interactive = submit(c, "interactive")
+    assert c.release(holders[0], Outcome.COMPLETED).admitted == [interactive]
+    assert batch.state is TicketState.QUEUED
+
+
+def test_minimum_share_keeps_batch_moving_under_an_interactive_flood() -> None:
+    c, _ = make(4, reserved=0.25, minimum=0.25)
+    holders = [submit(c, "interactive") for _ in range(4)]
+    batch = submit(c, "batch")
+    flood = [submit(c, "interactive") for _ in range(10)]
+    assert all(t.state is TicketState.QUEUED for t in [batch, *flood])
+    # Batch holds 0 < its 1 guaranteed slot: the next free slot is its, despite the flood.
+    assert c.release(holders[0], Outcome.COMPLETED).admitted == [batch]
+    # At its minimum share, batch waits behind interactive again.
+    second_batch = submit(c, "batch")
+    assert c.release(holders[1], Outcome.COMPLETED).admitted == [flood[0]]
+    assert second_batch.state is TicketState.QUEUED
+
+
+def test_minimum_share_applies_even_when_the_reservation_covers_every_slot() -> None:
+    c, _ = make(1, reserved=1.0, minimum=0.1)
+    assert submit(c, "batch").state is TicketState.ADMITTED
+
+
+def test_a_reservation_never_takes_the_last_slot_of_an_idle_engine() -> None:
+    c, _ = make(2, reserved=1.0, minimum=0.0)
+    assert [submit(c, "batch").state for _ in range(2)] == [TicketState.ADMITTED, TicketState.QUEUED]
+    assert submit(c, "interactive").state is TicketState.ADMITTED
+
+
+def test_a_hold_on_every_class_admits_nothing_until_rescheduled() -> None:
+    c, scheduler = make(4, reserved=0.0)
+    saturated = True
+    scheduler.add_hold(lambda cls: cls is None and saturated)
+    tickets = [submit(c, "interactive"), submit(c, "batch")]
+    assert all(t.state is TicketState.QUEUED for t in tickets)
+    saturated = False
+    moved = c.reschedule()
+    assert moved.admitted == tickets
+    assert c.in_flight() == 2
+
+
+def test_a_class_hold_stops_batch_beyond_its_minimum_share() -> None:
+    c, scheduler = make(4, reserved=0.0, minimum=0.25)
+    scheduler.add_hold(lambda cls: cls == "batch")
+    batch = [submit(c, "batch") for _ in range(3)]
+    assert [t.state for t in batch] == [TicketState.ADMITTED, TicketState.QUEUED, TicketState.QUEUED]
+    assert submit(c, "interactive").state is TicketState.ADMITTED
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    limit=st.integers(1, 12),
+    reserved=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
+    minimum=st.sampled_from([0.0, 0.1, 0.3]),
+)
+def test_random_traffic_keeps_the_shares(seed: int, limit: int, reserved: float, minimum: float) -> None:
+    """Batch never exceeds max(its minimum, limit - reserved) unless it got there before, and
+    whenever a decision is made, a waiting class below its minimum share is not left waiting."""
+    rng = random.Random(seed)
+    c, scheduler = make(limit, reserved=reserved, minimum=minimum, queue=1000)
+    r = min(scheduler.reserved_slots("interactive", limit), limit - 1)
+    m = scheduler.minimum_slots("batch", limit)
+    admitted: list[Ticket] = []
+    for _ in range(300):
+        if admitted and rng.random() < 0.45:
+            ticket = admitted.pop(rng.randrange(len(admitted)))
+            dispatch = c.release(ticket, Outcome.COMPLETED)
+        else:
+            ticket = submit(c, rng.choice(["interactive", "batch"]))
+            dispatch = c.reschedule()
+            if ticket.state is TicketState.ADMITTED:
+                admitted.append(ticket)
+        admitted.extend(dispatch.admitted)
+        assert c.in_flight() <= limit
+        assert c.in_flight("batch") <= max(m, limit - r)
+        if c.in_flight() < limit:
+            # A free slot left idle must be one that batch may not use.
+            assert c.queued("interactive") == 0
+            if c.queued("batch"):
+                assert c.in_flight("batch") >= m
+                assert limit - c.in_flight() - 1 < r - c.in_flight("interactive")
+    while admitted:
+        admitted.extend(c.release(admitted.pop(), Outcome.COMPLETED).admitted)
+    assert (c.in_flight(), c.queued()) == (0, 0)
+
+
+def test_class_flags_parse_maps_and_name_the_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    from llm_backoff_shim.serve.config import ConfigError, load_settings
+
+    s = load_settings(["--classes", "interactive,batch,bulk", "--min-share", "bulk=0.1,batch=0.2"])
+    assert s.classes == ("interactive", "batch", "bulk")
+    assert s.min_share == {"bulk": 0.1, "batch": 0.2}
+    assert list(s.class_limits()) == ["interactive", "batch", "bulk"]
+    assert s.vllm_priority() == {"interactive": 0, "batch": 1, "bulk": 2}
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_RESERVED_SHARE", '{"interactive": 0.5}')
+    assert load_settings([]).reserved_share == {"interactive": 0.5}
+    for argv, message in [
+        (["--min-share", "nightly=0.1"], "unknown classes ['nightly']"),
+        (["--reserved-share", "interactive"], "expected class=value pairs"),
+        (["--reserved-share", "interactive=2"], "between 0 and 1"),
+        (["--classes", "interactive,Batch!"], "lowercase letters"),
+        (["--classes", "batch", "--min-share", ""], "default_class 'interactive' is not one of"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_settings(argv)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def _post(url: str, cls: str, hold: bool = False) -> httpx.Response:
+    return httpx.post(
+        url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-request-class": cls, **({"x-fake-hold": "1"} if hold else {})},
+        timeout=60,
+    )
+
+
+def test_a_batch_flood_leaves_interactive_a_free_slot(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    """The engine is held busy by batch work (deterministic, no timing): interactive requests
+    still find the reserved slot at once, and batch completes once the engine moves again."""
+    shim = make_shim(upstream.url, max_concurrency=4, max_queue=100, reserved_share="interactive=0.25")
+    with ThreadPoolExecutor(24) as pool:
+        flood = [pool.submit(_post, shim.url, "batch", True) for _ in range(20)]
+        waiter(lambda: shim.state()["batch"] == (3, 17), what="batch holding 3 of 4 slots, 17 queued")
+        probes = [_post(shim.url, "interactive") for _ in range(4)]
+        assert shim.state()["batch"] == (3, 17)
+        upstream.release()
+        assert [f.result().status_code for f in flood] == [200] * 20
+    assert [p.status_code for p in probes] == [200] * 4
+    # Admitted on arrival every time: no interactive request waited behind the flood.
+    assert [p.headers["x-queue-time-ms"] for p in probes] == ["0"] * 4
+    assert upstream.peak == 4  # three batch + the interactive probe in the reserved slot
+    waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="all slots back")
+
+
+def test_without_a_reservation_interactive_waits_but_goes_first(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    shim = make_shim(upstream.url, max_concurrency=4, max_queue=100, reserved_share="", min_share="")
+    with ThreadPoolExecutor(24) as pool:
+        flood = [pool.submit(_post, shim.url, "batch", True) for _ in range(20)]
+        waiter(lambda: shim.state()["batch"] == (4, 16), what="batch holding every slot")
+        probe = pool.submit(_post, shim.url, "interactive")
+        waiter(lambda: shim.state()["interactive"] == (0, 1), what="interactive queued")
+        upstream.release()
+        answer = probe.result()
+        assert [f.result().status_code for f in flood] == [200] * 20
+    assert answer.status_code == 200
+    assert int(answer.headers["x-queue-time-ms"]) > 0
+    # It was first in line: the upstream saw it right after the four batch requests held at the start.
+    order = [r.headers for r in upstream.received]
+    classes = [dict(h).get("x-request-class") for h in order]
+    assert classes[:5] == ["batch"] * 4 + ["interactive"]
+
+
+def test_the_simulator_serves_a_mixed_flood_through_the_shares(
+    make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    """Against the vLLM-like simulator: a batch flood with interactive requests mixed in; every
+    request of both classes completes, interactive ones within their 2 s budget (x-slo-state green)."""
+    config = SimConfig(max_num_seqs=4, ttft=0.02, itl=0.002, output_tokens=10, seed=2)
+    with ServerThread(create_sim_app(config)) as sim:
+        shim = make_shim(
+            sim.url,
+            max_concurrency=4,
+            max_queue=100,
+            batch_max_queue_wait=60,
+            ttft_slo="interactive=2",
+        )
+        with ThreadPoolExecutor(34) as pool:
+            flood = [pool.submit(_post, shim.url, "batch") for _ in range(30)]
+            probes = [pool.submit(_post, shim.url, "interactive") for _ in range(4)]
+            answers = [f.result() for f in probes]
+            assert [f.result().status_code for f in flood] == [200] * 30
+    assert [a.status_code for a in answers] == [200] * 4
+    assert {a.headers["x-slo-state"] for a in answers} <= {"green", "yellow"}
+    waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="all slots back")
+
+
+def test_forward_priority_sets_vllm_priority_from_the_class(
+    upstream: Any, make_shim: Callable[..., Any]
+) -> None:
+    plain = make_shim(upstream.url)
+    forwarding = make_shim(upstream.url, forward_priority=True, class_priority="batch=10")
+    body = {"model": "m", "messages": [], "priority": -100}
+    for shim in (plain, forwarding):
+        for cls in ("interactive", "batch"):
+            answer = httpx.post(
+                shim.url + "/v1/chat/completions", json=body, headers={"x-request-class": cls}, timeout=10
+            )
+            assert answer.status_code == 200
+    sent = [json.loads(r.body)["priority"] for r in upstream.received]
+    # Off by default: the body goes through untouched; on: the class decides, not the caller.
+    assert sent == [-100, -100, 0, 10]
+
+
+# -- a reservation lent while its class's demand is known ----------------------------------
+
+
+def timed(limit: int, *, batch_wait: float = 60.0) -> tuple[AdmissionController, ManualClock]:
+    """A controller with the default 25 % interactive reservation, and its clock."""
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, batch_wait)],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    return c, clock
+
+
+def served_in_a_second(c: AdmissionController, clock: ManualClock, cls: str) -> None:
+    """One fresh request of ``cls``, served in 1 s: the service time is measured."""
+    first = submit(c, cls)
+    clock.advance(1.0)
+    c.release(first, Outcome.COMPLETED)
+
+
+def promise_interactive(c: AdmissionController, in_seconds: float) -> None:
+    """Tell an interactive caller to come back in ``in_seconds`` (a promise on the timeline)."""
+    c.estimator.retry_after("interactive", ahead=0, slots=c.limit, wait=in_seconds)
+
+
+def test_a_reservation_is_lent_while_its_class_only_has_returns_not_yet_due() -> None:
+    # Interactive callers were told to come back in 5 s (one service time is 1 s): nothing of
+    # interactive can arrive sooner but a caller nobody foresaw, and there was none lately.
+    c, _ = make(8, reserved=0.25)
+    promise_interactive(c, 5.0)
+    batch = [submit(c, "batch") for _ in range(10)]
+    assert c.in_flight("batch") == 8
+    assert sum(t.state is TicketState.QUEUED for t in batch) == 2
+
+
+def test_a_reservation_is_kept_when_a_return_is_due_within_a_service_time() -> None:
+    c, _ = make(8, reserved=0.25)
+    promise_interactive(c, 5.0)
+    promise_interactive(c, 0.5)
+    [submit(c, "batch") for _ in range(10)]
+    assert c.in_flight("batch") == 6
+    assert c.outlook("interactive") == (2, 1, False)
+
+
+def test_a_reservation_is_kept_without_promises() -> None:
+    c, _ = make(8, reserved=0.25)
+    [submit(c, "batch") for _ in range(10)]
+    assert c.in_flight("batch") == 6  # nothing promised: the reservation is for whoever comes
+    assert c.outlook("interactive") == (0, 0, False)
+
+
+def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved() -> None:
+    c, clock = timed(8)
+    served_in_a_second(c, clock, "interactive")  # a fresh interactive arrival at t = 10
+    promise_interactive(c, 5.0)  # and an interactive caller told to come back at t = 16
+    queued = [submit(c, "batch") for _ in range(8)]
+    assert c.in_flight("batch") == 6  # the fresh arrival was 1 s ago: the reservation holds
+    assert c.take_moved() is None
+    clock.advance(0.5)  # 1.5 s since the last fresh interactive arrival: lent from now on
+    newcomer = submit(c, "batch")
+    moved = c.take_moved()
+    assert moved is not None
+    assert moved.admitted == queued[6:]
+    assert newcomer.state is TicketState.QUEUED
+    assert c.in_flight("batch") == 8
+    assert c.take_moved() is None  # taken once
+
+
+async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved() -> None:
+    c, clock = timed(4)
+    served_in_a_second(c, clock, "interactive")
+    admission = AsyncAdmission(c, clock)
+    promise_interactive(c, 5.0)
+    held = [await admission.acquire(AdmissionRequest("batch")) for _ in range(3)]
+    waiting = asyncio.create_task(admission.acquire(AdmissionRequest("batch")))
+    await asyncio.sleep(0)
+    assert admission.waiting == 1
+    clock.advance(0.5)
+    newcomer = asyncio.create_task(admission.acquire(AdmissionRequest("batch")))
+    await asyncio.sleep(0)
+    assert isinstance(await asyncio.wait_for(waiting, 1.0), Grant)  # told, not left holding a slot
+    assert c.in_flight("batch") == 4
+    assert admission.waiting == 1
+    newcomer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await newcomer
+    for grant in [*held, waiting.result()]:
+        assert isinstance(grant, Grant)
+        admission.release(grant, Outcome.COMPLETED)
+    assert (c.in_flight(), c.queued(), admission.waiting) == (0, 0, 0)
+
+
+def test_a_lower_class_wait_counts_only_the_slots_it_may_use() -> None:
+    # 8 slots, 2 kept for interactive: 6 batch requests in flight fill what batch may use. A
+    # 7th must wait for one of them (about a service time), not for the two reserved slots
+    # standing free: counted as free, it was queued on a wait of 0 s and turned away after
+    # its whole max_queue_wait (the demo's late refusals; docs/benchmarks.md, session 6).
+    c, clock = timed(8, batch_wait=0.5)
+    served_in_a_second(c, clock, "batch")
+    batch = [submit(c, "batch") for _ in range(6)]
+    assert all(t.state is TicketState.ADMITTED for t in batch)
+    refused = c.submit(AdmissionRequest("batch"))
+    assert isinstance(refused, Rejection)
+    assert refused.code == "queue_full"
+    assert "estimated queue wait 1.00 s exceeds the 0.5 s limit" in refused.message
+    assert submit(c, "interactive").state is TicketState.ADMITTED  # the reservation is still there
+
+
+# -- a reservation lent while its class expects nobody -------------------------------------
+
+
+def budgeted(limit: int, *, ttft_budget: float = 2.0) -> tuple[AdmissionController, ManualClock]:
+    """Interactive reserves 1 of ``limit`` 4 slots and may wait ``ttft_budget`` s in the queue."""
+    clock = ManualClock(10.0)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 100, ttft_budget), ClassPolicy("batch", 100, 60.0)],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(), clock),
+        clock=clock,
+        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
+    )
+    return c, clock
+
+
+def batch(c: AdmissionController, max_tokens: int | None) -> Ticket:
+    decision = c.submit(AdmissionRequest("batch", max_tokens=max_tokens))
+    assert isinstance(decision, Ticket), decision
+    return decision
+
+
+def measured_at_100_tokens_a_second(c: AdmissionController, clock: ManualClock) -> None:
+    first = batch(c, 100)
+    clock.advance(1.0)
+    c.release(first, Outcome.COMPLETED)
+    assert c.estimator.token_rate == pytest.approx(100.0)
+
+
+def test_a_reservation_is_lent_to_a_request_that_gives_it_back_within_the_ttft_budget() -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    holders = [batch(c, 150) for _ in range(3)]  # the 3 unreserved slots
+    assert all(t.state is TicketState.ADMITTED for t in holders)
+    # Nobody interactive queued or promised: the reserved slot goes to a 1.5 s answer (<= 2 s).
+    assert batch(c, 150).state is TicketState.ADMITTED
+    assert c.in_flight("batch") == 4
+
+
+@pytest.mark.parametrize("max_tokens", [250, None], ids=["too-long", "unknown-length"])
+def test_a_reservation_is_not_lent_to_a_request_that_may_hold_it_past_the_budget(
+    max_tokens: int | None,
+) -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    [batch(c, 100) for _ in range(3)]
+    assert batch(c, max_tokens).state is TicketState.QUEUED  # 2.5 s > 2 s, or nobody knows
+    assert c.in_flight("batch") == 3
+    assert submit(c, "interactive").state is TicketState.ADMITTED  # the slot was kept
+
+
+def test_a_queued_short_request_takes_the_reservation_when_a_slot_frees() -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    holders = [batch(c, 100) for _ in range(3)]
+    long, short = batch(c, 500), batch(c, 50)
+    assert (long.state, short.state) == (TicketState.QUEUED, TicketState.QUEUED)
+    # A slot frees: the long one at the head takes it (unreserved), then the short one is lent
+    # the reserved slot when the queue is walked again.
+    moved = c.release(holders[0], Outcome.COMPLETED)
+    assert moved.admitted == [long, short]
+    assert c.in_flight("batch") == 4
+
+
+def test_a_promised_or_queued_interactive_caller_keeps_the_reservation() -> None:
+    c, clock = budgeted(4)
+    measured_at_100_tokens_a_second(c, clock)
+    promise_interactive(c, 0.5)  # due within a service time: the old rule keeps it too
+    [batch(c, 100) for _ in range(3)]
+    assert batch(c, 10).state is TicketState.QUEUED
+    assert c.outlook("interactive").promised == 1
+
+
+def test_without_a_token_rate_nothing_is_lent() -> None:
+    c, _ = budgeted(4)
+    [batch(c, 10) for _ in range(3)]
+    assert batch(c, 10).state is TicketState.QUEUED  # no completion measured: no price
+    assert c.estimator.token_rate is None
+
+
+def test_through_the_shim_max_tokens_is_read_and_the_token_rate_measured(
+    make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    config = SimConfig(max_num_seqs=2, ttft=0.01, itl=0.001, output_tokens=50, seed=3)
+    with ServerThread(create_sim_app(config)) as sim:
+        shim = make_shim(sim.url, max_concurrency=2)
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 7}
+        answer = httpx.post(shim.url + "/v1/chat/completions", json=body, timeout=30)
+        assert answer.status_code == 200
+        estimator = shim.runtime.controller.estimator
+        # The slot is given back once the relay has ended, just after the client has its answer.
+        waiter(lambda: estimator.token_rate is not None, what="the completion measured")
+        assert estimator.run_time(7) == pytest.approx(estimator.service_time)

@@ -1,0 +1,591 @@
+"""``llm-backoff-shim calibrate``: flags, one step's statistics, and whole runs against the simulator.
+
+The end-to-end runs use the real simulator on loopback and the real openai client; they
+assert where the knee lands relative to the simulator's capacity, the bounds on requests
+and time, and the artefacts (JSON, serve flags, PNG), never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import matplotlib.image
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llm_backoff_shim import cli
+from llm_backoff_shim.lab import calibrate
+from llm_backoff_shim.lab.calibrate import (
+    Sample,
+    api_base,
+    doubling_levels,
+    parse_steps,
+    steady_samples,
+    summarize,
+)
+from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, WORDS, LengthDist
+from llm_backoff_shim.serve.config import load_settings
+from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.server import SimConfig, create_sim_app
+
+# -- flags -------------------------------------------------------------------------------
+
+
+def test_lengths_are_the_workload_distributions_and_the_old_forms_still_parse() -> None:
+    args = calibrate.build_parser().parse_args(["--upstream", "http://127.0.0.1:8000"])
+    config = calibrate.config_from_args(args)
+    assert config.prompt_words == DEFAULT_PROMPT_WORDS
+    assert config.output_tokens == DEFAULT_OUTPUT_TOKENS
+    args = calibrate.build_parser().parse_args(
+        ["--upstream", "http://h:1", "--prompt-tokens", "200", "--output-tokens", "16-256"]
+    )
+    config = calibrate.config_from_args(args)
+    assert config.prompt_words == LengthDist.fixed(200)
+    assert config.output_tokens == LengthDist.uniform(16, 256)
+
+
+def test_levels_double_up_to_the_maximum() -> None:
+    assert doubling_levels(1) == [1]
+    assert doubling_levels(8) == [1, 2, 4, 8]
+    assert doubling_levels(6) == [1, 2, 4, 6]
+    assert parse_steps("1, 2,3,8") == [1, 2, 3, 8]
+    for bad in ("", "0,1", "2,2", "4,2", "x"):
+        with pytest.raises(ValueError, match=r"expected|increasing"):
+            parse_steps(bad)
+
+
+def test_upstream_url_with_or_without_v1() -> None:
+    assert api_base("http://127.0.0.1:8000") == ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000")
+    assert api_base("http://h:8000/v1/") == ("http://h:8000/v1", "http://h:8000")
+    assert api_base("https://gw.example/llm/v1") == ("https://gw.example/llm/v1", "https://gw.example/llm")
+    for bad in ("127.0.0.1:8000", "ftp://h/", "http://h:1/?a=1", "http://"):
+        with pytest.raises(ValueError, match="expected"):
+            api_base(bad)
+
+
+def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        calibrate.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: llm-backoff-shim calibrate")
+    for flag in (
+        "--upstream",
+        "--ttft-slo",
+        "--tpot-slo",
+        "--repeats",
+        "--tolerance",
+        "--prompt-words",
+        "--model",
+        "--api-key",
+        "--max-level",
+        "--steps",
+        "--prompt-tokens",
+        "--output-tokens",
+        "--step-seconds",
+        "--step-requests",
+        "--max-seconds",
+        "--out",
+        "--json",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        (["--ttft-slo", "0"], "--ttft-slo: must be a positive number"),
+        (["--ttft-slo", "nan"], "--ttft-slo"),
+        (["--ttft-slo", "1", "--steps", "4,2"], "--steps: levels must be strictly increasing"),
+        (["--ttft-slo", "1", "--max-level", "0"], "--max-level"),
+        (["--ttft-slo", "1", "--prompt-tokens", "0"], "--prompt-words: expected N, LOW-HIGH or lognormal"),
+        (["--ttft-slo", "1", "--tpot-slo", "0"], "--tpot-slo: must be a positive number"),
+        (["--ttft-slo", "1", "--tpot-slo", "fast"], "--tpot-slo: expected seconds or 'none'"),
+        (["--ttft-slo", "1", "--repeats", "0"], "--repeats"),
+        (["--ttft-slo", "1", "--tolerance", "0.7"], "--tolerance"),
+        (["--ttft-slo", "1", "--output-tokens", "9-3"], "--output-tokens"),
+        (["--ttft-slo", "1", "--step-seconds", "-1"], "--step-seconds"),
+        (["--ttft-slo", "1", "--step-requests", "0"], "--step-requests"),
+        (["--ttft-slo", "1", "--step-seconds", "30", "--max-seconds", "10"], "--max-seconds (10) must be"),
+        (["--ttft-slo", "1", "--max-error-rate", "1"], "--max-error-rate"),
+        (["--ttft-slo", "1", "--model", " "], "--model: must not be empty"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(extra: list[str], fragment: str) -> None:
+    err = io.StringIO()
+    assert calibrate.main(["--upstream", "http://127.0.0.1:9", *extra], stderr=err) == 2
+    lines = err.getvalue().strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("llm-backoff-shim calibrate: invalid configuration: ")
+    assert fragment in lines[0]
+
+
+def test_slo_defaults_to_two_seconds_and_a_tenth_of_a_second_per_token() -> None:
+    args = calibrate.build_parser().parse_args(["--upstream", "http://127.0.0.1:8000"])
+    config = calibrate.config_from_args(args)
+    assert config.ttft_slo == 2.0
+    assert config.tpot_slo == 0.1
+    assert (config.repeats, config.tolerance) == (4, 0.05)
+    off = calibrate.build_parser().parse_args(["--upstream", "http://h:1", "--tpot-slo", "none"])
+    assert calibrate.config_from_args(off).tpot_slo is None
+    assert config.levels == (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    assert (config.step_seconds, config.step_requests, config.max_seconds) == (20.0, 1000, 600.0)
+
+
+def test_bad_upstream_exits_2() -> None:
+    err = io.StringIO()
+    assert calibrate.main(["--upstream", "localhost:8000", "--ttft-slo", "1"], stderr=err) == 2
+    assert "--upstream: expected an http(s) URL" in err.getvalue()
+
+
+# -- one step's statistics -----------------------------------------------------------------
+
+
+def _ok(worker: int, seq: int, start: float, latency: float, ttft: float, itl: float = 0.01) -> Sample:
+    return Sample(worker, seq, start, start + latency, True, start + ttft, itl, output_tokens=10)
+
+
+def test_warm_up_requests_are_left_out_when_later_ones_exist() -> None:
+    first = _ok(0, 0, 0.0, 5.0, 4.0)
+    later = _ok(0, 1, 5.0, 1.0, 0.1)
+    failed = Sample(1, 1, 0.0, 0.1, False, error="HTTP 500: boom")
+    assert steady_samples([first, later, failed]) == [later]
+    assert steady_samples([first, failed]) == [first]  # only warm-up: better than nothing
+
+
+def test_summary_uses_littles_law_and_counts_failures() -> None:
+    samples = [
+        _ok(w, s, float(s), latency=0.5 + 0.1 * w, ttft=0.1 * (w + 1)) for w in range(4) for s in range(3)
+    ]
+    samples.append(Sample(3, 3, 9.0, 9.5, False, error="HTTP 503: queue full"))
+    stats = summarize(4, samples)
+    steady = [s for s in samples if s.ok and s.seq > 0]
+    mean_latency = sum(s.end - s.start for s in steady) / len(steady)
+    assert stats.requests == len(steady) == 8
+    assert stats.errors == 1
+    assert stats.throughput == pytest.approx(4 / mean_latency)
+    assert stats.output_tokens_per_s == pytest.approx(stats.throughput * 10)
+    assert stats.ttft_p50 == pytest.approx(0.25)
+    assert stats.ttft_p99 == pytest.approx(0.4, abs=0.01)
+    assert stats.latency_p99 <= 0.8 + 1e-9
+    assert stats.itl_p50 == pytest.approx(0.01)
+    assert stats.mean_output_tokens == 10
+
+
+def test_summary_of_a_step_where_everything_failed() -> None:
+    stats = summarize(2, [Sample(0, 0, 0.0, 1.0, False, error="x"), Sample(1, 0, 0.0, 1.0, False, error="x")])
+    assert (stats.requests, stats.errors, stats.throughput) == (0, 2, 0.0)
+    assert stats.error_ratio == 1.0
+
+
+# -- whole runs ------------------------------------------------------------------------------
+
+
+def sim_server(**overrides: Any) -> ServerThread:
+    values: dict[str, Any] = {"max_num_seqs": 4, "ttft": 0.1, "itl": 0.01, "output_tokens": 10, "seed": 1}
+    values.update(overrides)
+    return ServerThread(create_sim_app(SimConfig(**values)))
+
+
+@pytest.fixture
+def sim() -> Iterator[ServerThread]:
+    with sim_server() as server:
+        yield server
+
+
+def sim_stats(server: ServerThread) -> dict[str, Any]:
+    data: dict[str, Any] = httpx.get(server.url + "/sim/stats", timeout=5).json()
+    return data
+
+
+def run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    status = calibrate.main(argv, stdout=out, stderr=err)
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path) -> None:
+    max_num_seqs = 4
+    status, out, err = run(
+        [
+            "--upstream",
+            sim.url,
+            "--ttft-slo",
+            "2",
+            "--steps",
+            "2,4,8,16",
+            "--step-seconds",
+            "1",
+            "--prompt-words",
+            "lognormal:20:0.8:5-100",
+            "--output-tokens",
+            "lognormal:10:0.5:2-40",
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+        ]
+    )
+    assert status == 0, err
+    result = json.loads(out)
+    seen = [
+        (s["concurrency"], round(s["output_tokens_per_s"]), round(s["ttft_p99"], 3)) for s in result["steps"]
+    ]
+    assert result["knee"] is not None, seen
+    knee = result["knee"]["concurrency"]
+    # Throughput rises up to the engine's 4 slots: the knee is there or above (as good within
+    # the tolerance, or a little better: more workers leave no gap between two requests),
+    # never at 2, where half the engine stood idle.
+    assert knee >= max_num_seqs, seen
+    per_level = {level["concurrency"]: level for level in result["levels"]}
+    best = max(level["output_tokens_per_s"] for level in result["levels"] if level["within_slo"])
+    assert per_level[knee]["output_tokens_per_s"] >= 0.9 * best, seen
+    levels = sorted({s["concurrency"] for s in result["steps"]})
+    assert levels == [2, 4, 8, 16], seen  # two levels past the capacity added nothing
+    assert per_level[knee]["runs"] >= 2  # the knee was measured again
+    assert result["knee"]["limit"] in ("plateau", "slo")
+    assert result["confidence"] in ("high", "medium", "low")
+    assert result["confidence_reason"]
+    # Answers varied in length: the upstream's own counts are means, not one fixed value.
+    assert len({round(s["mean_output_tokens"], 3) for s in result["steps"]}) > 1
+    rec = result["recommendation"]
+    assert rec["max_concurrency"] == knee
+    assert rec["max_queue"] >= 1
+    assert 0 < rec["max_queue_wait"] <= 2
+    # The printed command is what `serve` accepts, with the same values.
+    argv = shlex.split(rec["command"])
+    assert argv[:2] == ["llm-backoff-shim", "serve"]
+    settings = load_settings(argv[2:])
+    assert str(settings.upstream).rstrip("/") == sim.url
+    assert (settings.max_concurrency, settings.max_queue, settings.max_queue_wait) == (
+        knee,
+        rec["max_queue"],
+        rec["max_queue_wait"],
+    )
+    # The sim completed what the statistics hold plus one warm-up request per worker, no more.
+    stats = sim_stats(sim)
+    assert all(step["errors"] == 0 for step in result["steps"])
+    measured = sum(step["requests"] for step in result["steps"])
+    assert stats["requests_completed"] == measured + sum(step["concurrency"] for step in result["steps"])
+    assert stats["peak_running"] == max_num_seqs
+    assert stats["running"] == stats["waiting"] == 0
+    # The PNG is a real image.
+    png = Path(result["png"])
+    assert png == tmp_path / "out" / "calibrate.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 400
+    assert image.shape[1] > 400
+    # Progress: one line when a measurement starts and one when it ends.
+    assert err.count("running...") == len(result["steps"])
+    assert f"[{len(result['steps'])}] concurrency " in err
+
+
+def test_text_output_through_the_cli_has_the_table_and_the_serve_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with sim_server(max_num_seqs=2) as sim:
+        status = cli.main(
+            ["calibrate", "--upstream", sim.url + "/v1", "--ttft-slo", "3", "--steps", "1,8",
+             "--step-seconds", "0.5", "--prompt-words", "10", "--output-tokens", "5", "--out", str(tmp_path)]
+        )  # fmt: skip
+    assert status == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    # The simulator counts 1.3 tokens per word plus 4 for the chat template: 13 + 4.
+    assert "prompt 10 words, output 5 tokens (17 prompt / 5 answer tokens on average" in lines[0]
+    header = next(line for line in lines if line.lstrip().startswith("conc"))
+    assert "TTFT p99" in header
+    assert "TPOT p99" in header
+    rows = [line.split() for line in lines if line[:5].strip() in ("1", "8")]
+    assert [row[0] for row in rows] == ["1", "8"]
+    # 8 workers on 2 slots still meet a 3 s TTFT SLO and do twice the work of 1.
+    assert "KNEE" in " ".join(rows[1])
+    assert any(line.startswith("confidence: ") for line in lines)
+    command = next(line.strip() for line in lines if line.strip().startswith("llm-backoff-shim serve"))
+    assert f"--upstream {sim.url} --max-concurrency 8 " in command
+    assert load_settings(shlex.split(command)[2:]).max_concurrency == 8
+    assert (tmp_path / "calibrate.png").stat().st_size > 0
+
+
+def test_an_unwritable_png_is_reported_and_the_result_still_printed(
+    sim: ServerThread, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    status, out, err = run(
+        ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "1", "--step-requests", "2",
+         "--output-tokens", "3", "--prompt-tokens", "5", "--out", str(blocker / "sub"), "--json"]
+    )  # fmt: skip
+    assert status == 0
+    assert f"cannot write {blocker / 'sub' / 'calibrate.png'}" in err
+    result = json.loads(out)
+    assert result["png"] is None
+    assert result["recommendation"]["max_concurrency"] == 1
+
+
+def test_requests_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> None:
+    # Long steps, but each level may start only 5 requests: the run ends once they finish.
+    status, out, _ = run(
+        [
+            "--upstream",
+            sim.url,
+            "--ttft-slo",
+            "5",
+            "--steps",
+            "1,2",
+            "--step-requests",
+            "5",
+            "--step-seconds",
+            "120",
+            "--repeats",
+            "1",
+            "--output-tokens",
+            "3",
+            "--prompt-tokens",
+            "5",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ]
+    )
+    assert status == 0
+    result = json.loads(out)
+    assert sim_stats(sim)["requests_received"] == 10
+    # Warm-up (each worker's first request) is received but left out of the statistics.
+    assert [s["requests"] for s in result["steps"]] == [4, 3]
+
+
+def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
+    # Answers of 2000 tokens at 10 ms each never finish within the 1.5 s cap.
+    with sim_server(output_tokens=2000, itl=0.01, ttft=0.0) as sim:
+        status, out, err = run(
+            [
+                "--upstream",
+                sim.url,
+                "--ttft-slo",
+                "5",
+                "--steps",
+                "2,4",
+                "--step-seconds",
+                "1",
+                "--max-seconds",
+                "1.5",
+                "--output-tokens",
+                "2000",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+        result = json.loads(out)
+        assert status == 1
+        assert result["steps"] == []
+        assert result["recommendation"] is None
+        assert result["stopped"] == "--max-seconds 1.5 reached during concurrency 2"
+        assert "cut by --max-seconds" in err
+        assert result["png"] is None
+        # The cancelled streams were closed: the engine aborts them instead of generating on.
+        stats = _wait_for_idle(sim)
+        assert stats["requests_aborted"] == 2
+        assert stats["requests_completed"] == 0
+
+
+def _wait_for_idle(sim: ServerThread) -> dict[str, Any]:
+    # Bounded poll: the disconnects reach the engine asynchronously; 5 s only bounds a broken test.
+    end = time.monotonic() + 5
+    stats = sim_stats(sim)
+    while (stats["running"] or stats["waiting"]) and time.monotonic() < end:
+        time.sleep(0.02)
+        stats = sim_stats(sim)
+    assert stats["running"] == stats["waiting"] == 0
+    return stats
+
+
+def test_slo_out_of_reach_stops_after_the_first_level(tmp_path: Path) -> None:
+    with sim_server(ttft=0.3) as sim:
+        status, out, _ = run(
+            [
+                "--upstream",
+                sim.url,
+                "--ttft-slo",
+                "0.1",
+                "--max-level",
+                "64",
+                "--step-seconds",
+                "0.5",
+                "--output-tokens",
+                "3",
+                "--prompt-tokens",
+                "5",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+    result = json.loads(out)
+    assert status == 1
+    assert [s["concurrency"] for s in result["steps"]] == [1, 1]  # confirmed once, no higher
+    assert result["levels"][0]["within_slo"] is False
+    assert result["knee"] is None
+    assert "concurrency 1, the lowest level measured, already misses the SLO (TTFT p99" in result["reason"]
+    assert result["stopped"] == "no level meets the SLO"
+    assert Path(result["png"]).exists()  # the curves still help to see why
+
+
+def refusing_upstream() -> Starlette:
+    async def chat(_: Request) -> Response:
+        body = {"error": {"message": "invalid api key", "type": "auth", "param": None, "code": 401}}
+        return JSONResponse(body, status_code=401)
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": []})
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ]
+    )
+
+
+def recording_upstream(bodies: list[dict[str, Any]], auth: list[str]) -> Starlette:
+    """A minimal streaming chat upstream that keeps every request body and Authorization header."""
+
+    def chunk(delta: dict[str, Any] | None, usage: dict[str, int] | None = None) -> bytes:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": None}]
+        body = {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "rec",
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    async def chat(request: Request) -> Response:
+        bodies.append(await request.json())
+        auth.append(request.headers.get("authorization", ""))
+        parts = [
+            chunk({"role": "assistant", "content": ""}),  # vLLM's role chunk carries no token
+            chunk({"content": "a"}),
+            chunk({"content": " b"}),
+            chunk(None, {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}),
+            b"data: [DONE]\n\n",
+        ]
+        return Response(b"".join(parts), media_type="text/event-stream")
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "rec", "object": "model"}, {"id": "other"}]})
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+        ]
+    )
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_requests_on_the_wire(ignore_eos: bool, tmp_path: Path) -> None:
+    bodies: list[dict[str, Any]] = []
+    auth: list[str] = []
+    flags = ["--ttft-slo", "5", "--steps", "1", "--step-requests", "6", "--api-key", "sk-test", "--json",
+             "--repeats", "1",
+             "--prompt-tokens", "3-9", "--output-tokens", "4-6", "--out", str(tmp_path)]  # fmt: skip
+    with ServerThread(recording_upstream(bodies, auth)) as server:
+        status, out, _ = run(["--upstream", server.url, *flags, *([] if ignore_eos else ["--no-ignore-eos"])])
+    assert status == 0
+    assert len(bodies) == 6
+    assert set(auth) == {"Bearer sk-test"}
+    for body in bodies:
+        assert body["model"] == "rec"  # the first model /v1/models lists
+        assert body["stream"] is True
+        assert body["stream_options"] == {"include_usage": True}
+        assert 4 <= body["max_tokens"] <= 6
+        assert ("ignore_eos" in body) is ignore_eos
+        words = body["messages"][0]["content"].split()
+        assert 3 <= len(words) <= 9
+        assert set(words) <= set(WORDS)
+    assert len({b["messages"][0]["content"] for b in bodies}) > 1  # prompts differ: no prefix-cache hits
+    step = json.loads(out)["steps"][0]
+    assert step["mean_prompt_tokens"] == 7  # the upstream's count, not the request's
+    assert step["mean_output_tokens"] == 2
+    assert step["requests"] == 5  # the first request is warm-up
+
+
+def test_an_upstream_that_refuses_everything_gets_no_recommendation(tmp_path: Path) -> None:
+    with ServerThread(refusing_upstream()) as server:
+        status, out, err = run(["--upstream", server.url, "--ttft-slo", "1", "--out", str(tmp_path)])
+        assert status == 1
+        assert "lists no model; pass --model" in err
+        assert out == ""
+
+        status, out, err = run(
+            [
+                "--upstream",
+                server.url,
+                "--model",
+                "m",
+                "--ttft-slo",
+                "1",
+                "--steps",
+                "1,2",
+                "--step-seconds",
+                "0.3",
+                "--out",
+                str(tmp_path),
+                "--json",
+            ]
+        )
+    assert status == 1
+    result = json.loads(out)
+    assert [s["concurrency"] for s in result["steps"]] == [1]
+    assert result["steps"][0]["errors"] >= 1
+    assert result["steps"][0]["first_error"].startswith("HTTP 401: ")
+    assert result["stopped"] == "every request failed at concurrency 1"
+    assert result["reason"] == "every request failed at concurrency 1"
+    assert "first error: HTTP 401" in err
+
+
+def test_an_unreachable_upstream_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    status, out, err = run(
+        ["--upstream", f"http://127.0.0.1:{port}", "--ttft-slo", "1", "--out", str(tmp_path)]
+    )
+    assert status == 1
+    assert out == ""
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(f"llm-backoff-shim calibrate: cannot list models at http://127.0.0.1:{port}: ")
+    )
+
+
+def test_a_silent_upstream_is_bounded_by_the_time_cap(tmp_path: Path) -> None:
+    # A listening socket nobody answers: connections open, no response ever comes.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        status, out, err = run(
+            ["--upstream", url, "--ttft-slo", "1", "--step-seconds", "0.5", "--max-seconds", "1",
+             "--out", str(tmp_path)]
+        )  # fmt: skip
+    assert status == 1
+    assert out == ""
+    assert f"{url}/v1/models did not answer within 1 s (or pass --model)" in err

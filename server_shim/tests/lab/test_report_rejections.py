@@ -1,0 +1,67 @@
+"""The overload bench's breakdown of the shim's rejections, read from real admission messages."""
+
+from __future__ import annotations
+
+import json
+
+from llm_backoff_shim.decide.admission import (
+    AdmissionController,
+    AdmissionRequest,
+    ClassPolicy,
+    Outcome,
+    Rejection,
+    Ticket,
+)
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.lab.report import rejections_by_when
+from llm_backoff_shim.testing import ManualClock
+
+
+def _line(rejection: Rejection | None) -> str:
+    # What the proxy logs for a rejection: the message (without its hint) as ``detail``.
+    assert rejection is not None
+    return json.dumps({"outcome": "rejected", "code": rejection.code, "detail": rejection.message})
+
+
+def _measured() -> tuple[AdmissionController, ManualClock, Ticket]:
+    """One slot, 1 s measured per request, a request in flight since now."""
+    clock = ManualClock(50.0)
+    est = DrainEstimator(EstimatorConfig(retry_after_min=0.1), clock)
+    c = AdmissionController(
+        [ClassPolicy("interactive", 4, 3.5)], limit=FixedLimit(1), estimator=est, clock=clock
+    )
+    first = c.submit(AdmissionRequest("interactive"))
+    assert isinstance(first, Ticket)
+    clock.now += 1.0
+    c.release(first, Outcome.COMPLETED)
+    running = c.submit(AdmissionRequest("interactive"))
+    assert isinstance(running, Ticket)
+    return c, clock, running
+
+
+def test_each_way_a_request_is_refused_is_told_apart() -> None:
+    c, clock, running = _measured()
+    at_arrival = c.submit(AdmissionRequest("interactive", budget=0.5))  # cannot cover 1 s of service
+    queued = [c.submit(AdmissionRequest("interactive")) for _ in range(3)]  # 1, 2, 3 s
+    assert all(isinstance(t, Ticket) for t in queued)
+    clock.now += 2.4
+    moved = c.release(running, Outcome.COMPLETED)  # 2.4 s: the last is 1.3 s away with 1.1 s left
+    assert [t.rejection.message.split(":")[0] for t in moved.expired if t.rejection] == [
+        "overtaken in the queue"
+    ]
+    head = queued[1]
+    assert isinstance(head, Ticket)
+    timed_out = c.expire(head)
+
+    c2, clock2, running2 = _measured()
+    short = c2.submit(AdmissionRequest("interactive", budget=2.5))  # 1 s wait + 1 s service: fits
+    assert isinstance(short, Ticket)
+    clock2.now += 1.8  # 0.7 s left: less than the service when it reaches the head
+    dropped = c2.release(running2, Outcome.COMPLETED).expired
+
+    lines = [_line(at_arrival if isinstance(at_arrival, Rejection) else None)]
+    lines += [_line(t.rejection) for t in moved.expired]
+    lines += [_line(timed_out), *(_line(t.rejection) for t in dropped)]
+    log = "\n".join(["not json", '{"outcome": "completed"}', *lines])
+    assert rejections_by_when(log) == {"arrival": 1, "recheck": 1, "timer": 1, "head": 1}

@@ -1,0 +1,141 @@
+"""Pure wire helpers: hop-by-hop stripping, the rejection response, the budget header."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llm_backoff_shim.decide.admission import Rejection
+from llm_backoff_shim.serve.headers import strip_hop_by_hop
+from llm_backoff_shim.serve.proxy import is_generation, parse_budget
+from llm_backoff_shim.serve.rejection import client_error, rejection_response, retry_after_header
+
+
+def test_strips_rfc9110_hop_by_hop_and_connection_named_headers() -> None:
+    headers = [
+        (b"connection", b"keep-alive, X-Session-Hop"),
+        (b"x-session-hop", b"1"),
+        (b"keep-alive", b"timeout=5"),
+        (b"transfer-encoding", b"chunked"),
+        (b"upgrade", b"h2c"),
+        (b"te", b"trailers"),
+        (b"proxy-authorization", b"Basic x"),
+        (b"authorization", b"Bearer sk"),
+        (b"content-type", b"application/json"),
+        (b"x-b", b"2"),
+        (b"x-a", b"1"),
+    ]
+    kept = strip_hop_by_hop(headers)
+    assert kept == [
+        (b"authorization", b"Bearer sk"),
+        (b"content-type", b"application/json"),
+        (b"x-b", b"2"),
+        (b"x-a", b"1"),
+    ]
+
+
+def test_request_side_also_drops_host_and_length() -> None:
+    headers = [
+        (b"host", b"shim:8080"),
+        (b"content-length", b"12"),
+        (b"expect", b"100-continue"),
+        (b"x", b"y"),
+    ]
+    assert strip_hop_by_hop(headers, request=True) == [(b"x", b"y")]
+    assert strip_hop_by_hop(headers) == headers
+
+
+def test_upstream_names_come_back_lowercased_and_connection_named_fields_dropped() -> None:
+    headers = [
+        (b"Content-Type", b"text/event-stream"),
+        (b"Connection", b"keep-alive, X-Hop"),
+        (b"X-Hop", b"1"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"X-Request-Id", b"abc"),
+    ]
+    assert strip_hop_by_hop(headers, lower=True) == [
+        (b"content-type", b"text/event-stream"),
+        (b"x-request-id", b"abc"),
+    ]
+    assert strip_hop_by_hop(headers) == [(b"Content-Type", b"text/event-stream"), (b"X-Request-Id", b"abc")]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "header"), [(0.0, 1), (0.2, 1), (1.0, 1), (1.001, 2), (2.75, 3), (30.0, 30)]
+)
+def test_retry_after_header_is_whole_seconds_at_least_one_never_early(seconds: float, header: int) -> None:
+    assert retry_after_header(seconds) == header
+
+
+def test_rejection_response_matches_the_design_protocol() -> None:
+    response = rejection_response(
+        Rejection(code="queue_full", message="server at capacity", retry_after=2.75, queue_depth=17), 429
+    )
+    assert response.status == 429
+    headers = dict(response.headers)
+    assert headers[b"retry-after"] == b"3"
+    assert headers[b"retry-after-ms"] == b"2750"
+    assert headers[b"content-type"] == b"application/json"
+    assert int(headers[b"content-length"]) == len(response.body)
+    assert json.loads(response.body) == {
+        "error": {
+            "message": "server at capacity, retry in 3 s",
+            "type": "server_overloaded",
+            "param": None,
+            "code": "queue_full",
+            "retry_after_seconds": 2.75,
+            "queue_depth": 17,
+        }
+    }
+
+
+def test_rejection_status_override_and_type() -> None:
+    rejection = Rejection(
+        code="tenant_rate_limited",
+        message="quota",
+        retry_after=4.0,
+        queue_depth=0,
+        type="rate_limit_exceeded",
+        status=503,
+    )
+    response = rejection_response(rejection, 429)
+    assert response.status == 503
+    assert json.loads(response.body)["error"]["type"] == "rate_limit_exceeded"
+
+
+def test_client_error_shape() -> None:
+    response = client_error("bad", param="x-request-class", code="invalid_request_class")
+    assert response.status == 400
+    assert json.loads(response.body) == {
+        "error": {
+            "message": "bad",
+            "type": "invalid_request_error",
+            "param": "x-request-class",
+            "code": "invalid_request_class",
+        }
+    }
+
+
+def test_parse_budget() -> None:
+    assert parse_budget(None) is None
+    assert parse_budget(" ") is None
+    assert parse_budget("8000") == 8.0
+    assert parse_budget("12.5") == 0.0125
+    for bad in ("-1", "nan", "inf", "soon"):
+        with pytest.raises(ValueError):  # noqa: PT011 - float() and our own check differ in message
+            parse_budget(bad)
+
+
+def test_generation_endpoints() -> None:
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/completions/",
+    ):
+        assert is_generation("POST", path)
+    assert not is_generation("GET", "/v1/chat/completions")
+    assert not is_generation("POST", "/v1/models")
+    assert not is_generation("GET", "/v1/responses/resp_123")
