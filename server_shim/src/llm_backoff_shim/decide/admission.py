@@ -794,7 +794,7 @@ class AdmissionController:
         # class: each takes a slot first. A fresh arrival yields to every promise, whatever
         # its class: a promise is a slot kept for the caller on the one engine (the estimator's
         # single timeline); a fresh interactive arrival queued into a slot promised to a batch
-        # caller pushes that caller's return past its budget (measured: docs/benchmarks.md,
+        # caller pushes that caller's return past its budget (measured: docs/history/benchmarks-diary.md,
         # 'a hint is a reservation').
         promised_by = higher if ticket.returning else self._classes
         expected = self._wait_at(cls, ahead, in_class, promised_by)
@@ -828,7 +828,7 @@ class AdmissionController:
     def _is_returning(self, request: AdmissionRequest) -> bool:
         # Only a caller that says how long it will wait: the shim can then check that it can
         # still be served in time. A retry without a budget is served late and cut by its
-        # own timeout as often as not (measured: docs/benchmarks.md, docs/demo.md).
+        # own timeout as often as not (measured: docs/history/benchmarks-diary.md, docs/demo.md).
         return self._returning_first and request.returning and request.budget is not None
 
     def _has_room(self, cls: str, returning: bool) -> bool:
@@ -873,7 +873,8 @@ class AdmissionController:
         the queue (:meth:`_place`, :meth:`recheck`). Each class's slot times are built once
         per walk, not once per queued request: a walk asks for every queued request, on every
         newcomer placed ahead of others and every recheck (about 170 us a refusal under 2x
-        overload, most of it here; docs/benchmarks.md, 'the overload scenarios in virtual time').
+        overload, most of it here; docs/history/benchmarks-diary.md, 'the overload scenarios in
+        virtual time').
 
         ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
         no memory of how long the requests in flight have run, so for a request that has

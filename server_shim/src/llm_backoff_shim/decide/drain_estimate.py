@@ -17,14 +17,14 @@ minimum hint, ``min + (k - 1) / rate``) and retries come back at about the drain
 instead of in one wave. A place given far ahead (a lower class kept out of the next
 seconds, a capped hint) leaves the slots before it to later callers (with every place after the last one,
 batch callers took the near slots and interactive callers refused after them were told
-slots past their budget: docs/benchmarks.md, 'interactive callers state their TTFT
+slots past their budget: docs/history/benchmarks-diary.md, 'interactive callers state their TTFT
 budget'). Once time passes the last place the burst
 is over and hints start again from the queue alone. One timeline for all classes, not one
 per class: each promise claims one slot freeing on the one engine, so the promised
 returns of all classes together come back no faster than the engine drains. With a
 timeline per class, two classes refused together were promised about twice the drain
 rate between them, and the returning callers found the queue full (measured under 2x
-overload: docs/benchmarks.md, 'a hint is a reservation').
+overload: docs/history/benchmarks-diary.md, 'a hint is a reservation').
 
 Promises are also remembered one by one (until they fall due), so that a *fresh*
 arrival's expected wait can count the callers already told to come back before it
@@ -267,7 +267,7 @@ class DrainEstimator:
         Without it, slots free evenly at the drain rate, as if the requests in flight had
         started one after another; after a burst they started together and free together,
         and the even estimate was wrong by up to a service time: in the tail of a burst of
-        200, callers were refused on a wait of 2.06 s that was 1.45 s (docs/benchmarks.md,
+        200, callers were refused on a wait of 2.06 s that was 1.45 s (docs/history/benchmarks-diary.md,
         'where the burst's slot time went').
         """
         needed = ahead + 1 - max(0, free_slots)
@@ -341,7 +341,7 @@ class DrainEstimator:
         come back around their slot). Without this, a caller back early for its slot counted
         twice in the waits of those behind it, queued and still promised: in the tail of a
         burst, lower-class callers back at their slot were refused on that doubled wait
-        (measured: docs/benchmarks.md, 'where the burst's slot time went').
+        (measured: docs/history/benchmarks-diary.md, 'where the burst's slot time went').
         """
         promises = self._promises.get(cls)
         if not promises:
@@ -361,7 +361,7 @@ class DrainEstimator:
         Clients add up to ``return_jitter`` of a hint above it, ``return_jitter / 2`` on
         average; a caller told the slot itself comes back that much later on average, and
         on a timeline paced at the drain rate the engine then idles while it is on its way
-        (measured in a burst of 200 with a 30 s deadline: docs/benchmarks.md, 'a hint is a
+        (measured in a burst of 200 with a 30 s deadline: docs/history/benchmarks-diary.md, 'a hint is a
         reservation').
         """
         return delay / (1.0 + self._config.return_jitter / 2.0)
@@ -373,7 +373,7 @@ class DrainEstimator:
         comes back up to ``return_jitter * hint`` later: whether its budget will still
         cover the service when it comes back is judged at this time, not at the hint
         (measured under 2x overload with a 10 s deadline: callers told 8.2 s came back
-        0.6-1.4 s late and were refused with 0.4-0.7 s of budget left; docs/benchmarks.md,
+        0.6-1.4 s late and were refused with 0.4-0.7 s of budget left; docs/history/benchmarks-diary.md,
         'a hint is a reservation').
         """
         return hint * (1.0 + self._config.return_jitter)
@@ -419,7 +419,7 @@ class DrainEstimator:
         ``reach`` (or ``keep_within`` if sooner): it comes back before its slot and waits in
         the queue for it. Without this, the last slots a caller's budget could use were
         promised to nobody, and the engine idled for them at the end of a burst
-        (docs/benchmarks.md, 'where the burst's slot time went').
+        (docs/history/benchmarks-diary.md, 'where the burst's slot time went').
         """
         now = self._clock()
         cfg = self._config

@@ -90,7 +90,7 @@ class AttemptRecord:
 
         Not from the head: the HTTP library writes a request's head and body in two writes,
         and under a burst this process's event loop runs other calls between them (up to
-        tens of ms, docs/benchmarks.md, 'the 2x time to rejection, split'); a server cannot
+        tens of ms, docs/history/benchmarks-diary.md, 'the 2x time to rejection, split'); a server cannot
         answer a request it has not been sent yet."""
         if self.answered is None:
             return None
@@ -621,7 +621,7 @@ async def _within(call: Coroutine[Any, Any, None], seconds: float) -> None:
     scheduled behind every task ready at that moment, and the call's deadline runs
     meanwhile. In a burst of 200 calls, the time from a call's start to its first attempt
     reaching the transport was 271 ms (median) with this and 326 ms without
-    (docs/benchmarks.md, 'a hint is a reservation'). The rest is the openai client's own
+    (docs/history/benchmarks-diary.md, 'a hint is a reservation'). The rest is the openai client's own
     work before it sends, interleaved with the other calls'.
     """
     timeout = getattr(asyncio, "timeout", None)
