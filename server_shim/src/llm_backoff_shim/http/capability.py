@@ -203,7 +203,8 @@ async def _probe() -> str | None:
     import uvicorn
     from uvicorn.server import ServerState
 
-    from llm_backoff_shim.http.paths import Limits, fast_protocol
+    from llm_backoff_shim.http.fast_path import fast_protocol
+    from llm_backoff_shim.http.limits import Limits
 
     events: list[str] = []
     relay = _Relay()

@@ -1,7 +1,7 @@
 """The two serving paths and the choice between them: the ASGI app and uvicorn options for each.
 
-- **fast**: uvicorn's httptools protocol, extended (relay_protocol.py, relay_cycle.py,
-  connection_guard.py): ``/v1/`` requests go from the parser to the relay directly.
+- **fast**: uvicorn's httptools protocol, extended (fast_path.py builds it from relay_protocol.py,
+  relay_cycle.py, connection_guard.py): ``/v1/`` requests go from the parser to the relay directly.
   Cheapest in CPU; depends on uvicorn internals (internals.py).
 - **public**: uvicorn's h11 protocol behind an :class:`asyncio.Protocol` wrapper and an
   ASGI wrapper (public_path.py), on public interfaces only. Same limits and answers.
@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
-from llm_backoff_shim.http.connection_guard import OnEvent
+from llm_backoff_shim.http.fast_path import fast_protocol
 from llm_backoff_shim.http.interface import HeadRefusal
+from llm_backoff_shim.http.limits import Limits
 
 HttpPath = Literal["auto", "fast", "public"]
 
@@ -39,44 +40,12 @@ _FIRST_HOP: dict[str, Any] = {"proxy_headers": False}
 
 
 @dataclass(frozen=True)
-class Limits:
-    """The connection limits both paths enforce (the shim's settings)."""
-
-    head_timeout: float
-    max_head_bytes: int
-    body_timeout: float
-    on_event: OnEvent = field(default=lambda _reason: None)
-
-
-@dataclass(frozen=True)
 class Serving:
     """What uvicorn runs: ``uvicorn.Config(serving.app, **serving.options)``."""
 
     app: Any
     options: dict[str, Any]
     path: Literal["fast", "public"]
-
-
-def fast_protocol(
-    relay: Callable[..., Any],
-    limits: Limits,
-    *,
-    refuse: HeadRefusal | None = None,
-    body_timers: CoarseTimers | None = None,
-) -> type[Any]:
-    """The fast path's protocol class: uvicorn's httptools protocol, guarded, with the direct path."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    from llm_backoff_shim.http.connection_guard import guarded_protocol
-    from llm_backoff_shim.http.relay_protocol import relay_protocol
-
-    guarded = guarded_protocol(
-        HttpToolsProtocol,
-        head_timeout=limits.head_timeout,
-        max_head_bytes=limits.max_head_bytes,
-        on_event=limits.on_event,
-    )
-    return relay_protocol(guarded, relay, refuse=refuse, body_timers=body_timers)
 
 
 def public_serving(app: Any, limits: Limits, *, refuse: HeadRefusal | None = None) -> Serving:

@@ -20,7 +20,8 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 
-from llm_backoff_shim.http.paths import FastPathUnavailable, Limits, Serving, serving
+from llm_backoff_shim.http.limits import Limits
+from llm_backoff_shim.http.paths import FastPathUnavailable, Serving, serving
 from llm_backoff_shim.serve.access_log import logging_config
 from llm_backoff_shim.serve.app import create_app, shim_state
 from llm_backoff_shim.serve.config import ConfigError, ShimSettings, load_settings
