@@ -2,7 +2,7 @@
 
 In a burst of 200 calls started at once, the load generator's own loop is the slowest part of
 a rejection as the caller sees it: the response waits in its socket while the process builds
-the other 199 requests (session 5-6 runs: 0.2-0.27 s at p99, against 2 ms inside the shim after
+the other 199 requests (measured: 0.2-0.27 s at p99, against 2 ms inside the shim after
 the body). What the shim does, from the request's last byte on the wire to its answer's first
 byte on the wire, is measured here from the segments themselves: an ``AF_PACKET`` socket on
 ``lo`` with ``SO_TIMESTAMPNS``, so each segment carries the time the kernel saw it, however late

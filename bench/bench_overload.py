@@ -1,4 +1,4 @@
-"""The overload benchmark (issue 7): the same seeded load, several client/proxy set-ups, side by side.
+"""The overload benchmark: the same seeded load, several client/proxy set-ups, side by side.
 
     .venv/bin/python bench/bench_overload.py            # ~15 min: burst 200, 2x for 30 s, 1.2x for 30 s
     .venv/bin/python bench/bench_overload.py --quick    # ~2 min: smaller loads, same shape
@@ -89,7 +89,7 @@ def scenarios(quick: bool) -> list[Scenario]:
             Scenario("poisson-1.2x", burst=0, rate_factor=1.2, duration=10, deadline=10, ttft_budget=5),
         ]
     return [
-        # Issue 7 defines the burst by a 30 s deadline per call and judges it by success within
+        # The burst is defined by a 30 s deadline per call and judged by success within
         # it; a TTFT budget belongs to the 2x target. With a 10 s budget to begin, 140 interactive
         # callers at once cannot all start (the engine starts ~67 in 10 s): --start-deadline-everywhere.
         Scenario(
@@ -548,13 +548,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-start-deadline",
         action="store_true",
         help="interactive llm_backoff callers without RetryPolicy(start_deadline=TTFT budget) in "
-        "every scenario, as before session 5 (for before/after comparisons)",
+        "every scenario (for before/after comparisons)",
     )
     deadlines.add_argument(
         "--start-deadline-everywhere",
         action="store_true",
         help="interactive llm_backoff callers state their TTFT budget in every scenario, the burst "
-        "included (as in session 5); by default the burst's callers have the call's deadline only",
+        "included; by default the burst's callers have the call's deadline only",
     )
     p.add_argument(
         "--prompt-words",

@@ -37,9 +37,9 @@ def test_a_seed_gives_the_same_run() -> None:
     assert [c.outcome for c in first.calls] == [c.outcome for c in again.calls]
 
 
-def test_the_burst_with_a_30_s_deadline_meets_issue_7s_target_in_every_seed() -> None:
+def test_the_burst_with_a_30_s_deadline_meets_the_burst_target_in_every_seed() -> None:
     """>= 95 % of a burst of 200 served within 30 s (the engine can finish 192), few attempts,
-    no retry wave: issue 7's burst targets for shim + llm_backoff, on the admission policy alone."""
+    no retry wave: the burst targets for shim + llm_backoff, on the admission policy alone."""
     for seed in range(1, 11):
         result = run(BURST, seed, start_deadline=False).run()
         assert result.successes >= 190, (seed, result.summary())
