@@ -1,18 +1,18 @@
 """The shim's configuration: one validated pydantic-settings model.
 
-Values come from ``LLM_BACKOFF_SHIM_<FIELD>`` environment variables and from
-command-line flags (``--max-queue`` <-> ``LLM_BACKOFF_SHIM_MAX_QUEUE``); flags win.
+Values come from command-line flags, ``LLM_BACKOFF_SHIM_<FIELD>`` environment
+variables and a TOML file (``--config``); flag > env > file > default.
+:mod:`~llm_backoff_shim.serve.config_sources` merges them,
+:mod:`~llm_backoff_shim.serve.cli_flags` builds the flags and
+:mod:`~llm_backoff_shim.serve.config_file` reads and writes the file.
 
-Why argparse in front of pydantic-settings rather than pydantic-settings' own CLI
-source: we want one hand-written help line per flag, the exact flag names of the
-issue, and control of the failure path (a one-line message and exit status 2, never
-a traceback). Flags are passed to the model as strings so that a bad value gets the
-same validation message whether it came from a flag or from the environment.
+Per-class values are maps from class name to value (``class_max_queue``,
+``reserved_share``, ...; :data:`PER_CLASS_KEYS`): ``NAME=value,...`` on the command
+line and in the environment, one ``[classes.NAME]`` table per class in the file.
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import math
 import re
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, AnyHttpUrl, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
@@ -33,12 +33,48 @@ ENV_PREFIX = "LLM_BACKOFF_SHIM_"
 DEFAULT_CLASSES: tuple[str, ...] = ("interactive", "batch")
 
 
+#: The per-class settings: key in a ``[classes.NAME]`` table -> the map field holding it.
+PER_CLASS_KEYS: dict[str, str] = {
+    "max_queue": "class_max_queue",
+    "max_queue_wait": "class_max_queue_wait",
+    "reserved_share": "reserved_share",
+    "min_share": "min_share",
+    "ttft_slo": "ttft_slo",
+    "priority": "class_priority",
+}
+
+#: Single-class fields kept as aliases of one map entry: field -> (map field, class).
+CLASS_ALIASES: dict[str, tuple[str, str]] = {
+    "interactive_max_queue": ("class_max_queue", "interactive"),
+    "batch_max_queue": ("class_max_queue", "batch"),
+    "interactive_max_queue_wait": ("class_max_queue_wait", "interactive"),
+    "batch_max_queue_wait": ("class_max_queue_wait", "batch"),
+}
+
+
+def _share(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("a share is a fraction between 0 and 1")
+    return value
+
+
+def _budget(value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError("a budget is a positive number of seconds")
+    return value
+
+
+_Share = Annotated[float, AfterValidator(_share)]
+_Budget = Annotated[float, AfterValidator(_budget)]
+
+
 class ShimSettings(BaseSettings):
     """Everything ``llm-backoff-shim serve`` can be told.
 
-    Per-class queue limits (``interactive_max_queue`` ...) default to the shared
+    Per-class queue limits (``class_max_queue`` ...) default to the shared
     ``max_queue`` / ``max_queue_wait``; ``max_queue`` is also the bound on all
     classes together, so "at most --max-queue waiting" holds whatever the classes.
+    Field names are the keys of the ``--config`` file.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
@@ -67,23 +103,34 @@ class ShimSettings(BaseSettings):
     max_queue_wait: float = Field(
         default=10.0, gt=0, le=86_400, description="seconds a request may wait in the queue before a 429"
     )
+    class_max_queue: Annotated[dict[str, Annotated[int, Field(ge=0, le=1_000_000)]], NoDecode] = Field(
+        default={},
+        description="queue bound per class (class=N,...); a class not named uses --max-queue",
+    )
+    class_max_queue_wait: Annotated[
+        dict[str, Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]], NoDecode
+    ] = Field(
+        default={},
+        description="queue wait per class in seconds (class=seconds,...); a class not named uses "
+        "--max-queue-wait",
+    )
     interactive_max_queue: int | None = Field(
         default=None,
         ge=0,
         le=1_000_000,
-        description="queue bound for class interactive (default --max-queue)",
+        description="alias of --class-max-queue interactive=N",
     )
     batch_max_queue: int | None = Field(
-        default=None, ge=0, le=1_000_000, description="queue bound for class batch (default --max-queue)"
+        default=None, ge=0, le=1_000_000, description="alias of --class-max-queue batch=N"
     )
     interactive_max_queue_wait: float | None = Field(
         default=None,
         gt=0,
         le=86_400,
-        description="queue wait for class interactive (default --max-queue-wait)",
+        description="alias of --class-max-queue-wait interactive=SECONDS",
     )
     batch_max_queue_wait: float | None = Field(
-        default=None, gt=0, le=86_400, description="queue wait for class batch (default --max-queue-wait)"
+        default=None, gt=0, le=86_400, description="alias of --class-max-queue-wait batch=SECONDS"
     )
     classes: Annotated[tuple[str, ...], NoDecode] = Field(
         default=DEFAULT_CLASSES,
@@ -92,17 +139,17 @@ class ShimSettings(BaseSettings):
     default_class: str = Field(
         default="interactive", description="class of requests without an x-request-class header"
     )
-    reserved_share: Annotated[dict[str, float], NoDecode] = Field(
+    reserved_share: Annotated[dict[str, _Share], NoDecode] = Field(
         default={"interactive": 0.25},
         description="share of the in-flight slots that lower classes may never take, per class "
         "(class=fraction,...; rounded up to whole slots)",
     )
-    min_share: Annotated[dict[str, float], NoDecode] = Field(
+    min_share: Annotated[dict[str, _Share], NoDecode] = Field(
         default={"batch": 0.1},
         description="share of the in-flight slots a class gets even while higher classes wait "
         "(anti-starvation; class=fraction,...; rounded up to whole slots)",
     )
-    ttft_slo: Annotated[dict[str, float], NoDecode] = Field(
+    ttft_slo: Annotated[dict[str, _Budget], NoDecode] = Field(
         default={},
         description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
         "turns on queue-time SLO shedding for the classes named",
@@ -394,26 +441,10 @@ class ShimSettings(BaseSettings):
             raise ValueError("class names must be unique")
         return value
 
-    @field_validator("reserved_share", "min_share", "ttft_slo", "class_priority", mode="before")
+    @field_validator(*PER_CLASS_KEYS.values(), mode="before")
     @classmethod
     def _class_map(cls, value: Any) -> Any:
         return parse_class_map(value) if isinstance(value, str) else value
-
-    @field_validator("reserved_share", "min_share")
-    @classmethod
-    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, share in value.items():
-            if not 0.0 <= share <= 1.0:
-                raise ValueError(f"{name}={share}: a share is a fraction between 0 and 1")
-        return value
-
-    @field_validator("ttft_slo")
-    @classmethod
-    def _budgets(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, budget in value.items():
-            if not (budget > 0 and math.isfinite(budget)):
-                raise ValueError(f"{name}={budget}: a budget is a positive number of seconds")
-        return value
 
     @model_validator(mode="after")
     def _ranges(self) -> ShimSettings:
@@ -428,7 +459,7 @@ class ShimSettings(BaseSettings):
             raise ValueError(
                 f"default_class {self.default_class!r} is not one of classes {list(self.classes)}"
             )
-        for name in ("reserved_share", "min_share", "ttft_slo", "class_priority"):
+        for name in PER_CLASS_KEYS.values():
             unknown = sorted(set(getattr(self, name)) - set(self.classes))
             if unknown:
                 raise ValueError(f"{name} names unknown classes {unknown}; classes are {list(self.classes)}")
@@ -457,16 +488,19 @@ class ShimSettings(BaseSettings):
     def class_limits(self) -> dict[str, ClassLimits]:
         """Queue bound and wait per class, highest priority first.
 
-        Classes other than ``interactive`` and ``batch`` use the shared ``max_queue`` /
+        A class's entry in ``class_max_queue`` / ``class_max_queue_wait`` wins, then the
+        alias fields (``interactive_max_queue`` ...), then the shared ``max_queue`` /
         ``max_queue_wait``.
         """
-        overrides = {
+        aliases = {
             "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
             "batch": (self.batch_max_queue, self.batch_max_queue_wait),
         }
         limits = {}
         for name in self.classes:
-            queue, wait = overrides.get(name, (None, None))
+            queue, wait = aliases.get(name, (None, None))
+            queue = self.class_max_queue.get(name, queue)
+            wait = self.class_max_queue_wait.get(name, wait)
             limits[name] = ClassLimits(
                 max_queue=_pick(queue, self.max_queue), max_queue_wait=_pick(wait, self.max_queue_wait)
             )
@@ -527,75 +561,9 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-#: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).
-_REPEATABLE = frozenset({"allow_operator_route"})
-
-
-def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Admission-controlled OpenAI-compatible proxy in front of vLLM: caps what is in "
-        "flight, keeps short bounded queues per traffic class and answers the rest at once with a 429 "
-        "(or 503) carrying an estimated Retry-After. Every flag can also be set through the environment "
-        f"variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_QUEUE=50); flags win.",
-    )
-    for name, field in ShimSettings.model_fields.items():
-        default = field.default
-        if default is None:
-            shown = "none"
-        elif isinstance(default, dict):
-            shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
-        elif isinstance(default, tuple):
-            shown = ",".join(default) or "none"
-        else:
-            shown = str(default)
-        # Booleans work as bare switches (--forward-priority) and with a value (... false).
-        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
-        if name in _REPEATABLE:
-            switch = {"action": "append"}
-        if field.annotation is bool:
-            metavar = "BOOL"
-        elif isinstance(default, dict):
-            metavar = "CLASS=VALUE,..."
-        else:
-            metavar = name.split("_")[-1].upper()
-        parser.add_argument(
-            flag_name(name),
-            dest=name,
-            default=None,
-            metavar=metavar,
-            help=f"{field.description} [env {env_name(name)}; default {shown}]",
-            **switch,
-        )
-    return parser
-
-
 def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:
-    """Parse flags, merge them over the environment, validate.
+    """Settings from flags, environment and ``--config`` file: see :mod:`.config_sources`."""
+    # Imported here: config_sources builds on this module.
+    from llm_backoff_shim.serve.config_sources import load_settings as load
 
-    Raises :class:`ConfigError` with a one-line message on bad values; argparse itself
-    exits (status 2) on unknown flags and prints ``--help``.
-    """
-    namespace = build_parser(prog).parse_args(list(argv))
-    given = {key: value for key, value in vars(namespace).items() if value is not None}
-    for name in _REPEATABLE.intersection(given):
-        given[name] = ",".join(given[name])
-    try:
-        return ShimSettings(**given)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, set(given))) from None
-
-
-def _describe(exc: ValidationError, from_flags: set[str]) -> str:
-    problems = []
-    for error in exc.errors(include_url=False):
-        loc = [str(part) for part in error["loc"]]
-        field = loc[0] if loc else ""
-        message = str(error["msg"]).removeprefix("Value error, ")
-        if field in ShimSettings.model_fields:
-            source = flag_name(field) if field in from_flags else env_name(field)
-            value = error.get("input")
-            problems.append(f"{source}={value!s}: {message}")
-        else:
-            problems.append(message)
-    return "invalid configuration: " + "; ".join(problems)
+    return load(argv, prog=prog)
