@@ -92,6 +92,16 @@ def test_precedence_is_flag_then_env_then_file_then_default(
     assert s.reject_status == 503
 
 
+def test_the_file_can_be_named_by_a_variable_and_the_flag_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_CONFIG", write(tmp_path, "max_queue = 3\n", "env.toml"))
+    assert load_settings([]).max_queue == 3
+    assert load_settings(["--config", write(tmp_path, "max_queue = 4\n")]).max_queue == 4
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_CONFIG", "")
+    assert load_settings([]).max_queue == 20
+
+
 def test_per_class_values_merge_class_by_class_across_sources(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -146,7 +146,7 @@ def build_parser(prog: str = PROG, *, show_all: bool = False) -> argparse.Argume
         metavar="PATH",
         default=None,
         help="TOML file of settings (keys as in --help-all with '_' for '-'; "
-        "example: server_shim/deploy/shim.toml)",
+        f"example: server_shim/deploy/shim.toml) [env {ENV_PREFIX}CONFIG]",
     )
     parser.add_argument("--help-all", action=_HelpAll, help="list every setting, in groups, and exit")
     shown = GROUPS if show_all else COMMON

@@ -3,69 +3,61 @@
 Values come from command-line flags, ``LLM_BACKOFF_SHIM_<FIELD>`` environment
 variables and a TOML file (``--config``); flag > env > file > default.
 :mod:`~llm_backoff_shim.serve.config_sources` merges them,
-:mod:`~llm_backoff_shim.serve.cli_flags` builds the flags and
-:mod:`~llm_backoff_shim.serve.config_file` reads and writes the file.
+:mod:`~llm_backoff_shim.serve.cli_flags` builds the flags,
+:mod:`~llm_backoff_shim.serve.config_file` reads and writes the file and
+:mod:`~llm_backoff_shim.serve.config_values` holds the names and value syntax.
 
 Per-class values are maps from class name to value (``class_max_queue``,
 ``reserved_share``, ...; :data:`PER_CLASS_KEYS`): ``NAME=value,...`` on the command
 line and in the environment, one ``[classes.NAME]`` table per class in the file.
+
+This module is longer than the others for one reason: the model is one class, and its
+fields with their descriptions are the single reference that ``--help``, ``--help-all``
+and the example file print.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AnyHttpUrl, Field, SecretStr, field_validator, model_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.serve.config_values import (
+    CLASS_ALIASES,
+    DEFAULT_CLASSES,
+    ENV_PREFIX,
+    PER_CLASS_KEYS,
+    Budget,
+    ClassLimits,
+    ConfigError,
+    Share,
+    check_class_names,
+    check_networks,
+    env_name,
+    flag_name,
+    parse_class_map,
+    split_list,
+)
 from llm_backoff_shim.serve.routes import UnknownOperatorRouteError, check_allowed
 
-ENV_PREFIX = "LLM_BACKOFF_SHIM_"
-
-#: The traffic classes the shim knows, highest priority first.
-DEFAULT_CLASSES: tuple[str, ...] = ("interactive", "batch")
-
-
-#: The per-class settings: key in a ``[classes.NAME]`` table -> the map field holding it.
-PER_CLASS_KEYS: dict[str, str] = {
-    "max_queue": "class_max_queue",
-    "max_queue_wait": "class_max_queue_wait",
-    "reserved_share": "reserved_share",
-    "min_share": "min_share",
-    "ttft_slo": "ttft_slo",
-    "priority": "class_priority",
-}
-
-#: Single-class fields kept as aliases of one map entry: field -> (map field, class).
-CLASS_ALIASES: dict[str, tuple[str, str]] = {
-    "interactive_max_queue": ("class_max_queue", "interactive"),
-    "batch_max_queue": ("class_max_queue", "batch"),
-    "interactive_max_queue_wait": ("class_max_queue_wait", "interactive"),
-    "batch_max_queue_wait": ("class_max_queue_wait", "batch"),
-}
-
-
-def _share(value: float) -> float:
-    if not 0.0 <= value <= 1.0:
-        raise ValueError("a share is a fraction between 0 and 1")
-    return value
-
-
-def _budget(value: float) -> float:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError("a budget is a positive number of seconds")
-    return value
-
-
-_Share = Annotated[float, AfterValidator(_share)]
-_Budget = Annotated[float, AfterValidator(_budget)]
+__all__ = [
+    "CLASS_ALIASES",
+    "DEFAULT_CLASSES",
+    "ENV_PREFIX",
+    "PER_CLASS_KEYS",
+    "ClassLimits",
+    "ConfigError",
+    "ShimSettings",
+    "env_name",
+    "flag_name",
+    "load_settings",
+    "parse_class_map",
+]
 
 
 class ShimSettings(BaseSettings):
@@ -139,17 +131,17 @@ class ShimSettings(BaseSettings):
     default_class: str = Field(
         default="interactive", description="class of requests without an x-request-class header"
     )
-    reserved_share: Annotated[dict[str, _Share], NoDecode] = Field(
+    reserved_share: Annotated[dict[str, Share], NoDecode] = Field(
         default={"interactive": 0.25},
         description="share of the in-flight slots that lower classes may never take, per class "
         "(class=fraction,...; rounded up to whole slots)",
     )
-    min_share: Annotated[dict[str, _Share], NoDecode] = Field(
+    min_share: Annotated[dict[str, Share], NoDecode] = Field(
         default={"batch": 0.1},
         description="share of the in-flight slots a class gets even while higher classes wait "
         "(anti-starvation; class=fraction,...; rounded up to whole slots)",
     )
-    ttft_slo: Annotated[dict[str, _Budget], NoDecode] = Field(
+    ttft_slo: Annotated[dict[str, Budget], NoDecode] = Field(
         default={},
         description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
         "turns on queue-time SLO shedding for the classes named",
@@ -408,38 +400,22 @@ class ShimSettings(BaseSettings):
     @field_validator("trusted_proxies", mode="before")
     @classmethod
     def _address_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
-        return value
+        return split_list(value)
 
     @field_validator("trusted_proxies")
     @classmethod
     def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for item in value:
-            try:
-                ipaddress.ip_network(item, strict=False)
-            except ValueError:
-                raise ValueError(f"{item!r} is not an IP address or network") from None
-        return value
+        return check_networks(value)
 
     @field_validator("classes", mode="before")
     @classmethod
     def _class_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [part.strip().lower() for part in value.split(",") if part.strip()]
-        return value
+        return split_list(value, lower=True)
 
     @field_validator("classes")
     @classmethod
     def _class_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("at least one class is needed")
-        for name in value:
-            if not _CLASS_NAME.fullmatch(name):
-                raise ValueError(f"class name {name!r}: use lowercase letters, digits, '-' and '_'")
-        if len(set(value)) != len(value):
-            raise ValueError("class names must be unique")
-        return value
+        return check_class_names(value)
 
     @field_validator(*PER_CLASS_KEYS.values(), mode="before")
     @classmethod
@@ -502,63 +478,14 @@ class ShimSettings(BaseSettings):
             queue = self.class_max_queue.get(name, queue)
             wait = self.class_max_queue_wait.get(name, wait)
             limits[name] = ClassLimits(
-                max_queue=_pick(queue, self.max_queue), max_queue_wait=_pick(wait, self.max_queue_wait)
+                max_queue=self.max_queue if queue is None else queue,
+                max_queue_wait=self.max_queue_wait if wait is None else wait,
             )
         return limits
 
     def vllm_priority(self) -> dict[str, int]:
         """The ``priority`` each class sends to vLLM (lower is served first)."""
         return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
-
-
-_CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
-
-
-def parse_class_map(text: str) -> dict[str, str]:
-    """``"interactive=2, batch=60"`` -> ``{"interactive": "2", "batch": "60"}`` (pydantic converts values).
-
-    A JSON object is accepted too (convenient in environment files).
-    """
-    text = text.strip()
-    if text.startswith("{"):
-        import json
-
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"not a JSON object: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        return {str(k).strip().lower(): v for k, v in data.items()}
-    result: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip():
-            raise ValueError(f"{item!r}: expected class=value pairs separated by commas")
-        result[name.strip().lower()] = value.strip()
-    return result
-
-
-@dataclass(frozen=True)
-class ClassLimits:
-    max_queue: int
-    max_queue_wait: float
-
-
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-class ConfigError(ValueError):
-    """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
 
 
 def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:

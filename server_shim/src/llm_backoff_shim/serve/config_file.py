@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llm_backoff_shim.serve.cli_flags import GROUPS
 from llm_backoff_shim.serve.config import (
     CLASS_ALIASES,
     PER_CLASS_KEYS,
@@ -177,20 +178,29 @@ def render_config(active: Mapping[str, Any], *, header: Iterable[str] = ()) -> s
     """
     fields = ShimSettings.model_fields
     lines = [part for line in header for part in (_comment(line, 100) if line else ["#"])]
-    for name, info in fields.items():
-        if name in NOT_TOP_LEVEL:
-            continue
-        text = f"{info.description} [flag --{name.replace('_', '-')}; env {env_name(name)}]"
-        if name in active:
-            lines += ["", *_entry(name, text, active[name], True)]
-        elif name == "api_key":
-            lines += ["", *_comment(text + " -- keep the key out of files: use the variable"), "# api_key ="]
-        else:
-            default = info.default
-            shown = EXAMPLES.get(name) if default is None or default == () else default
-            lines += ["", *_entry(name, text, shown, False)]
+    for title, names in GROUPS.items():
+        top_level = [name for name in names if name not in NOT_TOP_LEVEL]
+        if top_level:
+            lines += ["", f"# ---- {title} ".ljust(88, "-")]
+        for name in top_level:
+            info = fields[name]
+            text = f"{info.description} [flag --{name.replace('_', '-')}; env {env_name(name)}]"
+            if name in active:
+                lines += ["", *_entry(name, text, active[name], True)]
+            elif name == "api_key":
+                lines += [
+                    "",
+                    *_comment(text + " -- keep the key out of files: use the variable"),
+                    "# api_key =",
+                ]
+            else:
+                default = info.default
+                shown = EXAMPLES.get(name) if default is None or default == () else default
+                lines += ["", *_entry(name, text, shown, False)]
     classes = tuple(active.get("classes", fields["classes"].default))
     lines += [
+        "",
+        "# ---- per class ".ljust(88, "-"),
         "",
         *_comment(
             "One table per traffic class, highest priority first (their order is --classes). "

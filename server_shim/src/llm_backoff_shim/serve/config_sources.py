@@ -48,6 +48,8 @@ def load_settings(argv: Sequence[str], *, prog: str = PROG) -> ShimSettings:
     """
     given = vars(build_parser(prog).parse_args(list(argv)))
     path = given.pop("config", None)
+    if path is None:
+        path = environment_file(os.environ)
     flags = {key: value for key, value in given.items() if value is not None}
     for name in REPEATABLE.intersection(flags):
         flags[name] = ",".join(flags[name])
@@ -56,6 +58,18 @@ def load_settings(argv: Sequence[str], *, prog: str = PROG) -> ShimSettings:
         return settings_from(flags, environment_values(os.environ), file)
     except ConfigError as exc:
         raise ConfigError(f"invalid configuration: {exc}") from None
+
+
+#: The variable naming the settings file when ``--config`` is not given.
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+
+
+def environment_file(environ: Mapping[str, str]) -> str | None:
+    """``LLM_BACKOFF_SHIM_CONFIG`` (any case), or None; an empty value means no file."""
+    for key, value in environ.items():
+        if key.upper() == CONFIG_ENV:
+            return value or None
+    return None
 
 
 def environment_values(environ: Mapping[str, str]) -> dict[str, str]:
