@@ -109,7 +109,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_serve_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_help_explains_the_common_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--help"])
     assert info.value.code == 0
