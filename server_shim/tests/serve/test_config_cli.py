@@ -47,6 +47,23 @@ def test_class_limits_default_to_the_shared_ones() -> None:
     assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (2, 10.0)
 
 
+def test_per_class_values_have_one_syntax_and_the_aliases_are_its_entries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    s = load_settings(["--class-max-queue", "interactive=8,batch=32", "--class-max-queue-wait", "batch=60"])
+    assert s.class_max_queue == {"interactive": 8, "batch": 32}
+    assert s.class_limits()["batch"].max_queue_wait == 60.0
+    # In one source the map's own entry wins over the alias, whatever the order.
+    assert load_settings(["--class-max-queue", "batch=3", "--batch-max-queue", "5"]).class_max_queue == {
+        "batch": 3
+    }
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE", "batch=lots")
+    with pytest.raises(ConfigError, match=r"LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE batch=lots: Input should be"):
+        load_settings([])
+    with pytest.raises(ConfigError, match=r"--class-max-queue-wait interactive=inf: "):
+        load_settings(["--class-max-queue", "batch=1", "--class-max-queue-wait", "interactive=inf"])
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [
@@ -92,7 +109,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_serve_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_help_explains_the_common_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["serve", "--help"])
     assert info.value.code == 0

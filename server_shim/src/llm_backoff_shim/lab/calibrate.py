@@ -42,7 +42,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import openai
 
-from .calibrate_report import plot, render_text, to_json
+from .calibrate_report import plot, recommended_config, render_text, to_json
 from .knee import (
     Knee,
     KneeRule,
@@ -125,6 +125,7 @@ class CalibrateConfig:
     tolerance: float = 0.05
     out: Path = Path(".")
     json: bool = False
+    write_config: Path | None = None
 
     @property
     def rule(self) -> KneeRule:
@@ -263,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a level with a larger share of failed requests is past the knee (default %(default)s)",
     )
     add("--out", default=".", metavar="DIR", help=f"directory for {PNG_NAME} (default: the current one)")
+    add(
+        "--write-config",
+        metavar="PATH",
+        help="write the recommendation as a settings file for 'llm-backoff-shim serve --config PATH'",
+    )
     add("--json", action="store_true", help="print the result as JSON on stdout (progress stays on stderr)")
     return p
 
@@ -342,6 +348,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         tolerance=args.tolerance,
         out=Path(args.out),
         json=args.json,
+        write_config=None if args.write_config is None else Path(args.write_config),
     )
 
 
@@ -692,8 +699,29 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
             outcome.png = plot(outcome, config.out / PNG_NAME)
         except OSError as exc:
             print(f"{PROG}: cannot write {config.out / PNG_NAME}: {exc}", file=err)
+    written = _write_config(outcome, err)
     if config.json:
         print(json.dumps(to_json(outcome), indent=2), file=out)
     else:
         print(render_text(outcome), file=out)
+    if not written:
+        return 1
     return 0 if outcome.recommendation is not None else 1
+
+
+def _write_config(outcome: Outcome, err: TextIO) -> bool:
+    """Write ``--write-config``'s file; False if it was asked for and could not be written."""
+    path = outcome.config.write_config
+    text = recommended_config(outcome)
+    if path is None:
+        return True
+    if text is None:
+        print(f"{PROG}: no recommendation, {path} not written", file=err)
+        return True
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        print(f"{PROG}: cannot write {path}: {exc.strerror or exc}", file=err)
+        return False
+    print(f"{PROG}: wrote {path} (llm-backoff-shim serve --config {path})", file=err)
+    return True

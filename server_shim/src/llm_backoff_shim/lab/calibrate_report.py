@@ -12,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llm_backoff_shim.serve.config_file import render_config
+
 from .knee import StepStats, Verdict, rate
 
 if TYPE_CHECKING:
@@ -29,6 +31,28 @@ def serve_command(outcome: Outcome) -> str | None:
         *outcome.recommendation.serve_flags(),
     ]
     return " ".join(flags)
+
+
+def recommended_config(outcome: Outcome) -> str | None:
+    """The recommendation as a ``serve --config`` file (every other setting commented out)."""
+    rec = outcome.recommendation
+    if rec is None:
+        return None
+    cfg = outcome.config
+    return render_config(
+        {
+            "upstream": outcome.upstream,
+            "max_concurrency": rec.max_concurrency,
+            "max_queue": rec.max_queue,
+            "max_queue_wait": rec.max_queue_wait,
+        },
+        header=(
+            f"llm-backoff-shim serve --config FILE: recommended by llm-backoff-shim calibrate for "
+            f"{outcome.upstream}",
+            f"(model {outcome.model!r}, SLO p99 TTFT {cfg.ttft_slo:g} s; knee: {outcome.knee.reason}).",
+            "Flags and LLM_BACKOFF_SHIM_* variables win over this file (flag > env > file > default).",
+        ),
+    )
 
 
 def _median(steps: Sequence[StepStats], name: str) -> float:

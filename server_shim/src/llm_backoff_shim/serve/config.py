@@ -1,44 +1,72 @@
 """The shim's configuration: one validated pydantic-settings model.
 
-Values come from ``LLM_BACKOFF_SHIM_<FIELD>`` environment variables and from
-command-line flags (``--max-queue`` <-> ``LLM_BACKOFF_SHIM_MAX_QUEUE``); flags win.
+Values come from command-line flags, ``LLM_BACKOFF_SHIM_<FIELD>`` environment
+variables and a TOML file (``--config``); flag > env > file > default.
+:mod:`~llm_backoff_shim.serve.config_sources` merges them,
+:mod:`~llm_backoff_shim.serve.cli_flags` builds the flags,
+:mod:`~llm_backoff_shim.serve.config_file` reads and writes the file and
+:mod:`~llm_backoff_shim.serve.config_values` holds the names and value syntax.
 
-Why argparse in front of pydantic-settings rather than pydantic-settings' own CLI
-source: we want one hand-written help line per flag, the exact flag names of the
-issue, and control of the failure path (a one-line message and exit status 2, never
-a traceback). Flags are passed to the model as strings so that a bad value gets the
-same validation message whether it came from a flag or from the environment.
+Per-class values are maps from class name to value (``class_max_queue``,
+``reserved_share``, ...; :data:`PER_CLASS_KEYS`): ``NAME=value,...`` on the command
+line and in the environment, one ``[classes.NAME]`` table per class in the file.
+
+This module is longer than the others for one reason: the model is one class, and its
+fields with their descriptions are the single reference that ``--help``, ``--help-all``
+and the example file print.
 """
 
 from __future__ import annotations
 
-import argparse
-import ipaddress
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.serve.config_values import (
+    CLASS_ALIASES,
+    DEFAULT_CLASSES,
+    ENV_PREFIX,
+    PER_CLASS_KEYS,
+    Budget,
+    ClassLimits,
+    ConfigError,
+    Share,
+    check_class_names,
+    check_networks,
+    env_name,
+    flag_name,
+    parse_class_map,
+    split_list,
+)
 from llm_backoff_shim.serve.routes import UnknownOperatorRouteError, check_allowed
 
-ENV_PREFIX = "LLM_BACKOFF_SHIM_"
-
-#: The traffic classes the shim knows, highest priority first.
-DEFAULT_CLASSES: tuple[str, ...] = ("interactive", "batch")
+__all__ = [
+    "CLASS_ALIASES",
+    "DEFAULT_CLASSES",
+    "ENV_PREFIX",
+    "PER_CLASS_KEYS",
+    "ClassLimits",
+    "ConfigError",
+    "ShimSettings",
+    "env_name",
+    "flag_name",
+    "load_settings",
+    "parse_class_map",
+]
 
 
 class ShimSettings(BaseSettings):
     """Everything ``llm-backoff-shim serve`` can be told.
 
-    Per-class queue limits (``interactive_max_queue`` ...) default to the shared
+    Per-class queue limits (``class_max_queue`` ...) default to the shared
     ``max_queue`` / ``max_queue_wait``; ``max_queue`` is also the bound on all
     classes together, so "at most --max-queue waiting" holds whatever the classes.
+    Field names are the keys of the ``--config`` file.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
@@ -67,23 +95,34 @@ class ShimSettings(BaseSettings):
     max_queue_wait: float = Field(
         default=10.0, gt=0, le=86_400, description="seconds a request may wait in the queue before a 429"
     )
+    class_max_queue: Annotated[dict[str, Annotated[int, Field(ge=0, le=1_000_000)]], NoDecode] = Field(
+        default={},
+        description="queue bound per class (class=N,...); a class not named uses --max-queue",
+    )
+    class_max_queue_wait: Annotated[
+        dict[str, Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]], NoDecode
+    ] = Field(
+        default={},
+        description="queue wait per class in seconds (class=seconds,...); a class not named uses "
+        "--max-queue-wait",
+    )
     interactive_max_queue: int | None = Field(
         default=None,
         ge=0,
         le=1_000_000,
-        description="queue bound for class interactive (default --max-queue)",
+        description="alias of --class-max-queue interactive=N",
     )
     batch_max_queue: int | None = Field(
-        default=None, ge=0, le=1_000_000, description="queue bound for class batch (default --max-queue)"
+        default=None, ge=0, le=1_000_000, description="alias of --class-max-queue batch=N"
     )
     interactive_max_queue_wait: float | None = Field(
         default=None,
         gt=0,
         le=86_400,
-        description="queue wait for class interactive (default --max-queue-wait)",
+        description="alias of --class-max-queue-wait interactive=SECONDS",
     )
     batch_max_queue_wait: float | None = Field(
-        default=None, gt=0, le=86_400, description="queue wait for class batch (default --max-queue-wait)"
+        default=None, gt=0, le=86_400, description="alias of --class-max-queue-wait batch=SECONDS"
     )
     classes: Annotated[tuple[str, ...], NoDecode] = Field(
         default=DEFAULT_CLASSES,
@@ -92,17 +131,17 @@ class ShimSettings(BaseSettings):
     default_class: str = Field(
         default="interactive", description="class of requests without an x-request-class header"
     )
-    reserved_share: Annotated[dict[str, float], NoDecode] = Field(
+    reserved_share: Annotated[dict[str, Share], NoDecode] = Field(
         default={"interactive": 0.25},
         description="share of the in-flight slots that lower classes may never take, per class "
         "(class=fraction,...; rounded up to whole slots)",
     )
-    min_share: Annotated[dict[str, float], NoDecode] = Field(
+    min_share: Annotated[dict[str, Share], NoDecode] = Field(
         default={"batch": 0.1},
         description="share of the in-flight slots a class gets even while higher classes wait "
         "(anti-starvation; class=fraction,...; rounded up to whole slots)",
     )
-    ttft_slo: Annotated[dict[str, float], NoDecode] = Field(
+    ttft_slo: Annotated[dict[str, Budget], NoDecode] = Field(
         default={},
         description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
         "turns on queue-time SLO shedding for the classes named",
@@ -361,59 +400,27 @@ class ShimSettings(BaseSettings):
     @field_validator("trusted_proxies", mode="before")
     @classmethod
     def _address_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",") if part.strip()]
-        return value
+        return split_list(value)
 
     @field_validator("trusted_proxies")
     @classmethod
     def _networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for item in value:
-            try:
-                ipaddress.ip_network(item, strict=False)
-            except ValueError:
-                raise ValueError(f"{item!r} is not an IP address or network") from None
-        return value
+        return check_networks(value)
 
     @field_validator("classes", mode="before")
     @classmethod
     def _class_list(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            value = [part.strip().lower() for part in value.split(",") if part.strip()]
-        return value
+        return split_list(value, lower=True)
 
     @field_validator("classes")
     @classmethod
     def _class_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError("at least one class is needed")
-        for name in value:
-            if not _CLASS_NAME.fullmatch(name):
-                raise ValueError(f"class name {name!r}: use lowercase letters, digits, '-' and '_'")
-        if len(set(value)) != len(value):
-            raise ValueError("class names must be unique")
-        return value
+        return check_class_names(value)
 
-    @field_validator("reserved_share", "min_share", "ttft_slo", "class_priority", mode="before")
+    @field_validator(*PER_CLASS_KEYS.values(), mode="before")
     @classmethod
     def _class_map(cls, value: Any) -> Any:
         return parse_class_map(value) if isinstance(value, str) else value
-
-    @field_validator("reserved_share", "min_share")
-    @classmethod
-    def _shares(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, share in value.items():
-            if not 0.0 <= share <= 1.0:
-                raise ValueError(f"{name}={share}: a share is a fraction between 0 and 1")
-        return value
-
-    @field_validator("ttft_slo")
-    @classmethod
-    def _budgets(cls, value: dict[str, float]) -> dict[str, float]:
-        for name, budget in value.items():
-            if not (budget > 0 and math.isfinite(budget)):
-                raise ValueError(f"{name}={budget}: a budget is a positive number of seconds")
-        return value
 
     @model_validator(mode="after")
     def _ranges(self) -> ShimSettings:
@@ -428,7 +435,7 @@ class ShimSettings(BaseSettings):
             raise ValueError(
                 f"default_class {self.default_class!r} is not one of classes {list(self.classes)}"
             )
-        for name in ("reserved_share", "min_share", "ttft_slo", "class_priority"):
+        for name in PER_CLASS_KEYS.values():
             unknown = sorted(set(getattr(self, name)) - set(self.classes))
             if unknown:
                 raise ValueError(f"{name} names unknown classes {unknown}; classes are {list(self.classes)}")
@@ -457,18 +464,22 @@ class ShimSettings(BaseSettings):
     def class_limits(self) -> dict[str, ClassLimits]:
         """Queue bound and wait per class, highest priority first.
 
-        Classes other than ``interactive`` and ``batch`` use the shared ``max_queue`` /
+        A class's entry in ``class_max_queue`` / ``class_max_queue_wait`` wins, then the
+        alias fields (``interactive_max_queue`` ...), then the shared ``max_queue`` /
         ``max_queue_wait``.
         """
-        overrides = {
+        aliases = {
             "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
             "batch": (self.batch_max_queue, self.batch_max_queue_wait),
         }
         limits = {}
         for name in self.classes:
-            queue, wait = overrides.get(name, (None, None))
+            queue, wait = aliases.get(name, (None, None))
+            queue = self.class_max_queue.get(name, queue)
+            wait = self.class_max_queue_wait.get(name, wait)
             limits[name] = ClassLimits(
-                max_queue=_pick(queue, self.max_queue), max_queue_wait=_pick(wait, self.max_queue_wait)
+                max_queue=self.max_queue if queue is None else queue,
+                max_queue_wait=self.max_queue_wait if wait is None else wait,
             )
         return limits
 
@@ -477,125 +488,9 @@ class ShimSettings(BaseSettings):
         return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
 
 
-_CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
-
-
-def parse_class_map(text: str) -> dict[str, str]:
-    """``"interactive=2, batch=60"`` -> ``{"interactive": "2", "batch": "60"}`` (pydantic converts values).
-
-    A JSON object is accepted too (convenient in environment files).
-    """
-    text = text.strip()
-    if text.startswith("{"):
-        import json
-
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"not a JSON object: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError("expected a JSON object")
-        return {str(k).strip().lower(): v for k, v in data.items()}
-    result: dict[str, str] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        if not sep or not name.strip() or not value.strip():
-            raise ValueError(f"{item!r}: expected class=value pairs separated by commas")
-        result[name.strip().lower()] = value.strip()
-    return result
-
-
-@dataclass(frozen=True)
-class ClassLimits:
-    max_queue: int
-    max_queue_wait: float
-
-
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-class ConfigError(ValueError):
-    """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
-
-
-def flag_name(field: str) -> str:
-    return "--" + field.replace("_", "-")
-
-
-def env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
-
-
-#: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).
-_REPEATABLE = frozenset({"allow_operator_route"})
-
-
-def build_parser(prog: str = "llm-backoff-shim serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Admission-controlled OpenAI-compatible proxy in front of vLLM: caps what is in "
-        "flight, keeps short bounded queues per traffic class and answers the rest at once with a 429 "
-        "(or 503) carrying an estimated Retry-After. Every flag can also be set through the environment "
-        f"variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}MAX_QUEUE=50); flags win.",
-    )
-    for name, field in ShimSettings.model_fields.items():
-        default = field.default
-        if default is None:
-            shown = "none"
-        elif isinstance(default, dict):
-            shown = ",".join(f"{k}={v}" for k, v in default.items()) or "none"
-        elif isinstance(default, tuple):
-            shown = ",".join(default) or "none"
-        else:
-            shown = str(default)
-        # Booleans work as bare switches (--forward-priority) and with a value (... false).
-        switch: dict[str, Any] = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
-        if name in _REPEATABLE:
-            switch = {"action": "append"}
-        if field.annotation is bool:
-            metavar = "BOOL"
-        elif isinstance(default, dict):
-            metavar = "CLASS=VALUE,..."
-        else:
-            metavar = name.split("_")[-1].upper()
-        parser.add_argument(
-            flag_name(name),
-            dest=name,
-            default=None,
-            metavar=metavar,
-            help=f"{field.description} [env {env_name(name)}; default {shown}]",
-            **switch,
-        )
-    return parser
-
-
 def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:
-    """Parse flags, merge them over the environment, validate.
+    """Settings from flags, environment and ``--config`` file: see :mod:`.config_sources`."""
+    # Imported here: config_sources builds on this module.
+    from llm_backoff_shim.serve.config_sources import load_settings as load
 
-    Raises :class:`ConfigError` with a one-line message on bad values; argparse itself
-    exits (status 2) on unknown flags and prints ``--help``.
-    """
-    namespace = build_parser(prog).parse_args(list(argv))
-    given = {key: value for key, value in vars(namespace).items() if value is not None}
-    for name in _REPEATABLE.intersection(given):
-        given[name] = ",".join(given[name])
-    try:
-        return ShimSettings(**given)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc, set(given))) from None
-
-
-def _describe(exc: ValidationError, from_flags: set[str]) -> str:
-    problems = []
-    for error in exc.errors(include_url=False):
-        loc = [str(part) for part in error["loc"]]
-        field = loc[0] if loc else ""
-        message = str(error["msg"]).removeprefix("Value error, ")
-        if field in ShimSettings.model_fields:
-            source = flag_name(field) if field in from_flags else env_name(field)
-            value = error.get("input")
-            problems.append(f"{source}={value!s}: {message}")
-        else:
-            problems.append(message)
-    return "invalid configuration: " + "; ".join(problems)
+    return load(argv, prog=prog)

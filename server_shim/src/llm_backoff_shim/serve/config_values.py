@@ -1,0 +1,134 @@
+"""The names and value syntax of the shim's settings, shared by the model and its sources.
+
+A setting ``max_queue`` is the flag ``--max-queue``, the variable
+``LLM_BACKOFF_SHIM_MAX_QUEUE`` and the file key ``max_queue``. Per-class settings are
+maps from class name to value: ``NAME=value,...`` (or a JSON object) on the command line
+and in the environment, one ``[classes.NAME]`` table per class in the file, under the
+keys of :data:`PER_CLASS_KEYS`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import AfterValidator
+
+ENV_PREFIX = "LLM_BACKOFF_SHIM_"
+
+#: The traffic classes the shim knows, highest priority first.
+DEFAULT_CLASSES: tuple[str, ...] = ("interactive", "batch")
+
+#: The per-class settings: key in a ``[classes.NAME]`` table -> the map field holding it.
+PER_CLASS_KEYS: dict[str, str] = {
+    "max_queue": "class_max_queue",
+    "max_queue_wait": "class_max_queue_wait",
+    "reserved_share": "reserved_share",
+    "min_share": "min_share",
+    "ttft_slo": "ttft_slo",
+    "priority": "class_priority",
+}
+
+#: Single-class fields kept as aliases of one map entry: field -> (map field, class).
+CLASS_ALIASES: dict[str, tuple[str, str]] = {
+    "interactive_max_queue": ("class_max_queue", "interactive"),
+    "batch_max_queue": ("class_max_queue", "batch"),
+    "interactive_max_queue_wait": ("class_max_queue_wait", "interactive"),
+    "batch_max_queue_wait": ("class_max_queue_wait", "batch"),
+}
+
+
+class ConfigError(ValueError):
+    """Settings that cannot start a shim; ``str()`` is a one-line, user-facing message."""
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _share(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("a share is a fraction between 0 and 1")
+    return value
+
+
+def _budget(value: float) -> float:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError("a budget is a positive number of seconds")
+    return value
+
+
+#: One class's share of the slots (checked per entry, so an error names the class).
+Share = Annotated[float, AfterValidator(_share)]
+#: One class's time budget in seconds.
+Budget = Annotated[float, AfterValidator(_budget)]
+
+_CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+
+
+def split_list(value: Any, *, lower: bool = False) -> Any:
+    """``"a, b"`` -> ``["a", "b"]``; anything but a string is returned as it is."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",") if part.strip()]
+        if lower:
+            value = [part.lower() for part in value]
+    return value
+
+
+def check_class_names(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value:
+        raise ValueError("at least one class is needed")
+    for name in value:
+        if not _CLASS_NAME.fullmatch(name):
+            raise ValueError(f"class name {name!r}: use lowercase letters, digits, '-' and '_'")
+    if len(set(value)) != len(value):
+        raise ValueError("class names must be unique")
+    return value
+
+
+def check_networks(value: tuple[str, ...]) -> tuple[str, ...]:
+    for item in value:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise ValueError(f"{item!r} is not an IP address or network") from None
+    return value
+
+
+def parse_class_map(text: str) -> dict[str, str]:
+    """``"interactive=2, batch=60"`` -> ``{"interactive": "2", "batch": "60"}`` (pydantic converts values).
+
+    A JSON object is accepted too (convenient in environment files).
+    """
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not a JSON object: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        return {str(k).strip().lower(): v for k, v in data.items()}
+    result: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"{item!r}: expected class=value pairs separated by commas")
+        result[name.strip().lower()] = value.strip()
+    return result
+
+
+@dataclass(frozen=True)
+class ClassLimits:
+    """One class's queue bound and queue wait (seconds)."""
+
+    max_queue: int
+    max_queue_wait: float

@@ -1,0 +1,305 @@
+"""The ``--config`` TOML file: its layout, precedence flag > env > file > default, its errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from llm_backoff_shim.serve.cli_flags import COMMON, GROUPS
+from llm_backoff_shim.serve.config import (
+    CLASS_ALIASES,
+    PER_CLASS_KEYS,
+    ConfigError,
+    ShimSettings,
+    load_settings,
+)
+from llm_backoff_shim.serve.config_file import NOT_TOP_LEVEL, example_config, render_config
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "shim.toml"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.upper().startswith("LLM_BACKOFF_SHIM_"):
+            monkeypatch.delenv(key)
+
+
+def write(tmp_path: Path, text: str, name: str = "shim.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+FILE = """
+upstream = "http://10.0.0.7:8000"
+max_concurrency = 16
+max_queue = 40
+max_queue_wait = 5.0
+reject_status = 503
+
+[classes.interactive]
+max_queue = 8
+max_queue_wait = 2
+reserved_share = 0.3
+ttft_slo = 2
+priority = 0
+
+[classes.batch]
+max_queue = 32
+min_share = 0.2
+priority = 5
+
+[classes.bulk]
+max_queue_wait = 120
+"""
+
+
+def test_a_file_sets_top_level_settings_and_one_table_per_class(tmp_path: Path) -> None:
+    s = load_settings(["--config", write(tmp_path, FILE)])
+    assert s.upstream_base == "http://10.0.0.7:8000"
+    assert (s.max_concurrency, s.max_queue, s.max_queue_wait, s.reject_status) == (16, 40, 5.0, 503)
+    # The tables' order is the classes' order, highest priority first.
+    assert s.classes == ("interactive", "batch", "bulk")
+    limits = {name: (lim.max_queue, lim.max_queue_wait) for name, lim in s.class_limits().items()}
+    assert limits == {"interactive": (8, 2.0), "batch": (32, 5.0), "bulk": (40, 120.0)}
+    assert s.reserved_share == {"interactive": 0.3}
+    assert s.min_share == {"batch": 0.2}
+    assert s.ttft_slo == {"interactive": 2.0}
+    assert s.vllm_priority() == {"interactive": 0, "batch": 5, "bulk": 2}
+
+
+def test_precedence_is_flag_then_env_then_file_then_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, FILE)
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_MAX_QUEUE", "50")
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_MAX_CONCURRENCY", "12")
+    s = load_settings(["--config", path, "--max-concurrency", "4"])
+    assert s.max_concurrency == 4  # flag over env over file
+    assert s.max_queue == 50  # env over file
+    assert s.max_queue_wait == 5.0  # file over default
+    assert s.retry_after_max == 30.0  # default
+    assert s.reject_status == 503
+
+
+def test_the_file_can_be_named_by_a_variable_and_the_flag_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_CONFIG", write(tmp_path, "max_queue = 3\n", "env.toml"))
+    assert load_settings([]).max_queue == 3
+    assert load_settings(["--config", write(tmp_path, "max_queue = 4\n")]).max_queue == 4
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_CONFIG", "")
+    assert load_settings([]).max_queue == 20
+
+
+def test_per_class_values_merge_class_by_class_across_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, FILE)
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE", "batch=20,bulk=3")
+    s = load_settings(["--config", path, "--class-max-queue", "batch=64"])
+    assert s.class_max_queue == {"interactive": 8, "batch": 64, "bulk": 3}
+    # The single-class aliases are that source's entry of the same map.
+    s = load_settings(["--config", path, "--batch-max-queue", "7", "--interactive-max-queue-wait", "9"])
+    assert s.class_limits()["batch"].max_queue == 7
+    assert s.class_max_queue_wait == {"interactive": 9.0, "bulk": 120.0}
+    monkeypatch.setenv("LLM_BACKOFF_SHIM_INTERACTIVE_MAX_QUEUE", "1")
+    assert load_settings(["--config", path]).class_max_queue["interactive"] == 1
+
+
+def test_a_default_per_class_value_holds_until_a_source_names_a_class() -> None:
+    assert load_settings([]).reserved_share == {"interactive": 0.25}
+    assert load_settings(["--reserved-share", "batch=0.5"]).reserved_share == {"batch": 0.5}
+    # Other classes drop the default's entries for classes that no longer exist.
+    s = load_settings(["--classes", "gold,batch", "--default-class", "gold"])
+    assert (s.reserved_share, s.min_share) == ({}, {"batch": 0.1})
+
+
+def test_relative_paths_are_read_from_the_files_directory(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "keys").write_text("secret-key\n")
+    s = load_settings(["--config", write(tmp_path / "conf", 'api_keys_file = "keys"\n')])
+    assert s.api_keys_file == str(tmp_path / "conf" / "keys")
+    assert s.api_keys().check(b"secret-key")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("max_queue = \n", "shim.toml: not valid TOML: "),
+        ("max_queu = 3\n", "shim.toml: max_queu: unknown setting (did you mean 'max_queue'?)"),
+        ("[classes.batch]\nmax_queue = 'lots'\n", "shim.toml: classes.batch.max_queue: Input should be a valid integer"),  # noqa: E501
+        ("[classes.batch]\nmax_queue = -1\n", "shim.toml: classes.batch.max_queue: Input should be greater than or equal to 0"),  # noqa: E501
+        ("[classes.batch]\nsize = 3\n", "shim.toml: classes.batch.size: unknown per-class setting"),
+        ("[classes.batch]\nreserved_share = 2\n", "shim.toml: classes.batch.reserved_share: a share is a fraction"),  # noqa: E501
+        ("max_concurrency = 1.5\n", "shim.toml: max_concurrency: Input should be a valid integer"),
+        ("reject_status = 500\n", "shim.toml: reject_status: must be 429 or 503"),
+        ("batch_max_queue = 3\n", "batch_max_queue: unknown setting (per-class values go in the class's table: [classes.batch] max_queue = ...)"),  # noqa: E501
+        ("reserved_share = 0.5\n", "reserved_share: unknown setting (set it per class: [classes.NAME] reserved_share = ...)"),  # noqa: E501
+        ("classes = ['a', 'b']\n", "shim.toml: classes: expected one [classes.NAME] table per class"),
+        ("[classes]\nbatch = 3\n", "shim.toml: classes.batch: expected a table"),
+        ("[classes.Batch]\n", "shim.toml: classes: class name 'Batch'"),
+        ("[classes.batch]\n", "default_class 'interactive' is not one of classes ['batch']"),
+    ],
+)  # fmt: skip
+def test_an_invalid_file_names_the_keys_path(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(["--config", write(tmp_path, text)])
+    message = str(info.value)
+    assert message.startswith("invalid configuration: ")
+    assert expected.replace("shim.toml", str(tmp_path / "shim.toml")) in message
+    assert "\n" not in message
+
+
+def test_a_class_of_the_file_must_be_one_of_the_classes_a_flag_sets(tmp_path: Path) -> None:
+    path = write(tmp_path, "[classes.interactive]\n[classes.bulk]\nmax_queue = 3\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"shim.toml: classes.bulk: not one of the classes \['interactive', 'batch'\] \(set by --classes\)",  # noqa: E501
+    ):
+        load_settings(["--config", path, "--classes", "interactive,batch"])
+    with pytest.raises(ConfigError, match=r"cannot read the file"):
+        load_settings(["--config", str(tmp_path / "missing.toml")])
+
+
+def test_a_bad_file_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> None:
+    path = write(tmp_path, "[classes.interactive]\n[classes.batch]\nmax_queue = 'lots'\n")
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLM_BACKOFF_SHIM_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "llm_backoff_shim.cli", "serve", "--config", path],
+        capture_output=True, text=True, timeout=30, env=env, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"llm-backoff-shim serve: invalid configuration: {path}: classes.batch.max_queue: "
+        "Input should be a valid integer, unable to parse string as an integer"
+    )
+
+
+# --------------------------------------------------------------------------- the example file
+
+
+def test_the_example_file_is_the_generated_one() -> None:
+    assert EXAMPLE.read_text(encoding="utf-8") == example_config(), (
+        "regenerate: python -m llm_backoff_shim.serve.config_file > server_shim/deploy/shim.toml"
+    )
+
+
+def test_the_example_file_names_every_setting_and_loads_as_the_defaults() -> None:
+    text = EXAMPLE.read_text(encoding="utf-8")
+    data = tomllib.loads(text)
+    for name in ShimSettings.model_fields:
+        if name in CLASS_ALIASES or name == "classes":
+            continue
+        if name in NOT_TOP_LEVEL:
+            key = next(k for k, v in PER_CLASS_KEYS.items() if v == name)
+            assert all(
+                f"\n{key} =" in part or f"\n# {key} =" in part for part in text.split("[classes.")[1:]
+            ), name
+        else:
+            assert f"\n{name} =" in text or f"\n# {name} =" in text, name
+    assert list(data["classes"]) == list(ShimSettings.model_fields["classes"].default)
+    assert load_settings(["--config", str(EXAMPLE)]) == ShimSettings()
+
+
+def test_every_commented_example_value_is_valid(tmp_path: Path) -> None:
+    """Uncommenting every line of the example gives a file the shim accepts."""
+    lines = []
+    for line in EXAMPLE.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# ") and " = " in line and line[2:].split(" = ")[0].isidentifier():
+            line = line[2:]
+        if line.startswith(("tenants_file", "redis_url", "api_keys_file")):
+            continue  # they name files and servers of the example's machine
+        lines.append(line)
+    path = write(tmp_path, "\n".join(lines) + "\n")
+    s = load_settings(["--config", path])
+    assert s.metrics_port == 9090
+    assert s.ttft_slo == {"interactive": 2.0, "batch": 60.0}
+    assert s.class_max_queue == {"interactive": 20, "batch": 20}
+
+
+def test_a_rendered_file_loads_back_to_the_same_settings(tmp_path: Path) -> None:
+    active = {
+        "upstream": "http://10.1.2.3:8000",
+        "max_concurrency": 24,
+        "classes": ("gold", "silver"),
+        "default_class": "silver",
+        "class_max_queue": {"gold": 4},
+        "reserved_share": {"gold": 0.5},
+        "min_share": {},
+        "trusted_proxies": ("10.0.0.0/8",),
+        "access_log": False,
+    }
+    s = load_settings(["--config", write(tmp_path, render_config(active))])
+    assert (s.upstream_base, s.max_concurrency, s.classes) == ("http://10.1.2.3:8000", 24, ("gold", "silver"))
+    assert (s.default_class, s.class_max_queue, s.reserved_share, s.min_share) == (
+        "silver", {"gold": 4}, {"gold": 0.5}, {},
+    )  # fmt: skip
+    assert (s.trusted_proxies, s.access_log) == (("10.0.0.0/8",), False)
+
+
+# --------------------------------------------------------------------------- --help and --help-all
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLM_BACKOFF_SHIM_")}
+    return subprocess.run(
+        [sys.executable, "-m", "llm_backoff_shim.cli", "serve", *args],
+        capture_output=True, text=True, timeout=30, env=env, check=False,
+    )  # fmt: skip
+
+
+def flags_listed(help_text: str) -> set[str]:
+    return {line.split()[0].rstrip(",") for line in help_text.splitlines() if line.startswith("  --")}
+
+
+def test_help_shows_the_common_path_in_groups_and_help_all_every_flag() -> None:
+    short = run_serve("--help")
+    assert short.returncode == 0
+    shown = flags_listed(short.stdout)
+    common = {"--" + name.replace("_", "-") for names in COMMON.values() for name in names}
+    assert shown == common | {"--config", "--help-all"}
+    assert len(shown) <= 20
+    for title in COMMON:
+        assert f"\n{title}:\n" in short.stdout
+    assert "--upstream-read-timeout" not in short.stdout
+    full = run_serve("--help-all")
+    assert full.returncode == 0
+    every = {"--" + name.replace("_", "-") for name in ShimSettings.model_fields}
+    assert flags_listed(full.stdout) == every | {"--config", "--help-all"}
+    for title in GROUPS:
+        assert f"\n{title}:\n" in full.stdout
+
+
+def test_every_setting_has_one_group_and_hidden_flags_are_still_accepted() -> None:
+    grouped = [name for names in GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(ShimSettings.model_fields)
+    assert set().union(*COMMON.values()) <= set(grouped)
+    s = load_settings(["--upstream-read-timeout", "7", "--engine-metrics", "--tenant-header", "x-team"])
+    assert (s.upstream_read_timeout, s.engine_metrics, s.tenant_header) == (7.0, True, "x-team")
+
+
+def test_the_example_in_the_docs_loads_as_described(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "shim.md").read_text(encoding="utf-8")
+    start = doc.index("### Configuration")
+    block = doc[doc.index("```toml\n", start) + len("```toml\n") :]
+    path = write(tmp_path, block[: block.index("```")])
+    s = load_settings(["--config", path, "--class-max-queue", "batch=64"])
+    limits = {name: (lim.max_queue, lim.max_queue_wait) for name, lim in s.class_limits().items()}
+    assert limits == {"interactive": (8, 2.0), "batch": (64, 10.0)}
+    assert (s.reserved_share, s.min_share, s.ttft_slo) == (
+        {"interactive": 0.25},
+        {"batch": 0.1},
+        {"interactive": 2.0},
+    )
