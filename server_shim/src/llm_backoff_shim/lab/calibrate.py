@@ -31,6 +31,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,10 +40,10 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-import numpy as np
 import openai
 
 from .calibrate_report import plot, render_text, to_json
+from .extra import MissingLabExtraError
 from .knee import (
     Knee,
     KneeRule,
@@ -369,8 +370,15 @@ class Sample:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); 0.0 for no values."""
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else 0.0
+    """Linear-interpolated percentile (numpy's default method: between the two nearest ranks of
+    ``(n - 1) * q / 100``); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(float(v) for v in values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def steady_samples(samples: Sequence[Sample]) -> list[Sample]:
@@ -400,9 +408,9 @@ def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
     latencies = [s.end - s.start for s in used]
     ttfts = [(s.first_token if s.first_token is not None else s.end) - s.start for s in used]
     itls = [s.itl for s in used if s.itl is not None]
-    mean_latency = float(np.mean(latencies))
+    mean_latency = statistics.fmean(latencies)
     throughput = concurrency / mean_latency if mean_latency > 0 else 0.0
-    mean_output = float(np.mean([s.output_tokens for s in used]))
+    mean_output = statistics.fmean([s.output_tokens for s in used])
     return StepStats(
         concurrency=concurrency,
         requests=len(used),
@@ -415,7 +423,7 @@ def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
         latency_p50=percentile(latencies, 50),
         latency_p99=percentile(latencies, 99),
         output_tokens_per_s=throughput * mean_output,
-        mean_prompt_tokens=float(np.mean([s.prompt_tokens for s in used])),
+        mean_prompt_tokens=statistics.fmean([s.prompt_tokens for s in used]),
         mean_output_tokens=mean_output,
         ttft_p90=percentile(ttfts, 90),
         latency_p90=percentile(latencies, 90),
@@ -690,6 +698,8 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
     if outcome.steps:
         try:
             outcome.png = plot(outcome, config.out / PNG_NAME)
+        except MissingLabExtraError as exc:  # the measurement stands without its picture
+            print(f"{PROG}: {PNG_NAME} not written: {exc}", file=err)
         except OSError as exc:
             print(f"{PROG}: cannot write {config.out / PNG_NAME}: {exc}", file=err)
     if config.json:

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .extra import require_plotting
 from .knee import StepStats, Verdict, rate
 
 if TYPE_CHECKING:
@@ -165,7 +166,10 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
 
 
 def plot(outcome: Outcome, path: Path) -> Path:
-    """Throughput, TTFT and TPOT against concurrency (each measurement and the medians), SLOs, knee."""
+    """Throughput, TTFT and TPOT against concurrency (each measurement and the medians), SLOs, knee.
+
+    :class:`~llm_backoff_shim.lab.extra.MissingLabExtraError` without matplotlib (the ``lab`` extra)."""
+    require_plotting(f"the plot {path.name}")
     # Figure without pyplot: no global figure registry, no GUI backend, safe off the main thread.
     from matplotlib.figure import Figure
 
