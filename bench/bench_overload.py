@@ -43,7 +43,8 @@ from pathlib import Path
 
 from _wire import WireCapture, WireExchange, capture_unavailable
 from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
-from llm_backoff_shim.lab.loadgen import LoadRun, RunResult, attach_shim_times, attempt_id, run_load
+from llm_backoff_shim.lab.load_records import RunResult, attach_shim_times, attempt_id
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
 from llm_backoff_shim.lab.procs import (
     ChildServer,

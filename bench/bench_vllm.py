@@ -52,7 +52,8 @@ import httpx
 
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.demo import ProgressLine
-from llm_backoff_shim.lab.loadgen import LoadRun, RunResult, run_load
+from llm_backoff_shim.lab.load_records import RunResult
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.procs import ChildServer, ServerStartError, cli_command, sigterm_as_interrupt
 from llm_backoff_shim.lab.report import figures
 from llm_backoff_shim.lab.scenario import Scenario, Setup, arrivals

@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from llm_backoff_shim.lab.loadgen import RunResult
+from llm_backoff_shim.lab.load_records import RunResult
 from llm_backoff_shim.lab.report import Figures, percentile
 
 #: A gap between samples longer than this counts only this long (a stalled sampler is no evidence).

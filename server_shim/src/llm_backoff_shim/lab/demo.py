@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import TextIO
 
 from llm_backoff_shim.lab.extra import MissingLabExtraError, require_plotting
-from llm_backoff_shim.lab.loadgen import LoadRun, Progress, RunResult, run_load
+from llm_backoff_shim.lab.load_records import Progress, RunResult
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
 from llm_backoff_shim.lab.procs import (
     ServerStartError,

@@ -47,7 +47,7 @@ from llm_backoff_shim.decide.admission import (
     Ticket,
     TicketState,
 )
-from llm_backoff_shim.lab.loadgen import retry_policy
+from llm_backoff_shim.lab.callers import retry_policy
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config import load_settings

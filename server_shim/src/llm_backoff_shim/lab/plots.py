@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llm_backoff_shim.lab.extra import require_plotting
-from llm_backoff_shim.lab.loadgen import RunResult
+from llm_backoff_shim.lab.load_records import RunResult
 
 BIN = 0.5
 

@@ -16,7 +16,7 @@ Definitions (the issue names the figures; these are the exact rules used):
   head is given beside it (``rejection_from_head_p99``). That includes requests that waited
   in a proxy's queue and were then turned away (``queue_timeout``); the ``queue_full``
   answers alone show how fast a refusal at arrival is. When the shim's access log
-  was matched (:func:`~llm_backoff_shim.lab.loadgen.attach_shim_times`), the same
+  was matched (:func:`~llm_backoff_shim.lab.load_records.attach_shim_times`), the same
   rejected attempts are also timed as the shim saw them (``total_ms``: from the
   request's head reaching the shim's app to the end of its answer, so it includes
   the wait for the body the client has not written yet), which leaves out the time
@@ -55,7 +55,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from llm_backoff_shim.lab.loadgen import CallRecord, RunResult
+from llm_backoff_shim.lab.load_records import CallRecord, RunResult
 from llm_backoff_shim.serve.access_log import json_records
 
 WAVE_WINDOW = 0.1
