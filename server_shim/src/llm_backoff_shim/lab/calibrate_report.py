@@ -1,6 +1,6 @@
 """What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the serve command, JSON, PNG.
 
-Pure functions of an :class:`~llm_backoff_shim.lab.calibrate.Outcome` (the PNG aside).
+Pure functions of an :class:`~llm_backoff_shim.lab.calibrate_ramp.Outcome` (the PNG aside).
 Figures per level are the medians of its measurements, as the knee rule judges them.
 """
 
@@ -16,7 +16,7 @@ from .extra import require_plotting
 from .knee import StepStats, Verdict, rate
 
 if TYPE_CHECKING:
-    from .calibrate import Outcome
+    from .calibrate_ramp import Outcome
 
 
 def serve_command(outcome: Outcome) -> str | None:
