@@ -13,10 +13,11 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from llm_backoff_shim.lab.figures import figures
 from llm_backoff_shim.lab.load_records import CallRecord, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.loadgen_engine import EngineProbe, metric_sum
-from llm_backoff_shim.lab.report import comparison, figures, table
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import DIRECT_PLAIN, SHIM_PLAIN, EngineShape, Scenario, arrivals
 from llm_backoff_shim.lab.workload import WORDS, LengthDist, Workload, prompt_text
 from llm_backoff_shim.serve.serving import ServerThread

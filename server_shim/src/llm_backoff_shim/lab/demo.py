@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TextIO
 
 from llm_backoff_shim.lab.extra import MissingLabExtraError, require_plotting
+from llm_backoff_shim.lab.figures import Figures, figures
 from llm_backoff_shim.lab.load_records import Progress, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
@@ -44,7 +45,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
     start_stack,
 )
-from llm_backoff_shim.lab.report import Figures, comparison, figures, table
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import (
     DEMO_SETUPS,
     DEMO_SHAPE,
