@@ -17,12 +17,19 @@ import sys
 import textwrap
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
 import pytest
+from packaging.requirements import Requirement
 
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "llm_backoff_shim"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 EXTRA_ONLY = ("matplotlib", "numpy")
 INSTALL_HINT = "pip install 'llm-backoff-shim[lab]'"
 
@@ -56,6 +63,18 @@ def run_blocked(code: str, *args: str, timeout: float = 90) -> subprocess.Comple
     return subprocess.run(
         [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout
     )
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    return {Requirement(text).name for text in requirements}
+
+
+def test_the_distribution_declares_the_plotting_library_only_in_its_lab_extra() -> None:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    runtime = requirement_names(project["dependencies"])
+    assert "starlette" in runtime  # the names were read
+    assert runtime.isdisjoint(EXTRA_ONLY), runtime & set(EXTRA_ONLY)
+    assert requirement_names(project["optional-dependencies"]["lab"]) == {"matplotlib"}
 
 
 def test_the_block_works() -> None:
