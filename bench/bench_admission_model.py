@@ -37,7 +37,8 @@ from pathlib import Path
 
 from bench_overload import scenarios
 from llm_backoff_shim.lab.demo import shim_flags
-from llm_backoff_shim.lab.overload_model import ModelResult, OutputLengths, OverloadModel, service_of
+from llm_backoff_shim.lab.overload_model import OutputLengths, OverloadModel, service_of
+from llm_backoff_shim.lab.overload_results import ModelResult
 from llm_backoff_shim.lab.scenario import EngineShape, Scenario, demo_scenario
 
 

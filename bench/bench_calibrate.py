@@ -35,7 +35,8 @@ from typing import Any
 import openai
 
 from llm_backoff_shim.lab import calibrate
-from llm_backoff_shim.lab.calibrate import CalibrateConfig, Driver, summarize
+from llm_backoff_shim.lab.calibrate_ramp import CalibrateConfig, Driver, streaming_http_client
+from llm_backoff_shim.lab.calibrate_samples import summarize
 from llm_backoff_shim.lab.knee import KneeRule, StepStats, Verdict, judge_level
 from llm_backoff_shim.lab.procs import sim_server
 
@@ -97,7 +98,7 @@ async def reference_sweep(url: str, rounds: int, step_seconds: float) -> dict[in
         api_key="EMPTY",
         max_retries=0,
         timeout=300,
-        http_client=calibrate._http_client(max(REFERENCE_LEVELS)),
+        http_client=streaming_http_client(max(REFERENCE_LEVELS)),
     )
     runs: dict[int, list[StepStats]] = {level: [] for level in REFERENCE_LEVELS}
     async with client:

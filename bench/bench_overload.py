@@ -43,7 +43,9 @@ from pathlib import Path
 
 from _wire import WireCapture, WireExchange, capture_unavailable
 from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
-from llm_backoff_shim.lab.loadgen import LoadRun, RunResult, attach_shim_times, attempt_id, run_load
+from llm_backoff_shim.lab.figures import REJECTION_WHEN, Figures, figures, percentile, rejections_by_when
+from llm_backoff_shim.lab.load_records import RunResult, attach_shim_times, attempt_id
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
 from llm_backoff_shim.lab.procs import (
     ChildServer,
@@ -52,15 +54,7 @@ from llm_backoff_shim.lab.procs import (
     sigterm_as_interrupt,
     sim_server,
 )
-from llm_backoff_shim.lab.report import (
-    REJECTION_WHEN,
-    Figures,
-    comparison,
-    figures,
-    percentile,
-    rejections_by_when,
-    table,
-)
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import (
     DEMO_SHAPE,
     DIRECT_PLAIN,

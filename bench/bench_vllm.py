@@ -26,7 +26,7 @@ What it does, in order:
    a JSON of every cell and a Markdown table into ``--out``.
 
 The load generator is :mod:`llm_backoff_shim.lab.loadgen` (the demo's and the overload
-benchmark's); the figures are :mod:`llm_backoff_shim.lab.report`'s plus those in
+benchmark's); the figures are :mod:`llm_backoff_shim.lab.figures`'s plus those in
 :mod:`real_vllm.measures`.
 """
 
@@ -52,9 +52,10 @@ import httpx
 
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.demo import ProgressLine
-from llm_backoff_shim.lab.loadgen import LoadRun, RunResult, run_load
+from llm_backoff_shim.lab.figures import figures
+from llm_backoff_shim.lab.load_records import RunResult
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.procs import ChildServer, ServerStartError, cli_command, sigterm_as_interrupt
-from llm_backoff_shim.lab.report import figures
 from llm_backoff_shim.lab.scenario import Scenario, Setup, arrivals
 from llm_backoff_shim.lab.workload import Workload
 from real_vllm import plot

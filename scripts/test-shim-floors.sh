@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The shim's declared lower bounds, proven: a venv (.venv-shim-floors) with every runtime
-# dependency of server_shim/pyproject.toml at the oldest version its bound allows (as
+# dependency of server_shim/pyproject.toml and of its `lab` extra (which the lab's tests
+# need) at the oldest version its bound allows (as
 # `pip index versions` lists them), then the shim's test suite on it, on whichever HTTP path
 # the start-up capability check picks there (docs/shim.md, "Serving paths").
 #
@@ -30,7 +31,8 @@ from packaging.version import Version
 
 pyproject, out = sys.argv[1], sys.argv[2]
 with open(pyproject, "rb") as f:
-    deps = tomllib.load(f)["project"]["dependencies"]
+    project = tomllib.load(f)["project"]
+deps = project["dependencies"] + project["optional-dependencies"]["lab"]
 lines = []
 for text in deps:
     req = Requirement(text)
@@ -57,7 +59,7 @@ EOF
 
 echo "== installing $VENV_FLOORS (the shim's runtime dependencies at their floors)"
 quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q -c "$CONSTRAINTS" \
-  -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis]"
+  -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis,lab]"
 "$VENV_FLOORS/bin/python" - <<'EOF'
 from importlib.metadata import version
 

@@ -23,8 +23,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from llm_backoff_shim.lab.loadgen import RunResult
-from llm_backoff_shim.lab.report import Figures, percentile
+from llm_backoff_shim.lab.figures import Figures, percentile
+from llm_backoff_shim.lab.load_records import RunResult
 
 #: A gap between samples longer than this counts only this long (a stalled sampler is no evidence).
 MAX_SAMPLE_GAP = 1.0

@@ -8,7 +8,7 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from llm_backoff_shim.lab.loadgen import RunResult
+from llm_backoff_shim.lab.load_records import RunResult
 
 from .measures import COLUMNS, Cell, median
 

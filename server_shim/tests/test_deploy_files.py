@@ -448,6 +448,21 @@ def test_dockerfile_copies_exist_and_survive_the_dockerignore() -> None:
         assert any(dist.startswith(s.rstrip("/")) for s in copied), f"{dist} is not copied"
 
 
+def test_dockerfile_installs_the_shim_without_its_lab_extra() -> None:
+    runs = [args for stage in dockerfile_stages()[1] for k, args in stage if k == "RUN"]
+    installs = [step for args in runs for step in args.split("&&") if "pip install" in step]
+    assert installs, "the build stage installs the two distributions with pip"
+    for step in installs:
+        assert "./server_shim" in step
+        assert "[lab]" not in step, "the image serves; the plots are the lab's"
+        assert "matplotlib" not in step
+    checks = [step for args in runs for step in args.split("&&") if "find_spec" in step]
+    assert checks, "the build checks that no plotting library came in"
+    assert "'matplotlib'" in checks[0]
+    assert "MPLCONFIGDIR" not in DOCKERFILE.read_text()
+    assert "MPLCONFIGDIR" not in (DEPLOY / "systemd" / "llm-backoff-shim.service").read_text()
+
+
 def test_dockerfile_env_uses_real_shim_settings() -> None:
     names = [n for where, n in all_env_names() if where == DOCKERFILE.name and n.startswith(ENV_PREFIX)]
     assert set(names) == {env_name("host"), env_name("port")}

@@ -25,7 +25,6 @@ def test_a_client_without_its_http_client_is_refused_by_name() -> None:
         llm_backoff.wrap(bare)
 
 
-
 def test_an_http_client_without_the_transport_layering_is_refused_by_name() -> None:
     http_client = client()._client
     del http_client._mounts

@@ -18,7 +18,8 @@ import pytest
 @pytest.mark.timeout(120)
 def test_sdk_under_faults_never_hangs_duplicates_or_retries_a_started_stream() -> None:
     soak = pytest.importorskip("llm_backoff_shim.lab.soak")
-    config = soak.SoakConfig(
+    soak_report = pytest.importorskip("llm_backoff_shim.lab.soak_report")
+    config = soak_report.SoakConfig(
         requests=600,
         seconds=30.0,
         warmup=30,

@@ -15,21 +15,13 @@ import pytest
 
 from llm_backoff import RetryPolicy, wrap
 from llm_backoff_shim.lab import loadgen
-from llm_backoff_shim.lab.loadgen import (
-    AttemptRecord,
-    CallRecord,
-    CountingTransport,
-    LoadRun,
-    RunResult,
-    Sample,
-    bind_call,
-    build_clients,
-    describe_error,
-    http_library,
-    retry_policy,
-)
+from llm_backoff_shim.lab.attempt_capture import CountingTransport, bind_call, describe_error, http_library
+from llm_backoff_shim.lab.callers import build_clients, retry_policy
+from llm_backoff_shim.lab.figures import figures, max_in_window, percentile
+from llm_backoff_shim.lab.load_records import AttemptRecord, CallRecord, RunResult, Sample
+from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.procs import ChildServer, ServerStartError
-from llm_backoff_shim.lab.report import comparison, figures, max_in_window, percentile, table
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import (
     DIRECT_PLAIN,
     SHIM_BACKOFF,

@@ -14,18 +14,17 @@ import httpx2
 import openai
 import pytest
 
-from llm_backoff_shim.lab.loadgen import (
+from llm_backoff_shim.lab.attempt_capture import CountingTransport, bind_call, http_library
+from llm_backoff_shim.lab.figures import figures
+from llm_backoff_shim.lab.load_records import (
     AttemptRecord,
     CallRecord,
-    CountingTransport,
-    LoadRun,
     RunResult,
     attach_shim_times,
     attempt_id,
-    bind_call,
-    http_library,
 )
-from llm_backoff_shim.lab.report import comparison, figures, table
+from llm_backoff_shim.lab.loadgen import LoadRun
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import SHIM_PLAIN, Scenario, arrivals
 from llm_backoff_shim.serve.access_log import LOGGER_NAME
 from llm_backoff_shim.serve.app import create_app

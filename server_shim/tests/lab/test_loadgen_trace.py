@@ -10,7 +10,8 @@ from typing import Any
 import openai
 import pytest
 
-from llm_backoff_shim.lab.loadgen import AttemptRecord, CallRecord, CountingTransport, bind_call, http_library
+from llm_backoff_shim.lab.attempt_capture import CountingTransport, bind_call, http_library
+from llm_backoff_shim.lab.load_records import AttemptRecord, CallRecord
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 

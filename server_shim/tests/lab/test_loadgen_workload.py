@@ -13,9 +13,11 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from llm_backoff_shim.lab.loadgen import CallRecord, LoadRun, RunResult
+from llm_backoff_shim.lab.figures import figures
+from llm_backoff_shim.lab.load_records import CallRecord, RunResult
+from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.loadgen_engine import EngineProbe, metric_sum
-from llm_backoff_shim.lab.report import comparison, figures, table
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import DIRECT_PLAIN, SHIM_PLAIN, EngineShape, Scenario, arrivals
 from llm_backoff_shim.lab.workload import WORDS, LengthDist, Workload, prompt_text
 from llm_backoff_shim.serve.serving import ServerThread
@@ -313,7 +315,7 @@ def test_presets_callers_get_each_classes_sdk_preset() -> None:
 
     from llm_backoff import RetryPolicy
     from llm_backoff.wrap import _engine_of
-    from llm_backoff_shim.lab.loadgen import build_clients
+    from llm_backoff_shim.lab.callers import build_clients
     from llm_backoff_shim.lab.scenario import SHIM_BACKOFF, SHIM_PRESETS
 
     scenario = Scenario("t", burst=2, rate_factor=0, duration=0, deadline=8.0, ttft_budget=4.0)

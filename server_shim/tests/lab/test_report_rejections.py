@@ -14,7 +14,7 @@ from llm_backoff_shim.decide.admission import (
 )
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
-from llm_backoff_shim.lab.report import rejections_by_when
+from llm_backoff_shim.lab.figures import rejections_by_when
 from llm_backoff_shim.testing import ManualClock
 
 

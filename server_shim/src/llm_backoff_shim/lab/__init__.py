@@ -1,5 +1,7 @@
 """Lab tools: load generator, calibration and its knee, demo, soak, overload model, reports, plots.
 
 Drives the shim (``llm_backoff_shim.serve``) and the simulator (``llm_backoff_shim.sim``) from
-the outside; nothing in the shim or the simulator imports from here.
+the outside; nothing in the shim or the simulator imports from here. The plots need the
+``lab`` extra (``pip install 'llm-backoff-shim[lab]'``, :mod:`llm_backoff_shim.lab.extra`);
+everything else here runs on the shim's own dependencies.
 """

@@ -14,9 +14,12 @@ Which level to measure next, when to stop and where the knee is are
 :mod:`llm_backoff_shim.lab.knee` (pure): the ramp climbs while the SLOs hold and throughput
 rises, then repeats the levels next to the knee until the verdict is stable, and the
 recommendation says how confident it is. The whole run never exceeds ``--max-seconds``
-(requests still running then are cancelled). This module is the load generator, the
-statistics of one step and the command; :mod:`llm_backoff_shim.lab.calibrate_report` the
-table, JSON and PNG.
+(requests still running then are cancelled). This module is the command and its flags;
+:mod:`llm_backoff_shim.lab.calibrate_ramp` the load generator and the measurement loop,
+:mod:`llm_backoff_shim.lab.calibrate_samples` the statistics of one step,
+:mod:`llm_backoff_shim.lab.calibrate_report` the table, JSON and PNG (the PNG needs the
+``lab`` extra, matplotlib: without it the rest is printed and the PNG skipped, with a
+line saying which extra to install).
 
 Exit status: 0 with a recommendation, 1 without one (SLO unmet at every level, or the
 upstream unusable), 2 on bad flags.
@@ -30,39 +33,26 @@ import itertools
 import json
 import math
 import os
-import random
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
-from urllib.parse import urlsplit
+from typing import TextIO
 
-import numpy as np
-import openai
-
-from .calibrate_report import plot, recommended_config, render_text, to_json
-from .knee import (
-    Knee,
-    KneeRule,
-    Recommendation,
-    StepStats,
-    find_knee,
-    next_level,
-    recommend,
-    with_confidence,
+from .calibrate_ramp import (
+    DEFAULT_TPOT_SLO,
+    DEFAULT_TTFT_SLO,
+    PROG,
+    CalibrateConfig,
+    CalibrateError,
+    Outcome,
+    api_base,
+    run_ramp,
 )
-from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, prompt_text
+from .calibrate_report import plot, recommended_config, render_text, to_json
+from .extra import MissingLabExtraError
+from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
 
-PROG = "llm-backoff-shim calibrate"
 PNG_NAME = "calibrate.png"  # written into --out
-DEFAULT_TTFT_SLO = 2.0
-DEFAULT_TPOT_SLO = 0.1
-
-
-class CalibrateError(Exception):
-    """The run cannot go on (upstream unreachable, no model...); ``str()`` is one line for users."""
 
 
 # -- flags ------------------------------------------------------------------------------
@@ -89,55 +79,6 @@ def parse_steps(text: str) -> list[int]:
     if any(b <= a for a, b in itertools.pairwise(levels)):
         raise ValueError(f"levels must be strictly increasing, got {text!r}")
     return levels
-
-
-def api_base(upstream: str) -> tuple[str, str]:
-    """``(openai base_url, shim --upstream)`` from a URL given with or without ``/v1``."""
-    parts = urlsplit(upstream.strip())
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"expected an http(s) URL such as http://127.0.0.1:8000, got {upstream!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"expected a base URL without query or fragment, got {upstream!r}")
-    path = parts.path.rstrip("/")
-    root = path.removesuffix("/v1")
-    base = f"{parts.scheme}://{parts.netloc}{root}"
-    return base + "/v1", base
-
-
-@dataclass(frozen=True)
-class CalibrateConfig:
-    upstream: str
-    ttft_slo: float
-    levels: tuple[int, ...]
-    model: str | None = None
-    api_key: str = "EMPTY"
-    tpot_slo: float | None = DEFAULT_TPOT_SLO
-    prompt_words: LengthDist = DEFAULT_PROMPT_WORDS
-    output_tokens: LengthDist = DEFAULT_OUTPUT_TOKENS
-    step_seconds: float = 20.0
-    step_requests: int = 1000
-    max_seconds: float = 600.0
-    request_timeout: float = 300.0
-    ignore_eos: bool = True
-    seed: int = 0
-    max_error_ratio: float = 0.01
-    repeats: int = 4
-    tolerance: float = 0.05
-    out: Path = Path(".")
-    json: bool = False
-    write_config: Path | None = None
-
-    @property
-    def rule(self) -> KneeRule:
-        return KneeRule(
-            self.ttft_slo,
-            self.tpot_slo,
-            self.max_error_ratio,
-            tolerance=self.tolerance,
-            gain=self.tolerance,
-            min_repeats=min(2, self.repeats),
-            max_repeats=self.repeats,
-        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -352,326 +293,6 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     )
 
 
-# -- one step's statistics (pure) -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One request as the client saw it. Times are clock readings, seconds.
-
-    ``first_token`` is None for a failed request or an answer without content;
-    ``itl`` is the request's mean gap between tokens after the first (None below two).
-    """
-
-    worker: int
-    seq: int
-    start: float
-    end: float
-    ok: bool
-    first_token: float | None = None
-    itl: float | None = None
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    error: str | None = None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default); 0.0 for no values."""
-    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else 0.0
-
-
-def steady_samples(samples: Sequence[Sample]) -> list[Sample]:
-    """Successful samples without each worker's first request (warm-up), unless that leaves none.
-
-    The first wave starts all at once, before the engine's batch has settled; later
-    requests start whenever one ends, which is the steady state being measured.
-    """
-    ok = [s for s in samples if s.ok]
-    steady = [s for s in ok if s.seq > 0]
-    return steady or ok
-
-
-def summarize(concurrency: int, samples: Sequence[Sample]) -> StepStats:
-    """The statistics of one level.
-
-    Throughput is ``concurrency / mean latency``: Little's law for a closed loop with no
-    think time, where every worker always has one request outstanding. Unlike counting
-    completions in a window it needs no window and stays accurate when a step holds only
-    a few long requests. Failed requests are left out of it, which overstates a level
-    with many fast failures; such a level is past the knee by its error share anyway.
-    """
-    used = steady_samples(samples)
-    errors = sum(1 for s in samples if not s.ok)
-    if not used:
-        return StepStats(concurrency, 0, errors, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    latencies = [s.end - s.start for s in used]
-    ttfts = [(s.first_token if s.first_token is not None else s.end) - s.start for s in used]
-    itls = [s.itl for s in used if s.itl is not None]
-    mean_latency = float(np.mean(latencies))
-    throughput = concurrency / mean_latency if mean_latency > 0 else 0.0
-    mean_output = float(np.mean([s.output_tokens for s in used]))
-    return StepStats(
-        concurrency=concurrency,
-        requests=len(used),
-        errors=errors,
-        throughput=throughput,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p99=percentile(ttfts, 99),
-        itl_p50=percentile(itls, 50),
-        itl_p99=percentile(itls, 99),
-        latency_p50=percentile(latencies, 50),
-        latency_p99=percentile(latencies, 99),
-        output_tokens_per_s=throughput * mean_output,
-        mean_prompt_tokens=float(np.mean([s.prompt_tokens for s in used])),
-        mean_output_tokens=mean_output,
-        ttft_p90=percentile(ttfts, 90),
-        latency_p90=percentile(latencies, 90),
-    )
-
-
-# -- the load generator (I/O) -------------------------------------------------------------
-
-
-def _has_content(delta: Any) -> bool:
-    if delta is None:
-        return False
-    # vLLM streams reasoning models' thinking in reasoning_content (older) or reasoning.
-    return any(
-        getattr(delta, name, None) for name in ("content", "reasoning_content", "reasoning", "tool_calls")
-    )
-
-
-def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, openai.APIStatusError):
-        return f"HTTP {exc.status_code}: {exc.message}"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def _http_client(pool: int) -> Any:
-    """The SDK's default async HTTP client with a pool wide enough for ``pool`` streams.
-
-    openai's default keeps 100 idle connections; above that, each new request would
-    pay a TCP connect inside its measured TTFT. openai 3.x runs on httpx2, 2.x on httpx.
-    """
-    if int(openai.__version__.split(".")[0]) >= 3:
-        import httpx2 as httplib
-    else:  # pragma: no cover - exercised by the openai 2.x environment
-        import httpx as httplib  # type: ignore[no-redef]
-    limits = httplib.Limits(max_connections=pool + 16, max_keepalive_connections=pool + 16)
-    return openai.DefaultAsyncHttpxClient(limits=limits)
-
-
-@dataclass
-class Driver:
-    """Sends the ramp's requests through one ``AsyncOpenAI`` client."""
-
-    client: openai.AsyncOpenAI
-    model: str
-    config: CalibrateConfig
-    clock: Callable[[], float]
-    rng: random.Random = field(default_factory=random.Random)
-
-    async def one_request(self, worker: int, seq: int) -> Sample:
-        cfg = self.config
-        prompt = prompt_text(cfg.prompt_words.draw(self.rng), self.rng)
-        max_tokens = cfg.output_tokens.draw(self.rng)
-        extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
-        start = self.clock()
-        first: float | None = None
-        last: float | None = None
-        chunks = 0
-        usage: Any = None
-        try:
-            stream = await self.client.chat.completions.create(
-                model=self.model,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                temperature=0,
-                extra_body=extra or None,
-            )
-            async with stream:
-                async for chunk in stream:
-                    now = self.clock()
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    if any(_has_content(choice.delta) for choice in chunk.choices):
-                        if first is None:
-                            first = now
-                        last = now
-                        chunks += 1
-        except Exception as exc:  # a load generator records any failure and carries on
-            return Sample(worker, seq, start, self.clock(), ok=False, error=_error_text(exc))
-        end = self.clock()
-        tokens = int(getattr(usage, "completion_tokens", 0) or chunks)
-        itl = None
-        if first is not None and last is not None and tokens >= 2 and last > first:
-            itl = (last - first) / (tokens - 1)
-        return Sample(
-            worker,
-            seq,
-            start,
-            end,
-            ok=True,
-            first_token=first,
-            itl=itl,
-            output_tokens=tokens,
-            prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
-        )
-
-    async def run_step(self, concurrency: int, seconds: float, max_requests: int) -> list[Sample]:
-        """Closed loop of ``concurrency`` workers; returns once every started request ended."""
-        samples: list[Sample] = []
-        stop_at = self.clock() + seconds
-        started = 0
-
-        async def worker(index: int) -> None:
-            nonlocal started
-            seq = 0
-            while started < max_requests and self.clock() < stop_at:
-                started += 1
-                samples.append(await self.one_request(index, seq))
-                seq += 1
-
-        tasks = [asyncio.create_task(worker(i)) for i in range(concurrency)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            # Cancelled streams close their connections, so the upstream aborts them too.
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return samples
-
-
-# -- the ramp ---------------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    """A finished ramp: every measurement in the order taken (``steps``) and by level (``runs``)."""
-
-    upstream: str
-    model: str
-    config: CalibrateConfig
-    steps: list[StepStats]
-    runs: dict[int, list[StepStats]]
-    stopped: str
-    first_errors: dict[int, str]
-    knee: Knee
-    confidence_reason: str
-    recommendation: Recommendation | None
-    png: Path | None = None
-
-
-def _progress_line(index: int, step: StepStats, seconds: float, first_error: str | None) -> str:
-    line = (
-        f"[{index}] concurrency {step.concurrency:>4}: {step.requests} ok, {step.errors} failed "
-        f"in {seconds:.1f} s | {step.throughput:.2f} req/s, {step.output_tokens_per_s:.0f} tok/s | "
-        f"TTFT p50 {step.ttft_p50:.3f} p99 {step.ttft_p99:.3f} s | TPOT p99 {step.itl_p99 * 1000:.1f} ms"
-    )
-    return line + (f" | first error: {first_error}" if first_error else "")
-
-
-async def _pick_model(client: openai.AsyncOpenAI, upstream: str) -> str:
-    try:
-        page = await client.models.list()
-    except Exception as exc:  # any failure here means the upstream is unusable as given
-        raise CalibrateError(
-            f"cannot list models at {upstream}: {_error_text(exc)} (or pass --model)"
-        ) from None
-    ids = [m.id for m in page.data]
-    if not ids:
-        raise CalibrateError(f"{upstream}/v1/models lists no model; pass --model")
-    return ids[0]
-
-
-async def run_ramp(
-    config: CalibrateConfig,
-    *,
-    clock: Callable[[], float],
-    progress: Callable[[str], None],
-) -> Outcome:
-    """Measure levels as :func:`~llm_backoff_shim.lab.knee.next_level` asks, within ``config.max_seconds``."""
-    base_url, shim_upstream = api_base(config.upstream)
-    rule = config.rule
-    client = openai.AsyncOpenAI(
-        base_url=base_url,
-        api_key=config.api_key,
-        max_retries=0,  # measure the upstream, not the SDK's retries
-        timeout=config.request_timeout,
-        http_client=_http_client(max(config.levels)),
-    )
-    run_deadline = clock() + config.max_seconds
-    async with client:
-        if config.model:
-            model = config.model
-        else:
-            # Inside the run's time cap too: a black-holed host must not hang the command.
-            limit = min(config.request_timeout, config.max_seconds)
-            try:
-                model = await asyncio.wait_for(_pick_model(client, shim_upstream), timeout=limit)
-            except asyncio.TimeoutError:
-                raise CalibrateError(
-                    f"{shim_upstream}/v1/models did not answer within {limit:g} s (or pass --model)"
-                ) from None
-        driver = Driver(client, model, config, clock, random.Random(config.seed))
-        steps: list[StepStats] = []
-        runs: dict[int, list[StepStats]] = {}
-        history: list[int | None] = []
-        first_errors: dict[int, str] = {}
-        stopped = "all levels measured"
-        tpot = "off" if config.tpot_slo is None else f"{config.tpot_slo:g} s"
-        progress(
-            f"{PROG}: {shim_upstream} model {model!r}, levels {','.join(map(str, config.levels))}, "
-            f"SLO p99 TTFT {config.ttft_slo:g} s / TPOT {tpot}, up to {config.step_seconds:g} s / "
-            f"{config.step_requests} requests per measurement, at most {config.max_seconds:g} s in all"
-        )
-        # Bounded whatever the plan says: every level climbed once, the ones next to the knee
-        # repeated, a few refinements.
-        for index in range(1, len(config.levels) + 4 * config.repeats + 2 * rule.refine + 1):
-            plan = next_level(runs, config.levels, rule, history)
-            if plan.level is None:
-                stopped = plan.purpose
-                break
-            level = plan.level
-            remaining = run_deadline - clock()
-            if remaining < config.step_seconds:
-                stopped = (
-                    f"--max-seconds {config.max_seconds:g} reached before concurrency {level} "
-                    f"({plan.purpose})"
-                )
-                break
-            progress(f"[{index}] concurrency {level:>4} ({plan.purpose}): running...")
-            began = clock()
-            try:
-                samples = await asyncio.wait_for(
-                    driver.run_step(level, config.step_seconds, config.step_requests), timeout=remaining
-                )
-            except asyncio.TimeoutError:
-                stopped = f"--max-seconds {config.max_seconds:g} reached during concurrency {level}"
-                progress(f"[{index}] concurrency {level:>4}: cut by --max-seconds; not counted")
-                break
-            step = summarize(level, samples)
-            error = next((s.error for s in samples if s.error), None)
-            if error:
-                first_errors.setdefault(level, error)
-            steps.append(step)
-            runs.setdefault(level, []).append(step)
-            history.append(find_knee(runs, rule).level)
-            progress(_progress_line(index, step, clock() - began, error))
-            if all(s.requests == 0 for s in steps):
-                stopped = f"every request failed at concurrency {level}"
-                break
-        else:
-            stopped = "measurement budget used up"
-    knee, why = with_confidence(find_knee(runs, rule), history, rule)
-    rec = recommend(runs[knee.level], config.ttft_slo) if knee.level is not None else None
-    return Outcome(shim_upstream, model, config, steps, runs, stopped, first_errors, knee, why, rec)
-
-
 def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Entry point of ``llm-backoff-shim calibrate``; returns the exit status."""
     out = stdout or sys.stdout
@@ -697,6 +318,8 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
     if outcome.steps:
         try:
             outcome.png = plot(outcome, config.out / PNG_NAME)
+        except MissingLabExtraError as exc:  # the measurement stands without its picture
+            print(f"{PROG}: {PNG_NAME} not written: {exc}", file=err)
         except OSError as exc:
             print(f"{PROG}: cannot write {config.out / PNG_NAME}: {exc}", file=err)
     written = _write_config(outcome, err)

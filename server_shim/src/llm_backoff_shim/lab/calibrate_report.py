@@ -1,6 +1,6 @@
 """What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the serve command, JSON, PNG.
 
-Pure functions of an :class:`~llm_backoff_shim.lab.calibrate.Outcome` (the PNG aside).
+Pure functions of an :class:`~llm_backoff_shim.lab.calibrate_ramp.Outcome` (the PNG aside).
 Figures per level are the medians of its measurements, as the knee rule judges them.
 """
 
@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from llm_backoff_shim.serve.config_file import render_config
 
+from .extra import require_plotting
 from .knee import StepStats, Verdict, rate
 
 if TYPE_CHECKING:
-    from .calibrate import Outcome
+    from .calibrate_ramp import Outcome
 
 
 def serve_command(outcome: Outcome) -> str | None:
@@ -189,7 +190,10 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
 
 
 def plot(outcome: Outcome, path: Path) -> Path:
-    """Throughput, TTFT and TPOT against concurrency (each measurement and the medians), SLOs, knee."""
+    """Throughput, TTFT and TPOT against concurrency (each measurement and the medians), SLOs, knee.
+
+    :class:`~llm_backoff_shim.lab.extra.MissingLabExtraError` without matplotlib (the ``lab`` extra)."""
+    require_plotting(f"the plot {path.name}")
     # Figure without pyplot: no global figure registry, no GUI backend, safe off the main thread.
     from matplotlib.figure import Figure
 

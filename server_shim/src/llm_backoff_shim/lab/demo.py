@@ -14,8 +14,10 @@ answer length drawn from a lognormal, ``ignore_eos``) three times:
 Prints progress while it runs, a table per configuration, a side-by-side summary,
 and writes ``overload-demo.png`` (latency, queue depth and rejections over time)
 and ``overload-demo.json`` (every figure) into ``--out`` (default: the current
-folder). No GPU, no network. Exit status: 0 done, 1 a server failed or the
-output could not be written, 2 bad flags, 130 interrupted.
+folder). No GPU, no network. The plot needs the ``lab`` extra (matplotlib): without it
+the demo says so in one line before starting anything. Exit status: 0 done, 1 a server
+failed or the output could not be written, 2 bad flags or the lab extra missing, 130
+interrupted.
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from llm_backoff_shim.lab.loadgen import LoadRun, Progress, RunResult, run_load
+from llm_backoff_shim.lab.extra import MissingLabExtraError, require_plotting
+from llm_backoff_shim.lab.figures import Figures, figures
+from llm_backoff_shim.lab.load_records import Progress, RunResult
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
 from llm_backoff_shim.lab.procs import (
     ServerStartError,
@@ -40,7 +45,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
     start_stack,
 )
-from llm_backoff_shim.lab.report import Figures, comparison, figures, table
+from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import (
     DEMO_SETUPS,
     DEMO_SHAPE,
@@ -230,6 +235,11 @@ def write_outputs(
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:  # before a minute of load, not after it
+        require_plotting(f"the overload plot ({PNG_NAME})")
+    except MissingLabExtraError as exc:
+        print(f"llm-backoff-shim demo: {exc}", file=sys.stderr)
+        return 2
     if args.duration is not None and not 0 < args.duration <= 600:
         print("llm-backoff-shim demo: --duration must be in (0, 600] seconds", file=sys.stderr)
         return 2

@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: one rule (judge, climb, repeat, say how sure, recommend) read as a whole;
+# some 50 of its lines are the rule stated below.
 """Where to cap concurrency: the knee of a load ramp, judged by what LLM users feel (pure).
 
 Input: the :class:`StepStats` of a closed-loop ramp, one or more measurements per

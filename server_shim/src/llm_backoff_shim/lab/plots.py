@@ -1,7 +1,8 @@
 """One PNG for a set of runs: a row per configuration; latency, queue depth and rejections over time.
 
 Columns share their y axis across rows, so the runs can be compared by eye.
-Matplotlib runs on the Agg backend (no display needed); it is imported only here.
+Matplotlib (the ``lab`` extra) runs on the Agg backend (no display needed); it is imported
+only when a plot is drawn, so this module imports without it.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from llm_backoff_shim.lab.loadgen import RunResult
+from llm_backoff_shim.lab.extra import require_plotting
+from llm_backoff_shim.lab.load_records import RunResult
 
 BIN = 0.5
 
@@ -26,6 +28,9 @@ def _counts(times: Sequence[float], end: float) -> tuple[list[float], list[float
 
 
 def save_plot(results: Sequence[RunResult], path: Path, *, title: str) -> Path:
+    """Draw ``results`` into ``path``; :class:`~llm_backoff_shim.lab.extra.MissingLabExtraError`
+    without matplotlib."""
+    require_plotting(f"the plot {path.name}")
     import matplotlib
 
     matplotlib.use("Agg")

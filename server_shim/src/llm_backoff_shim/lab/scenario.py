@@ -118,7 +118,7 @@ class Scenario:
     """A burst at t = 0, then Poisson arrivals at ``rate_factor`` x capacity for ``duration`` s.
 
     ``start_deadline``: interactive ``llm_backoff`` callers state ``ttft_budget`` as their
-    ``RetryPolicy(start_deadline=...)`` (loadgen.retry_policy); off, their only budget is
+    ``RetryPolicy(start_deadline=...)`` (callers.retry_policy); off, their only budget is
     ``deadline``, the call's.
 
     ``deadline`` is the interactive callers' deadline, and the batch callers' too unless

@@ -1,3 +1,5 @@
+# Over ~400 lines on purpose: one model (sequences, engine steps, KV cache, preemption) whose parts
+# change together; some 45 of its lines are the model stated below.
 """The simulator's scheduler model: a vLLM-like continuous-batching engine, without I/O.
 
 One :class:`SimEngine` holds a FIFO of waiting sequences and a set of running ones
