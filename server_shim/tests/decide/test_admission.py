@@ -10,20 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    AdmissionView,
-    ClassPolicy,
-    GateRefusal,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-    UnknownClassError,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
+from llm_backoff_shim.decide.tickets import GateRefusal, Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.decide.view import AdmissionView
 from llm_backoff_shim.testing import ManualClock
 
 

@@ -15,18 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots, share_slots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app

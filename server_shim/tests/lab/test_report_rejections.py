@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-    Ticket,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket
 from llm_backoff_shim.lab.report import rejections_by_when
 from llm_backoff_shim.testing import ManualClock
 

@@ -10,17 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
+from llm_backoff_shim.decide.tickets import Outcome, Ticket, TicketState
 from llm_backoff_shim.serve.engine_watch import (
     EngineSample,
     SaturationConfig,

@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from llm_backoff.tokens import estimate_tokens
-from llm_backoff_shim.decide.admission import AdmissionController, ClassPolicy, UnknownClassError
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import ClassPolicy, UnknownClassError
 from llm_backoff_shim.decide.tenants import (
     Tenant,
     TenantDirectory,

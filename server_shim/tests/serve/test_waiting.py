@@ -6,15 +6,11 @@ import asyncio
 
 import pytest
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
+from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
 

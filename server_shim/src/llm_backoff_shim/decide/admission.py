@@ -78,261 +78,27 @@ EXPIRED, so in-flight and queued counts return to zero whatever the mix of outco
 from __future__ import annotations
 
 import bisect
-import enum
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Sequence
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
+from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, ReservedShares, StrictPriority
+from llm_backoff_shim.decide.tickets import (
+    Dispatch,
+    GateRefusal,
+    Outcome,
+    RejectCode,
+    Rejection,
+    Ticket,
+    TicketState,
+)
+from llm_backoff_shim.decide.view import AdmissionGate, ClassOutlook
 
 Clock = Callable[[], float]
-
-RejectCode = Literal["queue_full", "queue_timeout", "slo_shed", "tenant_rate_limited", "upstream_unavailable"]
-ErrorType = Literal["server_overloaded", "rate_limit_exceeded"]
-
-
-class UnknownClassError(ValueError):
-    """``x-request-class`` names a class this shim does not serve."""
-
-    def __init__(self, value: str, known: Sequence[str]) -> None:
-        super().__init__(f"unknown request class {value!r}; expected one of: {', '.join(known)}")
-        self.value = value
-        self.known = tuple(known)
-
-
-@dataclass(frozen=True)
-class ClassPolicy:
-    """Queue bound and longest queue wait (seconds) of one traffic class."""
-
-    name: str
-    max_queue: int
-    max_queue_wait: float
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("class name must not be empty")
-        if self.max_queue < 0:
-            raise ValueError(f"class {self.name}: max_queue must be >= 0")
-        if not (self.max_queue_wait > 0 and math.isfinite(self.max_queue_wait)):
-            raise ValueError(f"class {self.name}: max_queue_wait must be a positive finite number")
-
-
-@dataclass(frozen=True)
-class AdmissionRequest:
-    """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
-    whether the body asks for a stream (served at the first token rather than at the end),
-    how many times the caller says it has retried this call (``x-stainless-retry-count``), and
-    the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
-    when it does not say)."""
-
-    cls: str
-    budget: float | None = None
-    tenant: str | None = None
-    stream: bool = False
-    retry: int = 0
-    max_tokens: int | None = None
-
-    @property
-    def returning(self) -> bool:
-        """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
-        return self.retry >= 1
-
-
-def requested_max_tokens(body: Mapping[str, object]) -> int | None:
-    """The most output tokens a request body asks for (``max_completion_tokens``, else
-    ``max_tokens``), or None when it names no positive whole number. The engine validates
-    the body; this only reads what the admission decision may use."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
-
-
-#: Larger claimed retry counts are read as this: the number only matters as ">= 1".
-MAX_RETRY_COUNT = 1000
-
-
-def parse_retry_count(value: str | None) -> int:
-    """``x-stainless-retry-count`` as a count; absent or malformed is 0 (a fresh arrival).
-
-    The openai SDKs send it (0 on a first attempt, n on the n-th retry) and ``llm_backoff``
-    does too. It is a client library's header, not part of this shim's protocol, so a
-    value it cannot read is not the client's mistake: no 400, the request is simply fresh.
-    """
-    if value is None:
-        return 0
-    text = value.strip()
-    if not text.isascii() or not text.isdigit() or len(text) > 6:
-        return 0
-    return min(int(text), MAX_RETRY_COUNT)
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """A refusal, ready for :mod:`llm_backoff_shim.serve.rejection` to render (docs/protocol.md).
-
-    ``message`` is the reason only; the renderer appends ", retry in N s".
-    ``status`` None means the configured ``--reject-status``.
-    """
-
-    code: RejectCode
-    message: str
-    retry_after: float
-    queue_depth: int
-    type: ErrorType = "server_overloaded"
-    status: int | None = None
-
-
-@dataclass(frozen=True)
-class GateRefusal:
-    """A gate's "no". Without ``retry_after`` the controller's estimate is used."""
-
-    code: RejectCode
-    message: str
-    type: ErrorType = "server_overloaded"
-    retry_after: float | None = None
-    status: int | None = None
-
-
-class TicketState(enum.Enum):
-    QUEUED = "queued"
-    ADMITTED = "admitted"
-    RELEASED = "released"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-
-
-class Outcome(enum.Enum):
-    """How an admitted request ended; only COMPLETED (a 2xx relayed in full) feeds the service-time estimate.
-
-    CLIENT_ERROR: the upstream answered 4xx (quick, says nothing about generation time);
-    OVERLOADED: the upstream itself refused as overloaded (a signal for adaptive limits).
-    """
-
-    COMPLETED = "completed"
-    CLIENT_ERROR = "client_error"
-    UPSTREAM_ERROR = "upstream_error"
-    OVERLOADED = "overloaded"
-    ABORTED = "aborted"
-
-
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """One request's place: queued, then admitted (holding a slot), then released.
-
-    ``key`` orders the queued tickets of all classes into one serve order (see the module
-    docstring); ``returning``: queued in its class's returning lane.
-    """
-
-    id: int
-    request: AdmissionRequest
-    arrived: float
-    deadline: float
-    budget_bound: bool = False
-    state: TicketState = TicketState.QUEUED
-    admitted_at: float | None = None
-    rejection: Rejection | None = None
-    key: tuple[int, ...] = ()
-    returning: bool = False
-
-    @property
-    def cls(self) -> str:
-        return self.request.cls
-
-    @property
-    def queue_time(self) -> float:
-        """Seconds spent queued (0 when admitted on arrival)."""
-        return 0.0 if self.admitted_at is None else self.admitted_at - self.arrived
-
-
-class ClassOutlook(NamedTuple):
-    """The requests of one class the shim can foresee, for schedulers.
-
-    ``promised``: callers told to come back and not back yet; ``due_soon``: those of them due
-    within one service time, or already due (a client's jitter brings one back a little late);
-    ``fresh_recently``: a fresh request (not a retry) arrived within the last service time.
-    """
-
-    promised: int
-    due_soon: int
-    fresh_recently: bool
-
-
-@dataclass
-class Dispatch:
-    """Tickets that left the queues in one step: now holding a slot, or dropped as expired."""
-
-    admitted: list[Ticket] = field(default_factory=list)
-    expired: list[Ticket] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.admitted or self.expired)
-
-
-class AdmissionView(Protocol):
-    """Read-only state offered to gates and schedulers."""
-
-    @property
-    def classes(self) -> tuple[str, ...]: ...
-
-    @property
-    def limit(self) -> int: ...
-
-    def now(self) -> float: ...
-
-    def in_flight(self, cls: str | None = None) -> int: ...
-
-    def queued(self, cls: str | None = None) -> int: ...
-
-    def policy(self, cls: str) -> ClassPolicy: ...
-
-    def outlook(self, cls: str) -> ClassOutlook: ...
-
-    def next_run(self, cls: str) -> float | None: ...
-
-
-class AdmissionGate(Protocol):
-    """A pre-admission check; return a refusal to turn the request away before it queues."""
-
-    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None: ...
-
-
-class ClassScheduler(Protocol):
-    """Chooses whose queue head takes the next free slot.
-
-    ``waiting`` lists the classes with queued requests in the order their queue heads are
-    due: highest priority first, unless a request was placed behind a lower class's queued
-    request to keep that one's promise (module docstring). Return one of them, or None to
-    keep the slot free (e.g. reserved for another class).
-    """
-
-    def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None: ...
-
-
-@runtime_checkable
-class MinimumShares(Protocol):
-    """A scheduler that guarantees a class some slots whatever higher classes want."""
-
-    def minimum_slots(self, cls: str, limit: int) -> int: ...
-
-
-@runtime_checkable
-class ReservedShares(Protocol):
-    """A scheduler that keeps some slots of a class from the classes below it."""
-
-    def reserved_slots(self, cls: str, limit: int) -> int: ...
-
-
-class StrictPriority:
-    """Serve the highest-priority class with a queue. Starvation control comes later, as another scheduler."""
-
-    def pick(self, waiting: Sequence[str], view: AdmissionView) -> str | None:
-        return waiting[0] if waiting else None
 
 
 class AdmissionController:
