@@ -1,5 +1,8 @@
 """The admission decision: who goes upstream now, who waits, who is turned away.
 
+(Over 400 lines: the controller is also the read-only :class:`~llm_backoff_shim.decide.view.AdmissionView`
+gates and schedulers read, a third of it; every part that stands alone has its own module, below.)
+
 Pure and synchronous: no asyncio, no sockets; time comes from an injected clock.
 The asyncio edge (:mod:`llm_backoff_shim.serve.waiting`) turns the tickets this controller
 hands out into awaitables and calls back on completion, disconnect and timeout.
@@ -9,7 +12,8 @@ hands out into awaitables and calls back on completion, disconnect and timeout.
 - :class:`~llm_backoff_shim.decide.queues.ClassQueues`: one bounded FIFO queue per traffic
   class, highest priority first, standing in one serve order, with places kept for returning
   callers;
-- a :class:`~llm_backoff_shim.decide.limit.ConcurrencyLimit` caps requests in flight;
+- a :class:`~llm_backoff_shim.decide.limit.ConcurrencyLimit` caps requests in flight, and
+  :class:`~llm_backoff_shim.decide.slots.HeldSlots` counts them and keeps when each was admitted;
 - a :class:`~llm_backoff_shim.decide.scheduler.ClassScheduler` picks the class whose head is
   admitted when a slot frees (default strict priority; the shim's reserved and minimum shares,
   :mod:`llm_backoff_shim.decide.classes`, plug in here);
@@ -34,7 +38,6 @@ EXPIRED, so in-flight and queued counts return to zero whatever the mix of outco
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -46,6 +49,7 @@ from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.refusals import Refusals
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
 from llm_backoff_shim.decide.scheduler import ClassScheduler, StrictPriority
+from llm_backoff_shim.decide.slots import HeldSlots
 from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.decide.view import AdmissionGate, ClassOutlook
 from llm_backoff_shim.decide.waits import QueueWaits, short_of
@@ -94,14 +98,7 @@ class AdmissionController:
         self._clock = clock
         self._scheduler: ClassScheduler = scheduler or StrictPriority()
         self.gates: list[AdmissionGate] = list(gates)
-        self._in_flight: dict[str, int] = dict.fromkeys(names, 0)
-        # Totals kept beside the per-class figures: both are read several times per request.
-        self._in_flight_total = 0
-        # When the requests holding a slot were admitted, ascending: when their slots free
-        # (DrainEstimator.expected_wait's ``admitted``). Kept sorted as they come and go, so a
-        # refusal reads the few it needs instead of walking every request in flight (about
-        # 100 us a refusal at 256 in flight).
-        self._admitted: list[float] = []
+        self._held = HeldSlots(names)
         self._queues = ClassQueues(
             self._policies,
             estimator,
@@ -109,7 +106,7 @@ class AdmissionController:
             returning_share=returning_share,
             returning_first=returning_first,
         )
-        waits = QueueWaits(self._classes, self._scheduler, estimator, limit, self._admitted)
+        waits = QueueWaits(self._classes, self._scheduler, estimator, limit, self._held.admitted)
         self._placement = Placement(
             self._policies, self._queues, waits, estimator, promise_slack=promise_slack
         )
@@ -149,11 +146,11 @@ class AdmissionController:
         return self._policies[cls]
 
     def in_flight(self, cls: str | None = None) -> int:
-        return self._in_flight_total if cls is None else self._in_flight[cls]
+        return self._held.total if cls is None else self._held.per_class[cls]
 
     def saturated(self) -> bool:
         """Every slot of the current limit is taken."""
-        return self._in_flight_total >= self._limit.limit
+        return self._held.total >= self._limit.limit
 
     def queued(self, cls: str | None = None) -> int:
         if cls is None:
@@ -251,7 +248,7 @@ class AdmissionController:
             self._estimator.redeem(cls)
         queues = self._queues
         # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
-        if not queues.total and self._in_flight_total < self._limit.limit:
+        if not queues.total and self._held.total < self._limit.limit:
             self._offer = request
             try:
                 offered = self._scheduler.pick((cls,), self) == cls
@@ -264,7 +261,7 @@ class AdmissionController:
                 self._expire(ticket)
                 assert ticket.rejection is not None
                 return ticket.rejection
-            self._admit(ticket, now)
+            self._held.take(ticket, now)
             return ticket
         returning = ticket.returning = queues.is_returning(request)
         has_room = queues.has_room(cls, returning)
@@ -347,11 +344,8 @@ class AdmissionController:
         if ticket.state is not TicketState.ADMITTED:
             raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not admitted")
         ticket.state = TicketState.RELEASED
-        self._in_flight[ticket.cls] -= 1
-        self._in_flight_total -= 1
+        self._held.give_back(ticket)
         assert ticket.admitted_at is not None
-        # Only the times matter, so any entry equal to this ticket's is the one to drop.
-        del self._admitted[bisect.bisect_left(self._admitted, ticket.admitted_at)]
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
             self._estimator.observe_completion(ticket.cls, service_time)
@@ -424,18 +418,11 @@ class AdmissionController:
         return dispatch
 
     # -- internals -------------------------------------------------------------------------
-    def _admit(self, ticket: Ticket, now: float) -> None:
-        ticket.state = TicketState.ADMITTED
-        ticket.admitted_at = now
-        self._in_flight[ticket.cls] += 1
-        self._in_flight_total += 1
-        bisect.insort(self._admitted, now)
-
     def _pump(self) -> Dispatch:
         dispatch = Dispatch()
         now = self._clock()
         queues = self._queues
-        while queues.total and self._in_flight_total < self._limit.limit:
+        while queues.total and self._held.total < self._limit.limit:
             # In the order their heads are due (see ClassScheduler).
             cls = self._scheduler.pick(queues.heads_due(), self)
             if cls is None:
@@ -447,7 +434,7 @@ class AdmissionController:
                 self._expire(ticket)
                 dispatch.expired.append(ticket)
                 continue
-            self._admit(ticket, now)
+            self._held.take(ticket, now)
             dispatch.admitted.append(ticket)
         return dispatch
 
