@@ -226,10 +226,10 @@ def test_a_caller_whose_slot_is_beyond_its_budget_is_told_its_budget(make: MakeC
         ticket(c.submit(fresh()))
     tight = rejection(c.submit(fresh(budget=4.9)))
     assert tight.retry_after == pytest.approx(4.9)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     roomy = rejection(c.submit(fresh(budget=5.4)))
     assert roomy.retry_after == pytest.approx(4.0 / 1.1)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
 
 
 def test_a_caller_that_may_come_back_too_late_for_its_slot_is_told_to_come_back_early(
@@ -245,10 +245,10 @@ def test_a_caller_that_may_come_back_too_late_for_its_slot_is_told_to_come_back_
         ticket(c.submit(fresh()))
     early = rejection(c.submit(fresh(budget=5.3)))
     assert early.retry_after == pytest.approx(4.3 / 1.2)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
     # The next caller is promised the next slot (5 s away), not the same one.
     assert rejection(c.submit(fresh(budget=6.3))).retry_after == pytest.approx(5.3 / 1.2)
-    assert c.estimator.outstanding("interactive") == 2
+    assert c.estimator.promises.outstanding("interactive") == 2
 
 
 def test_before_any_completion_a_slot_is_within_reach_on_the_prior(make: MakeController) -> None:
@@ -259,9 +259,9 @@ def test_before_any_completion_a_slot_is_within_reach_on_the_prior(make: MakeCon
     )
     ticket(c.submit(fresh()))  # holds the slot; the next free one is 2 s away (the prior)
     assert rejection(c.submit(fresh(budget=3.9))).retry_after == pytest.approx(3.9)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     assert rejection(c.submit(fresh(budget=4.1))).retry_after == pytest.approx(2.1 / 1.2)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
 
 
 def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others(make: MakeController) -> None:
@@ -272,12 +272,12 @@ def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others(mak
     ticket(c.submit(fresh()))
     promise(c)
     promise(c)
-    assert c.estimator.outstanding("interactive") == 2
+    assert c.estimator.promises.outstanding("interactive") == 2
     clock.now += 0.5
     assert ticket(c.submit(back())).state is TicketState.QUEUED
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
     # Not counting itself twice: ahead of a fresh arrival are the one queued and one promise.
-    assert c.estimator.promised_within(("interactive",), clock.now, clock.now + 10.0) == 1
+    assert c.estimator.promises.promised_within(("interactive",), clock.now, clock.now + 10.0) == 1
 
 
 def test_a_lower_class_caller_with_a_long_budget_is_promised_a_slot_after_the_higher_class_wait(
@@ -301,9 +301,9 @@ def test_promises_fall_due_and_stop_counting(make: MakeController) -> None:
     ticket(c.submit(fresh()))
     for _ in range(3):
         promise(c)
-    assert c.estimator.outstanding("interactive") == 3
+    assert c.estimator.promises.outstanding("interactive") == 3
     clock.now += 3.2  # all three are due, even allowing the 0.1 s minimum for lateness
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     assert ticket(c.submit(fresh())).state is TicketState.QUEUED
 
 
@@ -311,9 +311,9 @@ def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
     clock = ManualClock(100.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     assert est.retry_after("interactive", 4, 1, keep_within=2.0) == pytest.approx(5.0)
-    assert est.outstanding("interactive") == 0  # that caller cannot come back in time
+    assert est.promises.outstanding("interactive") == 0  # that caller cannot come back in time
     assert est.retry_after("interactive", 4, 1) == pytest.approx(5.0)  # so the next hears the same slot
-    assert est.outstanding("interactive") == 1
+    assert est.promises.outstanding("interactive") == 1
     assert est.retry_after("interactive", 4, 1, keep_within=10.0) == pytest.approx(6.0)
 
 
@@ -576,10 +576,10 @@ def test_a_caller_whose_budget_could_not_cover_the_service_at_the_hint_is_told_i
     short = rejection(c.submit(fresh(budget=4.5)))
     assert short.code == "queue_full"
     assert short.retry_after == pytest.approx(4.5)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     roomy = rejection(c.submit(fresh(budget=60.0)))  # enough left at the hint: the usual hint
     assert roomy.retry_after == pytest.approx(4.0)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
 
 
 def test_a_higher_class_drains_only_the_slots_lower_shares_leave_it(make: MakeController) -> None:
@@ -618,7 +618,7 @@ def test_a_caller_without_a_budget_is_spread_but_no_slot_is_kept_for_it(make: Ma
     ticket(c.submit(fresh()))  # full
     plain = rejection(c.submit(fresh()))
     assert plain.retry_after == pytest.approx(2.0)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     budgeted = rejection(c.submit(fresh(budget=60.0)))
     assert budgeted.retry_after == pytest.approx(3.0)  # the next slot after the plain caller's
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1

@@ -163,10 +163,12 @@ class AdmissionController:
         now = self._clock()
         service = estimator.service_time
         fresh = now - self._last_fresh.get(cls, -math.inf) <= service
-        promised = estimator.outstanding(cls)
+        promised = estimator.promises.outstanding(cls)
         if not promised:
             return ClassOutlook(0, 0, fresh)
-        return ClassOutlook(promised, estimator.promised_within((cls,), -math.inf, now + service), fresh)
+        return ClassOutlook(
+            promised, estimator.promises.promised_within((cls,), -math.inf, now + service), fresh
+        )
 
     def next_run(self, cls: str) -> float | None:
         """Seconds the request of ``cls`` that would take the next slot (its queue's head, or the
@@ -245,7 +247,7 @@ class AdmissionController:
         if request.retry and self._returning_first and request.budget is not None:
             # A caller promised a return is back: its promise no longer holds a slot ahead of
             # anyone (it is queued, admitted or refused and told a new one).
-            self._estimator.redeem(cls)
+            self._estimator.promises.redeem(cls)
         queues = self._queues
         # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
         if not queues.total and self._held.total < self._limit.limit:

@@ -134,5 +134,5 @@ class ClassQueues:
         """
         if not self._returning_first:
             return bound
-        promised = sum(self._estimator.outstanding(c) for c in classes)
+        promised = sum(self._estimator.promises.outstanding(c) for c in classes)
         return bound - min(promised, math.floor(self._returning_share * bound + 1e-9))
