@@ -107,10 +107,8 @@ class AdmissionController:
             returning_first=returning_first,
         )
         waits = QueueWaits(self._classes, self._scheduler, estimator, limit, self._held.admitted)
-        self._placement = Placement(
-            self._policies, self._queues, waits, estimator, promise_slack=promise_slack
-        )
-        self._refusals = Refusals(self._policies, self._queues, waits, estimator, limit)
+        self._placement = Placement(self._queues, waits, estimator, promise_slack=promise_slack)
+        self._refusals = Refusals(self._queues, waits, estimator, limit)
         # When each class last saw a fresh arrival (ClassOutlook.fresh_recently).
         self._last_fresh: dict[str, float] = {}
         self._moved: Dispatch | None = None  # see take_moved

@@ -38,11 +38,10 @@ requests the share will serve in time stay.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.queues import ClassQueues
-from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.tickets import RejectCode, Ticket
 from llm_backoff_shim.decide.waits import QueueWaits, WaitFn, need_name
 
@@ -51,17 +50,9 @@ class Placement:
     """Places newcomers so that no queued request is made late, and finds the ones that are."""
 
     def __init__(
-        self,
-        policies: Mapping[str, ClassPolicy],
-        queues: ClassQueues,
-        waits: QueueWaits,
-        estimator: DrainEstimator,
-        *,
-        promise_slack: float,
+        self, queues: ClassQueues, waits: QueueWaits, estimator: DrainEstimator, *, promise_slack: float
     ) -> None:
-        self._policies = policies
-        self._classes = tuple(policies)
-        self._rank = {name: i for i, name in enumerate(self._classes)}
+        self._policies = queues.policies
         self._queues = queues
         self._waits = waits
         self._estimator = estimator
@@ -79,7 +70,7 @@ class Placement:
         extends that request's key. One walk of the serve order; no walk when it would overtake nobody.
         """
         cls, queues = ticket.cls, self._queues
-        key: tuple[int, ...] = (self._rank[cls], 0 if ticket.returning else 1, ticket.id)
+        key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.id)
         ticket.key = key
         if not queues.overtakes_anyone(key):
             return queues.total, len(queues.lists[cls])
@@ -89,7 +80,7 @@ class Placement:
             before = [t for t in order if t.key < key]
             return len(before), sum(t.cls == cls for t in before)
         order = queues.serve_order()
-        seen = dict.fromkeys(self._classes, 0)
+        seen = dict.fromkeys(queues.classes, 0)
         last_tight: Ticket | None = None
         wait = self._waits.walk()
         for ahead, queued in enumerate(order):
@@ -116,14 +107,13 @@ class Placement:
         if self._estimator.samples == 0:
             return None  # the wait estimate would rest on the prior alone
         cls, budget = ticket.cls, ticket.request.budget
-        higher = self._classes[: self._rank[cls]]
         # Returns promised before it would be served go ahead of a returning caller of a lower
         # class: each takes a slot first. A fresh arrival yields to every promise, whatever
         # its class: a promise is a slot kept for the caller on the one engine (the estimator's
         # single timeline); a fresh interactive arrival queued into a slot promised to a batch
         # caller pushes that caller's return past its budget (measured: docs/benchmarks.md,
         # 'a hint is a reservation').
-        promised_by = higher if ticket.returning else self._classes
+        promised_by = self._queues.above(cls) if ticket.returning else self._queues.classes
         expected = self._waits.at(cls, ahead, in_class, promised_by)
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
@@ -152,7 +142,7 @@ class Placement:
         if not self._queues.total or self._estimator.samples == 0:
             return
         ahead = 0
-        seen = dict.fromkeys(self._classes, 0)
+        seen = dict.fromkeys(self._queues.classes, 0)
         wait = self._waits.walk(soonest=True)
         for ticket in self._queues.serve_order():
             why = self.late(ticket, ahead, seen[ticket.cls], now, wait)

@@ -65,6 +65,23 @@ class ClassQueues:
         # Kept beside the per-class lists: read several times per request.
         self.total = 0
 
+    @property
+    def policies(self) -> Mapping[str, ClassPolicy]:
+        """Each class's policy, highest priority first."""
+        return self._policies
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self._classes
+
+    def above(self, cls: str) -> tuple[str, ...]:
+        """The classes of higher priority than ``cls``, highest first."""
+        return self._classes[: self._rank[cls]]
+
+    def rank(self, cls: str) -> int:
+        """``cls``'s place in the priority order (0: the highest)."""
+        return self._rank[cls]
+
     # -- the serve order ---------------------------------------------------------------------
     def insert(self, ticket: Ticket) -> None:
         bisect.insort(self.lists[ticket.cls], ticket, key=_key)

@@ -15,12 +15,9 @@ with a typed error rather than spend an attempt, and the hint is not remembered 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.queues import ClassQueues
-from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.tickets import GateRefusal, RejectCode, Rejection, Ticket
 from llm_backoff_shim.decide.waits import QueueWaits, need_name, short_of
 
@@ -29,16 +26,9 @@ class Refusals:
     """Builds every refusal of the controller, each with its Retry-After (module docstring)."""
 
     def __init__(
-        self,
-        policies: Mapping[str, ClassPolicy],
-        queues: ClassQueues,
-        waits: QueueWaits,
-        estimator: DrainEstimator,
-        limit: ConcurrencyLimit,
+        self, queues: ClassQueues, waits: QueueWaits, estimator: DrainEstimator, limit: ConcurrencyLimit
     ) -> None:
-        self._policies = policies
-        self._classes = tuple(policies)
-        self._rank = {name: i for i, name in enumerate(self._classes)}
+        self._policies = queues.policies
         self._queues = queues
         self._waits = waits
         self._estimator = estimator
@@ -62,7 +52,7 @@ class Refusals:
         its remaining budget, not remembered as a promise (module docstring).
         """
         # A retry would come back returning, behind what is queued now in its class and above.
-        higher = self._classes[: self._rank[cls]]
+        higher = self._queues.above(cls)
         ahead, in_class = self._queues.ahead_of(cls), len(self._queues.lists[cls])
         wait = self._waits.at(cls, ahead, in_class, higher)
         est = self._estimator

@@ -495,8 +495,9 @@ def comparison(all_figures: Sequence[Figures]) -> str:
     return "\n".join(out)
 
 
-#: How the shim's access log ``detail`` of a rejection says a queued request left (the
-#: messages of :mod:`llm_backoff_shim.decide.admission`); anything else was refused at arrival.
+#: How the shim's access log ``detail`` of a rejection says a queued request left (the messages
+#: of :mod:`llm_backoff_shim.decide.placement` and :mod:`llm_backoff_shim.decide.refusals`); anything
+#: else was refused at arrival.
 _LEFT_THE_QUEUE = (
     ("overtaken in the queue", "recheck"),
     ("waited the maximum", "timer"),
