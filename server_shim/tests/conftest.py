@@ -28,7 +28,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +39,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import ClassPolicy
+from llm_backoff_shim.decide.scheduler import ClassScheduler
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config import ShimSettings, env_name
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
+from llm_backoff_shim.testing import ManualClock
 
 _HTTP_PATH_ENV = env_name("http_path")
 
@@ -337,3 +343,55 @@ def read_answers(sock: socket.socket, count: int) -> list[tuple[int, dict[str, s
 @pytest.fixture
 def answers() -> ReadAnswers:
     return read_answers
+
+
+# -- the pure admission controller -------------------------------------------------------------
+
+#: ``make_controller(limit, **options) -> (controller, clock)``; see :func:`build_pure_controller`.
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]
+
+
+def build_pure_controller(
+    limit: int = 2,
+    *,
+    classes: Sequence[str] = ("interactive", "batch"),
+    max_queue: int = 100,
+    max_wait: float = 60.0,
+    max_queues: Mapping[str, int] | None = None,
+    max_waits: Mapping[str, float] | None = None,
+    start: float = 0.0,
+    scheduler: ClassScheduler | None = None,
+    max_queue_total: int | None = None,
+    returning_share: float = 0.25,
+    returning_first: bool = True,
+    promise_slack: float = 0.1,
+    **estimator: Any,
+) -> tuple[AdmissionController, ManualClock]:
+    """An :class:`AdmissionController` over ``limit`` fixed slots, driven by a manual clock set at
+    ``start``. ``classes`` highest priority first, each with ``max_queue`` places and ``max_wait``
+    seconds of queue wait unless ``max_queues`` / ``max_waits`` name it; ``estimator``: fields of
+    :class:`EstimatorConfig` (its defaults otherwise). The other options are the controller's,
+    with its defaults."""
+    clock = ManualClock(start)
+    queues, waits = max_queues or {}, max_waits or {}
+    unknown = (set(queues) | set(waits)) - set(classes)
+    assert not unknown, f"bounds for classes not built: {unknown}"
+    controller = AdmissionController(
+        [ClassPolicy(name, queues.get(name, max_queue), waits.get(name, max_wait)) for name in classes],
+        limit=FixedLimit(limit),
+        estimator=DrainEstimator(EstimatorConfig(**estimator), clock),
+        clock=clock,
+        scheduler=scheduler,
+        max_queue_total=max_queue_total,
+        returning_share=returning_share,
+        returning_first=returning_first,
+        promise_slack=promise_slack,
+    )
+    return controller, clock
+
+
+@pytest.fixture(scope="session")
+def make_controller() -> MakeController:
+    """:func:`build_pure_controller`: the one way the tests build a pure admission controller. Session
+    scope: it holds no state, and hypothesis tests may use it (no per-example fixture reset)."""
+    return build_pure_controller

@@ -2,71 +2,42 @@
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    AdmissionView,
-    ClassPolicy,
-    GateRefusal,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-    UnknownClassError,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
+from llm_backoff_shim.decide.tickets import GateRefusal, Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.decide.view import AdmissionView
 from llm_backoff_shim.testing import ManualClock
 
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
 
-def make(
-    *,
-    limit: int = 2,
-    max_queue: int = 3,
-    max_wait: float = 10.0,
-    total: int | None = None,
-    batch_queue: int | None = None,
-    service: float = 1.0,
-    returning_share: float = 0.0,
-    stream_served_at: Literal["end", "first_token"] = "end",
-    promise_slack: float = 0.0,
-) -> tuple[AdmissionController, ManualClock]:
-    clock = ManualClock(50.0)
-    est = DrainEstimator(
-        EstimatorConfig(
-            retry_after_min=0.1,
-            retry_after_max=100.0,
-            initial_service_time=service,
-            stream_served_at=stream_served_at,
-            return_jitter=0.0,  # hints as computed; the aim for clients' jitter: test_estimator
-        ),
-        clock,
-    )
-    policies = [
-        ClassPolicy("interactive", max_queue, max_wait),
-        ClassPolicy("batch", max_queue if batch_queue is None else batch_queue, max_wait),
-    ]
-    return (
-        AdmissionController(
-            policies,
-            limit=FixedLimit(limit),
-            estimator=est,
-            clock=clock,
-            max_queue_total=total,
-            # Fresh arrivals only here; places kept for returning ones: test_admission_returning.
-            returning_share=returning_share,
-            # The exact estimate here; the slack kept for its error has its own test.
-            promise_slack=promise_slack,
-        ),
-        clock,
+
+@pytest.fixture(scope="module")
+def make(make_controller: MakeController) -> MakeController:
+    """Two classes, fresh arrivals only (the places kept for returning ones:
+    test_admission_returning) and the exact estimate (the slack kept for its error has its
+    own test); hints as computed (the aim for clients' jitter: test_drain_estimate)."""
+    return functools.partial(
+        make_controller,
+        limit=2,
+        max_queue=3,
+        max_wait=10.0,
+        start=50.0,
+        returning_share=0.0,
+        promise_slack=0.0,
+        retry_after_min=0.1,
+        retry_after_max=100.0,
+        return_jitter=0.0,
     )
 
 
@@ -84,7 +55,7 @@ def req(cls: str = "interactive", budget: float | None = None) -> AdmissionReque
     return AdmissionRequest(cls=cls, budget=budget)
 
 
-def test_admits_up_to_the_limit_then_queues_then_rejects() -> None:
+def test_admits_up_to_the_limit_then_queues_then_rejects(make: MakeController) -> None:
     c, _ = make(limit=2, max_queue=3)
     states = [ticket(c.submit(req())).state for _ in range(5)]
     assert states == [TicketState.ADMITTED] * 2 + [TicketState.QUEUED] * 3
@@ -96,7 +67,7 @@ def test_admits_up_to_the_limit_then_queues_then_rejects() -> None:
     assert (c.in_flight(), c.queued()) == (2, 3)
 
 
-def test_release_admits_the_queue_head_in_fifo_order() -> None:
+def test_release_admits_the_queue_head_in_fifo_order(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=3)
     running = ticket(c.submit(req()))
     queued = [ticket(c.submit(req())) for _ in range(3)]
@@ -107,7 +78,7 @@ def test_release_admits_the_queue_head_in_fifo_order() -> None:
     assert c.release(queued[0], Outcome.COMPLETED).admitted == [queued[1]]
 
 
-def test_interactive_is_served_before_batch() -> None:
+def test_interactive_is_served_before_batch(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=5)
     running = ticket(c.submit(req()))
     batch = ticket(c.submit(req("batch")))
@@ -116,8 +87,8 @@ def test_interactive_is_served_before_batch() -> None:
     assert c.release(interactive, Outcome.COMPLETED).admitted == [batch]
 
 
-def test_total_queue_bound_holds_across_classes() -> None:
-    c, _ = make(limit=1, max_queue=3, total=3)
+def test_total_queue_bound_holds_across_classes(make: MakeController) -> None:
+    c, _ = make(limit=1, max_queue=3, max_queue_total=3)
     ticket(c.submit(req()))
     for cls in ("interactive", "batch", "batch"):
         assert ticket(c.submit(req(cls))).state is TicketState.QUEUED
@@ -125,7 +96,7 @@ def test_total_queue_bound_holds_across_classes() -> None:
     assert c.queued() == 3
 
 
-def test_zero_queue_admits_when_idle_and_rejects_when_busy() -> None:
+def test_zero_queue_admits_when_idle_and_rejects_when_busy(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=0)
     first = ticket(c.submit(req()))
     assert first.state is TicketState.ADMITTED
@@ -135,7 +106,7 @@ def test_zero_queue_admits_when_idle_and_rejects_when_busy() -> None:
     assert ticket(c.submit(req())).state is TicketState.ADMITTED
 
 
-def test_cancel_frees_a_queue_place_and_an_admitted_slot() -> None:
+def test_cancel_frees_a_queue_place_and_an_admitted_slot(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=1)
     running = ticket(c.submit(req()))
     waiting = ticket(c.submit(req()))
@@ -149,8 +120,8 @@ def test_cancel_frees_a_queue_place_and_an_admitted_slot() -> None:
     assert c.cancel(running).admitted == []  # idempotent
 
 
-def test_aborted_and_failed_requests_do_not_feed_the_service_time() -> None:
-    c, clock = make(limit=1, service=1.0)
+def test_aborted_and_failed_requests_do_not_feed_the_service_time(make: MakeController) -> None:
+    c, clock = make(limit=1, initial_service_time=1.0)
     for outcome in (Outcome.ABORTED, Outcome.UPSTREAM_ERROR, Outcome.OVERLOADED, Outcome.CLIENT_ERROR):
         t = ticket(c.submit(req()))
         clock.now += 0.01
@@ -162,7 +133,7 @@ def test_aborted_and_failed_requests_do_not_feed_the_service_time() -> None:
     assert c.estimator.service_time == pytest.approx(3.0)
 
 
-def test_release_twice_is_an_error() -> None:
+def test_release_twice_is_an_error(make: MakeController) -> None:
     c, _ = make()
     t = ticket(c.submit(req()))
     c.release(t, Outcome.COMPLETED)
@@ -170,7 +141,7 @@ def test_release_twice_is_an_error() -> None:
         c.release(t, Outcome.COMPLETED)
 
 
-def test_expire_drops_a_queued_ticket_with_queue_timeout() -> None:
+def test_expire_drops_a_queued_ticket_with_queue_timeout(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=2, max_wait=5.0)
     running = ticket(c.submit(req()))
     waiting = ticket(c.submit(req()))
@@ -184,7 +155,7 @@ def test_expire_drops_a_queued_ticket_with_queue_timeout() -> None:
     assert c.expire(running) is None  # admitted tickets are not expired
 
 
-def test_a_ticket_past_its_deadline_is_never_admitted() -> None:
+def test_a_ticket_past_its_deadline_is_never_admitted(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=2, max_wait=5.0)
     running = ticket(c.submit(req()))
     stale = ticket(c.submit(req(budget=1.0)))
@@ -198,7 +169,7 @@ def test_a_ticket_past_its_deadline_is_never_admitted() -> None:
     assert "budget" in stale.rejection.message
 
 
-def test_budget_shorter_than_estimated_wait_is_refused_at_once() -> None:
+def test_budget_shorter_than_estimated_wait_is_refused_at_once(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=5)
     first = ticket(c.submit(req()))
     clock.now += 2.0
@@ -212,20 +183,20 @@ def test_budget_shorter_than_estimated_wait_is_refused_at_once() -> None:
     assert ticket(c.submit(req(budget=4.0))).state is TicketState.QUEUED
 
 
-def test_budget_is_not_judged_on_the_prior_alone() -> None:
-    c, _ = make(limit=1, max_queue=5, service=100.0)
+def test_budget_is_not_judged_on_the_prior_alone(make: MakeController) -> None:
+    c, _ = make(limit=1, max_queue=5, initial_service_time=100.0)
     ticket(c.submit(req()))
     assert ticket(c.submit(req(budget=1.0))).state is TicketState.QUEUED
 
 
-def test_spent_budget_is_refused_even_when_idle() -> None:
+def test_spent_budget_is_refused_even_when_idle(make: MakeController) -> None:
     c, _ = make()
     assert rejection(c.submit(req(budget=0.0))).code == "queue_timeout"
     assert c.in_flight() == 0
 
 
-def test_rejection_hint_grows_with_depth() -> None:
-    c, clock = make(limit=1, max_queue=50, batch_queue=0, service=1.0)
+def test_rejection_hint_grows_with_depth(make: MakeController) -> None:
+    c, clock = make(limit=1, max_queue=50, max_queues={"batch": 0}, initial_service_time=1.0)
     ticket(c.submit(req()))
     hints = []
     for _ in range(6):
@@ -237,12 +208,12 @@ def test_rejection_hint_grows_with_depth() -> None:
     assert hints == pytest.approx([0.1, 1.0, 2.0, 3.0, 4.0, 5.0])
 
 
-def test_slots_that_started_together_free_together() -> None:
+def test_slots_that_started_together_free_together(make: MakeController) -> None:
     # Four requests admitted at once, 1 s of service each; half a second later four more are
     # queued. Those four are served when the first four end (in 0.5 s), and the next caller a
     # service later (1.5 s). Evenly spread, as if the slots freed one by one at 4 per second,
     # it would be told 1.25 s and come back to find no slot.
-    c, clock = make(limit=4, max_queue=50, batch_queue=0, service=1.0)
+    c, clock = make(limit=4, max_queue=50, max_queues={"batch": 0}, initial_service_time=1.0)
     for _ in range(4):
         ticket(c.submit(req()))
     clock.now += 0.5
@@ -253,7 +224,7 @@ def test_slots_that_started_together_free_together() -> None:
     assert c.estimator.expected_wait(4, 4, 0) == pytest.approx(1.25)  # the even estimate
 
 
-def test_parse_class() -> None:
+def test_parse_class(make: MakeController) -> None:
     c, _ = make()
     assert c.parse_class(None) == "interactive"
     assert c.parse_class("  ") == "interactive"
@@ -276,7 +247,7 @@ class Refuse:
         return None
 
 
-def test_gates_run_before_queueing_and_can_refuse_with_their_own_code() -> None:
+def test_gates_run_before_queueing_and_can_refuse_with_their_own_code(make: MakeController) -> None:
     c, _ = make(limit=4)
     gate = Refuse(when_in_flight=1)
     c.gates.append(gate)
@@ -296,16 +267,8 @@ class HoldForInteractive:
         return "batch" if view.in_flight() < view.limit - 1 else None
 
 
-def test_a_scheduler_may_hold_a_slot_back() -> None:
-    clock = ManualClock(50.0)
-    est = DrainEstimator(EstimatorConfig(), clock)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 5, 10.0), ClassPolicy("batch", 5, 10.0)],
-        limit=FixedLimit(2),
-        estimator=est,
-        clock=clock,
-        scheduler=HoldForInteractive(),
-    )
+def test_a_scheduler_may_hold_a_slot_back(make_controller: MakeController) -> None:
+    c, _ = make_controller(2, max_queue=5, max_wait=10.0, start=50.0, scheduler=HoldForInteractive())
     assert ticket(c.submit(req("batch"))).state is TicketState.ADMITTED
     assert ticket(c.submit(req("batch"))).state is TicketState.QUEUED
     assert ticket(c.submit(req("interactive"))).state is TicketState.ADMITTED
@@ -340,9 +303,11 @@ def test_constructor_validates() -> None:
     max_queue=st.integers(0, 5),
     steps=st.integers(1, 120),
 )
-def test_any_mix_of_outcomes_leaves_nothing_behind(seed: int, limit: int, max_queue: int, steps: int) -> None:
+def test_any_mix_of_outcomes_leaves_nothing_behind(
+    make: MakeController, seed: int, limit: int, max_queue: int, steps: int
+) -> None:
     rng = random.Random(seed)
-    c, clock = make(limit=limit, max_queue=max_queue, total=max_queue + 1, max_wait=3.0)
+    c, clock = make(limit=limit, max_queue=max_queue, max_queue_total=max_queue + 1, max_wait=3.0)
     live: list[Ticket] = []
     admitted_order: dict[str, list[int]] = {"interactive": [], "batch": []}
 
@@ -395,24 +360,29 @@ def stream_req(budget: float, cls: str = "interactive") -> AdmissionRequest:
     return AdmissionRequest(cls=cls, budget=budget, stream=True)
 
 
-def measured(
-    limit: int = 1,
-    service: float = 2.0,
-    first_byte: float | None = None,
-    max_wait: float = 10.0,
-    stream_served_at: Literal["end", "first_token"] = "end",
-) -> tuple[AdmissionController, ManualClock]:
+@pytest.fixture(scope="module")
+def measured(make: MakeController) -> MakeController:
     """A controller whose estimator has measured one completion of ``service`` seconds."""
-    c, clock = make(limit=limit, max_queue=10, max_wait=max_wait, stream_served_at=stream_served_at)
-    t = ticket(c.submit(req()))
-    clock.now += service
-    c.release(t, Outcome.COMPLETED)
-    if first_byte is not None:
-        c.estimator.observe_first_byte(first_byte)
-    return c, clock
+
+    def build(
+        limit: int = 1,
+        service: float = 2.0,
+        first_byte: float | None = None,
+        max_wait: float = 10.0,
+        stream_served_at: Literal["end", "first_token"] = "end",
+    ) -> tuple[AdmissionController, ManualClock]:
+        c, clock = make(limit=limit, max_queue=10, max_wait=max_wait, stream_served_at=stream_served_at)
+        t = ticket(c.submit(req()))
+        clock.now += service
+        c.release(t, Outcome.COMPLETED)
+        if first_byte is not None:
+            c.estimator.observe_first_byte(first_byte)
+        return c, clock
+
+    return build
 
 
-def test_budget_must_cover_wait_plus_service_time_for_a_non_streaming_call() -> None:
+def test_budget_must_cover_wait_plus_service_time_for_a_non_streaming_call(measured: MakeController) -> None:
     c, _ = measured(service=2.0)
     ticket(c.submit(req()))  # holds the only slot: the next waits ~2 s
     refused = rejection(c.submit(req(budget=3.5)))
@@ -421,7 +391,7 @@ def test_budget_must_cover_wait_plus_service_time_for_a_non_streaming_call() -> 
     assert c.queued() == 0
 
 
-def test_a_stream_needs_wait_plus_the_whole_service_by_default() -> None:
+def test_a_stream_needs_wait_plus_the_whole_service_by_default(measured: MakeController) -> None:
     c, _ = measured(service=2.0, first_byte=0.3)
     ticket(c.submit(req()))
     # Its deadline would cut the stream mid-way: 2 s wait + 2 s service must fit.
@@ -430,7 +400,9 @@ def test_a_stream_needs_wait_plus_the_whole_service_by_default() -> None:
     assert "expected service time 2.00 s" in refused.message
 
 
-def test_a_stream_served_at_the_first_token_needs_only_wait_plus_first_token() -> None:
+def test_a_stream_served_at_the_first_token_needs_only_wait_plus_first_token(
+    measured: MakeController,
+) -> None:
     c, _ = measured(service=2.0, first_byte=0.3, stream_served_at="first_token")
     ticket(c.submit(req()))
     # 2 s wait + 0.3 s to the first token fits 2.5 s; the whole 2 s service would not.
@@ -439,7 +411,7 @@ def test_a_stream_served_at_the_first_token_needs_only_wait_plus_first_token() -
     assert "expected time to first token 0.30 s" in refused.message
 
 
-def test_budget_below_service_is_refused_even_with_a_free_slot() -> None:
+def test_budget_below_service_is_refused_even_with_a_free_slot(measured: MakeController) -> None:
     c, _ = measured(limit=2, service=2.0)
     refused = rejection(c.submit(req(budget=1.0)))
     assert refused.code == "queue_timeout"
@@ -449,12 +421,14 @@ def test_budget_below_service_is_refused_even_with_a_free_slot() -> None:
     assert ticket(c.submit(req(budget=2.5))).state is TicketState.ADMITTED
 
 
-def test_free_slot_and_short_budget_is_admitted_on_the_prior_alone() -> None:
-    c, _ = make(limit=1, service=100.0)
+def test_free_slot_and_short_budget_is_admitted_on_the_prior_alone(make: MakeController) -> None:
+    c, _ = make(limit=1, initial_service_time=100.0)
     assert ticket(c.submit(req(budget=1.0))).state is TicketState.ADMITTED
 
 
-def test_queued_call_whose_budget_no_longer_covers_service_is_dropped_when_dequeued() -> None:
+def test_queued_call_whose_budget_no_longer_covers_service_is_dropped_when_dequeued(
+    measured: MakeController,
+) -> None:
     c, clock = measured(service=2.0)
     running = ticket(c.submit(req()))
     late = ticket(c.submit(req(budget=5.0)))  # 2 s wait + 2 s service fit in 5 s at arrival
@@ -470,7 +444,7 @@ def test_queued_call_whose_budget_no_longer_covers_service_is_dropped_when_deque
     assert c.queued() == 0
 
 
-def test_wait_beyond_max_queue_wait_is_refused_at_once_as_queue_full() -> None:
+def test_wait_beyond_max_queue_wait_is_refused_at_once_as_queue_full(measured: MakeController) -> None:
     c, _ = measured(service=1.0, max_wait=3.0)
     ticket(c.submit(req()))  # in flight
     # Queued k-th (from 0) expects (k + 1) s: 1, 2, 3 s fit the 3 s limit, the fourth not.
@@ -483,7 +457,7 @@ def test_wait_beyond_max_queue_wait_is_refused_at_once_as_queue_full() -> None:
     assert c.queued() == 3
 
 
-def test_max_queue_wait_estimate_counts_higher_priority_classes_only() -> None:
+def test_max_queue_wait_estimate_counts_higher_priority_classes_only(measured: MakeController) -> None:
     c, _ = measured(service=1.0, max_wait=3.0)
     ticket(c.submit(req()))
     for _ in range(3):
@@ -497,7 +471,7 @@ def test_max_queue_wait_estimate_counts_higher_priority_classes_only() -> None:
     assert c2.serve_order() == [interactive, *batch]
 
 
-def test_a_newcomer_does_not_go_ahead_of_a_request_it_would_make_late() -> None:
+def test_a_newcomer_does_not_go_ahead_of_a_request_it_would_make_late(measured: MakeController) -> None:
     c, _ = measured(service=1.0, max_wait=3.5)
     ticket(c.submit(req()))
     batch = [ticket(c.submit(req("batch"))) for _ in range(3)]  # 1, 2, 3 s: the last has 0.5 s
@@ -510,7 +484,9 @@ def test_a_newcomer_does_not_go_ahead_of_a_request_it_would_make_late() -> None:
     assert not c.recheck()
 
 
-def test_a_newcomer_is_placed_right_after_the_last_request_it_would_make_late() -> None:
+def test_a_newcomer_is_placed_right_after_the_last_request_it_would_make_late(
+    measured: MakeController,
+) -> None:
     c, _ = measured(service=1.0, max_wait=10.0)
     running = ticket(c.submit(req()))
     tight = ticket(c.submit(req("batch", budget=2.0)))  # 1 s wait + 1 s service: no room at all
@@ -527,18 +503,23 @@ def test_a_newcomer_is_placed_right_after_the_last_request_it_would_make_late() 
     assert c.overtaken_total == 0
 
 
-def test_max_queue_wait_is_not_judged_on_the_prior_alone() -> None:
-    c, _ = make(limit=1, max_queue=10, max_wait=3.0, service=100.0)
+def test_max_queue_wait_is_not_judged_on_the_prior_alone(make: MakeController) -> None:
+    c, _ = make(limit=1, max_queue=10, max_wait=3.0, initial_service_time=100.0)
     ticket(c.submit(req()))
     assert all(ticket(c.submit(req())).state is TicketState.QUEUED for _ in range(10))
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_refuse_at_once_answers_as_submit_would_and_otherwise_changes_nothing(seed: int) -> None:
+def test_refuse_at_once_answers_as_submit_would_and_otherwise_changes_nothing(
+    make: MakeController, seed: int
+) -> None:
     """Two controllers see the same requests; one asks refuse_at_once first (as the relay does
     from a request's head), the other only submits. Their every answer and state agree."""
     rng = random.Random(seed)
-    twins = [make(limit=3, max_queue=3, batch_queue=2, total=4, returning_share=0.5) for _ in range(2)]
+    twins = [
+        make(limit=3, max_queue=3, max_queues={"batch": 2}, max_queue_total=4, returning_share=0.5)
+        for _ in range(2)
+    ]
     held: list[list[Ticket]] = [[], []]
     answered_early = 0
     for _ in range(400):

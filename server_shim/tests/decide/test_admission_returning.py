@@ -3,25 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-    parse_retry_count,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest, parse_retry_count
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
@@ -58,38 +52,24 @@ def test_a_request_with_a_retry_count_is_returning() -> None:
 # -- the controller ----------------------------------------------------------------------------
 
 
-def make(
-    *,
-    limit: int = 1,
-    max_queue: int = 8,
-    max_wait: float = 10.0,
-    total: int | None = None,
-    returning_share: float = 0.25,
-    scheduler: SharedSlots | None = None,
-    returning_first: bool = True,
-    promise_slack: float = 0.0,
-    return_jitter: float = 0.0,
-    initial: float = 1.0,
-) -> tuple[AdmissionController, ManualClock]:
-    clock = ManualClock(100.0)
-    # return_jitter 0 by default: hints as computed (the aim for clients' jitter: test_estimator).
-    config = EstimatorConfig(
-        retry_after_min=0.1, retry_after_max=100.0, return_jitter=return_jitter, initial_service_time=initial
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
+
+
+@pytest.fixture(scope="module")
+def make(make_controller: MakeController) -> MakeController:
+    """One slot, two classes, places kept for returning callers; the exact estimate, and hints as
+    computed (return_jitter 0 unless given; the aim for clients' jitter: test_drain_estimate)."""
+    return functools.partial(
+        make_controller,
+        limit=1,
+        max_queue=8,
+        max_wait=10.0,
+        start=100.0,
+        promise_slack=0.0,
+        retry_after_min=0.1,
+        retry_after_max=100.0,
+        return_jitter=0.0,
     )
-    est = DrainEstimator(config, clock)
-    policies = [ClassPolicy("interactive", max_queue, max_wait), ClassPolicy("batch", max_queue, max_wait)]
-    controller = AdmissionController(
-        policies,
-        limit=FixedLimit(limit),
-        estimator=est,
-        clock=clock,
-        max_queue_total=total,
-        returning_share=returning_share,
-        scheduler=scheduler,
-        returning_first=returning_first,
-        promise_slack=promise_slack,
-    )
-    return controller, clock
 
 
 def measure(c: AdmissionController, clock: ManualClock, service: float) -> None:
@@ -123,7 +103,9 @@ def back(cls: str = "interactive", budget: float | None = 1000.0) -> AdmissionRe
     return AdmissionRequest(cls, budget=budget, retry=1)
 
 
-def test_returning_requests_go_before_fresh_ones_of_their_class_fifo_within_each() -> None:
+def test_returning_requests_go_before_fresh_ones_of_their_class_fifo_within_each(
+    make: MakeController,
+) -> None:
     c, _ = make(limit=1)
     running = ticket(c.submit(fresh()))
     f1, r1, f2, r2 = (ticket(c.submit(r)) for r in (fresh(), back(), fresh(), back()))
@@ -135,7 +117,7 @@ def test_returning_requests_go_before_fresh_ones_of_their_class_fifo_within_each
     assert order == [r1, r2, f1, f2]
 
 
-def test_a_returning_batch_request_does_not_pass_interactive_ones() -> None:
+def test_a_returning_batch_request_does_not_pass_interactive_ones(make: MakeController) -> None:
     c, _ = make(limit=1)
     running = ticket(c.submit(fresh()))
     batch_back = ticket(c.submit(back("batch")))
@@ -144,7 +126,9 @@ def test_a_returning_batch_request_does_not_pass_interactive_ones() -> None:
     assert c.release(interactive, Outcome.COMPLETED).admitted == [batch_back]
 
 
-def test_a_full_queue_refuses_fresh_arrivals_before_returning_ones_and_evicts_nobody() -> None:
+def test_a_full_queue_refuses_fresh_arrivals_before_returning_ones_and_evicts_nobody(
+    make: MakeController,
+) -> None:
     c, _ = make(limit=1, max_queue=8, returning_share=0.25)
     ticket(c.submit(fresh()))
     assert c.fresh_room(8, ["interactive"]) == 8  # nobody was told to come back
@@ -160,8 +144,8 @@ def test_a_full_queue_refuses_fresh_arrivals_before_returning_ones_and_evicts_no
     assert c.queued_returning("interactive") == 2
 
 
-def test_the_total_bound_keeps_places_for_returning_requests_too() -> None:
-    c, _ = make(limit=1, max_queue=8, total=4, returning_share=0.25)  # total: 3 fresh, 1 returning
+def test_the_total_bound_keeps_places_for_returning_requests_too(make: MakeController) -> None:
+    c, _ = make(limit=1, max_queue=8, max_queue_total=4, returning_share=0.25)  # total: 3 fresh, 1 returning
     ticket(c.submit(fresh()))
     promise(c, "batch")
     for cls in ("interactive", "batch", "batch"):
@@ -171,14 +155,14 @@ def test_the_total_bound_keeps_places_for_returning_requests_too() -> None:
     assert rejection(c.submit(back("interactive"))).code == "queue_full"
 
 
-def test_small_queues_keep_no_place_back() -> None:
+def test_small_queues_keep_no_place_back(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=3, returning_share=0.25)
     ticket(c.submit(fresh()))
     promise(c)
     assert all(ticket(c.submit(fresh())).state is TicketState.QUEUED for _ in range(3))
 
 
-def test_cancel_and_expire_find_a_returning_ticket() -> None:
+def test_cancel_and_expire_find_a_returning_ticket(make: MakeController) -> None:
     c, clock = make(limit=1, max_wait=5.0)
     ticket(c.submit(fresh()))
     gone, late = ticket(c.submit(back())), ticket(c.submit(back()))
@@ -189,7 +173,7 @@ def test_cancel_and_expire_find_a_returning_ticket() -> None:
     assert c.queued() == 0
 
 
-def test_oldest_wait_looks_at_both_queues() -> None:
+def test_oldest_wait_looks_at_both_queues(make: MakeController) -> None:
     c, clock = make(limit=1)
     ticket(c.submit(fresh()))
     ticket(c.submit(fresh()))
@@ -199,7 +183,7 @@ def test_oldest_wait_looks_at_both_queues() -> None:
     assert c.oldest_wait("interactive") == pytest.approx(4.0)
 
 
-def test_a_fresh_arrival_counts_the_returns_already_promised() -> None:
+def test_a_fresh_arrival_counts_the_returns_already_promised(make: MakeController) -> None:
     # 1 slot, 1 s per request: a slot per second. 4 callers told to come back at 2, 3, 4, 5 s.
     c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
     measure(c, clock, 1.0)
@@ -216,7 +200,7 @@ def test_a_fresh_arrival_counts_the_returns_already_promised() -> None:
     assert ticket(c.submit(back())).state is TicketState.QUEUED
 
 
-def test_a_fresh_arrival_yields_to_the_returns_promised_to_a_lower_class() -> None:
+def test_a_fresh_arrival_yields_to_the_returns_promised_to_a_lower_class(make: MakeController) -> None:
     # A promise is a slot kept on the one engine: 4 batch callers told to come back at
     # 2..5 s keep those slots from a fresh interactive arrival too. Queued into them, it
     # would go ahead of the batch callers on their return and push them past their budget.
@@ -233,7 +217,7 @@ def test_a_fresh_arrival_yields_to_the_returns_promised_to_a_lower_class() -> No
     assert ticket(c.submit(back())).state is TicketState.QUEUED
 
 
-def test_a_caller_whose_slot_is_beyond_its_budget_is_told_its_budget() -> None:
+def test_a_caller_whose_slot_is_beyond_its_budget_is_told_its_budget(make: MakeController) -> None:
     # Its slot is 4 s away and it needs 1 s of service: with 4.9 s of budget it could not be
     # served at its slot, so no slot is kept for it and it is told its budget (give up now).
     c, clock = make(limit=1, max_queue=3, max_wait=10.0, returning_share=0.0, return_jitter=0.2)
@@ -242,13 +226,15 @@ def test_a_caller_whose_slot_is_beyond_its_budget_is_told_its_budget() -> None:
         ticket(c.submit(fresh()))
     tight = rejection(c.submit(fresh(budget=4.9)))
     assert tight.retry_after == pytest.approx(4.9)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     roomy = rejection(c.submit(fresh(budget=5.4)))
     assert roomy.retry_after == pytest.approx(4.0 / 1.1)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
 
 
-def test_a_caller_that_may_come_back_too_late_for_its_slot_is_told_to_come_back_early() -> None:
+def test_a_caller_that_may_come_back_too_late_for_its_slot_is_told_to_come_back_early(
+    make: MakeController,
+) -> None:
     # Its slot is 4 s away; aimed for clients' jitter (up to 20 % of the hint above it) it
     # would be told 4 / 1.1 s and might come back at 4.36 s, with less than the 1 s of service
     # left of 5.3 s. Its slot is within reach (5.3 - 1 = 4.3 s), so it is still promised, told
@@ -259,24 +245,26 @@ def test_a_caller_that_may_come_back_too_late_for_its_slot_is_told_to_come_back_
         ticket(c.submit(fresh()))
     early = rejection(c.submit(fresh(budget=5.3)))
     assert early.retry_after == pytest.approx(4.3 / 1.2)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
     # The next caller is promised the next slot (5 s away), not the same one.
     assert rejection(c.submit(fresh(budget=6.3))).retry_after == pytest.approx(5.3 / 1.2)
-    assert c.estimator.outstanding("interactive") == 2
+    assert c.estimator.promises.outstanding("interactive") == 2
 
 
-def test_before_any_completion_a_slot_is_within_reach_on_the_prior() -> None:
+def test_before_any_completion_a_slot_is_within_reach_on_the_prior(make: MakeController) -> None:
     # Nothing measured yet: the slot must still leave the prior's service time (2 s) before the
     # end of the budget, or the caller would be admitted only to be cut by its deadline.
-    c, _ = make(limit=1, max_queue=0, max_wait=10.0, returning_share=0.0, return_jitter=0.2, initial=2.0)
+    c, _ = make(
+        limit=1, max_queue=0, max_wait=10.0, returning_share=0.0, return_jitter=0.2, initial_service_time=2.0
+    )
     ticket(c.submit(fresh()))  # holds the slot; the next free one is 2 s away (the prior)
     assert rejection(c.submit(fresh(budget=3.9))).retry_after == pytest.approx(3.9)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     assert rejection(c.submit(fresh(budget=4.1))).retry_after == pytest.approx(2.1 / 1.2)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
 
 
-def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others() -> None:
+def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others(make: MakeController) -> None:
     # Two callers promised returns at 1 s and 2 s; one comes back early and queues. Its promise
     # is redeemed: a fresh arrival's wait counts it once (queued), not twice.
     c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
@@ -284,15 +272,17 @@ def test_a_caller_back_from_a_promise_no_longer_holds_a_slot_ahead_of_others() -
     ticket(c.submit(fresh()))
     promise(c)
     promise(c)
-    assert c.estimator.outstanding("interactive") == 2
+    assert c.estimator.promises.outstanding("interactive") == 2
     clock.now += 0.5
     assert ticket(c.submit(back())).state is TicketState.QUEUED
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
     # Not counting itself twice: ahead of a fresh arrival are the one queued and one promise.
-    assert c.estimator.promised_within(("interactive",), clock.now, clock.now + 10.0) == 1
+    assert c.estimator.promises.promised_within(("interactive",), clock.now, clock.now + 10.0) == 1
 
 
-def test_a_lower_class_caller_with_a_long_budget_is_promised_a_slot_after_the_higher_class_wait() -> None:
+def test_a_lower_class_caller_with_a_long_budget_is_promised_a_slot_after_the_higher_class_wait(
+    make: MakeController,
+) -> None:
     # Interactive callers wait at most 3 s in the queue; a batch caller that can wait a minute
     # is told to come back after that, and the slots before it go to interactive callers.
     c, clock = make(limit=1, max_queue=0, max_wait=3.0, returning_share=0.0)
@@ -305,15 +295,15 @@ def test_a_lower_class_caller_with_a_long_budget_is_promised_a_slot_after_the_hi
     assert rejection(c.submit(fresh("batch", budget=3.5))).retry_after == pytest.approx(2.0)
 
 
-def test_promises_fall_due_and_stop_counting() -> None:
+def test_promises_fall_due_and_stop_counting(make: MakeController) -> None:
     c, clock = make(limit=1, max_wait=2.5, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
     for _ in range(3):
         promise(c)
-    assert c.estimator.outstanding("interactive") == 3
+    assert c.estimator.promises.outstanding("interactive") == 3
     clock.now += 3.2  # all three are due, even allowing the 0.1 s minimum for lateness
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     assert ticket(c.submit(fresh())).state is TicketState.QUEUED
 
 
@@ -321,9 +311,9 @@ def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
     clock = ManualClock(100.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     assert est.retry_after("interactive", 4, 1, keep_within=2.0) == pytest.approx(5.0)
-    assert est.outstanding("interactive") == 0  # that caller cannot come back in time
+    assert est.promises.outstanding("interactive") == 0  # that caller cannot come back in time
     assert est.retry_after("interactive", 4, 1) == pytest.approx(5.0)  # so the next hears the same slot
-    assert est.outstanding("interactive") == 1
+    assert est.promises.outstanding("interactive") == 1
     assert est.retry_after("interactive", 4, 1, keep_within=10.0) == pytest.approx(6.0)
 
 
@@ -341,7 +331,7 @@ def test_higher_class_promises_delay_a_lower_class_hint() -> None:
 # -- a queued request keeps its promise; the recheck is the safety net ----------------------------
 
 
-def test_interactive_arrivals_do_not_push_a_batch_request_past_its_budget() -> None:
+def test_interactive_arrivals_do_not_push_a_batch_request_past_its_budget(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
@@ -362,7 +352,7 @@ def test_interactive_arrivals_do_not_push_a_batch_request_past_its_budget() -> N
     assert c.serve_order() == [first, b0, b1, second]
 
 
-def test_returning_callers_go_first_only_where_they_make_nobody_late() -> None:
+def test_returning_callers_go_first_only_where_they_make_nobody_late(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
@@ -373,7 +363,7 @@ def test_returning_callers_go_first_only_where_they_make_nobody_late() -> None:
     assert not c.recheck()
 
 
-def test_a_budget_is_a_promise_too() -> None:
+def test_a_budget_is_a_promise_too(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=8, max_wait=30.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
@@ -383,7 +373,7 @@ def test_a_budget_is_a_promise_too() -> None:
     assert not c.recheck()
 
 
-def test_the_recheck_turns_away_at_once_those_the_estimate_now_says_are_late() -> None:
+def test_the_recheck_turns_away_at_once_those_the_estimate_now_says_are_late(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
     measure(c, clock, 1.0)
     running = ticket(c.submit(fresh()))
@@ -406,7 +396,7 @@ def test_the_recheck_turns_away_at_once_those_the_estimate_now_says_are_late() -
     assert c.queued() == 1
 
 
-def test_a_guaranteed_minimum_share_keeps_batch_requests_it_will_serve() -> None:
+def test_a_guaranteed_minimum_share_keeps_batch_requests_it_will_serve(make: MakeController) -> None:
     shares = SharedSlots(ClassShares(minimum={"batch": 0.5}))  # 1 of 2 slots for batch
     c, clock = make(limit=2, max_queue=8, max_wait=2.2, returning_share=0.0, scheduler=shares)
     measure(c, clock, 1.0)
@@ -421,7 +411,7 @@ def test_a_guaranteed_minimum_share_keeps_batch_requests_it_will_serve() -> None
     assert batch.state is TicketState.QUEUED
 
 
-def test_nothing_is_rechecked_on_the_prior_alone() -> None:
+def test_nothing_is_rechecked_on_the_prior_alone(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=8, max_wait=0.5, returning_share=0.0)
     ticket(c.submit(fresh()))
     ticket(c.submit(fresh("batch")))
@@ -430,7 +420,7 @@ def test_nothing_is_rechecked_on_the_prior_alone() -> None:
     assert not c.recheck()
 
 
-async def test_a_waiter_the_estimate_says_is_late_is_answered_at_once() -> None:
+async def test_a_waiter_the_estimate_says_is_late_is_answered_at_once(make: MakeController) -> None:
     c, clock = make(limit=2, max_queue=8, max_wait=2.0, returning_share=0.0)
     measure(c, clock, 1.0)
     admission = AsyncAdmission(c, clock)
@@ -467,11 +457,13 @@ async def test_a_waiter_the_estimate_says_is_late_is_answered_at_once() -> None:
     steps=st.integers(1, 80),
 )
 def test_any_mix_with_returning_callers_leaves_nothing_behind(
-    seed: int, limit: int, max_queue: int, steps: int
+    make: MakeController, seed: int, limit: int, max_queue: int, steps: int
 ) -> None:
     rng = random.Random(seed)
     shares = SharedSlots(ClassShares(reserved={"interactive": 0.3}, minimum={"batch": 0.3}))
-    c, clock = make(limit=limit, max_queue=max_queue, max_wait=2.0, total=max_queue + 1, scheduler=shares)
+    c, clock = make(
+        limit=limit, max_queue=max_queue, max_wait=2.0, max_queue_total=max_queue + 1, scheduler=shares
+    )
     live: list[Ticket] = []
     for _ in range(steps):
         clock.now += rng.random() * 0.5
@@ -505,7 +497,7 @@ def test_any_mix_with_returning_callers_leaves_nothing_behind(
     assert all(t.state in (TicketState.RELEASED, TicketState.CANCELLED, TicketState.EXPIRED) for t in live)
 
 
-def test_a_guaranteed_share_bounds_the_wait_whatever_higher_classes_do() -> None:
+def test_a_guaranteed_share_bounds_the_wait_whatever_higher_classes_do(make: MakeController) -> None:
     shares = SharedSlots(ClassShares(minimum={"batch": 0.5}))
     c, clock = make(limit=2, max_queue=20, max_wait=3.0, returning_share=0.0, scheduler=shares)
     measure(c, clock, 1.0)
@@ -519,7 +511,7 @@ def test_a_guaranteed_share_bounds_the_wait_whatever_higher_classes_do() -> None
     assert queued.state is TicketState.QUEUED  # its one guaranteed slot frees within 1 s
 
 
-def test_returning_first_can_be_switched_off() -> None:
+def test_returning_first_can_be_switched_off(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=4, returning_first=False)
     running = ticket(c.submit(fresh()))
     promise(c)  # a return is promised, yet no place is kept for it
@@ -534,7 +526,7 @@ def test_returning_first_can_be_switched_off() -> None:
     assert order == [f1, r1, f2]  # arrival order: the retry claim counts for nothing
 
 
-def test_a_retry_without_a_budget_is_served_as_a_fresh_arrival() -> None:
+def test_a_retry_without_a_budget_is_served_as_a_fresh_arrival(make: MakeController) -> None:
     # Without x-request-timeout-ms the shim cannot tell whether a retry served first would still
     # be in time for its caller: it keeps its arrival order.
     c, _ = make(limit=1, max_queue=4)
@@ -571,7 +563,9 @@ def test_the_serve_flags_switch_returning_first(returning_first: bool) -> None:
     assert moved.admitted == [retry if returning_first else fresh]
 
 
-def test_a_caller_whose_budget_could_not_cover_the_service_at_the_hint_is_told_its_budget() -> None:
+def test_a_caller_whose_budget_could_not_cover_the_service_at_the_hint_is_told_its_budget(
+    make: MakeController,
+) -> None:
     c, clock = make(limit=1, max_queue=3, max_wait=10.0, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
@@ -582,13 +576,13 @@ def test_a_caller_whose_budget_could_not_cover_the_service_at_the_hint_is_told_i
     short = rejection(c.submit(fresh(budget=4.5)))
     assert short.code == "queue_full"
     assert short.retry_after == pytest.approx(4.5)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     roomy = rejection(c.submit(fresh(budget=60.0)))  # enough left at the hint: the usual hint
     assert roomy.retry_after == pytest.approx(4.0)
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1
 
 
-def test_a_higher_class_drains_only_the_slots_lower_shares_leave_it() -> None:
+def test_a_higher_class_drains_only_the_slots_lower_shares_leave_it(make: MakeController) -> None:
     shares = SharedSlots(ClassShares(minimum={"batch": 0.25}))  # 1 of 4 slots
     c, clock = make(limit=4, max_queue=20, max_wait=1.1, returning_share=0.0, scheduler=shares)
     measure(c, clock, 1.0)
@@ -600,7 +594,7 @@ def test_a_higher_class_drains_only_the_slots_lower_shares_leave_it() -> None:
     assert rejection(c.submit(fresh())).code == "queue_full"
 
 
-def test_a_newcomer_leaves_a_queued_request_slack_for_the_estimates_error() -> None:
+def test_a_newcomer_leaves_a_queued_request_slack_for_the_estimates_error(make: MakeController) -> None:
     # 10 % of the 10 s limit: a queued request keeps 1 s in hand against newcomers.
     c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0, promise_slack=0.1)
     measure(c, clock, 1.0)
@@ -615,7 +609,7 @@ def test_a_newcomer_leaves_a_queued_request_slack_for_the_estimates_error() -> N
         make(promise_slack=1.0)
 
 
-def test_a_caller_without_a_budget_is_spread_but_no_slot_is_kept_for_it() -> None:
+def test_a_caller_without_a_budget_is_spread_but_no_slot_is_kept_for_it(make: MakeController) -> None:
     # It will come back as a fresh arrival (a retry is returning only with a budget), so a
     # slot kept for it would be kept for nobody; it still takes its place on the timeline.
     c, clock = make(limit=1, max_queue=1, max_wait=10.0, returning_share=0.0)
@@ -624,7 +618,7 @@ def test_a_caller_without_a_budget_is_spread_but_no_slot_is_kept_for_it() -> Non
     ticket(c.submit(fresh()))  # full
     plain = rejection(c.submit(fresh()))
     assert plain.retry_after == pytest.approx(2.0)
-    assert c.estimator.outstanding("interactive") == 0
+    assert c.estimator.promises.outstanding("interactive") == 0
     budgeted = rejection(c.submit(fresh(budget=60.0)))
     assert budgeted.retry_after == pytest.approx(3.0)  # the next slot after the plain caller's
-    assert c.estimator.outstanding("interactive") == 1
+    assert c.estimator.promises.outstanding("interactive") == 1

@@ -15,37 +15,32 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots, share_slots
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
 
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
+Make = Callable[..., tuple[AdmissionController, SharedSlots]]
+Reserving = Callable[..., tuple[AdmissionController, ManualClock]]
 
-def make(
-    limit: int, *, reserved: float = 0.25, minimum: float = 0.0, queue: int = 100
-) -> tuple[AdmissionController, SharedSlots]:
-    clock = ManualClock(10.0)
-    scheduler = SharedSlots(ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}))
-    controller = AdmissionController(
-        [ClassPolicy("interactive", queue, 60.0), ClassPolicy("batch", queue, 60.0)],
-        limit=FixedLimit(limit),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=scheduler,
-    )
-    return controller, scheduler
+
+@pytest.fixture(scope="module")
+def make(make_controller: MakeController) -> Make:
+    """A controller over ``limit`` slots with an interactive reservation and a batch minimum share."""
+
+    def build(
+        limit: int, *, reserved: float = 0.25, minimum: float = 0.0, queue: int = 100
+    ) -> tuple[AdmissionController, SharedSlots]:
+        scheduler = SharedSlots(ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}))
+        controller, _ = make_controller(limit, max_queue=queue, start=10.0, scheduler=scheduler)
+        return controller, scheduler
+
+    return build
 
 
 def submit(c: AdmissionController, cls: str) -> Ticket:
@@ -69,7 +64,7 @@ def test_shares_are_validated() -> None:
         ClassShares(reserved={"interactive": 0.7, "batch": 0.5})
 
 
-def test_a_batch_flood_leaves_the_reserved_slots_to_interactive() -> None:
+def test_a_batch_flood_leaves_the_reserved_slots_to_interactive(make: Make) -> None:
     c, _ = make(8, reserved=0.25)
     batch = [submit(c, "batch") for _ in range(20)]
     assert sum(t.state is TicketState.ADMITTED for t in batch) == 6
@@ -82,7 +77,7 @@ def test_a_batch_flood_leaves_the_reserved_slots_to_interactive() -> None:
     assert submit(c, "interactive").state is TicketState.QUEUED
 
 
-def test_without_a_reservation_batch_takes_every_slot() -> None:
+def test_without_a_reservation_batch_takes_every_slot(make: Make) -> None:
     c, _ = make(8, reserved=0.0)
     for _ in range(10):
         submit(c, "batch")
@@ -90,7 +85,7 @@ def test_without_a_reservation_batch_takes_every_slot() -> None:
     assert submit(c, "interactive").state is TicketState.QUEUED
 
 
-def test_interactive_beyond_its_reservation_does_not_lift_the_cap_on_batch() -> None:
+def test_interactive_beyond_its_reservation_does_not_lift_the_cap_on_batch(make: Make) -> None:
     c, _ = make(4, reserved=0.25)
     interactive = [submit(c, "interactive") for _ in range(3)]
     batch = [submit(c, "batch") for _ in range(4)]
@@ -104,7 +99,7 @@ def test_interactive_beyond_its_reservation_does_not_lift_the_cap_on_batch() -> 
     assert submit(c, "interactive").state is TicketState.ADMITTED
 
 
-def test_interactive_is_served_first_when_both_wait() -> None:
+def test_interactive_is_served_first_when_both_wait(make: Make) -> None:
     c, _ = make(2, reserved=0.0)
     holders = [submit(c, "interactive"), submit(c, "interactive")]
     batch = submit(c, "batch")
@@ -113,7 +108,7 @@ def test_interactive_is_served_first_when_both_wait() -> None:
     assert batch.state is TicketState.QUEUED
 
 
-def test_minimum_share_keeps_batch_moving_under_an_interactive_flood() -> None:
+def test_minimum_share_keeps_batch_moving_under_an_interactive_flood(make: Make) -> None:
     c, _ = make(4, reserved=0.25, minimum=0.25)
     holders = [submit(c, "interactive") for _ in range(4)]
     batch = submit(c, "batch")
@@ -127,18 +122,18 @@ def test_minimum_share_keeps_batch_moving_under_an_interactive_flood() -> None:
     assert second_batch.state is TicketState.QUEUED
 
 
-def test_minimum_share_applies_even_when_the_reservation_covers_every_slot() -> None:
+def test_minimum_share_applies_even_when_the_reservation_covers_every_slot(make: Make) -> None:
     c, _ = make(1, reserved=1.0, minimum=0.1)
     assert submit(c, "batch").state is TicketState.ADMITTED
 
 
-def test_a_reservation_never_takes_the_last_slot_of_an_idle_engine() -> None:
+def test_a_reservation_never_takes_the_last_slot_of_an_idle_engine(make: Make) -> None:
     c, _ = make(2, reserved=1.0, minimum=0.0)
     assert [submit(c, "batch").state for _ in range(2)] == [TicketState.ADMITTED, TicketState.QUEUED]
     assert submit(c, "interactive").state is TicketState.ADMITTED
 
 
-def test_a_hold_on_every_class_admits_nothing_until_rescheduled() -> None:
+def test_a_hold_on_every_class_admits_nothing_until_rescheduled(make: Make) -> None:
     c, scheduler = make(4, reserved=0.0)
     saturated = True
     scheduler.add_hold(lambda cls: cls is None and saturated)
@@ -150,7 +145,7 @@ def test_a_hold_on_every_class_admits_nothing_until_rescheduled() -> None:
     assert c.in_flight() == 2
 
 
-def test_a_class_hold_stops_batch_beyond_its_minimum_share() -> None:
+def test_a_class_hold_stops_batch_beyond_its_minimum_share(make: Make) -> None:
     c, scheduler = make(4, reserved=0.0, minimum=0.25)
     scheduler.add_hold(lambda cls: cls == "batch")
     batch = [submit(c, "batch") for _ in range(3)]
@@ -165,7 +160,9 @@ def test_a_class_hold_stops_batch_beyond_its_minimum_share() -> None:
     reserved=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
     minimum=st.sampled_from([0.0, 0.1, 0.3]),
 )
-def test_random_traffic_keeps_the_shares(seed: int, limit: int, reserved: float, minimum: float) -> None:
+def test_random_traffic_keeps_the_shares(
+    make: Make, seed: int, limit: int, reserved: float, minimum: float
+) -> None:
     """Batch never exceeds max(its minimum, limit - reserved) unless it got there before, and
     whenever a decision is made, a waiting class below its minimum share is not left waiting."""
     rng = random.Random(seed)
@@ -313,17 +310,16 @@ def test_forward_priority_sets_vllm_priority_from_the_class(
 # -- a reservation lent while its class's demand is known ----------------------------------
 
 
-def timed(limit: int, *, batch_wait: float = 60.0) -> tuple[AdmissionController, ManualClock]:
-    """A controller with the default 25 % interactive reservation, and its clock."""
-    clock = ManualClock(10.0)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 100, 60.0), ClassPolicy("batch", 100, batch_wait)],
-        limit=FixedLimit(limit),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
-    )
-    return c, clock
+@pytest.fixture(scope="module")
+def reserving(make_controller: MakeController) -> Reserving:
+    """``reserving(limit, **max_waits)``: a controller with the default 25 % interactive
+    reservation and its clock; ``max_waits``: a class's longest queue wait (60 s otherwise)."""
+
+    def build(limit: int, **max_waits: float) -> tuple[AdmissionController, ManualClock]:
+        scheduler = SharedSlots(ClassShares(reserved={"interactive": 0.25}))
+        return make_controller(limit, max_waits=max_waits, start=10.0, scheduler=scheduler)
+
+    return build
 
 
 def served_in_a_second(c: AdmissionController, clock: ManualClock, cls: str) -> None:
@@ -338,7 +334,7 @@ def promise_interactive(c: AdmissionController, in_seconds: float) -> None:
     c.estimator.retry_after("interactive", ahead=0, slots=c.limit, wait=in_seconds)
 
 
-def test_a_reservation_is_lent_while_its_class_only_has_returns_not_yet_due() -> None:
+def test_a_reservation_is_lent_while_its_class_only_has_returns_not_yet_due(make: Make) -> None:
     # Interactive callers were told to come back in 5 s (one service time is 1 s): nothing of
     # interactive can arrive sooner but a caller nobody foresaw, and there was none lately.
     c, _ = make(8, reserved=0.25)
@@ -348,7 +344,7 @@ def test_a_reservation_is_lent_while_its_class_only_has_returns_not_yet_due() ->
     assert sum(t.state is TicketState.QUEUED for t in batch) == 2
 
 
-def test_a_reservation_is_kept_when_a_return_is_due_within_a_service_time() -> None:
+def test_a_reservation_is_kept_when_a_return_is_due_within_a_service_time(make: Make) -> None:
     c, _ = make(8, reserved=0.25)
     promise_interactive(c, 5.0)
     promise_interactive(c, 0.5)
@@ -357,15 +353,15 @@ def test_a_reservation_is_kept_when_a_return_is_due_within_a_service_time() -> N
     assert c.outlook("interactive") == (2, 1, False)
 
 
-def test_a_reservation_is_kept_without_promises() -> None:
+def test_a_reservation_is_kept_without_promises(make: Make) -> None:
     c, _ = make(8, reserved=0.25)
     [submit(c, "batch") for _ in range(10)]
     assert c.in_flight("batch") == 6  # nothing promised: the reservation is for whoever comes
     assert c.outlook("interactive") == (0, 0, False)
 
 
-def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved() -> None:
-    c, clock = timed(8)
+def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved(reserving: Reserving) -> None:
+    c, clock = reserving(8)
     served_in_a_second(c, clock, "interactive")  # a fresh interactive arrival at t = 10
     promise_interactive(c, 5.0)  # and an interactive caller told to come back at t = 16
     queued = [submit(c, "batch") for _ in range(8)]
@@ -381,8 +377,8 @@ def test_lending_starts_as_time_passes_and_the_next_submit_reports_who_moved() -
     assert c.take_moved() is None  # taken once
 
 
-async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved() -> None:
-    c, clock = timed(4)
+async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved(reserving: Reserving) -> None:
+    c, clock = reserving(4)
     served_in_a_second(c, clock, "interactive")
     admission = AsyncAdmission(c, clock)
     promise_interactive(c, 5.0)
@@ -405,12 +401,12 @@ async def test_the_asyncio_edge_resolves_the_requests_a_submit_moved() -> None:
     assert (c.in_flight(), c.queued(), admission.waiting) == (0, 0, 0)
 
 
-def test_a_lower_class_wait_counts_only_the_slots_it_may_use() -> None:
+def test_a_lower_class_wait_counts_only_the_slots_it_may_use(reserving: Reserving) -> None:
     # 8 slots, 2 kept for interactive: 6 batch requests in flight fill what batch may use. A
     # 7th must wait for one of them (about a service time), not for the two reserved slots
     # standing free: counted as free, it was queued on a wait of 0 s and turned away after
     # its whole max_queue_wait (the demo's late refusals; docs/history/benchmarks-diary.md).
-    c, clock = timed(8, batch_wait=0.5)
+    c, clock = reserving(8, batch=0.5)
     served_in_a_second(c, clock, "batch")
     batch = [submit(c, "batch") for _ in range(6)]
     assert all(t.state is TicketState.ADMITTED for t in batch)
@@ -422,19 +418,6 @@ def test_a_lower_class_wait_counts_only_the_slots_it_may_use() -> None:
 
 
 # -- a reservation lent while its class expects nobody -------------------------------------
-
-
-def budgeted(limit: int, *, ttft_budget: float = 2.0) -> tuple[AdmissionController, ManualClock]:
-    """Interactive reserves 1 of ``limit`` 4 slots and may wait ``ttft_budget`` s in the queue."""
-    clock = ManualClock(10.0)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 100, ttft_budget), ClassPolicy("batch", 100, 60.0)],
-        limit=FixedLimit(limit),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=SharedSlots(ClassShares(reserved={"interactive": 0.25})),
-    )
-    return c, clock
 
 
 def batch(c: AdmissionController, max_tokens: int | None) -> Ticket:
@@ -450,8 +433,10 @@ def measured_at_100_tokens_a_second(c: AdmissionController, clock: ManualClock) 
     assert c.estimator.token_rate == pytest.approx(100.0)
 
 
-def test_a_reservation_is_lent_to_a_request_that_gives_it_back_within_the_ttft_budget() -> None:
-    c, clock = budgeted(4)
+def test_a_reservation_is_lent_to_a_request_that_gives_it_back_within_the_ttft_budget(
+    reserving: Reserving,
+) -> None:
+    c, clock = reserving(4, interactive=2.0)
     measured_at_100_tokens_a_second(c, clock)
     holders = [batch(c, 150) for _ in range(3)]  # the 3 unreserved slots
     assert all(t.state is TicketState.ADMITTED for t in holders)
@@ -462,9 +447,10 @@ def test_a_reservation_is_lent_to_a_request_that_gives_it_back_within_the_ttft_b
 
 @pytest.mark.parametrize("max_tokens", [250, None], ids=["too-long", "unknown-length"])
 def test_a_reservation_is_not_lent_to_a_request_that_may_hold_it_past_the_budget(
+    reserving: Reserving,
     max_tokens: int | None,
 ) -> None:
-    c, clock = budgeted(4)
+    c, clock = reserving(4, interactive=2.0)
     measured_at_100_tokens_a_second(c, clock)
     [batch(c, 100) for _ in range(3)]
     assert batch(c, max_tokens).state is TicketState.QUEUED  # 2.5 s > 2 s, or nobody knows
@@ -472,8 +458,8 @@ def test_a_reservation_is_not_lent_to_a_request_that_may_hold_it_past_the_budget
     assert submit(c, "interactive").state is TicketState.ADMITTED  # the slot was kept
 
 
-def test_a_queued_short_request_takes_the_reservation_when_a_slot_frees() -> None:
-    c, clock = budgeted(4)
+def test_a_queued_short_request_takes_the_reservation_when_a_slot_frees(reserving: Reserving) -> None:
+    c, clock = reserving(4, interactive=2.0)
     measured_at_100_tokens_a_second(c, clock)
     holders = [batch(c, 100) for _ in range(3)]
     long, short = batch(c, 500), batch(c, 50)
@@ -485,8 +471,8 @@ def test_a_queued_short_request_takes_the_reservation_when_a_slot_frees() -> Non
     assert c.in_flight("batch") == 4
 
 
-def test_a_promised_or_queued_interactive_caller_keeps_the_reservation() -> None:
-    c, clock = budgeted(4)
+def test_a_promised_or_queued_interactive_caller_keeps_the_reservation(reserving: Reserving) -> None:
+    c, clock = reserving(4, interactive=2.0)
     measured_at_100_tokens_a_second(c, clock)
     promise_interactive(c, 0.5)  # due within a service time: the old rule keeps it too
     [batch(c, 100) for _ in range(3)]
@@ -494,8 +480,8 @@ def test_a_promised_or_queued_interactive_caller_keeps_the_reservation() -> None
     assert c.outlook("interactive").promised == 1
 
 
-def test_without_a_token_rate_nothing_is_lent() -> None:
-    c, _ = budgeted(4)
+def test_without_a_token_rate_nothing_is_lent(reserving: Reserving) -> None:
+    c, _ = reserving(4, interactive=2.0)
     [batch(c, 10) for _ in range(3)]
     assert batch(c, 10).state is TicketState.QUEUED  # no completion measured: no price
     assert c.estimator.token_rate is None

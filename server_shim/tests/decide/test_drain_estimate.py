@@ -114,14 +114,14 @@ def test_all_classes_share_one_promise_timeline() -> None:
     assert est.retry_after("interactive", ahead=0, slots=1) == pytest.approx(4.0)
     # The promises are still remembered per class (a returning caller counts those of
     # higher classes only).
-    assert est.outstanding("interactive") == 3
-    assert est.outstanding("batch") == 1
+    assert est.promises.outstanding("interactive") == 3
+    assert est.promises.outstanding("batch") == 1
 
 
 def test_hints_are_clamped_and_promises_beyond_the_clamp_are_dropped() -> None:
     est, clock = make(retry_after_min=1.0, retry_after_max=5.0, initial_service_time=1.0)
     assert est.retry_after("interactive", ahead=100, slots=1) == 5.0
-    assert est.outstanding("interactive") == 1  # kept, at the cap
+    assert est.promises.outstanding("interactive") == 1  # kept, at the cap
     # Nobody ahead: the slots before the capped promise are free on the timeline.
     assert est.retry_after("interactive", ahead=0, slots=10) == 1.0
     clock.advance(5.0)
@@ -147,11 +147,11 @@ def test_a_promise_filling_a_gap_is_remembered_in_order() -> None:
     # A batch caller refused after it fills the gap before it: a promise of the same class
     # earlier than the last one, which must count as much as any (it keeps a slot).
     assert est.retry_after("batch", ahead=0, slots=1) == 1.0
-    assert est.outstanding("batch") == 2
-    assert est.promised_within(("batch",), clock(), clock() + 2.0) == 1
-    est.redeem("batch")  # the caller due first is back
-    assert est.promised_within(("batch",), clock(), clock() + 2.0) == 0
-    assert est.outstanding("batch") == 1
+    assert est.promises.outstanding("batch") == 2
+    assert est.promises.promised_within(("batch",), clock(), clock() + 2.0) == 1
+    est.promises.redeem("batch")  # the caller due first is back
+    assert est.promises.promised_within(("batch",), clock(), clock() + 2.0) == 0
+    assert est.promises.outstanding("batch") == 1
 
 
 def test_expected_wait_counts_free_slots() -> None:
@@ -191,7 +191,7 @@ def test_refusals_past_a_full_timeline_keep_no_place() -> None:
     # Places are a step (0.25 s) apart up to the clamp and no further: the timeline, which
     # every refusal scans, stays bounded however long the storm (it held one place per
     # refusal, piled at the clamp, before).
-    assert len(est._timeline) <= 30.0 * 4 + 1
+    assert len(est.promises) <= 30.0 * 4 + 1
     assert hints[:3] == sorted(hints[:3])
 
 
@@ -285,11 +285,11 @@ def test_a_hint_the_caller_may_come_back_too_late_for_is_not_a_promise() -> None
     told = slot / 1.1
     too_late = est.retry_after("interactive", ahead=4, slots=1, keep_within=told * 1.2 - 0.01, aimed=True)
     assert too_late == pytest.approx(told)
-    assert est.outstanding("interactive") == 1
+    assert est.promises.outstanding("interactive") == 1
     assert est.retry_after(
         "interactive", ahead=4, slots=1, keep_within=told * 1.2, aimed=True
     ) == pytest.approx(told)
-    assert est.outstanding("interactive") == 2
+    assert est.promises.outstanding("interactive") == 2
 
 
 def test_hints_are_aimed_so_that_callers_come_back_at_their_slot_on_average() -> None:
@@ -300,8 +300,8 @@ def test_hints_are_aimed_so_that_callers_come_back_at_their_slot_on_average() ->
     assert hints == pytest.approx([(3 + k) / 4 / 1.1 for k in range(1, 4)])
     # Not aimed (the SLO gate's hints, for one): the slot's delay itself.
     assert est.retry_after("interactive", ahead=3, slots=4) == pytest.approx(7 / 4)
-    assert est.promised_within(("interactive",), clock.now, clock.now + 1.0) == 1
-    assert est.promised_within(("interactive",), clock.now, clock.now + 1.5) == 3
+    assert est.promises.promised_within(("interactive",), clock.now, clock.now + 1.0) == 1
+    assert est.promises.promised_within(("interactive",), clock.now, clock.now + 1.5) == 3
     # Never below the minimum: the aim only shortens what lies above it.
     est2, _ = make(retry_after_min=1.0, initial_service_time=0.01, return_jitter=0.2)
     assert est2.retry_after("interactive", ahead=0, slots=1, aimed=True) == pytest.approx(1.0)
@@ -310,7 +310,7 @@ def test_hints_are_aimed_so_that_callers_come_back_at_their_slot_on_average() ->
 def test_return_jitter_zero_judges_the_hint_itself() -> None:
     est, _ = make(retry_after_min=1.0, initial_service_time=1.0, return_jitter=0.0)
     assert est.retry_after("interactive", ahead=4, slots=1, keep_within=5.0) == pytest.approx(5.0)
-    assert est.outstanding("interactive") == 1
+    assert est.promises.outstanding("interactive") == 1
 
 
 def test_token_rate_is_the_ratio_of_averages_and_prices_a_max_tokens() -> None:

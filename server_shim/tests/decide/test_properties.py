@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from llm_backoff.retry_after import hint_from_body, parse_hint
-from llm_backoff_shim.decide.admission import AdmissionRequest, Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.proxy import is_allowed_path

@@ -9,42 +9,44 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloState, SloTracker
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.testing import ManualClock
 
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
+Make = Callable[..., tuple[AdmissionController, SloTracker, ManualClock]]
 
-def make(
-    *, limit: int = 2, service: float = 1.0, budgets: dict[str, float] | None = None
-) -> tuple[AdmissionController, SloTracker, ManualClock]:
-    clock = ManualClock(100.0)
-    scheduler = SharedSlots(ClassShares())
-    controller = AdmissionController(
-        [ClassPolicy("interactive", 100, 600.0), ClassPolicy("batch", 100, 600.0)],
-        limit=FixedLimit(limit),
-        estimator=DrainEstimator(
-            EstimatorConfig(retry_after_min=0.5, retry_after_max=120.0, initial_service_time=service), clock
-        ),
-        clock=clock,
-        scheduler=scheduler,
-    )
-    tracker = SloTracker(
-        SloConfig(budgets=budgets or {"interactive": 2.0, "batch": 20.0}, trend_window=1.0), controller, clock
-    )
-    controller.gates.append(SloGate(tracker))
-    scheduler.add_hold(tracker.holds)
-    return controller, tracker, clock
+
+@pytest.fixture(scope="module")
+def make(make_controller: MakeController) -> Make:
+    """A controller with the SLO gate and hold wired in as the shim wires them, its tracker, its clock."""
+
+    def build(
+        *, limit: int = 2, service: float = 1.0, budgets: dict[str, float] | None = None
+    ) -> tuple[AdmissionController, SloTracker, ManualClock]:
+        scheduler = SharedSlots(ClassShares())
+        controller, clock = make_controller(
+            limit,
+            max_wait=600.0,
+            start=100.0,
+            scheduler=scheduler,
+            retry_after_min=0.5,
+            retry_after_max=120.0,
+            initial_service_time=service,
+        )
+        tracker = SloTracker(
+            SloConfig(budgets=budgets or {"interactive": 2.0, "batch": 20.0}, trend_window=1.0),
+            controller,
+            clock,
+        )
+        controller.gates.append(SloGate(tracker))
+        scheduler.add_hold(tracker.holds)
+        return controller, tracker, clock
+
+    return build
 
 
 def fill(c: AdmissionController, cls: str, n: int) -> list[Ticket]:
@@ -61,7 +63,7 @@ def fill(c: AdmissionController, cls: str, n: int) -> list[Ticket]:
     return out
 
 
-def test_projected_wait_counts_work_ahead_and_free_slots() -> None:
+def test_projected_wait_counts_work_ahead_and_free_slots(make: Make) -> None:
     c, slo, _ = make(limit=2, service=1.0)  # drains 2 requests per second
     assert slo.projected_wait("interactive") == 0.0
     fill(c, "interactive", 2)
@@ -72,7 +74,7 @@ def test_projected_wait_counts_work_ahead_and_free_slots() -> None:
     assert slo.projected_wait("batch") == pytest.approx(1.0)
 
 
-def test_head_queue_time_makes_red_even_when_the_estimate_is_optimistic() -> None:
+def test_head_queue_time_makes_red_even_when_the_estimate_is_optimistic(make: Make) -> None:
     c, slo, clock = make(limit=2, service=0.1, budgets={"interactive": 2.0})
     fill(c, "interactive", 3)
     assert slo.state("interactive") is SloState.GREEN
@@ -82,7 +84,7 @@ def test_head_queue_time_makes_red_even_when_the_estimate_is_optimistic() -> Non
     assert reading.projected_wait >= 2.5
 
 
-def test_green_yellow_red_as_the_queue_grows() -> None:
+def test_green_yellow_red_as_the_queue_grows(make: Make) -> None:
     c, slo, clock = make(limit=2, service=1.0, budgets={"interactive": 2.0})
     fill(c, "interactive", 2)
     assert slo.state("interactive") is SloState.GREEN  # 0.5 s < 0.8 s (40 %)
@@ -96,7 +98,7 @@ def test_green_yellow_red_as_the_queue_grows() -> None:
     assert reading.budget == 2.0
 
 
-def test_yellow_needs_growth_holds_while_steady_and_ends_when_shrinking() -> None:
+def test_yellow_needs_growth_holds_while_steady_and_ends_when_shrinking(make: Make) -> None:
     c, slo, clock = make(limit=2, service=1.0, budgets={"batch": 5.0})
     fill(c, "batch", 2)
     assert slo.state("batch") is SloState.GREEN
@@ -110,7 +112,7 @@ def test_yellow_needs_growth_holds_while_steady_and_ends_when_shrinking() -> Non
     assert slo.state("batch") is SloState.GREEN
 
 
-def test_a_steady_high_wait_never_turns_yellow() -> None:
+def test_a_steady_high_wait_never_turns_yellow(make: Make) -> None:
     c, slo, clock = make(limit=2, service=1.0, budgets={"batch": 5.0})
     fill(c, "batch", 6)  # 2.5 s from the first sample on: no growth seen
     for _ in range(5):
@@ -118,7 +120,7 @@ def test_a_steady_high_wait_never_turns_yellow() -> None:
         clock.now += 0.3
 
 
-def test_red_sheds_new_requests_with_a_hint_past_the_excess() -> None:
+def test_red_sheds_new_requests_with_a_hint_past_the_excess(make: Make) -> None:
     c, _, _ = make(limit=1, service=1.0, budgets={"interactive": 2.0})
     fill(c, "interactive", 5)  # newcomer would wait 5 s against a 2 s budget
     refused = c.submit(AdmissionRequest("interactive"))
@@ -129,7 +131,7 @@ def test_red_sheds_new_requests_with_a_hint_past_the_excess() -> None:
     assert c.queued("interactive") == 4
 
 
-def test_yellow_sheds_batch_but_admits_interactive() -> None:
+def test_yellow_sheds_batch_but_admits_interactive(make: Make) -> None:
     c, slo, clock = make(limit=2, service=1.0, budgets={"interactive": 10.0, "batch": 10.0})
     fill(c, "interactive", 2)
     slo.state("batch")
@@ -147,7 +149,7 @@ def test_yellow_sheds_batch_but_admits_interactive() -> None:
     assert refused.retry_after >= 1.0
 
 
-def test_batch_is_held_while_interactive_is_under_pressure() -> None:
+def test_batch_is_held_while_interactive_is_under_pressure(make: Make) -> None:
     c, slo, clock = make(limit=2, service=1.0, budgets={"interactive": 2.0})
     batch = fill(c, "batch", 1)  # admitted while all is calm
     holders = fill(c, "interactive", 1)
@@ -165,7 +167,7 @@ def test_batch_is_held_while_interactive_is_under_pressure() -> None:
     assert more[2].state.value == "admitted"  # (a fresh read: mypy narrowed .state above)
 
 
-def test_classes_without_a_budget_stay_green() -> None:
+def test_classes_without_a_budget_stay_green(make: Make) -> None:
     c, slo, _ = make(limit=1, budgets={"interactive": 1.0})
     fill(c, "batch", 30)
     assert slo.state("batch") is SloState.GREEN

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-    Ticket,
-)
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket
 from llm_backoff_shim.lab.figures import rejections_by_when
 from llm_backoff_shim.testing import ManualClock
+
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
 
 
 def _line(rejection: Rejection | None) -> str:
@@ -24,12 +20,10 @@ def _line(rejection: Rejection | None) -> str:
     return json.dumps({"outcome": "rejected", "code": rejection.code, "detail": rejection.message})
 
 
-def _measured() -> tuple[AdmissionController, ManualClock, Ticket]:
+def _measured(make_controller: MakeController) -> tuple[AdmissionController, ManualClock, Ticket]:
     """One slot, 1 s measured per request, a request in flight since now."""
-    clock = ManualClock(50.0)
-    est = DrainEstimator(EstimatorConfig(retry_after_min=0.1), clock)
-    c = AdmissionController(
-        [ClassPolicy("interactive", 4, 3.5)], limit=FixedLimit(1), estimator=est, clock=clock
+    c, clock = make_controller(
+        1, classes=("interactive",), max_queue=4, max_wait=3.5, start=50.0, retry_after_min=0.1
     )
     first = c.submit(AdmissionRequest("interactive"))
     assert isinstance(first, Ticket)
@@ -40,8 +34,8 @@ def _measured() -> tuple[AdmissionController, ManualClock, Ticket]:
     return c, clock, running
 
 
-def test_each_way_a_request_is_refused_is_told_apart() -> None:
-    c, clock, running = _measured()
+def test_each_way_a_request_is_refused_is_told_apart(make_controller: MakeController) -> None:
+    c, clock, running = _measured(make_controller)
     at_arrival = c.submit(AdmissionRequest("interactive", budget=0.5))  # cannot cover 1 s of service
     queued = [c.submit(AdmissionRequest("interactive")) for _ in range(3)]  # 1, 2, 3 s
     assert all(isinstance(t, Ticket) for t in queued)
@@ -54,7 +48,7 @@ def test_each_way_a_request_is_refused_is_told_apart() -> None:
     assert isinstance(head, Ticket)
     timed_out = c.expire(head)
 
-    c2, clock2, running2 = _measured()
+    c2, clock2, running2 = _measured(make_controller)
     short = c2.submit(AdmissionRequest("interactive", budget=2.5))  # 1 s wait + 1 s service: fits
     assert isinstance(short, Ticket)
     clock2.now += 1.8  # 0.7 s left: less than the service when it reaches the head

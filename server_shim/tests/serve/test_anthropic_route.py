@@ -21,7 +21,7 @@ import anthropic
 import httpx
 import pytest
 
-from llm_backoff_shim.decide.admission import Rejection
+from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.rejection import client_error, in_shape, rejection_response
 from llm_backoff_shim.serve.routes import Shape
 from llm_backoff_shim.serve.serving import ServerThread, free_socket

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from llm_backoff_shim.decide.admission import Rejection
+from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.lab.procs import ChildServer, cli_command
 from llm_backoff_shim.serve.access_log import (
     AccessLog,

@@ -10,17 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Outcome, Ticket, TicketState
 from llm_backoff_shim.serve.engine_watch import (
     EngineSample,
     SaturationConfig,
@@ -45,6 +38,8 @@ vllm:num_requests_waiting{engine="1",model_name="m"} 3.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.42
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.97
 """
+
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
 
 
 def test_parse_sums_engines_and_takes_the_fullest_kv_cache() -> None:
@@ -205,20 +200,17 @@ def test_a_scrape_counts_from_when_it_was_sent() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_the_engines_queue_stays_within_max_waiting_between_scrapes(seed: int) -> None:
+def test_the_engines_queue_stays_within_max_waiting_between_scrapes(
+    make_controller: MakeController, seed: int
+) -> None:
     """The shim is the engine's only client, its cap (16) above the engine's 8 slots. Arrivals,
     completions and scrapes in random order: once a scrape has shown the engine full, no
     admission makes the engine's own queue longer than --engine-max-waiting."""
     rng = random.Random(seed)
-    clock = ManualClock(0.0)
     slots, max_waiting = 8, 2
     scheduler = SharedSlots(ClassShares())
-    controller = AdmissionController(
-        [ClassPolicy("interactive", 1000, 1e6)],
-        limit=FixedLimit(16),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-        scheduler=scheduler,
+    controller, clock = make_controller(
+        16, classes=("interactive",), max_queue=1000, max_wait=1e6, scheduler=scheduler
     )
     detector = SaturationDetector(
         SaturationConfig(max_waiting=max_waiting, stale_after=1e9), clock, in_flight=controller.in_flight

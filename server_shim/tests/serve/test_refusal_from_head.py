@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.decide.admission import AdmissionRequest
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.serve.request_hooks import RequestHooks, ShimPolicies
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'

@@ -14,9 +14,8 @@ import httpx
 import pytest
 
 from llm_backoff.tokens import estimate_tokens
-from llm_backoff_shim.decide.admission import AdmissionController, ClassPolicy, UnknownClassError
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import UnknownClassError
 from llm_backoff_shim.decide.tenants import (
     Tenant,
     TenantDirectory,
@@ -35,6 +34,8 @@ from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
 
 CLASSES = ("interactive", "batch")
+
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
 
 
 def write(tmp_path: Path, data: object, name: str = "tenants.json") -> Path:
@@ -132,17 +133,7 @@ def test_identities_by_key_by_header_and_anonymous(tmp_path: Path) -> None:
     assert not by_header.limited
 
 
-def controller() -> AdmissionController:
-    clock = ManualClock(1000.0)
-    return AdmissionController(
-        [ClassPolicy("interactive", 5, 10.0), ClassPolicy("batch", 5, 10.0)],
-        limit=FixedLimit(2),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-    )
-
-
-def test_classes_by_key_bound_what_a_key_may_ask_for(tmp_path: Path) -> None:
+def test_classes_by_key_bound_what_a_key_may_ask_for(make_controller: MakeController, tmp_path: Path) -> None:
     file = load_tenants_file(
         write(
             tmp_path,
@@ -155,7 +146,7 @@ def test_classes_by_key_bound_what_a_key_may_ask_for(tmp_path: Path) -> None:
         ),
         CLASSES,
     )
-    c = controller()
+    c, _ = make_controller(2, max_queue=5, max_wait=10.0, start=1000.0)
     policies = ShimPolicies(c, directory=TenantDirectory(file))
     assert policies.choose_class(bearer("sk-batch"), None, c) == ("batch", key_hash("sk-batch"))
     assert policies.choose_class(bearer("sk-batch"), "Batch", c) == ("batch", key_hash("sk-batch"))

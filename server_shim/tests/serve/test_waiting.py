@@ -3,31 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    ClassPolicy,
-    Outcome,
-    Rejection,
-)
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
 
+MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller
+Make = Callable[..., AsyncAdmission]
 
-def make(limit: int = 1, max_queue: int = 5, max_wait: float = 30.0) -> AsyncAdmission:
-    clock = ManualClock(10.0)
-    controller = AdmissionController(
-        [ClassPolicy("interactive", max_queue, max_wait), ClassPolicy("batch", max_queue, max_wait)],
-        limit=FixedLimit(limit),
-        estimator=DrainEstimator(EstimatorConfig(), clock),
-        clock=clock,
-    )
-    return AsyncAdmission(controller, clock)
+
+@pytest.fixture(scope="module")
+def make(make_controller: MakeController) -> Make:
+    def build(limit: int = 1, max_queue: int = 5, max_wait: float = 30.0) -> AsyncAdmission:
+        controller, clock = make_controller(limit, max_queue=max_queue, max_wait=max_wait, start=10.0)
+        return AsyncAdmission(controller, clock)
+
+    return build
 
 
 def grant(result: Grant | Rejection) -> Grant:
@@ -38,7 +34,7 @@ def grant(result: Grant | Rejection) -> Grant:
 REQ = AdmissionRequest("interactive")
 
 
-async def test_queued_request_gets_the_slot_on_release() -> None:
+async def test_queued_request_gets_the_slot_on_release(make: Make) -> None:
     admission = make()
     first = grant(await admission.acquire(REQ))
     waiting = asyncio.create_task(admission.acquire(REQ))
@@ -52,7 +48,7 @@ async def test_queued_request_gets_the_slot_on_release() -> None:
     assert (admission.controller.in_flight(), admission.waiting) == (0, 0)
 
 
-async def test_cancelled_waiter_leaves_the_queue() -> None:
+async def test_cancelled_waiter_leaves_the_queue(make: Make) -> None:
     admission = make()
     first = grant(await admission.acquire(REQ))
     waiting = asyncio.create_task(admission.acquire(REQ))
@@ -65,7 +61,7 @@ async def test_cancelled_waiter_leaves_the_queue() -> None:
     assert admission.controller.in_flight() == 0
 
 
-async def test_cancel_after_grant_but_before_resuming_gives_the_slot_back() -> None:
+async def test_cancel_after_grant_but_before_resuming_gives_the_slot_back(make: Make) -> None:
     admission = make()
     first = grant(await admission.acquire(REQ))
     waiting = asyncio.create_task(admission.acquire(REQ))
@@ -77,7 +73,7 @@ async def test_cancel_after_grant_but_before_resuming_gives_the_slot_back() -> N
     assert (admission.controller.in_flight(), admission.controller.queued()) == (0, 0)
 
 
-async def test_deadline_turns_a_waiter_into_a_queue_timeout() -> None:
+async def test_deadline_turns_a_waiter_into_a_queue_timeout(make: Make) -> None:
     admission = make(max_wait=0.02)
     first = grant(await admission.acquire(REQ))
     result = await admission.acquire(REQ)
@@ -87,7 +83,7 @@ async def test_deadline_turns_a_waiter_into_a_queue_timeout() -> None:
     admission.release(first, Outcome.COMPLETED)
 
 
-async def test_rejection_when_queue_full_is_returned_without_waiting() -> None:
+async def test_rejection_when_queue_full_is_returned_without_waiting(make: Make) -> None:
     admission = make(max_queue=0)
     first = grant(await admission.acquire(REQ))
     result = await admission.acquire(REQ)

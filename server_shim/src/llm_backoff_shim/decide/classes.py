@@ -1,6 +1,6 @@
 """Traffic classes sharing the in-flight slots: reservations, minimum shares, holds.
 
-:class:`SharedSlots` is the :class:`~llm_backoff_shim.decide.admission.ClassScheduler` the
+:class:`SharedSlots` is the :class:`~llm_backoff_shim.decide.scheduler.ClassScheduler` the
 shim runs with. Classes are listed highest priority first (``interactive``, ``batch``).
 When a slot frees and several classes have queued requests:
 
@@ -29,7 +29,7 @@ When a slot frees and several classes have queued requests:
    lower-class request that gives the slot back within the class's longest queue wait
    (its TTFT budget: the controller folds ``--ttft-slo`` into it): one whose
    ``max_tokens`` at the measured token rate
-   (:meth:`~llm_backoff_shim.decide.admission.AdmissionView.next_run`) ends within it. A request
+   (:meth:`~llm_backoff_shim.decide.view.AdmissionView.next_run`) ends within it. A request
    of the class arriving meanwhile waits for that slot at most its budget. A request that
    does not say how long its answer may be is never lent a slot this way.
 4. **Holds.** A predicate (``hold(cls)``) may keep a class from taking new slots at
@@ -46,7 +46,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from llm_backoff_shim.decide.admission import AdmissionView
+from llm_backoff_shim.decide.view import AdmissionView
 
 #: ``hold(None)``: hold every class; ``hold(cls)``: hold ``cls`` beyond its minimum share.
 HoldPredicate = Callable[[str | None], bool]

@@ -8,33 +8,9 @@ turn over quickly, so a completions/s estimate would understate the drain rate a
 overstate the wait. Completions/s per class is still tracked, for the
 ``drain_rate`` metric.
 
-Spreading: callers rejected in one burst are each told a different future slot.
-The estimator remembers the places it gave, whatever the class, on one timeline; the
-next rejection gets the first time at or after ``now + max(min, (ahead + 1) / rate)``
-that is at least ``1 / rate`` from every place already given, so the k-th caller of a
-burst hears roughly ``(ahead + k) / rate`` (or, when the engine drains faster than the
-minimum hint, ``min + (k - 1) / rate``) and retries come back at about the drain rate
-instead of in one wave. A place given far ahead (a lower class kept out of the next
-seconds, a capped hint) leaves the slots before it to later callers (with every place after the last one,
-batch callers took the near slots and interactive callers refused after them were told
-slots past their budget: docs/history/benchmarks-diary.md, 'interactive callers state their TTFT
-budget'). Once time passes the last place the burst
-is over and hints start again from the queue alone. One timeline for all classes, not one
-per class: each promise claims one slot freeing on the one engine, so the promised
-returns of all classes together come back no faster than the engine drains. With a
-timeline per class, two classes refused together were promised about twice the drain
-rate between them, and the returning callers found the queue full (measured under 2x
-overload: docs/history/benchmarks-diary.md, 'a hint is a reservation').
-
-Promises are also remembered one by one (until they fall due), so that a *fresh*
-arrival's expected wait can count the callers already told to come back before it
-would be served: the admission decision serves a returning caller before the fresh
-arrivals of its class, so under sustained overload each promise takes a slot that a
-fresh arrival would otherwise have had. Without that, a fresh arrival would be
-queued on the strength of the queue alone and then overtaken by the returners, to be
-told ``queue_timeout`` after its whole wait; with it, it is told at once, and its
-hint comes after the last promise. A promise the caller cannot keep (its remaining
-budget is shorter than the hint) is not remembered: it will not come back.
+Retry-After hints (:meth:`DrainEstimator.retry_after`) are spread over one timeline for all
+classes, and the returns promised are remembered per class so that fresh arrivals' waits count
+them: :mod:`llm_backoff_shim.decide.promises`.
 
 Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`):
 the admission decision refuses a caller whose remaining budget cannot cover the
@@ -59,12 +35,12 @@ so the estimate is for answers that run to their ``max_tokens`` (``ignore_eos``)
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
+
+from llm_backoff_shim.decide.promises import PromiseTimeline
 
 Clock = Callable[[], float]
 
@@ -145,21 +121,16 @@ class DrainEstimator:
         self._token_seconds = 0.0
         self._token_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
-        # Every place taken on the one timeline (one engine: module docstring), any class,
-        # kept promise or not, ascending; dropped once past. A new place goes into the first
-        # gap of one step at or after its earliest slot.
-        self._timeline: list[float] = []
-        # (start, end, step): no place fits anywhere in [start, end) of the timeline at that
-        # step. Places are only ever added there (and pruned behind now), so it stays true,
-        # and a search that starts inside jumps to its end instead of walking a full run.
-        self._packed: tuple[float, float, float] = (0.0, 0.0, 0.0)
-        # Promised return times per class, ascending (each at least one step from any other
-        # place, and none beyond the clamp), dropped once due: at most max / step entries.
-        self._promises: dict[str, deque[float]] = {}
+        self._promises = PromiseTimeline(clock, config.retry_after_min)
 
     @property
     def config(self) -> EstimatorConfig:
         return self._config
+
+    @property
+    def promises(self) -> PromiseTimeline:
+        """The places the hints gave and the returns promised (one engine, one timeline)."""
+        return self._promises
 
     @property
     def service_time(self) -> float:
@@ -282,7 +253,7 @@ class DrainEstimator:
             # slot; it only grows, by at least one promise per round, and promises are few
             # (bounded by the clamp).
             for _ in range(10_000):
-                longer = at(needed + self.promised_within(classes, now, now + wait))
+                longer = at(needed + self._promises.promised_within(classes, now, now + wait))
                 if longer <= wait:
                     break
                 wait = longer
@@ -312,48 +283,6 @@ class DrainEstimator:
             return end + turn * service
 
         return at_lane
-
-    def promised_within(self, classes: Iterable[str], start: float, end: float) -> int:
-        """Callers of ``classes`` told to come back in ``(start, end]`` (promises not yet due)."""
-        count = 0
-        for cls in classes:
-            promises = self._promises.get(cls)
-            if not promises:
-                continue
-            self._forget_due(promises, self._clock())
-            count += bisect.bisect_right(promises, end) - bisect.bisect_right(promises, start)
-        return count
-
-    def outstanding(self, cls: str) -> int:
-        """Promises of ``cls`` not yet due, or due less than ``retry_after_min`` ago: a caller
-        comes back a little after its hint (whole seconds rounded up, a client's jitter)."""
-        promises = self._promises.get(cls)
-        if not promises:
-            return 0
-        now = self._clock()
-        self._forget_due(promises, now)
-        return len(promises)
-
-    def redeem(self, cls: str) -> None:
-        """A caller of ``cls`` told to come back has come back: its promise is kept no longer.
-
-        Which caller it is the shim cannot tell, so the promise nearest to now goes (callers
-        come back around their slot). Without this, a caller back early for its slot counted
-        twice in the waits of those behind it, queued and still promised: in the tail of a
-        burst, lower-class callers back at their slot were refused on that doubled wait
-        (measured: docs/history/benchmarks-diary.md, 'where the burst's slot time went').
-        """
-        promises = self._promises.get(cls)
-        if not promises:
-            return
-        now = self._clock()
-        self._forget_due(promises, now)
-        if not promises:
-            return
-        i = bisect.bisect_left(promises, now)
-        if i == len(promises) or (i > 0 and now - promises[i - 1] <= promises[i] - now):
-            i -= 1
-        del promises[i]
 
     def aim(self, delay: float) -> float:
         """The hint that brings a caller back, on average, ``delay`` seconds from now.
@@ -430,7 +359,7 @@ class DrainEstimator:
         if wait is None:
             wait = self.expected_wait(max(0, ahead), slots, 0, promised_by=promised_by)
         earliest = max(cfg.retry_after_min, min(max(wait, not_before), cfg.retry_after_max))
-        promised = self._first_gap(now, now + earliest, step)
+        promised = self._promises.first_gap(now, now + earliest, step)
         delay = self.aim(promised - now) if aimed else promised - now
         hint = min(cfg.retry_after_max, max(cfg.retry_after_min, delay))
         latest = keep_within if reach is None or keep_within is None else min(keep_within, reach)
@@ -449,40 +378,10 @@ class DrainEstimator:
         # are then at least a step apart within the clamp: at most retry_after_max * rate.
         if promised > now + cfg.retry_after_max:
             return hint
-        kept = promised
-        bisect.insort(self._timeline, kept)
-        if not reserve:
-            return hint
-        promises = self._promises.setdefault(cls, deque())
-        self._forget_due(promises, now)
-        # In order, not only after the last: a place filling a gap of the timeline is earlier
-        # than the promises already given, and a promise left out is a slot counted for nobody.
-        bisect.insort(promises, kept)
+        self._promises.take(promised)
+        if reserve:
+            self._promises.promise(cls, promised, now)
         return hint
-
-    def _first_gap(self, now: float, earliest: float, step: float) -> float:
-        """The first time at or after ``earliest`` at least one step from every place taken."""
-        line = self._timeline
-        past = bisect.bisect_left(line, now - step)
-        if past:
-            del line[:past]
-        at = start = earliest
-        lo, hi, packed_step = self._packed
-        if packed_step == step and lo <= at < hi:
-            at, start = hi, lo
-        # By index, not over a slice: a slice copies the rest of the timeline on every call.
-        for i in range(bisect.bisect_left(line, at - step + 1e-12), len(line)):
-            taken = line[i]
-            if taken >= at + step:
-                break
-            at = max(at, taken + step)
-        if at > start:
-            self._packed = (start, at, step)
-        return at
-
-    def _forget_due(self, promises: deque[float], now: float) -> None:
-        while promises and promises[0] <= now - self._config.retry_after_min:
-            promises.popleft()
 
     def _rate(self, cls: str) -> _DecayingRate:
         rate = self._completions.get(cls)

@@ -33,12 +33,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    AdmissionView,
-    GateRefusal,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import GateRefusal
+from llm_backoff_shim.decide.view import AdmissionView
 
 Clock = Callable[[], float]
 
@@ -138,7 +136,7 @@ class SloTracker:
 
 
 class SloGate:
-    """The :class:`~llm_backoff_shim.decide.admission.AdmissionGate` that sheds by SLO state."""
+    """The :class:`~llm_backoff_shim.decide.view.AdmissionGate` that sheds by SLO state."""
 
     def __init__(self, tracker: SloTracker) -> None:
         self.tracker = tracker

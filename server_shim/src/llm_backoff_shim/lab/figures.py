@@ -286,8 +286,9 @@ def figures(result: RunResult) -> Figures:
     )
 
 
-#: How the shim's access log ``detail`` of a rejection says a queued request left (the
-#: messages of :mod:`llm_backoff_shim.decide.admission`); anything else was refused at arrival.
+#: How the shim's access log ``detail`` of a rejection says a queued request left (the messages
+#: of :mod:`llm_backoff_shim.decide.placement` and :mod:`llm_backoff_shim.decide.refusals`); anything
+#: else was refused at arrival.
 _LEFT_THE_QUEUE = (
     ("overtaken in the queue", "recheck"),
     ("waited the maximum", "timer"),

@@ -38,15 +38,9 @@ from statistics import NormalDist
 from llm_backoff import RetryBudget
 from llm_backoff.attempts import GiveUp, RetryState
 from llm_backoff.classify import Verdict
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    Dispatch,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.lab.callers import retry_policy
 from llm_backoff_shim.lab.overload_results import ModelCall, ModelResult
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llm_backoff.attempts import RetryState
-from llm_backoff_shim.decide.admission import Ticket
+from llm_backoff_shim.decide.tickets import Ticket
 from llm_backoff_shim.lab.scenario import Arrival
 
 

@@ -26,10 +26,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from llm_backoff_shim.decide.admission import AdmissionController, ClassPolicy
+from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.serve.access_log import AccessLog
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.headers import Forwarding

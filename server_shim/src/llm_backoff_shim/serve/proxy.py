@@ -40,16 +40,15 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.outage import OutageClock
+from llm_backoff_shim.decide.requests import (
     AdmissionRequest,
-    Outcome,
-    Rejection,
     UnknownClassError,
     parse_retry_count,
     requested_max_tokens,
 )
-from llm_backoff_shim.decide.outage import OutageClock
+from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,

@@ -22,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from llm_backoff_shim.decide.admission import Rejection
+from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]

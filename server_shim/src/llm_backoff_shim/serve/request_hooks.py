@@ -8,7 +8,7 @@ nothing, so the relay works without any of it; :class:`ShimPolicies` implements:
 
 - the class from ``x-request-class`` or, when absent, the tenant's default; a class
   the tenant may not use is a 403 (``code: class_not_allowed``), an unknown one a
-  400 (:class:`~llm_backoff_shim.decide.admission.UnknownClassError`);
+  400 (:class:`~llm_backoff_shim.decide.requests.UnknownClassError`);
 - the tenant quota (:mod:`llm_backoff_shim.serve.quota`), refusals as 429
   ``tenant_rate_limited`` with ``Retry-After`` and the rate-limit headers;
 - vLLM's ``priority`` field set from the class (``--forward-priority``);
@@ -25,14 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llm_backoff.tokens import estimate_request_tokens, estimate_tokens, usage_tokens
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    RejectCode,
-    Rejection,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
+from llm_backoff_shim.decide.tickets import RejectCode, Rejection
 from llm_backoff_shim.serve.quota import Charge, TenantQuotas
 from llm_backoff_shim.serve.rejection import ErrorResponse, client_error, rejection_response
 

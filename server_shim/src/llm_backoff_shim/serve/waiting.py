@@ -22,15 +22,9 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llm_backoff_shim.decide.admission import (
-    AdmissionController,
-    AdmissionRequest,
-    Dispatch,
-    Outcome,
-    Rejection,
-    Ticket,
-    TicketState,
-)
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
 
 Clock = Callable[[], float]
 

@@ -1,0 +1,180 @@
+"""Where a newcomer stands in the serve order, and whether queued requests can still be served in time.
+
+A queued request keeps its promise. A request is queued only if its estimated wait at its
+place is within its class's ``max_queue_wait`` and its budget (less the service it needs);
+that is its promise, and a later arrival must not break it. A newcomer whose natural place is
+ahead of queued requests (a higher class, or a returning caller ahead of fresh ones) therefore
+checks, in one walk of the queue, which of them one more request ahead would make late by the
+estimator, or leave with less than ``promise_slack`` of their class's ``max_queue_wait`` in hand
+for the estimate's error, and is placed right after the last such request instead (its key
+extends that request's key), where it pushes back only requests with room to spare. If its
+wait at that place is past its own limit or budget, it is refused at arrival. The trade-off:
+while lower-class or fresh requests near their limit are queued, a higher-class or returning
+newcomer waits behind them, and is refused at arrival when that wait is too long for it. The
+schedulers see the classes with queued requests in the order their heads are due, so a request
+placed behind a lower class's request waits for it.
+
+Refused at arrival, once a completion was measured (never on the cold-start prior):
+
+- a caller whose remaining budget cannot cover the expected queue wait plus the time it needs
+  once admitted gets ``queue_timeout``;
+- a request whose estimated wait (the queued work served before it, higher-priority classes
+  included) exceeds its class's ``max_queue_wait`` gets ``queue_full`` at once, instead of
+  holding a queue place for the whole wait to be told ``queue_timeout``. ``queue_full``, not
+  ``queue_timeout``: the queue is full measured in time, and the caller's own budget played no
+  part.
+
+A fresh arrival's expected wait counts the callers of every class already promised a return
+before it would be served: a promise is a slot kept for that caller (the estimator paces the
+promises of all classes on one timeline at the drain rate), so a fresh arrival is queued only
+into the slots nobody was promised.
+
+The recheck (:meth:`Placement.overtaken`) is the safety net for estimator error (service times
+vary; the estimate moves): it re-estimates every queued request from its place and names those
+that can no longer be served within their ``max_queue_wait`` or budget, so they are turned away
+now rather than left to wait it out. A class's guaranteed minimum share bounds its wait, so
+requests the share will serve in time stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator
+from llm_backoff_shim.decide.queues import ClassQueues
+from llm_backoff_shim.decide.tickets import RejectCode, Ticket
+from llm_backoff_shim.decide.waits import QueueWaits, WaitFn, need_name
+
+
+class Placement:
+    """Places newcomers so that no queued request is made late, and finds the ones that are."""
+
+    def __init__(
+        self, queues: ClassQueues, waits: QueueWaits, estimator: DrainEstimator, *, promise_slack: float
+    ) -> None:
+        self._policies = queues.policies
+        self._queues = queues
+        self._waits = waits
+        self._estimator = estimator
+        # Share of a class's max_queue_wait a newcomer must leave a queued request of it when
+        # going ahead: the estimate's error (see place).
+        self._promise_slack = promise_slack
+
+    def place(self, ticket: Ticket, now: float) -> tuple[int, int]:
+        """Give a newcomer its sort key; return how many queued requests (and of its class) are ahead.
+
+        Its natural place: by class, returning before fresh, then arrival. If that is ahead
+        of queued requests that one more request ahead would make late (the estimate, as in
+        :meth:`overtaken`, with ``promise_slack`` of their class's ``max_queue_wait`` kept in
+        hand for the estimate's error), it goes right after the last of them instead: its key
+        extends that request's key. One walk of the serve order; no walk when it would overtake nobody.
+        """
+        cls, queues = ticket.cls, self._queues
+        key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.id)
+        ticket.key = key
+        if not queues.overtakes_anyone(key):
+            return queues.total, len(queues.lists[cls])
+        if self._estimator.samples == 0:
+            # Estimates on the prior alone refuse nobody (module docstring), so they move nobody.
+            order = queues.serve_order()
+            before = [t for t in order if t.key < key]
+            return len(before), sum(t.cls == cls for t in before)
+        order = queues.serve_order()
+        seen = dict.fromkeys(queues.classes, 0)
+        last_tight: Ticket | None = None
+        wait = self._waits.walk()
+        for ahead, queued in enumerate(order):
+            # Would one more request ahead of it (and of its class, if the same) make it late,
+            # or leave it less slack than the estimate's error? Without that slack, newcomers
+            # use up a queued request's margin one by one, and a drain slightly slower than
+            # estimated then makes it late: refused after seconds of waiting (measured).
+            slack = self._promise_slack * self._policies[queued.cls].max_queue_wait
+            if (
+                queued.key > key
+                and self.late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now + slack, wait)
+                is not None
+            ):
+                last_tight = queued
+            seen[queued.cls] += 1
+        if last_tight is not None:
+            key = ticket.key = (*last_tight.key, ticket.id)
+        before = [t for t in order if t.key < key]
+        return len(before), sum(t.cls == cls for t in before)
+
+    def arrival_refusal(self, ticket: Ticket, ahead: int, in_class: int) -> tuple[RejectCode, str] | None:
+        """Why a just-queued ticket, ``ahead`` places from the front (``in_class`` of its class),
+        cannot be served in time by the estimates (a code and a reason), or None."""
+        if self._estimator.samples == 0:
+            return None  # the wait estimate would rest on the prior alone
+        cls, budget = ticket.cls, ticket.request.budget
+        # Returns promised before it would be served go ahead of a returning caller of a lower
+        # class: each takes a slot first. A fresh arrival yields to every promise, whatever
+        # its class: a promise is a slot kept for the caller on the one engine (the estimator's
+        # single timeline); a fresh interactive arrival queued into a slot promised to a batch
+        # caller pushes that caller's return past its budget (measured: docs/benchmarks.md,
+        # 'a hint is a reservation').
+        promised_by = self._queues.above(cls) if ticket.returning else self._queues.classes
+        expected = self._waits.at(cls, ahead, in_class, promised_by)
+        if budget is not None:
+            need = self._estimator.expected_service(ticket.request.stream)
+            if expected + need > budget:
+                return (
+                    "queue_timeout",
+                    f"estimated queue wait {expected:.2f} s + {need_name(self._estimator, ticket)} "
+                    f"{need:.2f} s exceeds the request budget {budget:.2f} s",
+                )
+        max_wait = self._policies[cls].max_queue_wait
+        if expected > max_wait:
+            return (
+                "queue_full",
+                f"server at capacity (estimated queue wait {expected:.2f} s exceeds the "
+                f"{max_wait:g} s limit)",
+            )
+        return None
+
+    def overtaken(self, now: float) -> Iterator[tuple[Ticket, str]]:
+        """The queued tickets that, from their current place, cannot be served in time, each with
+        the reason, in serve order; never on the cold-start prior.
+
+        Lazy: the caller takes each one out of the queue (and refuses it) before asking for the
+        next, so each refusal's Retry-After is estimated on the queue as it is at that moment.
+        """
+        if not self._queues.total or self._estimator.samples == 0:
+            return
+        ahead = 0
+        seen = dict.fromkeys(self._queues.classes, 0)
+        wait = self._waits.walk(soonest=True)
+        for ticket in self._queues.serve_order():
+            why = self.late(ticket, ahead, seen[ticket.cls], now, wait)
+            if why is None:
+                ahead += 1
+                seen[ticket.cls] += 1
+                continue
+            yield ticket, why
+
+    def late(self, ticket: Ticket, ahead: int, in_class: int, now: float, wait: WaitFn) -> str | None:
+        """Why a queued ticket with ``ahead`` requests before it (``in_class`` of its class)
+        cannot be served in time, or None (``wait``: the walk's :meth:`QueueWaits.walk`).
+
+        Judged on the requests queued ahead of it only, not on promised returns: those may
+        not come back (a client gives up, or has no retries left), and a request dropped
+        from the queue on a guess cannot be given its place back.
+        """
+        expected = wait(ticket.cls, ahead, in_class)
+        budget = ticket.request.budget
+        if budget is not None:
+            need = self._estimator.expected_service(ticket.request.stream)
+            left = ticket.arrived + budget - now
+            if expected + need > left:
+                return (
+                    f"overtaken in the queue: estimated wait {expected:.2f} s + "
+                    f"{need_name(self._estimator, ticket)} {need:.2f} s exceeds the remaining request "
+                    f"budget {max(0.0, left):.2f} s"
+                )
+        if now + expected > ticket.deadline and not ticket.budget_bound:
+            max_wait = self._policies[ticket.cls].max_queue_wait
+            return (
+                f"overtaken in the queue: estimated wait {expected:.2f} s more would pass the "
+                f"{max_wait:g} s limit"
+            )
+        return None

@@ -1,0 +1,155 @@
+"""The bounded per-class queues, their one serve order, and the places kept for returning callers.
+
+One FIFO queue per traffic class, classes listed highest priority first (``interactive``
+before ``batch``); each class's ``max_queue`` bounds its queue and ``max_queue_total`` all
+queues together. All queued requests stand in one serve order, each with a sort key
+(:attr:`~llm_backoff_shim.decide.tickets.Ticket.key`): by class (highest first), returning
+before fresh, then arrival; :mod:`llm_backoff_shim.decide.placement` may extend a newcomer's
+key to put it behind a request whose promise it would break.
+
+Returning callers first. A request whose client says it is a retry (``x-stainless-retry-count``
+>= 1) and says how long it will wait (``x-request-timeout-ms``) was most likely told a
+Retry-After and honoured it; Retry-After is an estimate, not a reservation, so without help it
+would find its place taken by fresh arrivals and be turned away again. So, within its class, a
+returning request is served before the fresh ones (where that breaks no promise), and while
+callers have been promised a return, up to ``returning_share`` of each queue bound (one place
+per promise) is kept for returning requests: a full queue refuses a fresh arrival before it
+refuses a returning one. A request already queued is never evicted. ``returning_first=False``
+turns the order and the kept places off (every request is fresh; promised returns still count
+in a fresh arrival's wait): with short deadlines and clients that send no budget, retries
+served first can be served too late (docs/demo.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from collections.abc import Iterable, Mapping
+
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
+from llm_backoff_shim.decide.tickets import Ticket
+
+
+def _key(ticket: Ticket) -> tuple[int, ...]:
+    return ticket.key
+
+
+class ClassQueues:
+    """Queued tickets, one list per class sorted by key, and the bounds on them (module docstring).
+
+    ``lists[cls]`` is read by the controller on its hot paths; change them only through
+    :meth:`insert`, :meth:`remove` and :meth:`pop_head`, which keep :attr:`total`.
+    """
+
+    def __init__(
+        self,
+        policies: Mapping[str, ClassPolicy],
+        estimator: DrainEstimator,
+        *,
+        max_total: int | None,
+        returning_share: float,
+        returning_first: bool,
+    ) -> None:
+        self._policies = policies
+        self._classes = tuple(policies)
+        self._rank = {name: i for i, name in enumerate(self._classes)}
+        self._estimator = estimator
+        self._max_total = max_total
+        self._returning_share = returning_share
+        # Off: every request is fresh (one FIFO per class, no places kept).
+        self._returning_first = returning_first
+        # Lists, not a heap: queues are short, and a cancel removes from the middle.
+        self.lists: dict[str, list[Ticket]] = {name: [] for name in self._classes}
+        # Kept beside the per-class lists: read several times per request.
+        self.total = 0
+
+    @property
+    def policies(self) -> Mapping[str, ClassPolicy]:
+        """Each class's policy, highest priority first."""
+        return self._policies
+
+    @property
+    def classes(self) -> tuple[str, ...]:
+        return self._classes
+
+    def above(self, cls: str) -> tuple[str, ...]:
+        """The classes of higher priority than ``cls``, highest first."""
+        return self._classes[: self._rank[cls]]
+
+    def rank(self, cls: str) -> int:
+        """``cls``'s place in the priority order (0: the highest)."""
+        return self._rank[cls]
+
+    # -- the serve order ---------------------------------------------------------------------
+    def insert(self, ticket: Ticket) -> None:
+        bisect.insort(self.lists[ticket.cls], ticket, key=_key)
+        self.total += 1
+
+    def remove(self, ticket: Ticket) -> None:
+        self.lists[ticket.cls].remove(ticket)
+        self.total -= 1
+
+    def pop_head(self, cls: str) -> Ticket:
+        self.total -= 1
+        return self.lists[cls].pop(0)
+
+    def serve_order(self) -> list[Ticket]:
+        """The queued tickets of every class, in the order strict priority would admit them."""
+        return list(heapq.merge(*self.lists.values(), key=_key))
+
+    def heads_due(self) -> list[str]:
+        """The classes with queued requests, in the order their heads are due (ClassScheduler)."""
+        lists = self.lists
+        return sorted((c for c in self._classes if lists[c]), key=lambda c: lists[c][0].key)
+
+    def overtakes_anyone(self, key: tuple[int, ...]) -> bool:
+        """Whether a newcomer with ``key`` would stand ahead of some queued request."""
+        return any(q and q[-1].key > key for q in self.lists.values())
+
+    def ahead_of(self, cls: str) -> int:
+        """Requests that would be served before a fresh newcomer of ``cls`` (strict-priority view)."""
+        lists = self.lists
+        return sum(len(lists[c]) for c in self._classes[: self._rank[cls] + 1])
+
+    def returning(self, cls: str) -> int:
+        """Queued requests of ``cls`` that said they are retries (and count as returning)."""
+        return sum(t.returning for t in self.lists[cls])
+
+    def oldest_arrival(self, cls: str) -> float | None:
+        """When the longest-waiting request of ``cls``'s queue arrived; None when it is empty."""
+        queue = self.lists[cls]
+        return min(t.arrived for t in queue) if queue else None
+
+    # -- room, and the places kept for returning callers -------------------------------------
+    def is_returning(self, request: AdmissionRequest) -> bool:
+        """Whether ``request`` queues as returning (ahead of fresh ones, in the kept places).
+
+        Only a caller that says how long it will wait: the shim can then check that it can
+        still be served in time. A retry without a budget is served late and cut by its own
+        timeout as often as not (measured: docs/benchmarks.md, docs/demo.md).
+        """
+        return self._returning_first and request.returning and request.budget is not None
+
+    def has_room(self, cls: str, returning: bool) -> bool:
+        """Whether the queue has a place for a newcomer of ``cls`` (fresh ones may not take
+        the places kept for returning callers, :meth:`fresh_room`)."""
+        total, bound = self._max_total, self._policies[cls].max_queue
+        if returning:
+            return len(self.lists[cls]) < bound and (total is None or self.total < total)
+        return len(self.lists[cls]) < self.fresh_room(bound, (cls,)) and (
+            total is None or self.total < self.fresh_room(total, self._classes)
+        )
+
+    def fresh_room(self, bound: int, classes: Iterable[str]) -> int:
+        """Places of a queue bound that fresh arrivals may fill; the rest wait for returning ones.
+
+        Places are kept back only while callers of ``classes`` have been promised a return
+        (one per promise, at most ``returning_share`` of the bound), so a queue that told
+        nobody to come back is all for fresh arrivals.
+        """
+        if not self._returning_first:
+            return bound
+        promised = sum(self._estimator.promises.outstanding(c) for c in classes)
+        return bound - min(promised, math.floor(self._returning_share * bound + 1e-9))

@@ -1,0 +1,94 @@
+"""What a request brings to the admission decision: its class's policy and the request itself.
+
+A request names its traffic class (``x-request-class``; :class:`ClassPolicy` bounds each
+class's queue and queue wait), may say how long its caller will wait (its budget,
+``x-request-timeout-ms``), whether it streams, how long its answer may be (``max_tokens``),
+and whether it is a retry (``x-stainless-retry-count``). A retry that says how long it will
+wait is served as *returning*: ahead of the fresh arrivals of its class
+(:mod:`llm_backoff_shim.decide.queues`). Anyone can claim to be a retry: the claim buys a
+place ahead of fresh arrivals of the same class, nothing more; tenant quotas, budgets and
+class bounds apply unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class UnknownClassError(ValueError):
+    """``x-request-class`` names a class this shim does not serve."""
+
+    def __init__(self, value: str, known: Sequence[str]) -> None:
+        super().__init__(f"unknown request class {value!r}; expected one of: {', '.join(known)}")
+        self.value = value
+        self.known = tuple(known)
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    """Queue bound and longest queue wait (seconds) of one traffic class."""
+
+    name: str
+    max_queue: int
+    max_queue_wait: float
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("class name must not be empty")
+        if self.max_queue < 0:
+            raise ValueError(f"class {self.name}: max_queue must be >= 0")
+        if not (self.max_queue_wait > 0 and math.isfinite(self.max_queue_wait)):
+            raise ValueError(f"class {self.name}: max_queue_wait must be a positive finite number")
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
+    whether the body asks for a stream (served at the first token rather than at the end),
+    how many times the caller says it has retried this call (``x-stainless-retry-count``), and
+    the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
+    when it does not say)."""
+
+    cls: str
+    budget: float | None = None
+    tenant: str | None = None
+    stream: bool = False
+    retry: int = 0
+    max_tokens: int | None = None
+
+    @property
+    def returning(self) -> bool:
+        """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
+        return self.retry >= 1
+
+
+def requested_max_tokens(body: Mapping[str, object]) -> int | None:
+    """The most output tokens a request body asks for (``max_completion_tokens``, else
+    ``max_tokens``), or None when it names no positive whole number. The engine validates
+    the body; this only reads what the admission decision may use."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+#: Larger claimed retry counts are read as this: the number only matters as ">= 1".
+MAX_RETRY_COUNT = 1000
+
+
+def parse_retry_count(value: str | None) -> int:
+    """``x-stainless-retry-count`` as a count; absent or malformed is 0 (a fresh arrival).
+
+    The openai SDKs send it (0 on a first attempt, n on the n-th retry) and ``llm_backoff``
+    does too. It is a client library's header, not part of this shim's protocol, so a
+    value it cannot read is not the client's mistake: no 400, the request is simply fresh.
+    """
+    if value is None:
+        return 0
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 6:
+        return 0
+    return min(int(text), MAX_RETRY_COUNT)

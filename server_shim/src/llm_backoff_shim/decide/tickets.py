@@ -1,0 +1,108 @@
+"""A request's place and how it ends: tickets, refusals, outcomes, the dispatch of one step.
+
+A :class:`Ticket` is queued, then admitted (holding a slot), then released; every ticket ends
+in exactly one of RELEASED, CANCELLED, EXPIRED, so in-flight and queued counts return to zero
+whatever the mix of outcomes. A refusal is a :class:`Rejection` (rendered by
+:mod:`llm_backoff_shim.serve.rejection`); a gate's refusal is a :class:`GateRefusal`, which
+the controller completes with its own Retry-After estimate where the gate gives none.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llm_backoff_shim.decide.requests import AdmissionRequest
+
+RejectCode = Literal["queue_full", "queue_timeout", "slo_shed", "tenant_rate_limited", "upstream_unavailable"]
+ErrorType = Literal["server_overloaded", "rate_limit_exceeded"]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refusal, ready for :mod:`llm_backoff_shim.serve.rejection` to render (docs/protocol.md).
+
+    ``message`` is the reason only; the renderer appends ", retry in N s".
+    ``status`` None means the configured ``--reject-status``.
+    """
+
+    code: RejectCode
+    message: str
+    retry_after: float
+    queue_depth: int
+    type: ErrorType = "server_overloaded"
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class GateRefusal:
+    """A gate's "no". Without ``retry_after`` the controller's estimate is used."""
+
+    code: RejectCode
+    message: str
+    type: ErrorType = "server_overloaded"
+    retry_after: float | None = None
+    status: int | None = None
+
+
+class TicketState(enum.Enum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RELEASED = "released"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+class Outcome(enum.Enum):
+    """How an admitted request ended; only COMPLETED (a 2xx relayed in full) feeds the service-time estimate.
+
+    CLIENT_ERROR: the upstream answered 4xx (quick, says nothing about generation time);
+    OVERLOADED: the upstream itself refused as overloaded (a signal for adaptive limits).
+    """
+
+    COMPLETED = "completed"
+    CLIENT_ERROR = "client_error"
+    UPSTREAM_ERROR = "upstream_error"
+    OVERLOADED = "overloaded"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False, slots=True)
+class Ticket:
+    """One request's place: queued, then admitted (holding a slot), then released.
+
+    ``key`` orders the queued tickets of all classes into one serve order
+    (:mod:`llm_backoff_shim.decide.queues`); ``returning``: queued in its class's returning lane.
+    """
+
+    id: int
+    request: AdmissionRequest
+    arrived: float
+    deadline: float
+    budget_bound: bool = False
+    state: TicketState = TicketState.QUEUED
+    admitted_at: float | None = None
+    rejection: Rejection | None = None
+    key: tuple[int, ...] = ()
+    returning: bool = False
+
+    @property
+    def cls(self) -> str:
+        return self.request.cls
+
+    @property
+    def queue_time(self) -> float:
+        """Seconds spent queued (0 when admitted on arrival)."""
+        return 0.0 if self.admitted_at is None else self.admitted_at - self.arrived
+
+
+@dataclass
+class Dispatch:
+    """Tickets that left the queues in one step: now holding a slot, or dropped as expired."""
+
+    admitted: list[Ticket] = field(default_factory=list)
+    expired: list[Ticket] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.admitted or self.expired)

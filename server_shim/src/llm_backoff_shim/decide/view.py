@@ -1,0 +1,54 @@
+"""What the admission controller shows the pieces that plug into it: gates and schedulers.
+
+:class:`AdmissionView` is read-only; :class:`AdmissionGate` checks run before a request may
+queue (SLO shedding, tenant quotas, engine saturation plug in here) and may refuse it with
+their own code. Schedulers (:mod:`llm_backoff_shim.decide.scheduler`) read the same view.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
+from llm_backoff_shim.decide.tickets import GateRefusal
+
+
+class ClassOutlook(NamedTuple):
+    """The requests of one class the shim can foresee, for schedulers.
+
+    ``promised``: callers told to come back and not back yet; ``due_soon``: those of them due
+    within one service time, or already due (a client's jitter brings one back a little late);
+    ``fresh_recently``: a fresh request (not a retry) arrived within the last service time.
+    """
+
+    promised: int
+    due_soon: int
+    fresh_recently: bool
+
+
+class AdmissionView(Protocol):
+    """Read-only state offered to gates and schedulers."""
+
+    @property
+    def classes(self) -> tuple[str, ...]: ...
+
+    @property
+    def limit(self) -> int: ...
+
+    def now(self) -> float: ...
+
+    def in_flight(self, cls: str | None = None) -> int: ...
+
+    def queued(self, cls: str | None = None) -> int: ...
+
+    def policy(self, cls: str) -> ClassPolicy: ...
+
+    def outlook(self, cls: str) -> ClassOutlook: ...
+
+    def next_run(self, cls: str) -> float | None: ...
+
+
+class AdmissionGate(Protocol):
+    """A pre-admission check; return a refusal to turn the request away before it queues."""
+
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None: ...

@@ -1,0 +1,138 @@
+"""How long a queued request is expected to wait from its place, and what it needs once admitted.
+
+A wait is counted on the slots the request's class can have, at the drain rate of
+:class:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator`, and bounded by the class's
+guaranteed minimum share (:class:`~llm_backoff_shim.decide.scheduler.MinimumShares`), which
+serves its class in FIFO order whatever higher classes want. Left out of those slots: a lower
+class's guaranteed share, which is taken whenever that class has work queued, whatever waits
+above it (always left out, not only while that class has queued requests: a lower-class
+arrival would otherwise make queued requests late that were promised the whole engine); and
+the slots reserved for higher classes (:class:`~llm_backoff_shim.decide.scheduler.ReservedShares`:
+a class may not use them unless they are lent, which the estimate does not count on).
+
+What a request needs once admitted (:meth:`DrainEstimator.expected_service`): the whole
+service, or the first token of a stream if so configured. A caller whose remaining budget
+cannot cover its wait plus that need would only make the engine do work its own deadline cuts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator
+from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, ReservedShares
+from llm_backoff_shim.decide.tickets import Ticket
+
+#: ``wait(cls, ahead, in_class)``: seconds until a request of ``cls`` with ``ahead`` requests
+#: served before it, ``in_class`` of them of its own class, gets a slot.
+WaitFn = Callable[[str, int, int], float]
+
+
+class QueueWaits:
+    """Wait estimates for the controller's classes (module docstring).
+
+    ``admitted``: when the requests holding a slot were admitted, ascending; the controller
+    keeps that list up to date in place, and each estimate reads the few entries it needs.
+    """
+
+    def __init__(
+        self,
+        classes: Sequence[str],
+        scheduler: ClassScheduler,
+        estimator: DrainEstimator,
+        limit: ConcurrencyLimit,
+        admitted: list[float],
+    ) -> None:
+        self._classes = tuple(classes)
+        self._rank = {name: i for i, name in enumerate(self._classes)}
+        self._estimator = estimator
+        self._limit = limit
+        self._admitted = admitted
+        # Decided once: isinstance() against a runtime-checkable Protocol inspects its members
+        # on every call, about 15 us, and a wait is estimated on every refusal.
+        self._shares: MinimumShares | None = scheduler if isinstance(scheduler, MinimumShares) else None
+        self._reserves: ReservedShares | None = scheduler if isinstance(scheduler, ReservedShares) else None
+        self._lanes_at: dict[tuple[str, int], tuple[int, int]] = {}  # see lanes
+
+    def at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str]) -> float:
+        """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
+        priority, ``in_class`` of them of its own class, and the promised returns of
+        ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`)."""
+        est = self._estimator
+        slots, share = self.lanes(cls, self._limit.limit)
+        wait = est.expected_wait(ahead, slots, 0, promised_by=promised_by, admitted=self._admitted)
+        if share > 0:
+            wait = min(wait, est.expected_wait(in_class, share, 0))
+        return wait
+
+    def walk(self, *, soonest: bool = False) -> WaitFn:
+        """:meth:`at` without promises, for one walk of the queue (placing a newcomer ahead of
+        others, the recheck). Each class's slot times are built once per walk, not once per
+        queued request: a walk asks for every queued request, on every newcomer placed ahead of
+        others and every recheck (about 170 us a refusal under 2x overload, most of it here;
+        docs/benchmarks.md, 'the overload scenarios in virtual time').
+
+        ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
+        no memory of how long the requests in flight have run, so for a request that has
+        already waited it overstates the wait; the recheck judges on this bound instead.
+        """
+        est, limit, free = self._estimator, self._limit.limit, 1 if soonest else 0
+        tables: dict[str, tuple[Callable[[int], float], Callable[[int], float] | None]] = {}
+
+        def wait(cls: str, ahead: int, in_class: int) -> float:
+            table = tables.get(cls)
+            if table is None:
+                slots, share = self.lanes(cls, limit)
+                by_share = est.slot_times(share) if share > 0 else None
+                table = tables[cls] = (est.slot_times(slots, self._admitted), by_share)
+            at, by_share = table
+            needed = ahead + 1 - free
+            if needed <= 0:
+                return 0.0
+            seconds = at(needed)
+            if by_share is not None:
+                mine = in_class + 1 - free
+                seconds = min(seconds, by_share(mine) if mine > 0 else 0.0)
+            return seconds
+
+        return wait
+
+    def lanes(self, cls: str, limit: int) -> tuple[int, int]:
+        """(the slots a wait of ``cls`` drains on, ``cls``'s guaranteed minimum share) at ``limit``
+        (module docstring). Fixed for a limit, and asked for on every wait estimate (a
+        newcomer's place and the recheck walk the queue), so computed once per limit.
+        """
+        lanes = self._lanes_at.get((cls, limit))
+        if lanes is not None:
+            return lanes
+        slots, share, rank = limit, 0, self._rank[cls]
+        shares = self._shares
+        if shares is not None:
+            held = sum(shares.minimum_slots(c, limit) for c in self._classes[rank + 1 :])
+            slots = max(1, limit - held)
+            share = shares.minimum_slots(cls, limit) if rank else 0
+        reserves = self._reserves
+        if reserves is not None and rank:
+            kept = sum(reserves.reserved_slots(c, limit) for c in self._classes[:rank])
+            slots = max(1, min(slots, limit - kept))
+        if len(self._lanes_at) > 4096:  # an adaptive limit that wandered far: start over
+            self._lanes_at.clear()
+        lanes = self._lanes_at[(cls, limit)] = (slots, share)
+        return lanes
+
+
+def short_of(estimator: DrainEstimator, ticket: Ticket, now: float) -> float | None:
+    """The expected service the ticket's remaining budget cannot cover, else None."""
+    budget = ticket.request.budget
+    if budget is None:
+        return None
+    need = estimator.expected_service(ticket.request.stream)
+    return need if need > 0 and ticket.arrived + budget - now < need else None
+
+
+def need_name(estimator: DrainEstimator, ticket: Ticket) -> str:
+    """How a refusal message names what the ticket needs once admitted."""
+    if ticket.request.stream and estimator.config.stream_served_at == "first_token":
+        return "expected time to first token"
+    return "expected service time"
