@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import llm_backoff_shim.overload_model as overload_model
 from llm_backoff import RetryPolicy
 from llm_backoff_shim.overload_model import OutputLengths, OverloadModel
-from llm_backoff_shim.scenario import EngineShape, RequestClass, Scenario
+from llm_backoff_shim.scenario import EngineShape, RequestClass, Scenario, arrivals
+from llm_backoff_shim.workload import Workload
 
 #: Interactive callers' policies for the achieved column; batch callers get `RetryPolicy.batch`.
 POLICIES: dict[str, Callable[[float, float], RetryPolicy]] = {
@@ -52,12 +53,13 @@ def policy_in_model(make: Callable[[float, float], RetryPolicy]) -> Iterator[Non
             return make(scenario.ttft_budget, scenario.deadline_of(cls))
         return RetryPolicy.batch(deadline=scenario.deadline_of(cls))
 
-    saved = overload_model.retry_policy
-    overload_model.retry_policy = policy
+    # The model looks the policy up in its own namespace per call (bench_interactive_presets too).
+    saved = getattr(overload_model, "retry_policy")  # noqa: B009
+    setattr(overload_model, "retry_policy", policy)  # noqa: B010
     try:
         yield
     finally:
-        overload_model.retry_policy = saved
+        setattr(overload_model, "retry_policy", saved)  # noqa: B010
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,34 @@ def model_jobs(
     return jobs
 
 
+def bench_vllm_jobs(
+    seed: int, duration: float, rate_factor: float, tokens_per_s: float
+) -> tuple[list[Job], float]:
+    """The trace ``bench/bench_vllm.py`` drives for ``seed`` at ``tokens_per_s`` with every slot
+    busy (its ``--capacity-tokens-per-s``), and that capacity times the arrival window plus the
+    batch deadline. Each sequence then makes ``tokens_per_s / 8`` tokens per second; the first
+    token comes 50 ms after the start (prefill of a few hundred tokens on the CPU build)."""
+    from bench_vllm import SLOTS, scenario
+
+    base = scenario(duration, rate_factor)
+    workload = base.workload or Workload()
+    capacity = tokens_per_s / workload.output_tokens.mean()
+    itl = SLOTS / tokens_per_s
+    jobs = [
+        job(
+            a.at,
+            a.max_tokens or 1,
+            a.cls,
+            ttft=0.05,
+            itl=itl,
+            deadline=base.deadline_of(a.cls),
+            ttft_budget=base.ttft_budget if a.cls == "interactive" else None,
+        )
+        for a in arrivals(base, capacity, random.Random(seed))
+    ]
+    return jobs, tokens_per_s * (base.duration + base.deadline_of("batch"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5)
@@ -178,7 +208,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="--max-concurrency 8 --max-queue 24 --max-queue-wait 1.93",
         help="the shim's flags for the achieved column (calibrate's on the real vLLM)",
     )
+    p.add_argument(
+        "--bench-vllm-tokens-per-s",
+        type=float,
+        help="instead: the bound on bench_vllm.py's own trace (seeds 1..N, the first of --durations) "
+        "at this --capacity-tokens-per-s",
+    )
     args = p.parse_args(argv)
+    if args.bench_vllm_tokens_per_s:
+        duration = float(args.durations.split(",")[0])
+        print("| seed | calls | oracle useful tokens | of capacity | interactive in budget | batch served |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for seed in range(1, args.seeds + 1):
+            jobs, ceiling = bench_vllm_jobs(seed, duration, args.rate_factor, args.bench_vllm_tokens_per_s)
+            res = schedule(jobs, 8)
+            batch = res.served_by_class.get("batch", 0) / max(1, res.offered_by_class.get("batch", 0))
+            print(
+                f"| {seed} | {len(jobs)} | {res.useful_tokens / 1000:.1f}k | "
+                f"{res.useful_tokens / ceiling:.2f} | "
+                f"{res.served_by_class.get('interactive', 0)}/{res.offered_by_class.get('interactive', 0)} | "
+                f"{batch:.0%} |"
+            )
+        return 0
     # The real vLLM's shape as the benchmark measured it: 8 slots, ~1000 answer tokens/s
     # together (itl 8 ms per sequence), a first token ~50 ms after admission.
     shape = EngineShape(slots=8, ttft=0.05, itl=0.008, output_tokens=64)
@@ -219,11 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 achieved.append(result.useful_share)
                 o_inb.append(oracle.served_by_class.get("interactive", 0))
                 a_inb.append(sum(played.useful(c) for c in result.calls if c.arrival.cls == "interactive"))
-                batch = [c for c in result.calls if c.arrival.cls == "batch"]
+                batch_calls = [c for c in result.calls if c.arrival.cls == "batch"]
                 o_b.append(
                     oracle.served_by_class.get("batch", 0) / max(1, oracle.offered_by_class.get("batch", 0))
                 )
-                a_b.append(sum(c.ok for c in batch) / max(1, len(batch)))
+                a_b.append(sum(c.ok for c in batch_calls) / max(1, len(batch_calls)))
             b, a = statistics.median(bounds), statistics.median(achieved)
             print(
                 f"| {duration:g} s at {args.rate_factor:g}x | {name} | {b:.2f} | {a:.2f} | {a / b:.2f} | "
