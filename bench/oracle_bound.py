@@ -15,6 +15,13 @@ holds one for ``ttft + (n - 1) * itl``):
   deadline), the one whose latest useful start is soonest (earliest deadline first on the
   latest start); a request whose latest start has passed is dropped, never started late.
 
+``main`` prints, for the virtual-time model's version of the real-vLLM comparison, the bound
+beside what the shim and its callers achieve (plain-openai-like callers, the SDK's presets,
+stated budgets); ``--bench-vllm-tokens-per-s`` prints the bound on ``bench_vllm.py``'s own trace:
+
+    cd bench && ../.venv/bin/python oracle_bound.py --seeds 7
+    cd bench && ../.venv/bin/python oracle_bound.py --seeds 3 --durations 30 --bench-vllm-tokens-per-s 1000
+
 Greedy EDF is not optimal under overload (no polynomial scheduler is, for the weighted
 problem), but it never idles a slot while a servable request waits and never serves a
 request uselessly: what it cannot deliver is, to within the order it picks, work no
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import heapq
 import random
 import statistics
@@ -33,8 +41,12 @@ from dataclasses import dataclass
 
 import llm_backoff_shim.overload_model as overload_model
 from llm_backoff import RetryPolicy
+from llm_backoff_shim.admission import AdmissionController
+from llm_backoff_shim.app import build_controller
+from llm_backoff_shim.config import load_settings
 from llm_backoff_shim.overload_model import OutputLengths, OverloadModel
 from llm_backoff_shim.scenario import EngineShape, RequestClass, Scenario, arrivals
+from llm_backoff_shim.testing import ManualClock
 from llm_backoff_shim.workload import Workload
 
 #: Interactive callers' policies for the achieved column; batch callers get `RetryPolicy.batch`.
@@ -42,6 +54,26 @@ POLICIES: dict[str, Callable[[float, float], RetryPolicy]] = {
     "presets": lambda budget, deadline: RetryPolicy.interactive(start_deadline=budget),
     "budgets": lambda budget, deadline: RetryPolicy(deadline=deadline, start_deadline=budget),
 }
+#: Like plain openai (both classes): 2 retries, every hint honoured as given, no budget sent
+#: (see `plain_controller`), the call's deadline as its timeout.
+PLAIN = "plain-like"
+
+
+def plain_policy(budget: float, deadline: float) -> RetryPolicy:
+    return RetryPolicy(deadline=deadline, max_attempts=3, retry_after_jitter=0.0, max_retry_after=60.0)
+
+
+def plain_controller(flags: Sequence[str]) -> Callable[[ManualClock], AdmissionController]:
+    """The shim's controller for ``flags``, whose callers send no ``x-request-timeout-ms`` (as
+    plain openai does): every request reaches it with no budget, so none is served as returning."""
+
+    def make(clock: ManualClock) -> AdmissionController:
+        controller = build_controller(load_settings(["--upstream", "http://127.0.0.1:9", *flags]), clock)
+        submit = controller.submit
+        controller.submit = lambda request: submit(dataclasses.replace(request, budget=None))  # type: ignore[method-assign]
+        return controller
+
+    return make
 
 
 @contextlib.contextmanager
@@ -49,7 +81,7 @@ def policy_in_model(make: Callable[[float, float], RetryPolicy]) -> Iterator[Non
     """The overload model's callers use ``make`` (interactive) and the batch preset meanwhile."""
 
     def policy(cls: RequestClass, scenario: Scenario, *, start_deadline: bool = True) -> RetryPolicy:
-        if cls == "interactive":
+        if cls == "interactive" or make is plain_policy:
             return make(scenario.ttft_budget, scenario.deadline_of(cls))
         return RetryPolicy.batch(deadline=scenario.deadline_of(cls))
 
@@ -237,7 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         "| arrivals | policy | oracle useful / capacity | achieved useful / capacity | achieved / oracle | "
         "oracle interactive in budget | achieved interactive in budget | oracle batch served | "
-        "achieved batch served |\n|---|---|---:|---:|---:|---:|---:|---:|---:|"
+        "achieved batch served | interactive p90 time to failure |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     for duration in (float(d) for d in args.durations.split(",")):
         scenario = Scenario(
@@ -250,16 +283,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             interactive_share=0.7,
             start_deadline=True,
         )
-        for name, policy in POLICIES.items():
-            bounds, achieved, o_inb, a_inb, o_b, a_b = [], [], [], [], [], []
+        for name, policy in {PLAIN: plain_policy, **POLICIES}.items():
+            bounds, achieved, o_inb, a_inb, o_b, a_b, p90s = [], [], [], [], [], [], []
             for seed in range(1, args.seeds + 1):
+                flags = args.shim_flags.split()
                 played = OverloadModel(
                     scenario,
                     shape,
-                    args.shim_flags.split(),
+                    flags,
                     seed=seed,
                     service_jitter=args.service_jitter,
                     lengths=lengths,
+                    controller=plain_controller(flags) if name == PLAIN else None,
                 )
                 with policy_in_model(policy):
                     result = played.run()
@@ -275,11 +310,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     oracle.served_by_class.get("batch", 0) / max(1, oracle.offered_by_class.get("batch", 0))
                 )
                 a_b.append(sum(c.ok for c in batch_calls) / max(1, len(batch_calls)))
+                failed = sorted(
+                    c.end - c.start
+                    for c in result.calls
+                    if c.arrival.cls == "interactive" and not c.ok and c.end is not None
+                )
+                p90s.append(failed[int(0.9 * (len(failed) - 1))] if failed else 0.0)
             b, a = statistics.median(bounds), statistics.median(achieved)
             print(
                 f"| {duration:g} s at {args.rate_factor:g}x | {name} | {b:.2f} | {a:.2f} | {a / b:.2f} | "
                 f"{statistics.median(o_inb):.0f} | {statistics.median(a_inb):.0f} | "
-                f"{statistics.median(o_b):.0%} | {statistics.median(a_b):.0%} |",
+                f"{statistics.median(o_b):.0%} | {statistics.median(a_b):.0%} | "
+                f"{statistics.median(p90s):.2f} s |",
                 flush=True,
             )
     return 0
