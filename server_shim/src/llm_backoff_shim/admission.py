@@ -36,14 +36,13 @@ is served before the fresh ones (where that breaks no promise, below), and while
 have been promised a return, up to ``returning_share`` of each queue bound (one place per
 promise) is kept for returning requests: a full queue refuses a fresh arrival before it
 refuses a returning one. A request already queued is never evicted. A fresh arrival's
-expected wait counts the callers already promised a return before it would
-be served (:meth:`DrainEstimator.expected_wait`) in its own class and the classes above it:
-a promise is a slot kept for that caller (the estimator paces the promises of all classes on
-one timeline at the drain rate), so a fresh arrival is queued only into the slots nobody of
-its class or above was promised; a lower class's promise yields to it (that caller is told
-again on its return). Anyone can claim to be a
-retry: the claim buys a place ahead of fresh arrivals of the same class, nothing more;
-tenant quotas, budgets and class bounds apply unchanged.
+expected wait counts the callers of its own class and the classes above it already promised
+a return before it would be served (:meth:`DrainEstimator.expected_wait`): a promise is a slot
+kept for that caller (the estimator paces the promises of all classes on one timeline at the
+drain rate), so a fresh arrival is queued only into the slots nobody of its class or above
+was promised; a lower class's promise yields to it (that caller is told again on its
+return). Anyone can claim to be a retry: the claim buys a place ahead of fresh arrivals of
+the same class, nothing more; tenant quotas, budgets and class bounds apply unchanged.
 ``returning_first=False`` turns the order and the kept places off (every request is fresh;
 promised returns still count in a fresh arrival's wait): with short deadlines and clients
 that send no budget, retries served first can be served too late (docs/demo.md).
@@ -798,7 +797,7 @@ class AdmissionController:
         # (the estimator's single timeline), but a lower class's promise does not hold a slot
         # against a higher class. A batch caller, patient by its budget, is told again when
         # its slot was taken; an interactive caller refused for it fails (measured:
-        # docs/benchmarks.md, 'fresh arrivals yield to the promises of their class and above').
+        # docs/benchmarks.md, 'fresh arrivals yield only to their class's promises').
         promised_by = higher if ticket.returning else self._classes[: self._rank[cls] + 1]
         expected = self._wait_at(cls, ahead, in_class, promised_by)
         if budget is not None:
