@@ -272,13 +272,33 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--shim-flags",
         help="serve flags for the shim instead of calibrate's recommendation, e.g. "
-        "'--max-concurrency 8 --max-queue 16' (calibrate still runs, for its knee's tokens/s)",
+        "'--max-concurrency 8 --max-queue 16' (calibrate still runs, for its knee's tokens/s, "
+        "unless --knee-tokens-per-s is given too)",
+    )
+    add(
+        "--knee-tokens-per-s",
+        type=float,
+        help="with --shim-flags: calibrate's answer tokens/s at its knee, stated instead of measured "
+        "(calibrate does not run; the ceiling of the capacity column)",
+    )
+    add(
+        "--capacity-tokens-per-s",
+        type=float,
+        help="answer tokens/s with every slot busy, stated instead of measured: the arrivals are "
+        "--rate-factor x this, so runs on other days or branches face the same load",
     )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.knee_tokens_per_s is not None and args.shim_flags is None:
+        parser.error("--knee-tokens-per-s needs --shim-flags (it stands in for calibrate's run)")
+    for name in ("knee_tokens_per_s", "capacity_tokens_per_s"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {value:g}")
     seeds = list(range(args.first_seed, args.first_seed + (args.seeds or (1 if args.quick else 3))))
     unknown = set(args.setups.split(",")) - set(CONFIGS)
     if unknown:
@@ -313,7 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"vLLM up at {url} after {time.monotonic() - started:.0f} s", flush=True)
             model = model_name(url)
             workload = base.workload or Workload()
-            calib = run_calibrate(url, workload, quick=args.quick, slo=args.ttft_slo)
+            if args.shim_flags is not None and args.knee_tokens_per_s is not None:
+                calib = Calibration(
+                    shlex.split(args.shim_flags), SLOTS, args.knee_tokens_per_s, 0.0, "(stated)", 0.0
+                )
+            else:
+                calib = run_calibrate(url, workload, quick=args.quick, slo=args.ttft_slo)
             if args.shim_flags is not None:
                 calib = dataclasses.replace(calib, flags=shlex.split(args.shim_flags))
             print(
@@ -321,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{calib.tokens_per_s:.0f} answer tokens/s; shim flags {' '.join(calib.flags)}",
                 flush=True,
             )
-            full = full_load_tokens_per_s(
+            full = args.capacity_tokens_per_s or full_load_tokens_per_s(
                 url, model, workload, slots=SLOTS, seconds=5.0 if args.quick else 10.0
             )
             mean_tokens = workload.output_tokens.mean()

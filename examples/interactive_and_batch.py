@@ -5,9 +5,10 @@ caller's first request with ``429`` and a ``Retry-After`` hint of its choosing, 
 way the llm-backoff shim does, then answers. Three callers, no policy given, only
 ``request_class``:
 
-- interactive, hint 1.2 s on a 1 s start budget: one last attempt at 0.9 s (the hint
-  is an upper bound), served within the budget;
-- interactive, hint 5 s: cannot begin in budget, fails at once;
+- interactive, hint 0.3 s on a 1 s start budget: within the 40 % of the budget the
+  preset waits out, so it waits and is served within the budget;
+- interactive, hint 0.6 s: it would fit the budget, but a wait that long fails as often
+  as not, so the call fails at once (and the application can degrade now);
 - batch, hint 1.2 s: waits it out and is served.
 
     .venv/bin/python examples/interactive_and_batch.py
@@ -98,8 +99,8 @@ def main() -> None:
     interactive = client("interactive", llm_backoff.RetryPolicy.interactive(start_deadline=1.0))
     batch = client("batch")  # no policy: RetryPolicy.batch()
     try:
-        ask(interactive, "interactive, hint 1.2 s", "1.2")
-        ask(interactive, "interactive, hint 5 s", "5")
+        ask(interactive, "interactive, hint 0.3 s", "0.3")
+        ask(interactive, "interactive, hint 0.6 s", "0.6")
         ask(batch, "batch, hint 1.2 s", "1.2")
     finally:
         for each in (interactive, batch):

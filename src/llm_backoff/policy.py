@@ -24,6 +24,10 @@ DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504
 INTERACTIVE_START_DEADLINE = 5.0
 #: `RetryPolicy.interactive`'s deadline for the whole call (a stream that began runs on under it).
 INTERACTIVE_DEADLINE = 60.0
+#: `RetryPolicy.interactive`'s longest hint waited out, as a share of its start deadline: a
+#: retry after a longer wait is refused about as often as it is served, and then fails seconds
+#: late instead of at once (docs/sdk.md, "class-aware defaults").
+INTERACTIVE_HINT_SHARE = 0.4
 #: `RetryPolicy.batch`'s deadline for the whole call; batch has no start deadline.
 BATCH_DEADLINE = 600.0
 
@@ -91,17 +95,19 @@ class RetryPolicy(BaseModel):
     def interactive(
         cls, start_deadline: float = INTERACTIVE_START_DEADLINE, **fields: Any
     ) -> RetryPolicy:
-        """For a caller with a time-to-first-token budget: begin within ``start_deadline`` or fail.
+        """For a caller with a time-to-first-token budget: begin within ``start_deadline`` or fail fast.
 
-        Waits that fit the budget are taken (a hint's jitter is trimmed to fit); a hint
-        that overshoots it by at most half of it earns one last attempt just before the
-        start deadline (servers' hints are upper bounds); a hint past that fails the
-        call at once. Any other field may be given too.
+        A server's hint is waited out only up to `INTERACTIVE_HINT_SHARE` of the start
+        deadline (``max_retry_after``; 2 s of 5 s): a longer hint fails the call at once,
+        while the user still waits and the application can degrade. Backoffs without a
+        hint (a connection error, a 503 without Retry-After) stay short (``max_delay`` 2 s)
+        and within the start deadline (their jitter trimmed to fit). No last chance past
+        the start deadline. Any other field may be given too.
         """
         values: dict[str, Any] = {
             "deadline": max(INTERACTIVE_DEADLINE, start_deadline),
             "start_deadline": start_deadline,
-            "last_chance": 0.5,
+            "max_retry_after": INTERACTIVE_HINT_SHARE * start_deadline,
             "base_delay": 0.25,
             "max_delay": 2.0,
         }

@@ -16,7 +16,12 @@ import pytest
 import llm_backoff
 from llm_backoff.attempts import GiveUp, Retry, RetryState
 from llm_backoff.classify import Verdict
-from llm_backoff.policy import BATCH_DEADLINE, INTERACTIVE_START_DEADLINE, default_policy
+from llm_backoff.policy import (
+    BATCH_DEADLINE,
+    INTERACTIVE_HINT_SHARE,
+    INTERACTIVE_START_DEADLINE,
+    default_policy,
+)
 from llm_backoff.transport import RetryEngine
 from llm_backoff.wrap import _engine_of
 
@@ -41,7 +46,9 @@ def test_the_interactive_preset_has_a_start_deadline_and_the_batch_preset_patien
     fast = llm_backoff.RetryPolicy.interactive()
     assert fast.start_deadline == INTERACTIVE_START_DEADLINE == 5.0
     assert fast.deadline == 60.0
-    assert fast.last_chance == 0.5
+    assert fast.last_chance == 0.0
+    assert fast.max_retry_after == INTERACTIVE_HINT_SHARE * 5.0 == 2.0
+    assert llm_backoff.RetryPolicy.interactive(start_deadline=10).max_retry_after == 4.0
     slow = llm_backoff.RetryPolicy.batch()
     assert slow.start_deadline is None
     assert slow.deadline == BATCH_DEADLINE == 600.0
@@ -82,29 +89,31 @@ def test_wrap_without_a_policy_picks_the_preset_of_its_class() -> None:
 
 def test_a_hint_that_fits_is_kept_when_only_its_jitter_would_pass_the_start_deadline() -> None:
     now = [0.0]
-    calls = state(llm_backoff.RetryPolicy.interactive(), now)
+    calls = state(llm_backoff.RetryPolicy(deadline=60, start_deadline=5), now)
     # hint 4.3 s plus 20 % jitter would begin at 5.16 s, past the 5 s start deadline
     decision = calls.decide(BUSY, attempt_started=0.0, status=429, hint=4.3)
     assert decision == Retry(4.5, "status 429")  # at the latest useful moment: 10 % before it
     # a hint that itself ends past that moment fails, unless the policy grants a last chance
     strict = state(llm_backoff.RetryPolicy(deadline=60, start_deadline=5), now)
     assert isinstance(strict.decide(BUSY, attempt_started=0.0, status=429, hint=4.6), GiveUp)
+    lenient = state(llm_backoff.RetryPolicy(deadline=60, start_deadline=5, last_chance=0.5), now)
+    assert lenient.decide(BUSY, attempt_started=0.0, status=429, hint=6.0) == Retry(4.5, "status 429")
 
 
-def test_a_hint_just_past_the_start_deadline_gets_one_last_chance_then_fails() -> None:
+def test_the_interactive_preset_fails_at_once_on_a_hint_longer_than_its_share_of_the_budget() -> None:
     now = [0.0]
     calls = state(llm_backoff.RetryPolicy.interactive(), now)
-    first = calls.decide(BUSY, attempt_started=0.0, status=429, hint=6.0)
-    assert first == Retry(4.5, "status 429")
-    now[0] = 4.5
-    second = calls.decide(BUSY, attempt_started=4.5, status=429, hint=2.0)
-    assert isinstance(second, GiveUp)
-    assert "start deadline" in second.reason
+    decision = calls.decide(BUSY, attempt_started=0.0, status=429, hint=2.5)  # fits 5 s, but > 2 s
+    assert isinstance(decision, GiveUp)
+    assert "above max_retry_after (2 s)" in decision.reason
+    assert calls.history[-1].wait is None  # no wait was taken: the call ends now
+    waits = state(llm_backoff.RetryPolicy.interactive(), now)
+    assert isinstance(waits.decide(BUSY, attempt_started=0.0, status=429, hint=2.0), Retry)
 
 
 def test_the_last_chance_is_taken_once_per_call() -> None:
     now = [0.0]
-    calls = state(llm_backoff.RetryPolicy.interactive(start_deadline=10), now)
+    calls = state(llm_backoff.RetryPolicy(deadline=60, start_deadline=10, last_chance=0.5), now)
     assert calls.decide(BUSY, attempt_started=0.0, status=429, hint=12.0) == Retry(9.0, "status 429")
     now[0] = 1.0  # an early answer (a connection error, say), then another long hint
     assert isinstance(calls.decide(BUSY, attempt_started=1.0, status=429, hint=12.0), GiveUp)
@@ -112,7 +121,7 @@ def test_the_last_chance_is_taken_once_per_call() -> None:
 
 def test_a_hint_far_past_the_start_deadline_fails_at_once() -> None:
     now = [0.0]
-    calls = state(llm_backoff.RetryPolicy.interactive(), now)
+    calls = state(llm_backoff.RetryPolicy(deadline=60, start_deadline=5, last_chance=0.5), now)
     decision = calls.decide(BUSY, attempt_started=0.0, status=429, hint=7.6)  # > 5 s * 1.5
     assert isinstance(decision, GiveUp)
     assert "would pass the 5 s start deadline" in decision.reason
@@ -139,27 +148,29 @@ def test_a_batch_caller_waits_out_a_long_hint() -> None:
 # -- through the transport, on a fake clock ------------------------------------------------------
 
 
-def test_an_interactive_engine_without_a_policy_tries_its_last_chance_with_the_budget_left(
+def test_an_interactive_engine_without_a_policy_waits_a_short_hint_and_fails_at_once_on_a_long_one(
     lib: ModuleType, fake_time: Any
 ) -> None:
     from llm_backoff import transport
 
     budgets: list[str] = []
     classes: list[str] = []
+    hints = ["1", "3"]
 
     def server(request: Any) -> Any:
         budgets.append(request.headers["x-request-timeout-ms"])
         classes.append(request.headers["x-request-class"])
-        if len(budgets) == 1:
-            return lib.Response(429, headers={"retry-after": "6"}, json={"error": {"message": "busy"}})
-        return lib.Response(200, json={"ok": True})
+        hint = hints[len(budgets) - 1]
+        return lib.Response(429, headers={"retry-after": hint}, json={"error": {"message": "busy"}})
 
     sync_cls = transport.Httpx2RetryTransport if lib.__name__ == "httpx2" else transport.HttpxRetryTransport
     engine = RetryEngine(request_class="interactive", **fake_time.engine_options())
     assert engine.policy == llm_backoff.RetryPolicy.interactive()
     with lib.Client(transport=sync_cls(lib.MockTransport(server), engine=engine), timeout=60) as client:
         response = client.post("http://engine/v1/chat/completions", json={"model": "m"})
-    assert response.status_code == 200
-    assert fake_time.sleeps == [4.5]
-    assert budgets == ["5000", "500"]  # the last attempt tells the server what is left of the 5 s
+    assert response.status_code == 429  # the 3 s hint is past 2 s of the 5 s budget: no second wait
+    assert len(fake_time.sleeps) == 1
+    assert 1.0 <= fake_time.sleeps[0] <= 1.2  # the 1 s hint and its jitter
+    assert budgets[0] == "5000"
+    assert 3700 <= int(budgets[1]) <= 4000  # the retry tells the server what is left of the 5 s
     assert classes == ["interactive", "interactive"]

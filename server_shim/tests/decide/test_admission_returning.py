@@ -200,21 +200,20 @@ def test_a_fresh_arrival_counts_the_returns_already_promised(make: MakeControlle
     assert ticket(c.submit(back())).state is TicketState.QUEUED
 
 
-def test_a_fresh_arrival_yields_to_the_returns_promised_to_a_lower_class(make: MakeController) -> None:
-    # A promise is a slot kept on the one engine: 4 batch callers told to come back at
-    # 2..5 s keep those slots from a fresh interactive arrival too. Queued into them, it
-    # would go ahead of the batch callers on their return and push them past their budget.
+def test_a_fresh_arrival_does_not_yield_to_a_lower_class_promise(make: MakeController) -> None:
+    # 4 batch callers told to come back at 2..5 s hold no slot against a fresh interactive
+    # arrival: it is queued behind the queue alone (2 s), as if nothing had been promised.
     c, clock = make(limit=1, max_queue=8, max_wait=3.5, returning_share=0.0)
     measure(c, clock, 1.0)
     ticket(c.submit(fresh()))
     ticket(c.submit(fresh()))  # queued: served in 1 s
     hints = [promise(c, "batch") for _ in range(4)]
     assert hints == pytest.approx([2.0, 3.0, 4.0, 5.0])
-    refused = rejection(c.submit(fresh()))
+    assert ticket(c.submit(fresh())).state is TicketState.QUEUED
+    # A fresh batch arrival still yields to them: its own class's promises keep their slots.
+    refused = rejection(c.submit(fresh("batch")))
+    assert refused.code == "queue_full"
     assert "exceeds the 3.5 s limit" in refused.message
-    assert refused.retry_after == pytest.approx(6.0)  # the next slot on the one timeline
-    # A returning interactive caller still goes ahead of the batch ones (a higher class).
-    assert ticket(c.submit(back())).state is TicketState.QUEUED
 
 
 def test_a_caller_whose_slot_is_beyond_its_budget_is_told_its_budget(make: MakeController) -> None:

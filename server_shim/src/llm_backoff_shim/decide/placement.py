@@ -24,10 +24,11 @@ Refused at arrival, once a completion was measured (never on the cold-start prio
   ``queue_timeout``: the queue is full measured in time, and the caller's own budget played no
   part.
 
-A fresh arrival's expected wait counts the callers of every class already promised a return
-before it would be served: a promise is a slot kept for that caller (the estimator paces the
-promises of all classes on one timeline at the drain rate), so a fresh arrival is queued only
-into the slots nobody was promised.
+A fresh arrival's expected wait counts the callers of its own class and the classes above it
+already promised a return before it would be served: a promise is a slot kept for that caller
+(the estimator paces the promises of all classes on one timeline at the drain rate), so a fresh
+arrival is queued only into the slots nobody of its class or above was promised; a lower class's
+promise yields to it (that caller is told again on its return).
 
 The recheck (:meth:`Placement.overtaken`) is the safety net for estimator error (service times
 vary; the estimate moves): it re-estimates every queued request from its place and names those
@@ -108,12 +109,14 @@ class Placement:
             return None  # the wait estimate would rest on the prior alone
         cls, budget = ticket.cls, ticket.request.budget
         # Returns promised before it would be served go ahead of a returning caller of a lower
-        # class: each takes a slot first. A fresh arrival yields to every promise, whatever
-        # its class: a promise is a slot kept for the caller on the one engine (the estimator's
-        # single timeline); a fresh interactive arrival queued into a slot promised to a batch
-        # caller pushes that caller's return past its budget (measured: docs/benchmarks.md,
-        # 'a hint is a reservation').
-        promised_by = self._queues.above(cls) if ticket.returning else self._queues.classes
+        # class: each takes a slot first. A fresh arrival yields to the promises of its own
+        # class and those above it: a promise is a slot kept for the caller on the one engine
+        # (the estimator's single timeline), but a lower class's promise does not hold a slot
+        # against a higher class. A batch caller, patient by its budget, is told again when
+        # its slot was taken; an interactive caller refused for it fails (measured:
+        # docs/benchmarks.md, 'fresh arrivals yield only to their class's promises').
+        above = self._queues.above(cls)
+        promised_by = above if ticket.returning else (*above, cls)
         expected = self._waits.at(cls, ahead, in_class, promised_by)
         if budget is not None:
             need = self._estimator.expected_service(ticket.request.stream)
