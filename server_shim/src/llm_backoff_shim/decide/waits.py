@@ -71,7 +71,7 @@ class QueueWaits:
         others, the recheck). Each class's slot times are built once per walk, not once per
         queued request: a walk asks for every queued request, on every newcomer placed ahead of
         others and every recheck (about 170 us a refusal under 2x overload, most of it here;
-        docs/benchmarks.md, 'the overload scenarios in virtual time').
+        docs/history/benchmarks-diary.md, 'the overload scenarios in virtual time').
 
         ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
         no memory of how long the requests in flight have run, so for a request that has
