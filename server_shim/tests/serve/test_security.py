@@ -510,3 +510,28 @@ def test_hop_by_hop_fields_of_the_upstream_response_are_dropped() -> None:
     assert response.headers.get("connection") in (None, "keep-alive")
     assert response.headers["x-end-to-end"] == "kept"
     assert response.headers["via"] == "1.1 llm-backoff-shim"
+
+
+def test_serve_refuses_a_taken_metrics_port_with_a_clear_error(upstream: Any) -> None:
+    with free_socket() as a, free_socket() as taken:
+        port, metrics_port = a.getsockname()[1], taken.getsockname()[1]
+        a.close()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llm_backoff_shim.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--upstream",
+                upstream.url,
+                "--metrics-port",
+                str(metrics_port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"cannot serve metrics on 127.0.0.1:{metrics_port}" in result.stderr
