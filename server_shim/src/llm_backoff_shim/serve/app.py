@@ -3,14 +3,16 @@
 ``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` here and
 nowhere below: every piece is handed plain values and the pieces built before it.
 
+0. what the settings derive (the API keys file, vLLM's priorities), and the upstream
+   client, which depends on nothing built here;
 1. decide/ (pure): the concurrency limit, the drain estimator, the class policies and
-   their shares, the admission controller (:func:`build_controller`), the SLO tracker
+   their shares, the admission controller (:func:`build_decisions`), the SLO tracker
    (a gate on the controller, a hold on the scheduler), the tenant directory;
-2. the edge: waiting (:class:`~llm_backoff_shim.serve.waiting.AsyncAdmission`), the
-   upstream client, the filters (engine watch, tenant quotas, the request hooks) as one
-   :class:`~llm_backoff_shim.serve.traffic_policy.TrafficPolicy`, metrics, the access
-   log, the proxy, the ASGI app (shim_app.py) and, with ``--metrics-port``, the
-   operations listener (ops_server.py); the app's lifespan opens and closes them.
+2. the edge, handed those: waiting (:class:`~llm_backoff_shim.serve.waiting.AsyncAdmission`),
+   the filters (engine watch, tenant quotas, the request hooks) as one
+   :class:`~llm_backoff_shim.serve.traffic_policy.TrafficPolicy`, metrics, with
+   ``--metrics-port`` the operations listener (ops_server.py), the access log, the
+   proxy and the ASGI app (shim_app.py); the app's lifespan opens and closes them.
 
 Tests and the demo read live state in-process with :func:`shim_state`.
 """
@@ -119,12 +121,12 @@ def build_controller(
 
 def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
     """The shim for ``settings``: decide pieces first, then the edge handed them (module docstring)."""
-    # What the settings derive (the keys file, vLLM's priorities), read once.
+    # What the settings derive (the API keys file, vLLM's priorities), read once.
     api_keys = settings.api_keys()
     vllm_priority = settings.vllm_priority() if settings.forward_priority else None
     tenant_rates = (settings.tenant_requests_per_minute, settings.tenant_tokens_per_minute)
     limited_by_flags = any(rate is not None and math.isfinite(rate) for rate in tenant_rates)
-    # The upstream client depends on nothing built here (its URL is checked as it is made).
+    # The upstream client depends on nothing built here (its URL is parsed as it is made).
     upstream = UpstreamClient(
         settings.upstream_base,
         connect_timeout=settings.upstream_connect_timeout,
