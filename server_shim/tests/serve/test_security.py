@@ -12,6 +12,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -428,6 +429,25 @@ def test_the_operations_listener_keeps_the_head_limits_and_stops_with_the_app(up
     # The app's lifespan closed it with the proxy's listener.
     with pytest.raises(httpx.ConnectError):
         http.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_the_operations_listener_answers_only_while_the_proxys_loop_runs(upstream: Any) -> None:
+    """It is served by the proxy's own event loop: a stuck loop fails its health probe."""
+    with free_socket() as probe:
+        port = probe.getsockname()[1]
+    app = create_app(ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning"))
+    health = f"http://127.0.0.1:{port}/health"
+    with shim_server(app) as shim:
+        assert httpx.get(health, timeout=10).status_code == 200
+        assert shim.loop is not None
+        release = threading.Event()
+        shim.loop.call_soon_threadsafe(release.wait)  # the loop stops here until released
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.get(health, timeout=0.5)  # cannot be answered while the loop is stopped
+        finally:
+            release.set()
+        assert httpx.get(health, timeout=10).status_code == 200
 
 
 def test_serve_binds_metrics_to_metrics_host(upstream: Any) -> None:

@@ -14,7 +14,6 @@ tests and the demo read live state in-process with :func:`shim_state`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +33,6 @@ from llm_backoff_shim.serve.routes import ROUTES
 from llm_backoff_shim.serve.traffic_policy import TrafficPolicy
 from llm_backoff_shim.serve.upstream import UpstreamClient
 from llm_backoff_shim.serve.waiting import AsyncAdmission
-
-Handler = Callable[[Request], Any]
 
 
 @dataclass(frozen=True)
