@@ -12,6 +12,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,7 +26,6 @@ import pytest
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.auth import ApiKeys, KeysFileError, bearer_token, key_id, read_keys_file
 from llm_backoff_shim.serve.config import ConfigError, ShimSettings, load_settings
-from llm_backoff_shim.serve.ops_server import OpsServer
 from llm_backoff_shim.serve.serving import ServerThread, free_socket, shim_server
 
 CHAT = "/v1/chat/completions"
@@ -392,29 +392,62 @@ def test_metrics_and_health_can_live_on_another_interface(upstream: Any) -> None
         upstream=upstream.url, metrics_port=port, metrics_host="127.0.0.2", log_level="warning"
     )
     app = create_app(settings)
-    ops = OpsServer(shim_state(app), "127.0.0.2", port).start()
-    try:
-        with shim_server(app) as shim:
-            assert http.get(shim.url + "/metrics").status_code == 404
-            assert http.get(shim.url + "/shim/state").status_code == 404
-            assert http.get(shim.url + "/health").status_code == 200
-            assert http.post(shim.url + CHAT, json=GOOD).status_code == 200
-            text = http.get(f"http://127.0.0.2:{port}/metrics").text
-            assert (
-                'llm_backoff_shim_requests_total{class="interactive",code="",outcome="completed"} 1.0' in text
-            )
-            assert http.get(f"http://127.0.0.2:{port}/health").json() == {"status": "ok"}
-            state = http.get(f"http://127.0.0.2:{port}/shim/state").json()
-            assert state["classes"]["interactive"] == {"in_flight": 0, "queued": 0}
-            # The same document as on the main listener.
-            assert set(state) == {"limit", "service_time_s", "overtaken", "classes"}
-            assert state["overtaken"] == 0
-            assert http.get(f"http://127.0.0.2:{port}/v1/models").status_code == 404
-            assert http.post(f"http://127.0.0.2:{port}/metrics").status_code == 405
-            with pytest.raises(httpx.ConnectError):
-                http.get(f"http://127.0.0.1:{port}/metrics")  # not on the proxy's interface
-    finally:
-        ops.stop()
+    with shim_server(app) as shim:
+        assert http.get(shim.url + "/metrics").status_code == 404
+        assert http.get(shim.url + "/shim/state").status_code == 404
+        assert http.get(shim.url + "/health").status_code == 200
+        assert http.post(shim.url + CHAT, json=GOOD).status_code == 200
+        text = http.get(f"http://127.0.0.2:{port}/metrics").text
+        assert 'llm_backoff_shim_requests_total{class="interactive",code="",outcome="completed"} 1.0' in text
+        assert http.get(f"http://127.0.0.2:{port}/health").json() == {"status": "ok"}
+        state = http.get(f"http://127.0.0.2:{port}/shim/state").json()
+        assert state["classes"]["interactive"] == {"in_flight": 0, "queued": 0}
+        # The same document as on the main listener.
+        assert set(state) == {"limit", "service_time_s", "overtaken", "classes"}
+        assert state["overtaken"] == 0
+        assert http.get(f"http://127.0.0.2:{port}/v1/models").status_code == 404
+        assert http.post(f"http://127.0.0.2:{port}/metrics").status_code == 405
+        with pytest.raises(httpx.ConnectError):
+            http.get(f"http://127.0.0.1:{port}/metrics")  # not on the proxy's interface
+
+
+def test_the_operations_listener_keeps_the_head_limits_and_stops_with_the_app(upstream: Any) -> None:
+    with free_socket() as probe:
+        port = probe.getsockname()[1]
+    settings = ShimSettings(
+        upstream=upstream.url, metrics_port=port, max_header_bytes=2048, log_level="warning"
+    )
+    app = create_app(settings)
+    with shim_server(app) as shim:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: ops\r\nx-pad: " + b"a" * 4000)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 431 ")
+            assert sock.recv(65536) == b""  # closed
+        metrics = http.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'llm_backoff_shim_bad_requests_total{reason="headers_too_large"} 1.0' in metrics
+        assert http.get(shim.url + "/health").status_code == 200
+    # The app's lifespan closed it with the proxy's listener.
+    with pytest.raises(httpx.ConnectError):
+        http.get(f"http://127.0.0.1:{port}/health")
+
+
+def test_the_operations_listener_answers_only_while_the_proxys_loop_runs(upstream: Any) -> None:
+    """It is served by the proxy's own event loop: a stuck loop fails its health probe."""
+    with free_socket() as probe:
+        port = probe.getsockname()[1]
+    app = create_app(ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning"))
+    health = f"http://127.0.0.1:{port}/health"
+    with shim_server(app) as shim:
+        assert httpx.get(health, timeout=10).status_code == 200
+        assert shim.loop is not None
+        release = threading.Event()
+        shim.loop.call_soon_threadsafe(release.wait)  # the loop stops here until released
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.get(health, timeout=0.5)  # cannot be answered while the loop is stopped
+        finally:
+            release.set()
+        assert httpx.get(health, timeout=10).status_code == 200
 
 
 def test_serve_binds_metrics_to_metrics_host(upstream: Any) -> None:
@@ -497,3 +530,28 @@ def test_hop_by_hop_fields_of_the_upstream_response_are_dropped() -> None:
     assert response.headers.get("connection") in (None, "keep-alive")
     assert response.headers["x-end-to-end"] == "kept"
     assert response.headers["via"] == "1.1 llm-backoff-shim"
+
+
+def test_serve_refuses_a_taken_metrics_port_with_a_clear_error(upstream: Any) -> None:
+    with free_socket() as a, free_socket() as taken:
+        port, metrics_port = a.getsockname()[1], taken.getsockname()[1]
+        a.close()
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llm_backoff_shim.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--upstream",
+                upstream.url,
+                "--metrics-port",
+                str(metrics_port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"cannot serve metrics on 127.0.0.1:{metrics_port}" in result.stderr

@@ -11,13 +11,25 @@ fine for limits of seconds meant to cut off clients that stall.
 
 All timeouts of one instance have the same delay, so insertion order is deadline
 order and a tick only looks at the ones that are due.
+
+:class:`MoveOnAfter` is the same timeout as a time limit on a block of asyncio code:
+``with MoveOnAfter(timers) as limit: ...`` cancels the current task if the block is
+still running after ``timers.delay``, absorbs that cancellation at the end of the block
+and sets ``limit.expired``; a cancellation from anywhere else passes through. Why not
+``anyio.move_on_after``: the shim runs one per request, and anyio's cancel scope
+(backend lookup, task-state bookkeeping, level-triggered re-cancellation) cost about 5
+times an ``asyncio`` timer handle (bench/bench_proxy.py). Why not ``asyncio.timeout``:
+Python 3.11+ only, and the shim supports 3.10.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from collections.abc import Callable
+from types import TracebackType
+from typing import Any
 
 
 class CoarseTimers:
@@ -71,3 +83,49 @@ class CoarseTimers:
             self._tick_handle = loop.call_later(self.resolution, self._tick)
         for callback in due:
             callback()
+
+
+class MoveOnAfter:
+    """A one-shot time limit on the ``with`` block, in the current asyncio task, kept on
+    ``timers`` (their delay; None: no limit)."""
+
+    __slots__ = ("_key", "_task", "_timers", "expired")
+
+    def __init__(self, timers: CoarseTimers | None, task: asyncio.Task[Any] | None = None) -> None:
+        self._timers = timers
+        self._key: int | None = None
+        # The caller may know its task already: finding it costs a getpid() syscall on
+        # Python 3.11 (asyncio's fork check), a few microseconds per request here.
+        self._task: asyncio.Task[Any] | None = task
+        self.expired = False
+
+    def __enter__(self) -> MoveOnAfter:
+        if self._timers is not None:
+            task = self._task or asyncio.current_task()
+            if task is None:
+                raise RuntimeError("MoveOnAfter needs a running asyncio task")
+            self._task = task
+            self._key = self._timers.add(self._expire, task.get_loop())
+        return self
+
+    def _expire(self) -> None:
+        self.expired = True
+        assert self._task is not None
+        self._task.cancel()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if self._key is not None:
+            assert self._timers is not None
+            self._timers.discard(self._key)
+        if not self.expired or self._task is None:
+            return False
+        # Ours fired: absorb its cancellation unless another one is pending too.
+        return exc_type is asyncio.CancelledError and not _other_cancel_pending(self._task)
+
+
+def _other_cancel_pending(task: asyncio.Task[Any]) -> bool:
+    if sys.version_info >= (3, 11):
+        return task.uncancel() > 0
+    return False  # 3.10 cannot tell; a shutdown cancel in the same instant is absorbed

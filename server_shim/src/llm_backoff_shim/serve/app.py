@@ -1,12 +1,18 @@
-"""Assembles the shim: settings -> admission, estimator, metrics, upstream client, routes.
+"""The composition root: the validated settings in, the whole shim out, built top-down.
 
-``create_app(settings)`` returns a Starlette app whose lifespan opens and closes the
-upstream session. Routes: ``GET /health`` (the shim is up), ``GET /ready`` (the
-upstream answers its ready path), ``GET /metrics`` (Prometheus text),
-``GET /shim/state`` (live in-flight/queued per class, JSON, for the demo and
-operators); every other path goes to the proxy, which serves the engine's routes as the
-route table (routes.py) says and answers the rest with an OpenAI-format 404. The shim's own
-four routes win over the engine's of the same name.
+``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` here and
+nowhere below: every piece is handed plain values and the pieces built before it.
+
+0. what the settings derive (the API keys file, vLLM's priorities), and the upstream
+   client, which depends on nothing built here;
+1. decide/ (pure): the concurrency limit, the drain estimator, the class policies and
+   their shares, the admission controller (:func:`build_decisions`), the SLO tracker
+   (a gate on the controller, a hold on the scheduler), the tenant directory;
+2. the edge, handed those: waiting (:class:`~llm_backoff_shim.serve.waiting.AsyncAdmission`),
+   the filters (engine watch, tenant quotas, the request hooks) as one
+   :class:`~llm_backoff_shim.serve.traffic_policy.TrafficPolicy`, metrics, with
+   ``--metrics-port`` the operations listener (ops_server.py), the access log, the
+   proxy and the ASGI app (shim_app.py); the app's lifespan opens and closes them.
 
 Tests and the demo read live state in-process with :func:`shim_state`.
 """
@@ -18,27 +24,37 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
+from llm_backoff_shim.decide.adaptive_limit import GradientConfig, GradientLimit
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
+from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
+from llm_backoff_shim.decide.tenants import TenantDirectory, load_tenants_file
 from llm_backoff_shim.serve.access_log import AccessLog
 from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
 from llm_backoff_shim.serve.headers import Forwarding
-from llm_backoff_shim.serve.metrics import CONTENT_TYPE, ShimMetrics
+from llm_backoff_shim.serve.metrics import ShimMetrics
+from llm_backoff_shim.serve.ops_server import OpsListener
 from llm_backoff_shim.serve.proxy import Proxy
-from llm_backoff_shim.serve.rejection import client_error
-from llm_backoff_shim.serve.routes import ROUTES, RouteTable
-from llm_backoff_shim.serve.traffic_policy import TrafficPolicy, build_traffic_policy, concurrency_limit
+from llm_backoff_shim.serve.quota import TenantQuotas
+from llm_backoff_shim.serve.request_hooks import RequestHooks, ShimPolicies
+from llm_backoff_shim.serve.routes import RouteTable
+from llm_backoff_shim.serve.shim_app import (
+    ClassState,
+    ShimRuntime,
+    health,
+    operator_routes,
+    shim_app,
+    shim_state,
+)
+from llm_backoff_shim.serve.traffic_policy import TrafficPolicy
 from llm_backoff_shim.serve.upstream import UpstreamClient
 from llm_backoff_shim.serve.waiting import AsyncAdmission
 
@@ -46,44 +62,25 @@ Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
-class ClassState:
-    in_flight: int
-    queued: int
+class Decisions:
+    """The decide/ pieces the edge is handed: the concurrency limit and the controller over it."""
 
-
-@dataclass
-class ShimRuntime:
-    """Everything one shim app owns; reachable as ``app.state.shim``."""
-
-    settings: ShimSettings
+    limit: ConcurrencyLimit
     controller: AdmissionController
-    admission: AsyncAdmission
-    metrics: ShimMetrics
-    upstream: UpstreamClient
-    proxy: Proxy
-    policy: TrafficPolicy | None = None
-
-    def snapshot(self) -> dict[str, ClassState]:
-        c = self.controller
-        return {cls: ClassState(in_flight=c.in_flight(cls), queued=c.queued(cls)) for cls in c.classes}
-
-    def state_document(self) -> dict[str, Any]:
-        """``GET /shim/state``, on whichever listener serves it."""
-        c = self.controller
-        return {
-            "limit": c.limit,
-            "service_time_s": c.estimator.service_time,
-            # Queued requests turned away after the estimate moved (admission's safety net).
-            "overtaken": c.overtaken_total,
-            "classes": {
-                cls: {"in_flight": s.in_flight, "queued": s.queued} for cls, s in self.snapshot().items()
-            },
-        }
 
 
-def build_controller(
-    settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None
-) -> AdmissionController:
+def build_decisions(settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None) -> Decisions:
+    """The concurrency limit (``limit`` if given) and the admission controller, without the SLO
+    gate (:func:`create_app` adds it)."""
+    class_limits = settings.class_limits()
+    if limit is None:
+        limit = (
+            GradientLimit(
+                GradientConfig(min_limit=settings.min_concurrency, max_limit=settings.max_concurrency), clock
+            )
+            if settings.adaptive_concurrency
+            else FixedLimit(settings.max_concurrency)
+        )
     estimator = DrainEstimator(
         EstimatorConfig(
             retry_after_min=settings.retry_after_min,
@@ -99,11 +96,11 @@ def build_controller(
             # A request queued for its whole time-to-first-token budget has missed it already.
             max_queue_wait=min(limits.max_queue_wait, settings.ttft_slo.get(name, math.inf)),
         )
-        for name, limits in settings.class_limits().items()
+        for name, limits in class_limits.items()
     ]
-    return AdmissionController(
+    controller = AdmissionController(
         policies,
-        limit=limit if limit is not None else concurrency_limit(settings, clock),
+        limit=limit,
         estimator=estimator,
         clock=clock,
         max_queue_total=settings.max_queue,
@@ -112,12 +109,25 @@ def build_controller(
         returning_first=settings.returning_first,
         returning_share=settings.returning_share,
     )
+    return Decisions(limit, controller)
+
+
+def build_controller(
+    settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None
+) -> AdmissionController:
+    """The admission controller the shim serves with, for the lab's overload model and the
+    property tests (:func:`build_decisions`)."""
+    return build_decisions(settings, clock, limit).controller
 
 
 def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
-    limit = concurrency_limit(settings, clock)
-    controller = build_controller(settings, clock, limit)
-    admission = AsyncAdmission(controller, clock)
+    """The shim for ``settings``: decide pieces first, then the edge handed them (module docstring)."""
+    # What the settings derive (the API keys file, vLLM's priorities), read once.
+    api_keys = settings.api_keys()
+    vllm_priority = settings.vllm_priority() if settings.forward_priority else None
+    tenant_rates = (settings.tenant_requests_per_minute, settings.tenant_tokens_per_minute)
+    limited_by_flags = any(rate is not None and math.isfinite(rate) for rate in tenant_rates)
+    # The upstream client depends on nothing built here (its URL is parsed as it is made).
     upstream = UpstreamClient(
         settings.upstream_base,
         connect_timeout=settings.upstream_connect_timeout,
@@ -125,109 +135,124 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         keepalive=settings.upstream_keepalive,
         stream_read_timeout=settings.upstream_stream_read_timeout,
     )
-    policy = build_traffic_policy(settings, controller, admission, upstream, clock, limit=limit)
+
+    # -- decide/: pure pieces from plain values --------------------------------------------
+    decisions = build_decisions(settings, clock)
+    limit, controller = decisions.limit, decisions.controller
+    scheduler = controller.scheduler
+    slo = None
+    if settings.ttft_slo:
+        slo = SloTracker(
+            SloConfig(
+                budgets=settings.ttft_slo,
+                yellow_fraction=settings.slo_yellow_fraction,
+                trend_window=settings.slo_trend_window,
+            ),
+            controller,
+            clock,
+        )
+        controller.gates.append(SloGate(slo))
+        if isinstance(scheduler, SharedSlots):
+            scheduler.add_hold(slo.holds)
+    tenants_file = None
+    if settings.tenants_file is not None:
+        tenants_file = load_tenants_file(settings.tenants_file, settings.classes)
+    directory = None
+    if tenants_file is not None or settings.tenant_header is not None or limited_by_flags:
+        directory = TenantDirectory(
+            tenants_file,
+            header=settings.tenant_header,
+            requests_per_minute=settings.tenant_requests_per_minute,
+            tokens_per_minute=settings.tenant_tokens_per_minute,
+        )
+
+    # -- the edge, handed the pieces above -------------------------------------------------
+    admission = AsyncAdmission(controller, clock)
+    policy = TrafficPolicy(limit=limit, hooks=RequestHooks(), slo=slo, admission=admission)
+    if settings.engine_metrics:
+        policy.detector = SaturationDetector(
+            SaturationConfig(
+                max_waiting=settings.engine_max_waiting,
+                max_kv_cache=settings.engine_max_kv_cache,
+                stale_after=settings.engine_stale_after,
+            ),
+            clock,
+            in_flight=controller.in_flight,
+        )
+        policy.watch = EngineWatch(
+            policy.detector,
+            url=settings.upstream_base + settings.engine_metrics_path,
+            session=lambda: upstream.session,
+            interval=settings.engine_poll_interval,
+            on_change=admission.reschedule,
+        )
+    if directory is not None and directory.limited:
+        policy.quotas = TenantQuotas(clock=clock, redis_url=settings.redis_url)
+    if directory is not None or slo is not None or vllm_priority is not None:
+        policy.hooks = ShimPolicies(
+            controller, directory=directory, quotas=policy.quotas, slo=slo, vllm_priority=vllm_priority
+        )
     metrics = ShimMetrics(controller, slo_state=policy.slo_state)
     metrics.registry.register(policy.collector())
+    ops = None
+    if settings.metrics_port is not None:
+        ops = OpsListener(
+            [Route("/health", health, methods=["GET"]), *operator_routes(metrics, controller)],
+            settings.metrics_host or settings.host,
+            settings.metrics_port,
+            head_timeout=settings.header_read_timeout,
+            max_head_bytes=settings.max_header_bytes,
+            on_event=metrics.bad_request,
+        )
+    access_log = AccessLog(settings.log_format, clock=clock) if settings.access_log else None
+    routes = RouteTable(settings.allow_operator_route)
+    forwarding = Forwarding(settings.trusted_proxies)
     proxy = Proxy(
         upstream=upstream,
         admission=admission,
         metrics=metrics,
         reject_status=settings.reject_status,
         clock=clock,
-        api_keys=settings.api_keys(),
+        api_keys=api_keys,
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_read_timeout,
         hooks=policy.hooks,
         on_first_byte=policy.on_first_byte,
-        access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
-        routes=RouteTable(settings.allow_operator_route),
-        forwarding=Forwarding(settings.trusted_proxies),
+        access_log=access_log,
+        routes=routes,
+        forwarding=forwarding,
     )
-    runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy)
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def ready(request: Request) -> Response:
-        ok, reason = await upstream.ready(settings.ready_path)
-        return JSONResponse(
-            {"status": "ready" if ok else "unavailable", "detail": reason}, 200 if ok else 503
-        )
-
-    async def metrics_endpoint(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    async def state(request: Request) -> Response:
-        return JSONResponse(runtime.state_document())
-
-    async def not_found(request: Request, exc: Exception) -> Response:
-        # Paths no route pattern can match (a decoded CR/LF) reach Starlette's own plain 404.
-        metrics.bad_request("bad_path")
-        answer = client_error("no such path: the shim serves the engine's API (docs/shim.md)", status=404)
-        return Response(answer.body, status_code=404, media_type="application/json")
+    runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await upstream.open()
         policy.start()
+        if ops is not None:
+            await ops.start()
         try:
             yield
         finally:
+            if ops is not None:
+                await ops.stop()
             await policy.stop()
             await upstream.close()
 
-    app = _ShimApp(
-        proxy,
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/ready", ready, methods=["GET"]),
-            # With --metrics-port these two live only on the separate listener (see ops_server).
-            *(
-                [
-                    Route("/metrics", metrics_endpoint, methods=["GET"]),
-                    Route("/shim/state", state, methods=["GET"]),
-                ]
-                if settings.metrics_port is None
-                else []
-            ),
-            # Proxy is a class instance, so Starlette hands it the raw ASGI call (all methods).
-            Route("/{path:path}", proxy),
-        ],
-        lifespan=lifespan,
-        exception_handlers={404: not_found},
+    app = shim_app(
+        runtime, ready_path=settings.ready_path, operator_routes_here=ops is None, lifespan=lifespan
     )
-    app.state.shim = runtime
+    # Last, the engine watch's hold on the scheduler: lower classes wait while the engine is saturated.
+    if policy.detector is not None and isinstance(scheduler, SharedSlots):
+        scheduler.add_hold(policy.detector.hold)
     return app
 
 
-#: Route-table paths outside ``/v1/`` that go straight to the proxy (none is one of the shim's own).
-_DIRECT: frozenset[str] = frozenset(r.path for r in ROUTES if not r.path.startswith("/v1/"))
-
-
-class _ShimApp(Starlette):
-    """Starlette for the control routes; the engine's routes go straight to the proxy.
-
-    The proxy answers its own errors, so on the relay path Starlette's router and
-    middleware (error and exception wrappers around every ``send``) would only cost
-    CPU (bench/bench_proxy.py). A path with a newline still goes through Starlette,
-    where no route matches it.
-    """
-
-    def __init__(self, proxy: Proxy, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._proxy = proxy
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            if (path.startswith("/v1/") and "\n" not in path) or path in _DIRECT:
-                await self._proxy(scope, receive, send)
-                return
-        await super().__call__(scope, receive, send)
-
-
-def shim_state(app: Starlette) -> ShimRuntime:
-    """The live runtime of an app made by :func:`create_app`."""
-    runtime = app.state.shim
-    assert isinstance(runtime, ShimRuntime)
-    return runtime
+__all__ = [
+    "ClassState",
+    "Decisions",
+    "ShimRuntime",
+    "build_controller",
+    "build_decisions",
+    "create_app",
+    "shim_state",
+]

@@ -5,8 +5,8 @@ and must not be duplicated), on uvloop when installed, on the serving path the
 settings ask for (``--http-path``; :mod:`llm_backoff_shim.http.paths`): the fast path
 when the start-up check passes, else the public path, both with the same request-head
 limits and answers. The optional ``--metrics-port`` (on ``--metrics-host``) is served
-by :class:`~llm_backoff_shim.serve.ops_server.OpsServer` in its own thread, so scrapes never
-compete with proxied traffic on the event loop.
+by :class:`~llm_backoff_shim.serve.ops_server.OpsListener` on the same event loop; its
+address is taken before uvicorn starts, so a taken port is a clear error.
 """
 
 from __future__ import annotations
@@ -98,14 +98,12 @@ def main(argv: list[str]) -> int:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     app = create_app(settings)
-    if settings.metrics_port is not None:
-        from llm_backoff_shim.serve.ops_server import OpsServer
-
-        host = settings.metrics_host or settings.host
+    ops = shim_state(app).ops
+    if ops is not None:
         try:
-            OpsServer(shim_state(app), host, settings.metrics_port).start()
+            ops.bind()  # served from the app's lifespan, on the proxy's event loop
         except OSError as exc:
-            print(f"{prog}: cannot serve metrics on {host}:{settings.metrics_port}: {exc}", file=sys.stderr)
+            print(f"{prog}: cannot serve metrics on {ops.host}:{ops.port}: {exc}", file=sys.stderr)
             return 2
     options = uvicorn_options(settings)
     # Before the serving path is chosen: its fallback warning is logged in the configured format.

@@ -23,9 +23,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from llm_backoff_shim.http.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.auth import ApiKeys, bearer_token, key_id
-from llm_backoff_shim.serve.deadline import MoveOnAfter
 from llm_backoff_shim.serve.rejection import ErrorResponse, client_error
 
 Message = MutableMapping[str, Any]

@@ -1,4 +1,4 @@
-"""Assembles the traffic policies from the settings and plugs them into the shim core.
+"""The traffic policies around the shim core, as one object the edge starts, stops and asks.
 
 - the concurrency limit: fixed ``--max-concurrency``, or the gradient limit
   (``--adaptive-concurrency``) fed with time-to-first-byte samples by the relay;
@@ -9,45 +9,28 @@
   that scrapes the upstream's metrics;
 - the request hooks (:class:`~llm_backoff_shim.serve.request_hooks.ShimPolicies`): classes
   by tenant, tenant quotas (local or Redis), vLLM priority.
+
+The composition root (app.py) builds each piece and wires it into the controller and
+the scheduler; :class:`TrafficPolicy` is what the edge sees of them: the request hooks,
+the time-to-first-byte feed of the limit, their gauges, and their start and stop.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llm_backoff_shim.decide.adaptive_limit import GradientConfig, GradientLimit
-from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.classes import SharedSlots
-from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
-from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
-from llm_backoff_shim.decide.tenants import TenantDirectory, load_tenants_file
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.engine_watch import (
-    EngineWatch,
-    SaturationConfig,
-    SaturationDetector,
-    engine_metric_gauges,
-)
+from llm_backoff_shim.decide.adaptive_limit import GradientLimit
+from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.slo import SloTracker
+from llm_backoff_shim.serve.engine_watch import EngineWatch, SaturationDetector, engine_metric_gauges
 from llm_backoff_shim.serve.metrics import PREFIX
 from llm_backoff_shim.serve.quota import TenantQuotas
-from llm_backoff_shim.serve.request_hooks import RequestHooks, ShimPolicies
-from llm_backoff_shim.serve.upstream import UpstreamClient
+from llm_backoff_shim.serve.request_hooks import RequestHooks
 from llm_backoff_shim.serve.waiting import AsyncAdmission
-
-Clock = Callable[[], float]
-
-
-def concurrency_limit(settings: ShimSettings, clock: Clock) -> ConcurrencyLimit:
-    if not settings.adaptive_concurrency:
-        return FixedLimit(settings.max_concurrency)
-    return GradientLimit(
-        GradientConfig(min_limit=settings.min_concurrency, max_limit=settings.max_concurrency), clock
-    )
 
 
 class _PolicyGauges(Collector):
@@ -75,7 +58,7 @@ class _PolicyGauges(Collector):
 
 @dataclass
 class TrafficPolicy:
-    """What :func:`build_traffic_policy` made; the app starts and stops it with its lifespan."""
+    """The policies the composition root built; the app starts and stops it with its lifespan."""
 
     limit: ConcurrencyLimit
     hooks: RequestHooks
@@ -107,79 +90,3 @@ class TrafficPolicy:
             await self.watch.stop()
         if self.quotas is not None:
             self.quotas.close()
-
-
-def build_traffic_policy(
-    settings: ShimSettings,
-    controller: AdmissionController,
-    admission: AsyncAdmission,
-    upstream: UpstreamClient,
-    clock: Clock,
-    *,
-    limit: ConcurrencyLimit,
-) -> TrafficPolicy:
-    scheduler = controller.scheduler
-    policy = TrafficPolicy(limit=limit, hooks=RequestHooks(), admission=admission)
-    if settings.ttft_slo:
-        policy.slo = SloTracker(
-            SloConfig(
-                budgets=settings.ttft_slo,
-                yellow_fraction=settings.slo_yellow_fraction,
-                trend_window=settings.slo_trend_window,
-            ),
-            controller,
-            clock,
-        )
-        controller.gates.append(SloGate(policy.slo))
-        if isinstance(scheduler, SharedSlots):
-            scheduler.add_hold(policy.slo.holds)
-    if settings.engine_metrics:
-        policy.detector = SaturationDetector(
-            SaturationConfig(
-                max_waiting=settings.engine_max_waiting,
-                max_kv_cache=settings.engine_max_kv_cache,
-                stale_after=settings.engine_stale_after,
-            ),
-            clock,
-            in_flight=controller.in_flight,
-        )
-        if isinstance(scheduler, SharedSlots):
-            scheduler.add_hold(policy.detector.hold)
-        policy.watch = EngineWatch(
-            policy.detector,
-            url=settings.upstream_base + settings.engine_metrics_path,
-            session=lambda: upstream.session,
-            interval=settings.engine_poll_interval,
-            on_change=admission.reschedule,
-        )
-    tenants_file = (
-        load_tenants_file(settings.tenants_file, settings.classes)
-        if settings.tenants_file is not None
-        else None
-    )
-    directory = None
-    if tenants_file is not None or settings.tenant_header is not None or _limited_by_flags(settings):
-        directory = TenantDirectory(
-            tenants_file,
-            header=settings.tenant_header,
-            requests_per_minute=settings.tenant_requests_per_minute,
-            tokens_per_minute=settings.tenant_tokens_per_minute,
-        )
-        if directory.limited:
-            policy.quotas = TenantQuotas(clock=clock, redis_url=settings.redis_url)
-    if directory is not None or policy.slo is not None or settings.forward_priority:
-        policy.hooks = ShimPolicies(
-            controller,
-            directory=directory,
-            quotas=policy.quotas,
-            slo=policy.slo,
-            vllm_priority=settings.vllm_priority() if settings.forward_priority else None,
-        )
-    return policy
-
-
-def _limited_by_flags(settings: ShimSettings) -> bool:
-    return any(
-        value is not None and math.isfinite(value)
-        for value in (settings.tenant_requests_per_minute, settings.tenant_tokens_per_minute)
-    )

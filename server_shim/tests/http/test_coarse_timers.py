@@ -1,4 +1,5 @@
-"""MoveOnAfter: the request path's cheap time limit (fires, absorbs only its own cancellation)."""
+"""CoarseTimers and MoveOnAfter on them: the request path's cheap time limit (fires, absorbs only
+its own cancellation)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import sys
 
 import pytest
 
-from llm_backoff_shim.serve.deadline import MoveOnAfter
+from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 
 
 async def test_block_that_outlives_the_limit_is_cut_and_execution_continues() -> None:
     reached_end_of_block = False
-    with MoveOnAfter(0.01) as limit:
+    with MoveOnAfter(CoarseTimers(0.01)) as limit:
         await asyncio.sleep(30)
         reached_end_of_block = True
     assert limit.expired
@@ -25,12 +26,31 @@ async def test_block_that_outlives_the_limit_is_cut_and_execution_continues() ->
 
 
 async def test_block_within_the_limit_is_untouched() -> None:
-    with MoveOnAfter(30) as limit:
+    timers = CoarseTimers(30)
+    with MoveOnAfter(timers) as limit:
         await asyncio.sleep(0)
+        assert len(timers) == 1
         value = 42
     assert value == 42
     assert not limit.expired
-    await asyncio.sleep(0.02)  # the timer was cancelled: nothing fires later
+    assert len(timers) == 0  # its timeout was discarded: nothing fires later
+
+
+async def test_timeouts_fire_in_order_and_discarded_ones_never() -> None:
+    timers = CoarseTimers(0.01)
+    fired: list[str] = []
+    timers.add(lambda: fired.append("a"))
+    key = timers.add(lambda: fired.append("b"))
+    timers.add(lambda: fired.append("c"))
+    timers.discard(key)
+    while len(timers):  # noqa: ASYNC110 - the loop's own timer drains them
+        await asyncio.sleep(0.005)
+    assert fired == ["a", "c"]
+
+
+def test_delay_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="delay"):
+        CoarseTimers(0)
 
 
 async def test_none_means_no_limit() -> None:
@@ -40,7 +60,7 @@ async def test_none_means_no_limit() -> None:
 
 
 async def test_exceptions_from_the_block_pass_through() -> None:
-    with pytest.raises(KeyError), MoveOnAfter(30):
+    with pytest.raises(KeyError), MoveOnAfter(CoarseTimers(30)):
         raise KeyError("x")
 
 
@@ -50,7 +70,7 @@ async def test_cancellation_from_elsewhere_is_not_absorbed() -> None:
 
     async def victim() -> None:
         nonlocal after_block
-        with MoveOnAfter(30):
+        with MoveOnAfter(CoarseTimers(30)):
             entered.set()
             await asyncio.sleep(30)
         after_block = True
@@ -65,7 +85,7 @@ async def test_cancellation_from_elsewhere_is_not_absorbed() -> None:
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="3.10 cannot tell two cancellations apart")
 async def test_outside_cancel_arriving_with_the_expiry_still_propagates() -> None:
-    limit = MoveOnAfter(0.01)
+    limit = MoveOnAfter(CoarseTimers(0.01))
     after_block = False
 
     async def victim() -> None:
@@ -91,7 +111,7 @@ async def test_needs_a_task() -> None:
 
     def outside_any_task() -> None:
         try:
-            MoveOnAfter(1).__enter__()
+            MoveOnAfter(CoarseTimers(1)).__enter__()
         except RuntimeError as exc:
             error.append(exc)
 
