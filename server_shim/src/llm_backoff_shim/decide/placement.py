@@ -114,7 +114,7 @@ class Placement:
         # (the estimator's single timeline), but a lower class's promise does not hold a slot
         # against a higher class. A batch caller, patient by its budget, is told again when
         # its slot was taken; an interactive caller refused for it fails (measured:
-        # docs/benchmarks.md, 'fresh arrivals yield only to their class's promises').
+        # docs/benchmarks.md, 'The fail-fast preset, three seeds per run').
         above = self._queues.above(cls)
         promised_by = above if ticket.returning else (*above, cls)
         expected = self._waits.at(cls, ahead, in_class, promised_by)
