@@ -1,5 +1,8 @@
 """The public serving path: uvicorn's h11 protocol, its public API only, with the shim's guards.
 
+(Just over 400 lines: one protocol wrapper whose head guard, body framing and transport hand-off
+read as one sequence.)
+
 The fast path (relay_protocol.py) extends uvicorn's httptools protocol from inside; this
 path serves the same app through interfaces that do not move between releases, for
 when the start-up check (capability.py) finds the fast path's internals missing or

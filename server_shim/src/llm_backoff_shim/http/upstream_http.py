@@ -1,5 +1,8 @@
 """The relay's HTTP/1.1 client to the engine: pooled keep-alive connections on asyncio + httptools.
 
+(Over 400 lines: one client whose connection, response and pool call into each other on every
+byte received; a third of the file is the contract stated here.)
+
 Why hand-written rather than aiohttp (which the shim still uses for its control-plane
 requests: readiness probes and engine-metrics scrapes). The relay makes one upstream
 request per proxied request, and the shim's throughput on one core is bounded by CPU
