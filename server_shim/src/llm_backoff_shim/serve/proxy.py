@@ -1,44 +1,34 @@
-"""The streaming relay: one ASGI endpoint for every path of the engine's API the shim serves.
+"""The proxy's front: one ASGI endpoint for every path of the engine's API the shim serves.
 
 For each request: look the path up in the route table (routes.py: a path no row names is a
 404, an operator route not allowed is a 403, and a ``/v1/`` path must stay under ``/v1/``
 after normalisation, so only the configured upstream's API is ever reachable), read the
-body, take a slot through admission for engine-work routes, forward method, path,
-query, headers (Authorization included; hop-by-hop stripped) and body, then relay
-status, headers and body chunk by chunk as the upstream sends them.
+body, take a slot through admission for engine-work routes, and hand the request to the
+relay (relay.py), which forwards method, path, query, headers (Authorization included;
+hop-by-hop stripped) and body and streams the answer back.
 
-Raw ASGI rather than a Starlette ``StreamingResponse`` because the relay must watch
-the client's connection the whole time: a disconnect while queued gives the queue
-place back at once, a disconnect mid-response aborts the upstream request (its
-socket is closed, so the engine sees the abort) and frees the slot. The slot is
-given back in ``finally`` on every path.
+Raw ASGI rather than a Starlette ``StreamingResponse`` because the proxy must watch
+the client's connection the whole time (disconnect.py): a disconnect while queued gives
+the queue place back at once, a disconnect mid-response aborts the upstream request (its
+socket is closed, so the engine sees the abort) and frees the slot. The slot is given
+back in ``finally`` on every path.
 
-Choices where the protocol is silent:
-
-- only POSTs to the table's ``engine`` routes are admission-controlled, counted in the
-  ``requests_total`` metric and carry ``x-queue-time-ms``; ``x-request-class`` and
-  ``x-request-timeout-ms`` are validated (400 when malformed) only there; the shim's own
-  errors take the route's error shape (Anthropic's on ``/v1/messages``, rejection.py);
-- an upstream 503 on a generation request (vLLM's ``--max-num-queued-reqs``
-  answer) becomes a ``queue_full`` rejection with the configured status and an
-  estimated Retry-After, the upstream's message kept in ours; on other paths it is
-  a 503 ``upstream_unavailable``. Other upstream statuses pass through untouched;
-- any failure before the upstream's status line (refused, reset, timed out) is a
-  503 ``upstream_unavailable`` with Retry-After; a failure mid-response aborts the
-  client connection so a cut stream is never passed off as complete.
+Choices where the protocol is silent: only POSTs to the table's ``engine`` routes are
+admission-controlled, counted in the ``requests_total`` metric and carry
+``x-queue-time-ms``; ``x-request-class`` and ``x-request-timeout-ms`` are validated (400
+when malformed) only there; the shim's own errors take the route's error shape
+(Anthropic's on ``/v1/messages``, rejection.py). What the relay makes of upstream
+failures and 503s: relay.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import logging
 import math
-import sys
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.outage import OutageClock
@@ -51,21 +41,26 @@ from llm_backoff_shim.decide.requests import (
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
-    BODY_FOLLOWS,
     CLIENT_WIRE,
     CONNECTION_GONE,
-    ChunkWriter,
     ClientWire,
     ConnectionGone,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamResponse,
-    UpstreamTimeoutError,
     wire_answer,
 )
 from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord, request_id
 from llm_backoff_shim.serve.auth import ApiKeys
-from llm_backoff_shim.serve.headers import Forwarding, RawHeaders, strip_hop_by_hop
+from llm_backoff_shim.serve.disconnect import watch_disconnect
+from llm_backoff_shim.serve.exchange import (
+    VIA,
+    Clock,
+    Exchange,
+    ForwardRequest,
+    Receive,
+    Scope,
+    Send,
+    answer,
+)
+from llm_backoff_shim.serve.headers import Forwarding, RawHeaders
 from llm_backoff_shim.serve.intake import (
     ClientGone,
     Refusal,
@@ -83,18 +78,12 @@ from llm_backoff_shim.serve.rejection import (
     in_shape,
     operator_route_refused,
     rejection_response,
-    server_error,
 )
-from llm_backoff_shim.serve.request_hooks import RequestHooks, RequestScope, with_headers
+from llm_backoff_shim.serve.relay import Relay
+from llm_backoff_shim.serve.request_hooks import RequestHooks, with_headers
 from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.serve.upstream import UpstreamClient
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-Clock = Callable[[], float]
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
@@ -104,16 +93,6 @@ _DEFAULT_ROUTES = RouteTable()
 
 #: Larger request bodies get a 413 instead of being buffered (``--max-body-bytes``).
 MAX_BODY_BYTES = 8 * 1024 * 1024
-
-#: RFC 9110 section 7.6.3: a proxy adds itself to ``Via`` in each message it forwards.
-VIA = (b"via", b"1.1 llm-backoff-shim")
-
-#: How much of an upstream 503 body is read to explain the rejection.
-_OVERLOAD_BODY_LIMIT = 64 * 1024
-
-
-class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
-    """The upstream failed after the response started; the client connection is aborted."""
 
 
 def is_allowed_path(path: str) -> bool:
@@ -142,31 +121,6 @@ def parse_budget(value: str | None) -> float | None:
     return millis / 1000.0
 
 
-@dataclass(slots=True)
-class _Exchange:
-    """What the relay learned, for slot release and metrics."""
-
-    status: int | None = None
-    outcome: Outcome = Outcome.ABORTED
-    metric: str = "client_disconnected"
-    code: str = ""
-    retry_after: float | None = None
-    #: The error shape of the shim's own answers on this route.
-    shape: Shape = Shape.OPENAI
-    # For the access log: the status the client got, why a rejection, and where the time went.
-    detail: str | None = None
-    sent: int | None = None
-    queue_time: float | None = None
-    upstream_start: float | None = None
-    first_byte: float | None = None
-    upstream_end: float | None = None
-
-    def reject(self, rejection: Rejection, outcome: Outcome = Outcome.ABORTED) -> None:
-        """Record that the shim turned the request away with ``rejection``."""
-        self.outcome, self.metric = outcome, "rejected"
-        self.code, self.retry_after, self.detail = rejection.code, rejection.retry_after, rejection.message
-
-
 class Proxy:
     """ASGI app relaying ``/v1/...`` to the upstream through admission."""
 
@@ -193,8 +147,6 @@ class Proxy:
         self.forwarding = forwarding if forwarding is not None else Forwarding()
         # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
-        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
-        self.on_first_byte = on_first_byte
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
         self.max_body_bytes = max_body_bytes
         # One shared timer for every request's body timeout (coarse_timers says why).
@@ -205,8 +157,16 @@ class Proxy:
         self.reject_status = reject_status
         self.clock = clock
         estimates = admission.controller.estimator.config
-        # Retry-After of upstream_unavailable: the outage's length so far (outage.py says why).
-        self.outage = OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max)
+        self.relay = Relay(
+            upstream=upstream,
+            controller=admission.controller,
+            metrics=metrics,
+            reject_status=reject_status,
+            clock=clock,
+            # Retry-After of upstream_unavailable: the outage's length so far (outage.py says why).
+            outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
+            on_first_byte=on_first_byte,
+        )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -275,7 +235,7 @@ class Proxy:
             if request is not None:
                 # Counted, so that every generation request the shim saw has an outcome.
                 self.metrics.count(request.cls, "client_disconnected")
-            self._log(record, _Exchange())
+            self._log(record, Exchange())
             return  # the client left before sending its whole request
         if record is not None:
             record.body_done = self.clock()
@@ -293,7 +253,7 @@ class Proxy:
                 stream, most = asks_for_stream(data), requested_max_tokens(data)
                 if stream or most is not None:
                     request = replace(request, stream=stream, max_tokens=most)
-        forward = _ForwardRequest(
+        forward = ForwardRequest(
             method=method,
             path=path,
             target=_target(scope, path, route),
@@ -305,10 +265,10 @@ class Proxy:
         gone = extensions.get(CONNECTION_GONE) if extensions else None
         wire = extensions.get(CLIENT_WIRE) if extensions else None
         if request is None:
-            exchange = _Exchange(shape=shape)
+            exchange = Exchange(shape=shape)
             try:
-                relay = lambda: self._relay(forward, send, None, exchange, arrival, None, wire)  # noqa: E731
-                await _watch_disconnect(task, receive, relay, gone)
+                relay = lambda: self.relay(forward, send, None, exchange, arrival, None, wire)  # noqa: E731
+                await watch_disconnect(task, receive, relay, gone)
             finally:
                 self._log(record, exchange)
         else:
@@ -361,7 +321,7 @@ class Proxy:
             return None
         response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
         response = in_shape(response, route.shape)
-        exchange = _Exchange(sent=response.status, queue_time=0.0, shape=route.shape)
+        exchange = Exchange(sent=response.status, queue_time=0.0, shape=route.shape)
         exchange.reject(rejection)
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         self._log(self._record(scope, method, path, arrival), exchange, request.cls, request.tenant)
@@ -371,8 +331,8 @@ class Proxy:
         self, send: Send, refusal: Refusal, record: AccessRecord | None, shape: Shape = Shape.OPENAI
     ) -> None:
         self.metrics.bad_request(refusal.reason)
-        exchange = _Exchange(metric="bad_request", code=refusal.reason, shape=shape)
-        await _answer(send, refusal.response, exchange)
+        exchange = Exchange(metric="bad_request", code=refusal.reason, shape=shape)
+        await answer(send, refusal.response, exchange)
         self._log(record, exchange)
 
     def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
@@ -390,7 +350,7 @@ class Proxy:
     def _log(
         self,
         record: AccessRecord | None,
-        exchange: _Exchange,
+        exchange: Exchange,
         cls: str | None = None,
         tenant: str | None = None,
     ) -> None:
@@ -427,7 +387,7 @@ class Proxy:
     async def _gated(
         self,
         request: AdmissionRequest,
-        forward: _ForwardRequest,
+        forward: ForwardRequest,
         receive: Receive,
         send: Send,
         arrival: float,
@@ -439,7 +399,7 @@ class Proxy:
     ) -> None:
         cls = request.cls
         grant: Grant | None = None
-        exchange = _Exchange(shape=shape)
+        exchange = Exchange(shape=shape)
         scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
 
         async def work() -> None:
@@ -448,7 +408,7 @@ class Proxy:
             if refusal is not None:
                 exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
                 exchange.code, exchange.retry_after = refusal.code, refusal.retry_after
-                await _answer(send, refusal.response, exchange)
+                await answer(send, refusal.response, exchange)
                 return
             if scope.body is not forward.body:
                 forward = forward._replace(body=scope.body)
@@ -458,16 +418,16 @@ class Proxy:
                 exchange.reject(decision)
                 exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
-                await _answer(send, with_headers(response, scope.response_headers()), exchange)
+                await answer(send, with_headers(response, scope.response_headers()), exchange)
                 return
             grant = decision
             exchange.queue_time = grant.queue_time
             self.metrics.count(cls, "admitted")
             self.metrics.observe_queue_wait(cls, grant.queue_time)
-            await self._relay(forward, send, grant, exchange, arrival, scope, wire)
+            await self.relay(forward, send, grant, exchange, arrival, scope, wire)
 
         try:
-            await _watch_disconnect(task, receive, work, gone)
+            await watch_disconnect(task, receive, work, gone)
         finally:
             if grant is not None:
                 self.admission.release(grant, exchange.outcome)
@@ -478,150 +438,6 @@ class Proxy:
                 self.metrics.count(cls, exchange.metric)
             self._log(record, exchange, cls, request.tenant)
 
-    async def _relay(
-        self,
-        forward: _ForwardRequest,
-        send: Send,
-        grant: Grant | None,
-        exchange: _Exchange | None,
-        arrival: float,
-        scope: RequestScope | None = None,
-        wire: ClientWire | None = None,
-    ) -> None:
-        exchange = exchange if exchange is not None else _Exchange()
-        cls = grant.ticket.cls if grant is not None else None
-        exchange.upstream_start = self.clock()
-        try:
-            response = await self.upstream.pool.request(
-                forward.method, forward.target, forward.headers, forward.body
-            )
-        except UpstreamError as exc:
-            # Nothing of a response arrived: the request may be retried elsewhere or later.
-            exchange.upstream_end = self.clock()
-            if isinstance(exc, UpstreamProtocolError):
-                await self._bad_gateway(send, str(exc), exchange)
-            else:
-                await self._unavailable(send, cls, str(exc), exchange)
-            return
-        self.outage.answered()
-        started = False
-        exchange.first_byte = self.clock()
-        try:
-            if cls is not None:
-                self.metrics.observe_first_byte(cls, exchange.first_byte - arrival)
-            exchange.status = response.status
-            if response.status == 503:
-                await self._upstream_overloaded(send, cls, response, exchange)
-                return
-            headers = strip_hop_by_hop(response.headers, lower=True)
-            headers.append(VIA)
-            if grant is not None:
-                headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
-            if scope is not None:
-                headers += scope.response_headers()
-            # A body already here goes out in the same write as the head (relay_cycle.py).
-            start = {"type": "http.response.start", "status": response.status, "headers": headers}
-            if response.body_ready():
-                start[BODY_FOLLOWS] = True
-            await send(start)
-            started = True
-            exchange.sent = response.status
-            ended = False
-            try:
-                first = True
-                while True:
-                    chunk = await response.read_chunk()
-                    if not chunk:
-                        break
-                    if first:
-                        first = False
-                        self._first_body_byte(grant)
-                    if scope is not None:
-                        scope.observe(chunk)
-                    # The upstream's last bytes often arrive with its end: finish in the same
-                    # write instead of one more send (and syscall) per response.
-                    ended = response.at_eof()
-                    await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
-                    if ended:
-                        break
-                    if wire is not None:
-                        # More to come: a chunked answer (a stream) goes straight to the client.
-                        write = wire.chunk_writer()
-                        if write is None:
-                            wire = None  # an answer with a length: the plain path to its end
-                        else:
-                            await _splice(response, write, send, scope)
-                            ended = True
-                            break
-            except UpstreamError as exc:
-                exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
-                if response.event_stream:
-                    # An error event first, as vLLM ends a stream that fails (the openai SDK raises
-                    # APIError on it); the connection is then cut without the stream's last chunk.
-                    await send({"type": "http.response.body", "body": _stream_error(exc), "more_body": True})
-                raise UpstreamStreamBroken(f"upstream failed mid-response: {exc}") from exc
-            if not ended:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            _classify(exchange, response.status)
-        finally:
-            # Back to the pool when the exchange ended cleanly; otherwise the connection is
-            # closed, and the engine sees it drop and aborts the request.
-            response.release()
-            exchange.upstream_end = self.clock()
-            if not started and exchange.metric == "client_disconnected":
-                log.debug("client left before the upstream answered")
-
-    def _first_body_byte(self, grant: Grant | None) -> None:
-        # The first *body* byte: vLLM sends a stream's headers before its first token, even
-        # while the request waits in the engine, so the header time says nothing about load.
-        if grant is None or grant.ticket.admitted_at is None:
-            return
-        seconds = self.clock() - grant.ticket.admitted_at
-        if grant.ticket.request.stream:
-            self.controller.estimator.observe_first_byte(seconds)
-        if self.on_first_byte is not None:
-            self.on_first_byte(seconds, self.controller.in_flight())
-
-    async def _unavailable(self, send: Send, cls: str | None, detail: str, exchange: _Exchange) -> None:
-        rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
-        rejection = replace(rejection, retry_after=self.outage.failed())
-        exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
-        await _answer(send, rejection_response(rejection, self.reject_status), exchange)
-
-    async def _bad_gateway(self, send: Send, detail: str, exchange: _Exchange) -> None:
-        # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
-        log.warning("upstream answered with an invalid response: %s", detail)
-        self.outage.answered()
-        exchange.outcome, exchange.metric, exchange.detail = Outcome.UPSTREAM_ERROR, "upstream_error", detail
-        response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
-        await _answer(send, response, exchange)
-
-    async def _upstream_overloaded(
-        self, send: Send, cls: str | None, response: UpstreamResponse, exchange: _Exchange
-    ) -> None:
-        try:
-            detail = _error_message(await response.read(_OVERLOAD_BODY_LIMIT))
-        except UpstreamError as exc:
-            detail = str(exc)
-        if cls is None:
-            await self._unavailable(send, None, f"upstream answered 503: {detail}", exchange)
-            return
-        rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
-        exchange.reject(rejection, Outcome.OVERLOADED)
-        await _answer(send, rejection_response(rejection, self.reject_status), exchange)
-
-
-class _ForwardRequest(NamedTuple):
-    # A named tuple: built once per request, and a frozen dataclass's __init__ costs several times more.
-    method: str
-    path: str
-    #: The percent-encoded path and query, as the client sent them (already validated).
-    target: bytes
-    headers: RawHeaders
-    body: bytes
-    #: The body as parsed at intake (generation requests), for hooks that read it.
-    parsed: dict[str, Any] | None = None
-
 
 def _target(scope: Scope, path: str, route: Route) -> bytes:
     raw: bytes = scope.get("raw_path") or path.encode()
@@ -629,39 +445,6 @@ def _target(scope: Scope, path: str, route: Route) -> bytes:
         raw = route.upstream_path.encode()
     query: bytes = scope.get("query_string", b"")
     return raw + b"?" + query if query else raw
-
-
-def _classify(exchange: _Exchange, status: int) -> None:
-    if 200 <= status < 300:
-        exchange.outcome, exchange.metric = Outcome.COMPLETED, "completed"
-    elif status >= 500:
-        exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
-    else:
-        # Relayed as sent, but a quick 4xx says nothing about how long generation takes.
-        exchange.outcome, exchange.metric = Outcome.CLIENT_ERROR, "completed"
-
-
-def _error_message(body: bytes) -> str:
-    try:
-        data = json.loads(body)
-        message = data["error"]["message"] if isinstance(data.get("error"), dict) else data.get("message")
-        if isinstance(message, str) and message:
-            return message[:300]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        pass
-    text = body.decode("utf-8", "replace").strip()
-    return text[:300] or "no detail"
-
-
-def _stream_error(exc: UpstreamError) -> bytes:
-    code = "upstream_timeout" if isinstance(exc, UpstreamTimeoutError) else "upstream_error"
-    error = {
-        "message": f"upstream failed mid-stream: {exc}",
-        "type": "server_error",
-        "param": None,
-        "code": code,
-    }
-    return b"data: %b\n\n" % json.dumps({"error": error}, separators=(",", ":")).encode()
 
 
 def _peer(scope: Scope) -> str | None:
@@ -681,103 +464,3 @@ def _header(headers: RawHeaders, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-async def _watch_disconnect(
-    task: asyncio.Task[Any],
-    receive: Receive,
-    work: Callable[[], Awaitable[None]],
-    gone: ConnectionGone | None = None,
-) -> bool:
-    """Run ``work`` in ``task`` (the current one); cancel it if the client disconnects first.
-
-    Returns True when the client disconnected.
-
-    With the serving protocol's :class:`ConnectionGone` signal (``gone``) the request's
-    task is cancelled from the protocol's ``connection_lost``; without it, a watcher task
-    waits on ``receive()``.
-
-    After the request body is read, ``receive()`` only ever returns ``http.disconnect``
-    (uvicorn also returns it once the response is complete, hence the ``done`` flag).
-
-    Plain asyncio rather than an anyio task group: this runs for every request, and on
-    the benchmark machines a task group (task handle, cancel scopes, backend lookup)
-    cost about as much CPU as the whole relay (bench/bench_proxy.py). The watcher
-    cancels the request's own task; that cancellation is absorbed here, and one that
-    came from elsewhere (server shutdown) still propagates.
-    """
-    done = False
-    disconnected = False
-
-    def on_disconnect() -> None:
-        nonlocal disconnected
-        if not done:
-            disconnected = True
-            task.cancel()
-
-    stop: Callable[[], object]
-    if gone is not None:
-        gone.subscribe(on_disconnect)
-        stop = functools.partial(gone.unsubscribe, on_disconnect)
-    else:
-
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            on_disconnect()
-
-        stop = task.get_loop().create_task(watch()).cancel
-    try:
-        await work()
-    except asyncio.CancelledError:
-        if not disconnected or _still_cancelling(task):
-            raise
-    finally:
-        done = True
-        stop()
-    return disconnected
-
-
-def _still_cancelling(task: asyncio.Task[Any]) -> bool:
-    """After absorbing our own cancel: whether another cancellation is pending (Python >= 3.11)."""
-    if sys.version_info >= (3, 11):
-        return task.uncancel() > 0
-    return False  # 3.10 cannot tell; a shutdown cancel arriving in the same instant is absorbed
-
-
-async def _splice(
-    response: UpstreamResponse, write: ChunkWriter, send: Send, scope: RequestScope | None
-) -> None:
-    """Relay the rest of a chunked body with :meth:`UpstreamResponse.pipe` onto the client's wire.
-
-    When the client falls behind, the engine's socket stops being read, and uvicorn's
-    ``send`` (an empty chunk writes nothing) waits for the client to drain, as it does for
-    every ``send`` of the plain path.
-    """
-    sink = write
-    if scope is not None and type(scope).observe is not RequestScope.observe:
-        observe = scope.observe
-
-        def sink(chunk: bytes) -> bool:
-            observe(chunk)
-            return write(chunk)
-
-    while not await response.pipe(sink):
-        await send({"type": "http.response.body", "body": b"", "more_body": True})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _answer(send: Send, response: ErrorResponse, exchange: _Exchange | None = None) -> None:
-    if exchange is not None and exchange.shape is not Shape.OPENAI:
-        response = in_shape(response, exchange.shape)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": response.headers,
-            BODY_FOLLOWS: True,
-        }
-    )
-    if exchange is not None:
-        exchange.sent = response.status
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})

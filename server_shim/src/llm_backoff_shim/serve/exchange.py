@@ -1,0 +1,87 @@
+"""What one relayed request carries between the proxy's front and its relay: the forwarded
+request, what came of it (for the slot's release, the metrics and the access log), and the
+shim's own whole answers in the route's error shape."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from llm_backoff_shim.decide.tickets import Outcome, Rejection
+from llm_backoff_shim.http.interface import BODY_FOLLOWS
+from llm_backoff_shim.serve.headers import RawHeaders
+from llm_backoff_shim.serve.rejection import ErrorResponse, in_shape
+from llm_backoff_shim.serve.routes import Shape
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Clock = Callable[[], float]
+
+#: RFC 9110 section 7.6.3: a proxy adds itself to ``Via`` in each message it forwards.
+VIA = (b"via", b"1.1 llm-backoff-shim")
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What the relay learned, for slot release and metrics."""
+
+    status: int | None = None
+    outcome: Outcome = Outcome.ABORTED
+    metric: str = "client_disconnected"
+    code: str = ""
+    retry_after: float | None = None
+    #: The error shape of the shim's own answers on this route.
+    shape: Shape = Shape.OPENAI
+    # For the access log: the status the client got, why a rejection, and where the time went.
+    detail: str | None = None
+    sent: int | None = None
+    queue_time: float | None = None
+    upstream_start: float | None = None
+    first_byte: float | None = None
+    upstream_end: float | None = None
+
+    def reject(self, rejection: Rejection, outcome: Outcome = Outcome.ABORTED) -> None:
+        """Record that the shim turned the request away with ``rejection``."""
+        self.outcome, self.metric = outcome, "rejected"
+        self.code, self.retry_after, self.detail = rejection.code, rejection.retry_after, rejection.message
+
+
+class ForwardRequest(NamedTuple):
+    # A named tuple: built once per request, and a frozen dataclass's __init__ costs several times more.
+    method: str
+    path: str
+    #: The percent-encoded path and query, as the client sent them (already validated).
+    target: bytes
+    headers: RawHeaders
+    body: bytes
+    #: The body as parsed at intake (generation requests), for hooks that read it.
+    parsed: dict[str, Any] | None = None
+
+
+def classify(exchange: Exchange, status: int) -> None:
+    if 200 <= status < 300:
+        exchange.outcome, exchange.metric = Outcome.COMPLETED, "completed"
+    elif status >= 500:
+        exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
+    else:
+        # Relayed as sent, but a quick 4xx says nothing about how long generation takes.
+        exchange.outcome, exchange.metric = Outcome.CLIENT_ERROR, "completed"
+
+
+async def answer(send: Send, response: ErrorResponse, exchange: Exchange | None = None) -> None:
+    if exchange is not None and exchange.shape is not Shape.OPENAI:
+        response = in_shape(response, exchange.shape)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": response.headers,
+            BODY_FOLLOWS: True,
+        }
+    )
+    if exchange is not None:
+        exchange.sent = response.status
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})

@@ -1,0 +1,252 @@
+"""The relay: one admitted (or pass-through) request sent upstream and its answer streamed back.
+
+Status, headers and body go to the client chunk by chunk as the upstream sends them (a
+chunked answer straight onto the client's wire where the serving path offers it). What
+the relay learns goes into the request's :class:`~llm_backoff_shim.serve.exchange.Exchange`:
+
+- any failure before the upstream's status line (refused, reset, timed out) is a 503
+  ``upstream_unavailable`` with a Retry-After from the outage's length so far; an invalid
+  response head is a 502, nothing of it relayed;
+- an upstream 503 on an admitted request (vLLM's ``--max-num-queued-reqs`` answer) becomes a
+  ``queue_full`` rejection with the configured status and an estimated Retry-After, the
+  upstream's message kept in ours; other statuses pass through untouched;
+- a failure mid-response ends an event stream with an error event and aborts the client
+  connection, so a cut answer is never passed off as complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.outage import OutageClock
+from llm_backoff_shim.decide.tickets import Outcome
+from llm_backoff_shim.http.interface import (
+    BODY_FOLLOWS,
+    ChunkWriter,
+    ClientWire,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamResponse,
+    UpstreamTimeoutError,
+)
+from llm_backoff_shim.serve.exchange import VIA, Clock, Exchange, ForwardRequest, Send, answer, classify
+from llm_backoff_shim.serve.headers import strip_hop_by_hop
+from llm_backoff_shim.serve.metrics import ShimMetrics
+from llm_backoff_shim.serve.rejection import rejection_response, server_error
+from llm_backoff_shim.serve.request_hooks import RequestScope
+from llm_backoff_shim.serve.upstream import UpstreamClient
+from llm_backoff_shim.serve.waiting import Grant
+
+log = logging.getLogger("llm_backoff_shim.proxy")
+
+#: How much of an upstream 503 body is read to explain the rejection.
+_OVERLOAD_BODY_LIMIT = 64 * 1024
+
+
+class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
+    """The upstream failed after the response started; the client connection is aborted."""
+
+
+class Relay:
+    """Sends a request upstream and streams the answer back (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        upstream: UpstreamClient,
+        controller: AdmissionController,
+        metrics: ShimMetrics,
+        reject_status: int,
+        clock: Clock,
+        outage: OutageClock,
+        on_first_byte: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.controller = controller
+        self.metrics = metrics
+        self.reject_status = reject_status
+        self.clock = clock
+        self.outage = outage
+        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
+        self.on_first_byte = on_first_byte
+
+    async def __call__(
+        self,
+        forward: ForwardRequest,
+        send: Send,
+        grant: Grant | None,
+        exchange: Exchange | None,
+        arrival: float,
+        scope: RequestScope | None = None,
+        wire: ClientWire | None = None,
+    ) -> None:
+        exchange = exchange if exchange is not None else Exchange()
+        cls = grant.ticket.cls if grant is not None else None
+        exchange.upstream_start = self.clock()
+        try:
+            response = await self.upstream.pool.request(
+                forward.method, forward.target, forward.headers, forward.body
+            )
+        except UpstreamError as exc:
+            # Nothing of a response arrived: the request may be retried elsewhere or later.
+            exchange.upstream_end = self.clock()
+            if isinstance(exc, UpstreamProtocolError):
+                await self._bad_gateway(send, str(exc), exchange)
+            else:
+                await self.unavailable(send, cls, str(exc), exchange)
+            return
+        self.outage.answered()
+        started = False
+        exchange.first_byte = self.clock()
+        try:
+            if cls is not None:
+                self.metrics.observe_first_byte(cls, exchange.first_byte - arrival)
+            exchange.status = response.status
+            if response.status == 503:
+                await self._upstream_overloaded(send, cls, response, exchange)
+                return
+            headers = strip_hop_by_hop(response.headers, lower=True)
+            headers.append(VIA)
+            if grant is not None:
+                headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
+            if scope is not None:
+                headers += scope.response_headers()
+            # A body already here goes out in the same write as the head (relay_cycle.py).
+            start = {"type": "http.response.start", "status": response.status, "headers": headers}
+            if response.body_ready():
+                start[BODY_FOLLOWS] = True
+            await send(start)
+            started = True
+            exchange.sent = response.status
+            ended = False
+            try:
+                first = True
+                while True:
+                    chunk = await response.read_chunk()
+                    if not chunk:
+                        break
+                    if first:
+                        first = False
+                        self._first_body_byte(grant)
+                    if scope is not None:
+                        scope.observe(chunk)
+                    # The upstream's last bytes often arrive with its end: finish in the same
+                    # write instead of one more send (and syscall) per response.
+                    ended = response.at_eof()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                    if ended:
+                        break
+                    if wire is not None:
+                        # More to come: a chunked answer (a stream) goes straight to the client.
+                        write = wire.chunk_writer()
+                        if write is None:
+                            wire = None  # an answer with a length: the plain path to its end
+                        else:
+                            await _splice(response, write, send, scope)
+                            ended = True
+                            break
+            except UpstreamError as exc:
+                exchange.outcome, exchange.metric = Outcome.UPSTREAM_ERROR, "upstream_error"
+                if response.event_stream:
+                    # An error event first, as vLLM ends a stream that fails (the openai SDK raises
+                    # APIError on it); the connection is then cut without the stream's last chunk.
+                    await send({"type": "http.response.body", "body": _stream_error(exc), "more_body": True})
+                raise UpstreamStreamBroken(f"upstream failed mid-response: {exc}") from exc
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            classify(exchange, response.status)
+        finally:
+            # Back to the pool when the exchange ended cleanly; otherwise the connection is
+            # closed, and the engine sees it drop and aborts the request.
+            response.release()
+            exchange.upstream_end = self.clock()
+            if not started and exchange.metric == "client_disconnected":
+                log.debug("client left before the upstream answered")
+
+    def _first_body_byte(self, grant: Grant | None) -> None:
+        # The first *body* byte: vLLM sends a stream's headers before its first token, even
+        # while the request waits in the engine, so the header time says nothing about load.
+        if grant is None or grant.ticket.admitted_at is None:
+            return
+        seconds = self.clock() - grant.ticket.admitted_at
+        if grant.ticket.request.stream:
+            self.controller.estimator.observe_first_byte(seconds)
+        if self.on_first_byte is not None:
+            self.on_first_byte(seconds, self.controller.in_flight())
+
+    async def unavailable(self, send: Send, cls: str | None, detail: str, exchange: Exchange) -> None:
+        rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
+        rejection = replace(rejection, retry_after=self.outage.failed())
+        exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
+        await answer(send, rejection_response(rejection, self.reject_status), exchange)
+
+    async def _bad_gateway(self, send: Send, detail: str, exchange: Exchange) -> None:
+        # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
+        log.warning("upstream answered with an invalid response: %s", detail)
+        self.outage.answered()
+        exchange.outcome, exchange.metric, exchange.detail = Outcome.UPSTREAM_ERROR, "upstream_error", detail
+        response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
+        await answer(send, response, exchange)
+
+    async def _upstream_overloaded(
+        self, send: Send, cls: str | None, response: UpstreamResponse, exchange: Exchange
+    ) -> None:
+        try:
+            detail = _error_message(await response.read(_OVERLOAD_BODY_LIMIT))
+        except UpstreamError as exc:
+            detail = str(exc)
+        if cls is None:
+            await self.unavailable(send, None, f"upstream answered 503: {detail}", exchange)
+            return
+        rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
+        exchange.reject(rejection, Outcome.OVERLOADED)
+        await answer(send, rejection_response(rejection, self.reject_status), exchange)
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        data = json.loads(body)
+        message = data["error"]["message"] if isinstance(data.get("error"), dict) else data.get("message")
+        if isinstance(message, str) and message:
+            return message[:300]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        pass
+    text = body.decode("utf-8", "replace").strip()
+    return text[:300] or "no detail"
+
+
+def _stream_error(exc: UpstreamError) -> bytes:
+    code = "upstream_timeout" if isinstance(exc, UpstreamTimeoutError) else "upstream_error"
+    error = {
+        "message": f"upstream failed mid-stream: {exc}",
+        "type": "server_error",
+        "param": None,
+        "code": code,
+    }
+    return b"data: %b\n\n" % json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+async def _splice(
+    response: UpstreamResponse, write: ChunkWriter, send: Send, scope: RequestScope | None
+) -> None:
+    """Relay the rest of a chunked body with :meth:`UpstreamResponse.pipe` onto the client's wire.
+
+    When the client falls behind, the engine's socket stops being read, and uvicorn's
+    ``send`` (an empty chunk writes nothing) waits for the client to drain, as it does for
+    every ``send`` of the plain path.
+    """
+    sink = write
+    if scope is not None and type(scope).observe is not RequestScope.observe:
+        observe = scope.observe
+
+        def sink(chunk: bytes) -> bool:
+            observe(chunk)
+            return write(chunk)
+
+    while not await response.pipe(sink):
+        await send({"type": "http.response.body", "body": b"", "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
