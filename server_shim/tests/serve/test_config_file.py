@@ -15,14 +15,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from llm_backoff_shim.serve.cli_flags import COMMON, GROUPS
-from llm_backoff_shim.serve.config import (
-    CLASS_ALIASES,
-    PER_CLASS_KEYS,
-    ConfigError,
-    ShimSettings,
-    load_settings,
-)
+from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.config_file import NOT_TOP_LEVEL, example_config, render_config
+from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config_values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "shim.toml"
 

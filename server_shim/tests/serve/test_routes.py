@@ -24,7 +24,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
 
-from llm_backoff_shim.serve.config import ConfigError, ShimSettings, load_settings
+from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config_values import ConfigError
 from llm_backoff_shim.serve.routes import (
     OPERATOR_PATHS,
     ROUTES,

@@ -19,7 +19,6 @@ and the example file print.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -28,36 +27,18 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
 from llm_backoff_shim.serve.config_values import (
-    CLASS_ALIASES,
     DEFAULT_CLASSES,
     ENV_PREFIX,
     PER_CLASS_KEYS,
     Budget,
     ClassLimits,
-    ConfigError,
     Share,
     check_class_names,
     check_networks,
-    env_name,
-    flag_name,
     parse_class_map,
     split_list,
 )
 from llm_backoff_shim.serve.routes import UnknownOperatorRouteError, check_allowed
-
-__all__ = [
-    "CLASS_ALIASES",
-    "DEFAULT_CLASSES",
-    "ENV_PREFIX",
-    "PER_CLASS_KEYS",
-    "ClassLimits",
-    "ConfigError",
-    "ShimSettings",
-    "env_name",
-    "flag_name",
-    "load_settings",
-    "parse_class_map",
-]
 
 
 class ShimSettings(BaseSettings):
@@ -487,10 +468,3 @@ class ShimSettings(BaseSettings):
         """The ``priority`` each class sends to vLLM (lower is served first)."""
         return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
 
-
-def load_settings(argv: Sequence[str], *, prog: str = "llm-backoff-shim serve") -> ShimSettings:
-    """Settings from flags, environment and ``--config`` file: see :mod:`.config_sources`."""
-    # Imported here: config_sources builds on this module.
-    from llm_backoff_shim.serve.config_sources import load_settings as load
-
-    return load(argv, prog=prog)

@@ -24,13 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from llm_backoff_shim.serve.cli_flags import GROUPS
-from llm_backoff_shim.serve.config import (
-    CLASS_ALIASES,
-    PER_CLASS_KEYS,
-    ConfigError,
-    ShimSettings,
-    env_name,
-)
+from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config_values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError, env_name
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -21,17 +21,17 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from llm_backoff_shim.serve.cli_flags import PROG, REPEATABLE, build_parser
-from llm_backoff_shim.serve.config import (
+from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config_file import FileValues, read_config_file
+from llm_backoff_shim.serve.config_values import (
     CLASS_ALIASES,
     ENV_PREFIX,
     PER_CLASS_KEYS,
     ConfigError,
-    ShimSettings,
     env_name,
     flag_name,
     parse_class_map,
 )
-from llm_backoff_shim.serve.config_file import FileValues, read_config_file
 
 Kind = Literal["flag", "env", "file"]
 #: (field, class or None) -> (source kind, how to name it in a message).
