@@ -370,23 +370,28 @@ class Proxy:
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         access_log = self.access_log
         if access_log is not None and access_log.enabled:
-            # The line _log would write for this refusal, its record built in one go.
+            # The line _log would write for this refusal, its record built in one go (by
+            # position, in AccessRecord's order: a third of the cost of naming 13 fields).
             tenant = request.tenant
             access_log.write(
                 AccessRecord(
-                    method=method,
-                    path=path,
-                    arrival=arrival,
-                    cls=request.cls,
-                    tenant=None if tenant == "-" else tenant,
-                    outcome="rejected",
-                    code=rejection.code,
-                    status=status,
-                    queue_time=0.0,
-                    retry_after=rejection.retry_after,
-                    detail=rejection.message,
-                    request_id=request_id(_raw_header(headers, b"x-request-id")),
-                    client=_peer(scope),
+                    method,
+                    path,
+                    arrival,
+                    request.cls,
+                    None if tenant == "-" else tenant,
+                    "rejected",  # outcome
+                    rejection.code,
+                    status,
+                    None,  # body_done
+                    0.0,  # queue_time
+                    None,  # upstream_start
+                    None,  # first_byte
+                    None,  # upstream_end
+                    rejection.retry_after,
+                    rejection.message,  # detail
+                    request_id(_raw_header(headers, b"x-request-id")),
+                    _peer(scope),  # client
                 )
             )
         return answer
