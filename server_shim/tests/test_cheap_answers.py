@@ -1,8 +1,8 @@
 """The cheap paths of refusals and the access log say exactly what the general ones said.
 
 The plain access line is rendered straight from the record, refusal bodies from a template
-(remembered by value), and ``serve`` renders and writes access lines in batches from a
-background thread: each is checked against the general rendering it replaces, and the
+(remembered by value), and ``serve`` writes access lines in batches from a background
+thread: each is checked against the general rendering it replaces, and the
 batches against order and completeness (a real ``serve`` child stopped with SIGTERM flushes
 every line).
 """
@@ -116,7 +116,7 @@ def test_a_remembered_refusal_is_a_new_answer_each_time() -> None:
 
 
 @pytest.mark.parametrize("log_format", ["plain", "json"])
-def test_lines_rendered_by_the_writer_are_the_lines_render_makes(log_format: LogFormat) -> None:
+def test_lines_handed_to_the_batched_handler_are_the_lines_render_makes(log_format: LogFormat) -> None:
     rng = random.Random(11)
     stream = io.StringIO()
     handler = BatchedLineHandler(stream, interval=0.001)
@@ -128,7 +128,7 @@ def test_lines_rendered_by_the_writer_are_the_lines_render_makes(log_format: Log
     records = [random_record(rng) for _ in range(2000)]
     for i, record in enumerate(records):
         now[0] = 1_700_000_000.0 + i * 0.0137  # each line its own time, read when written
-        log.write(record)  # handed to the writer thread, rendered when its batch is written
+        log.write(record)  # the rendered line handed to the handler, written by its thread
     now[0] = 0.0
     handler.close()
     expected = [
