@@ -40,11 +40,12 @@ sends that logger to stdout with nothing added (see :func:`logging_config`), thr
 Why batched: under overload most answers are refusals, and a line per answer written and
 flushed on its own was about half of a refusal's CPU (a ``write`` system call and the
 logging module's record, lock and formatter per line). When the access logger's one handler
-is a :class:`BatchedLineHandler`, :class:`AccessLog` hands it the rendered line directly
-(no ``LogRecord``); with any other set-up (a test's capture, an application's own handlers)
-lines go through ``logger.info`` as usual. Lines are rendered on the request's path: handing
-the writer thread the records to render instead cost more CPU in all (records kept alive
-for a batch's interval, rendered cold), measured side by side.
+is a :class:`BatchedLineHandler`, :class:`AccessLog` hands it the record itself with the
+two clock readings of its end (no ``LogRecord``, no formatting on the request's path); the
+writer thread renders each batch's lines, in a loop, before writing them. With any other
+set-up (a test's capture, an application's own handlers) lines are rendered at once and go
+through ``logger.info`` as usual. A record handed over is not changed afterwards: the line
+is the one it would have been rendered as at its end.
 """
 
 from __future__ import annotations
@@ -239,7 +240,11 @@ class AccessLog:
         return " ".join(parts)
 
     def write(self, record: AccessRecord) -> None:
-        """Log ``record`` as ending now (never raises: a log failure must not fail a request)."""
+        """Log ``record`` as ending now (never raises: a log failure must not fail a request).
+
+        ``record`` must not change afterwards: with a :class:`BatchedLineHandler` it is
+        rendered later, by the writer thread.
+        """
         try:
             end, now = self.clock(), self.wall_clock()
             logger = self.logger
@@ -251,11 +256,15 @@ class AccessLog:
                     and handler.level <= logging.INFO
                     and not handler.filters
                 ):
-                    handler.write_line(self._render(record, end, now))
+                    handler.write_later(self._render, record, end, now)
                     return
             logger.info(self._render(record, end, now))
         except Exception:  # pragma: no cover - a broken handler; logging reports its own errors
             logging.getLogger("llm_backoff_shim").exception("access log line failed")
+
+
+#: A line to render when its batch is written: ``render(record, end, now)``.
+_Later = tuple[Callable[[AccessRecord, float, float], str], AccessRecord, float, float]
 
 
 class BatchedLineHandler(logging.Handler):
@@ -266,7 +275,7 @@ class BatchedLineHandler(logging.Handler):
     One ``write`` and ``flush`` per batch instead of per line. If the stream stops taking
     lines (a full pipe), the writer blocks and, past ``max_pending`` lines, so do the callers:
     memory stays bounded, as with a plain stream handler. No formatter is applied: the message
-    is written as it is.
+    is written as it is. :meth:`write_later` queues a line to be rendered with its batch.
     """
 
     def __init__(
@@ -276,7 +285,7 @@ class BatchedLineHandler(logging.Handler):
         self.stream = stream if stream is not None else sys.stdout
         self.interval = interval
         self.max_pending = max_pending
-        self._lines: collections.deque[str] = collections.deque()
+        self._lines: collections.deque[str | _Later] = collections.deque()
         self._wake = threading.Event()
         self._armed = False
         self._write_lock = threading.Lock()
@@ -291,8 +300,21 @@ class BatchedLineHandler(logging.Handler):
 
     def write_line(self, line: str) -> None:
         """Queue ``line`` (no newline) for the next batch."""
+        self._queue(line)
+
+    def write_later(
+        self,
+        render: Callable[[AccessRecord, float, float], str],
+        record: AccessRecord,
+        end: float,
+        now: float,
+    ) -> None:
+        """Queue the line ``render(record, end, now)`` for the next batch, rendered when it is written."""
+        self._queue((render, record, end, now))
+
+    def _queue(self, item: str | _Later) -> None:
         lines = self._lines
-        lines.append(line)
+        lines.append(item)
         if self._closed or len(lines) > self.max_pending:
             self.flush()
         elif not self._armed:
@@ -307,10 +329,21 @@ class BatchedLineHandler(logging.Handler):
             lines = self._lines
             if not lines:
                 return
-            batch = []
+            batch: list[str] = []
+            lost = 0
             while lines:
-                batch.append(lines.popleft())
+                item = lines.popleft()
+                if isinstance(item, str):
+                    batch.append(item)
+                    continue
+                render, record, end, now = item
+                try:
+                    batch.append(render(record, end, now))
+                except Exception:  # pragma: no cover - a record the renderer cannot take
+                    lost += 1
             batch.append("")
+            if lost:  # pragma: no cover
+                sys.stderr.write(f"access log: {lost} lines could not be rendered\n")
             try:
                 self.stream.write("\n".join(batch))
                 self.stream.flush()
