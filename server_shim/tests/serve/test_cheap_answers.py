@@ -1,21 +1,26 @@
 """The cheap paths of refusals and the access log say exactly what the general ones said.
 
-The plain access line is rendered straight from the record, refusal bodies from a template,
-and ``serve`` writes access lines in batches from a background thread: each is checked
-against the general rendering it replaces, and the batches against order and completeness
-(a real ``serve`` child stopped with SIGTERM flushes every line).
+The plain access line is rendered straight from the record, refusal bodies from a template
+(remembered by value), and ``serve`` writes access lines in batches from a background
+thread: each is checked against the general rendering it replaces, and the
+batches against order and completeness (a real ``serve`` child stopped with SIGTERM flushes
+every line).
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import logging
 import math
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
+import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.lab.procs import ChildServer, cli_command
@@ -23,6 +28,7 @@ from llm_backoff_shim.serve.access_log import (
     AccessLog,
     AccessRecord,
     BatchedLineHandler,
+    LogFormat,
     _plain,
     logging_config,
 )
@@ -96,6 +102,46 @@ def test_a_refusal_body_is_the_one_json_dumps_makes() -> None:
         response = rejection_response(rejection, 429)
         assert response.body == json.dumps(expected, separators=(",", ":")).encode()
         assert dict(response.headers)[b"content-length"] == str(len(response.body)).encode()
+
+
+def test_a_remembered_refusal_is_a_new_answer_each_time() -> None:
+    rejection = Rejection(code="queue_full", message="server at capacity", retry_after=2.5, queue_depth=3)
+    first = rejection_response(rejection, 429)
+    first.headers.append((b"x-extra", b"1"))  # a caller adding its own header to its answer
+    second = rejection_response(rejection, 429)
+    assert second is not first
+    assert (b"x-extra", b"1") not in second.headers
+    assert second.body == first.body
+    assert rejection_response(rejection, 503).status == 503
+
+
+@pytest.mark.parametrize("log_format", ["plain", "json"])
+def test_lines_handed_to_the_batched_handler_are_the_lines_render_makes(log_format: LogFormat) -> None:
+    rng = random.Random(11)
+    stream = io.StringIO()
+    handler = BatchedLineHandler(stream, interval=0.001)
+    logger = logging.getLogger(f"test_cheap_answers.{log_format}")
+    logger.handlers, logger.propagate = [handler], False
+    logger.setLevel(logging.INFO)
+    now = [0.0]
+    log = AccessLog(log_format, logger=logger, clock=ticking(1.0), wall_clock=lambda: now[0])
+    records = [random_record(rng) for _ in range(2000)]
+    for i, record in enumerate(records):
+        now[0] = 1_700_000_000.0 + i * 0.0137  # each line its own time, read when written
+        log.write(record)  # the rendered line handed to the handler, written by its thread
+    now[0] = 0.0
+    handler.close()
+    expected = [
+        AccessLog(log_format, wall_clock=lambda i=i: 1_700_000_000.0 + i * 0.0137).render(record, 1.0 + i)
+        for i, record in enumerate(records)
+    ]
+    assert stream.getvalue().split("\n")[:-1] == expected
+
+
+def ticking(start: float, step: float = 1.0) -> Callable[[], float]:
+    """A clock that moves on by ``step`` at each reading."""
+    count = itertools.count()
+    return lambda: start + next(count) * step
 
 
 def test_batched_lines_keep_their_order_and_close_writes_the_rest() -> None:

@@ -218,9 +218,20 @@ def test_the_refusal_is_logged_and_carries_the_slo_state(
         assert headers["x-slo-state"] in {"green", "yellow", "red"}
     lines = [json.loads(r.getMessage()) for r in caplog.records if "early-1" in r.getMessage()]
     assert len(lines) == 1
-    assert lines[0]["outcome"] == "rejected"
-    assert lines[0]["code"] == "queue_full"
-    assert lines[0]["status"] == 429
+    line = lines[0]
+    assert (line["outcome"], line["code"], line["status"], line["class"]) == (
+        "rejected",
+        "queue_full",
+        429,
+        "interactive",
+    )
+    assert (line["queue_ms"], line["detail"], line["client"]) == (
+        0.0,
+        "server at capacity (queue full)",
+        "127.0.0.1",
+    )
+    assert line["retry_after_s"] == round(float(headers["retry-after-ms"]) / 1000, 3)
+    assert line["body_ms"] is line["ttfb_ms"] is line["upstream_ms"] is line["tenant"] is None
 
 
 def test_hooks_that_price_the_body_keep_the_refusal_on_the_usual_path() -> None:

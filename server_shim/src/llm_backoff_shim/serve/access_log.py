@@ -40,9 +40,12 @@ sends that logger to stdout with nothing added (see :func:`logging_config`), thr
 Why batched: under overload most answers are refusals, and a line per answer written and
 flushed on its own was about half of a refusal's CPU (a ``write`` system call and the
 logging module's record, lock and formatter per line). When the access logger's one handler
-is a :class:`BatchedLineHandler`, :class:`AccessLog` hands it the rendered line directly
-(no ``LogRecord``); with any other set-up (a test's capture, an application's own handlers)
-lines go through ``logger.info`` as usual.
+is a :class:`BatchedLineHandler`, :class:`AccessLog` hands it the record itself with the
+two clock readings of its end (no ``LogRecord``, no formatting on the request's path); the
+writer thread renders each batch's lines, in a loop, before writing them. With any other
+set-up (a test's capture, an application's own handlers) lines are rendered at once and go
+through ``logger.info`` as usual. A record handed over is not changed afterwards: the line
+is the one it would have been rendered as at its end.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ LOGGER_NAME = "llm_backoff_shim.access"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 _PLAIN_SAFE = re.compile(r"[^\s\"\\=]+")
 _MAX_PATH = 200
+_MAX_REMEMBERED = 600
+#: A time stamp's end, by its milliseconds.
+_MILLIS = tuple(f".{ms:03d}+00:00" for ms in range(1000))
 
 
 @dataclass(slots=True)
@@ -124,10 +130,9 @@ class AccessLog:
         self.wall_clock = wall_clock
         self._second: tuple[int, str] = (-1, "")
 
-    def _timestamp(self) -> str:
+    def _timestamp(self, now: float) -> str:
         # ISO 8601 UTC with milliseconds; the part up to the second is reused within a
         # second (datetime formatting is a fair share of a line's cost).
-        now = self.wall_clock()
         second = math.floor(now)
         micros = round((now - second) * 1e6)  # as datetime rounds, then truncate to ms
         if micros >= 1_000_000:
@@ -136,14 +141,15 @@ class AccessLog:
         if cached != second:
             prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
             self._second = (second, prefix)
-        return f"{prefix}.{micros // 1000:03d}+00:00"
+        return prefix + _MILLIS[micros // 1000]
 
     @property
     def enabled(self) -> bool:
         """False when INFO is off for the logger: the proxy then skips building records."""
         return self.logger.isEnabledFor(logging.INFO)
 
-    def fields(self, record: AccessRecord, end: float) -> dict[str, Any]:
+    def fields(self, record: AccessRecord, end: float, now: float | None = None) -> dict[str, Any]:
+        """The line's fields, in order; ``now``: the wall-clock time of ``end`` (None: now)."""
         upstream = None
         if record.upstream_start is not None:
             # No end: the request was abandoned (client gone) while upstream; it ended now.
@@ -153,7 +159,7 @@ class AccessLog:
         ttfb = None if record.first_byte is None else record.first_byte - record.arrival
         body = None if record.body_done is None else record.body_done - record.arrival
         fields: dict[str, Any] = {
-            "time": self._timestamp(),
+            "time": self._timestamp(self.wall_clock() if now is None else now),
             "method": record.method,
             "path": record.path[:_MAX_PATH],
             "class": record.cls or "-",
@@ -174,8 +180,12 @@ class AccessLog:
         return fields
 
     def render(self, record: AccessRecord, end: float) -> str:
+        """``record`` as a line, ending at ``end`` (monotonic), stamped with the wall clock now."""
+        return self._render(record, end, self.wall_clock())
+
+    def _render(self, record: AccessRecord, end: float, now: float) -> str:
         if self.log_format == "json":
-            return json.dumps(self.fields(record, end), separators=(",", ":"), ensure_ascii=True)
+            return json.dumps(self.fields(record, end, now), separators=(",", ":"), ensure_ascii=True)
         # The plain line straight from the record, in the order of fields(): this runs for
         # every answer, refusals included.
         upstream = None
@@ -186,42 +196,57 @@ class AccessLog:
         # f"{ms:.1f}" writes the digits repr(round(ms, 1)) writes (one correctly rounded
         # conversion either way), below 1e16 ms, for a third of the cost.
         arrival = record.arrival
-        parts = [
-            self._timestamp(),
-            record.method,
-            _plain(record.path[:_MAX_PATH]),
-            "class=" + _plain(record.cls or "-"),
-            "outcome=" + _plain(record.outcome),
-        ]
-        if record.code is not None:
-            parts.append("code=" + _plain(record.code))
+        # The fields that repeat from line to line (request line, class, outcome, code; detail,
+        # tenant, request id, client) are rendered once per combination, kept in a table.
+        path = record.path[:_MAX_PATH]
+        key: tuple[str | None, ...] = (record.method, path, record.cls, record.outcome, record.code)
+        head = _WORDS_SEEN.get(key)
+        if head is None:
+            head = _remember(key, _head_words(record, path))
+        parts = [self._timestamp(now), head]
         if record.status is not None:
             parts.append(f"status={record.status}")
-        if record.body_done is not None:
-            parts.append(f"body_ms={(record.body_done - arrival) * 1000:.1f}")
-        if record.queue_time is not None:
-            parts.append(f"queue_ms={record.queue_time * 1000:.1f}")
-        if record.first_byte is not None:
-            parts.append(f"ttfb_ms={(record.first_byte - arrival) * 1000:.1f}")
-        if upstream is not None:
-            parts.append(f"upstream_ms={upstream * 1000:.1f}")
-        parts.append(f"total_ms={(end - arrival) * 1000:.1f}")
+        body_done, queue_time, first_byte = record.body_done, record.queue_time, record.first_byte
+        if (
+            body_done is not None
+            and queue_time is not None
+            and first_byte is not None
+            and upstream is not None
+        ):
+            # A relayed request's five times, in one string.
+            parts.append(
+                f"body_ms={(body_done - arrival) * 1000:.1f} queue_ms={queue_time * 1000:.1f} "
+                f"ttfb_ms={(first_byte - arrival) * 1000:.1f} upstream_ms={upstream * 1000:.1f} "
+                f"total_ms={(end - arrival) * 1000:.1f}"
+            )
+        else:
+            if body_done is not None:
+                parts.append(f"body_ms={(body_done - arrival) * 1000:.1f}")
+            if queue_time is not None:
+                parts.append(f"queue_ms={queue_time * 1000:.1f}")
+            if first_byte is not None:
+                parts.append(f"ttfb_ms={(first_byte - arrival) * 1000:.1f}")
+            if upstream is not None:
+                parts.append(f"upstream_ms={upstream * 1000:.1f}")
+            parts.append(f"total_ms={(end - arrival) * 1000:.1f}")
         if record.retry_after is not None:
-            parts.append(f"retry_after_s={round(record.retry_after, 3)}")
-        if record.detail is not None:
-            parts.append("detail=" + _plain(record.detail))
-        if record.tenant is not None:
-            parts.append("tenant=" + _plain(record.tenant))
-        if record.request_id is not None:
-            parts.append("request_id=" + _plain(record.request_id))
-        if record.client is not None:
-            parts.append("client=" + _plain(record.client))
+            parts.append("retry_after_s=" + _three_places(record.retry_after))
+        key = (record.detail, record.tenant, record.request_id, record.client)
+        if key != _NO_WORDS:
+            tail = _WORDS_SEEN.get(key)
+            if tail is None:
+                tail = _remember(key, _tail_words(record))
+            parts.append(tail)
         return " ".join(parts)
 
     def write(self, record: AccessRecord) -> None:
-        """Log ``record`` as ending now (never raises: a log failure must not fail a request)."""
+        """Log ``record`` as ending now (never raises: a log failure must not fail a request).
+
+        ``record`` must not change afterwards: with a :class:`BatchedLineHandler` it is
+        rendered later, by the writer thread.
+        """
         try:
-            line = self.render(record, self.clock())
+            end, now = self.clock(), self.wall_clock()
             logger = self.logger
             handlers = logger.handlers
             if len(handlers) == 1 and not logger.propagate and not logger.filters:
@@ -231,11 +256,15 @@ class AccessLog:
                     and handler.level <= logging.INFO
                     and not handler.filters
                 ):
-                    handler.write_line(line)
+                    handler.write_later(self._render, record, end, now)
                     return
-            logger.info(line)
+            logger.info(self._render(record, end, now))
         except Exception:  # pragma: no cover - a broken handler; logging reports its own errors
             logging.getLogger("llm_backoff_shim").exception("access log line failed")
+
+
+#: A line to render when its batch is written: ``render(record, end, now)``.
+_Later = tuple[Callable[[AccessRecord, float, float], str], AccessRecord, float, float]
 
 
 class BatchedLineHandler(logging.Handler):
@@ -246,7 +275,7 @@ class BatchedLineHandler(logging.Handler):
     One ``write`` and ``flush`` per batch instead of per line. If the stream stops taking
     lines (a full pipe), the writer blocks and, past ``max_pending`` lines, so do the callers:
     memory stays bounded, as with a plain stream handler. No formatter is applied: the message
-    is written as it is.
+    is written as it is. :meth:`write_later` queues a line to be rendered with its batch.
     """
 
     def __init__(
@@ -256,7 +285,7 @@ class BatchedLineHandler(logging.Handler):
         self.stream = stream if stream is not None else sys.stdout
         self.interval = interval
         self.max_pending = max_pending
-        self._lines: collections.deque[str] = collections.deque()
+        self._lines: collections.deque[str | _Later] = collections.deque()
         self._wake = threading.Event()
         self._armed = False
         self._write_lock = threading.Lock()
@@ -271,8 +300,21 @@ class BatchedLineHandler(logging.Handler):
 
     def write_line(self, line: str) -> None:
         """Queue ``line`` (no newline) for the next batch."""
+        self._queue(line)
+
+    def write_later(
+        self,
+        render: Callable[[AccessRecord, float, float], str],
+        record: AccessRecord,
+        end: float,
+        now: float,
+    ) -> None:
+        """Queue the line ``render(record, end, now)`` for the next batch, rendered when it is written."""
+        self._queue((render, record, end, now))
+
+    def _queue(self, item: str | _Later) -> None:
         lines = self._lines
-        lines.append(line)
+        lines.append(item)
         if self._closed or len(lines) > self.max_pending:
             self.flush()
         elif not self._armed:
@@ -287,10 +329,21 @@ class BatchedLineHandler(logging.Handler):
             lines = self._lines
             if not lines:
                 return
-            batch = []
+            batch: list[str] = []
+            lost = 0
             while lines:
-                batch.append(lines.popleft())
+                item = lines.popleft()
+                if isinstance(item, str):
+                    batch.append(item)
+                    continue
+                render, record, end, now = item
+                try:
+                    batch.append(render(record, end, now))
+                except Exception:  # pragma: no cover - a record the renderer cannot take
+                    lost += 1
             batch.append("")
+            if lost:  # pragma: no cover
+                sys.stderr.write(f"access log: {lost} lines could not be rendered\n")
             try:
                 self.stream.write("\n".join(batch))
                 self.stream.flush()
@@ -325,7 +378,56 @@ def json_records(text: str) -> Iterator[dict[str, Any]]:
             yield entry
 
 
+def _three_places(value: float) -> str:
+    """``str(round(value, 3))`` at a quarter of the cost.
+
+    Below 1e12 a number with three decimals has at most 15 significant digits, so the
+    shortest repr of the float nearest to it is those digits: the correctly rounded
+    ``:.3f`` rendering without its trailing zeros.
+    """
+    if value.__class__ is float and -1e12 < value < 1e12:
+        text = f"{value:.3f}".rstrip("0")
+        return text + "0" if text[-1] == "." else text
+    return str(round(value, 3))
+
+
 _PLAIN_SEEN: dict[str, str] = {}
+_WORDS_SEEN: dict[tuple[str | None, ...], str] = {}
+_NO_WORDS = (None, None, None, None)
+
+
+def _remember(key: tuple[str | None, ...], words: str) -> str:
+    """``words`` rendered from ``key``, kept for the next line with the same values (short ones
+    only: the table stays small whatever clients send)."""
+    if len(words) <= _MAX_REMEMBERED:
+        if len(_WORDS_SEEN) >= 4096:
+            _WORDS_SEEN.clear()
+        _WORDS_SEEN[key] = words
+    return words
+
+
+def _head_words(record: AccessRecord, path: str) -> str:
+    """The plain line's request line, class, outcome and code."""
+    words = [
+        record.method,
+        _plain(path),
+        "class=" + _plain(record.cls or "-"),
+        "outcome=" + _plain(record.outcome),
+    ]
+    if record.code is not None:
+        words.append("code=" + _plain(record.code))
+    return " ".join(words)
+
+
+def _tail_words(record: AccessRecord) -> str:
+    """The plain line's detail, tenant, request id and client (those present)."""
+    named = (
+        ("detail", record.detail),
+        ("tenant", record.tenant),
+        ("request_id", record.request_id),
+        ("client", record.client),
+    )
+    return " ".join(f"{name}={_plain(value)}" for name, value in named if value is not None)
 
 
 def _plain(value: object) -> str:

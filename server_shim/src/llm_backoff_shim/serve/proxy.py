@@ -94,6 +94,9 @@ _DEFAULT_ROUTES = RouteTable()
 #: Larger request bodies get a 413 instead of being buffered (``--max-body-bytes``).
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
+#: Distinct answers to requests refused from their heads kept for reuse (_head_answer).
+_HEAD_ANSWERS_MAX = 512
+
 
 def is_allowed_path(path: str) -> bool:
     """Whether ``path`` (percent-decoded) stays under ``/v1/``: no dot segments, no backslashes."""
@@ -169,6 +172,8 @@ class Proxy:
         )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Answers written from requests' heads, by what they are made of (_head_answer).
+        self._head_answers: dict[tuple[object, ...], tuple[int, bytes]] = {}
 
     def _current_task(self) -> asyncio.Task[Any]:
         """The request's task, found without ``asyncio.get_running_loop()``.
@@ -320,12 +325,49 @@ class Proxy:
         if rejection is None:
             return None
         response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
-        response = in_shape(response, route.shape)
-        exchange = Exchange(sent=response.status, queue_time=0.0, shape=route.shape)
-        exchange.reject(rejection)
+        status, answer = self._head_answer(response, route.shape)
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
-        self._log(self._record(scope, method, path, arrival), exchange, request.cls, request.tenant)
-        return wire_answer(response.status, response.headers, response.body)
+        access_log = self.access_log
+        if access_log is not None and access_log.enabled:
+            # The line _log would write for this refusal, its record built in one go (by
+            # position, in AccessRecord's order: a third of the cost of naming 13 fields).
+            tenant = request.tenant
+            access_log.write(
+                AccessRecord(
+                    method,
+                    path,
+                    arrival,
+                    request.cls,
+                    None if tenant == "-" else tenant,
+                    "rejected",  # outcome
+                    rejection.code,
+                    status,
+                    None,  # body_done
+                    0.0,  # queue_time
+                    None,  # upstream_start
+                    None,  # first_byte
+                    None,  # upstream_end
+                    rejection.retry_after,
+                    rejection.message,  # detail
+                    request_id(_raw_header(headers, b"x-request-id")),
+                    _peer(scope),  # client
+                )
+            )
+        return answer
+
+    def _head_answer(self, response: ErrorResponse, shape: Shape) -> tuple[int, bytes]:
+        """The status and bytes of ``response`` in the route's error shape, remembered by value:
+        refusals from the head repeat (the same few hints, codes and headers)."""
+        key = (shape, response.status, response.body, *response.headers)
+        known = self._head_answers.get(key)
+        if known is None:
+            if shape is not Shape.OPENAI:
+                response = in_shape(response, shape)
+            known = response.status, wire_answer(response.status, response.headers, response.body)
+            if len(self._head_answers) >= _HEAD_ANSWERS_MAX:
+                self._head_answers.clear()
+            self._head_answers[key] = known
+        return known
 
     async def _refuse(
         self, send: Send, refusal: Refusal, record: AccessRecord | None, shape: Shape = Shape.OPENAI

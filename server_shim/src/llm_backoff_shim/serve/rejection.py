@@ -45,13 +45,49 @@ def retry_after_header(seconds: float) -> int:
 
 
 def rejection_response(rejection: Rejection, default_status: int) -> ErrorResponse:
+    """The answer to ``rejection`` (``default_status`` unless it names its own): a new object
+    each call, its parts remembered by the values they are written from (:data:`_RENDERED`)."""
+    retry_after = rejection.retry_after
+    whole = retry_after_header(retry_after)
+    millis = max(1, round(retry_after * 1000))
+    seconds = round(retry_after, 3)
+    key = (
+        rejection.code,
+        rejection.message,
+        rejection.type,
+        rejection.status,
+        default_status,
+        whole,
+        millis,
+        seconds,
+        rejection.queue_depth,
+    )
+    parts = _RENDERED.get(key)
+    if parts is None:
+        parts = _render_rejection(rejection, default_status, whole, millis, seconds)
+        # Only positive finite hints are remembered: NaN never equals itself, and 0.0 equals
+        # -0.0 while the body writes them apart.
+        if seconds > 0 and math.isfinite(seconds):
+            if len(_RENDERED) >= _RENDERED_MAX:
+                _RENDERED.clear()
+            _RENDERED[key] = parts
+    status, headers, body = parts
+    return ErrorResponse(status, list(headers), body)
+
+
+#: Rendered refusals by the values they are written from: under overload most answers are
+#: refusals, and consecutive ones mostly write the same code, hint (to the millisecond) and
+#: queue depth; rendering one was about a fifth of a refusal's CPU in the shim.
+_RENDERED: dict[tuple[object, ...], tuple[int, tuple[tuple[bytes, bytes], ...], bytes]] = {}
+_RENDERED_MAX = 512
+
+
+def _render_rejection(
+    rejection: Rejection, default_status: int, whole: int, millis: int, seconds: float
+) -> tuple[int, tuple[tuple[bytes, bytes], ...], bytes]:
     status = rejection.status if rejection.status is not None else default_status
-    whole = retry_after_header(rejection.retry_after)
-    millis = max(1, round(rejection.retry_after * 1000))
-    seconds = round(rejection.retry_after, 3)
     # The body json.dumps would write for {"error": {...}} (keys in this order), built from a
-    # template: under overload this runs for most answers, and the generic encoder was a
-    # tenth of a refusal's CPU.
+    # template rather than by the generic encoder.
     payload = _REJECTION_BODY % (
         _json_text(f"{rejection.message}, retry in {whole} s"),
         _json_text(rejection.type),
@@ -60,16 +96,13 @@ def rejection_response(rejection: Rejection, default_status: int) -> ErrorRespon
         int(rejection.queue_depth),
     )
     body = payload.encode()
-    return ErrorResponse(
-        status=status,
-        headers=[
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(whole).encode()),
-            (b"retry-after-ms", str(millis).encode()),
-        ],
-        body=body,
+    headers = (
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(whole).encode()),
+        (b"retry-after-ms", str(millis).encode()),
     )
+    return status, headers, body
 
 
 _REJECTION_BODY = (
