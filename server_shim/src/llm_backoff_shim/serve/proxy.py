@@ -1,5 +1,9 @@
 """The proxy's front: one ASGI endpoint for every path of the engine's API the shim serves.
 
+(Over 400 lines: one request's way through the front, route, intake and admission, with the
+refusal from the head beside it because it must reach the same answers; the relay, the
+exchange and the disconnect watch have their own modules.)
+
 For each request: look the path up in the route table (routes.py: a path no row names is a
 404, an operator route not allowed is a 403, and a ``/v1/`` path must stay under ``/v1/``
 after normalisation, so only the configured upstream's API is ever reachable), read the
