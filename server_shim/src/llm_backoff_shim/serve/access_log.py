@@ -257,8 +257,6 @@ class AccessLog:
             logging.getLogger("llm_backoff_shim").exception("access log line failed")
 
 
-#: A line to render when its batch is written: ``render(record, end, now)``.
-
 
 def json_records(text: str) -> Iterator[dict[str, Any]]:
     """The JSON access records in a log's text (``--log-format json``); any other line is skipped."""
