@@ -71,6 +71,7 @@ from llm_backoff_shim.serve.intake import (
     check_api_key,
     check_content_type,
     check_declared_length,
+    header,
     parse_json_object,
     read_body,
     reason_of,
@@ -353,7 +354,7 @@ class Proxy:
                     None,  # upstream_end
                     rejection.retry_after,
                     rejection.message,  # detail
-                    request_id(_raw_header(headers, b"x-request-id")),
+                    request_id(header(headers, b"x-request-id")),
                     _peer(scope),  # client
                 )
             )
@@ -384,13 +385,12 @@ class Proxy:
     def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
         if self.access_log is None or not self.access_log.enabled:
             return None
-        client = scope.get("client")
         return AccessRecord(
             method=method,
             path=path,
             arrival=arrival,
-            request_id=request_id(_raw_header(scope["headers"], b"x-request-id")),
-            client=str(client[0]) if client else None,
+            request_id=request_id(header(scope["headers"], b"x-request-id")),
+            client=_peer(scope),
         )
 
     def _log(
@@ -496,13 +496,6 @@ def _target(scope: Scope, path: str, route: Route) -> bytes:
 def _peer(scope: Scope) -> str | None:
     client = scope.get("client")
     return str(client[0]) if client else None
-
-
-def _raw_header(headers: RawHeaders, name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
 
 
 def _header(headers: RawHeaders, name: bytes) -> str | None:
