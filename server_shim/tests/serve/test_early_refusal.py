@@ -39,10 +39,14 @@ def test_asks_for_stream(body: bytes, expected: bool) -> None:
     assert asks_for_stream(parsed) is expected
 
 
-def test_only_streams_feed_the_first_token_estimate(upstream: Any, make_shim: Callable[..., Any]) -> None:
+def test_only_streams_feed_the_first_token_estimate(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
     shim = make_shim(upstream.url, max_concurrency=2)
     estimator = shim.runtime.controller.estimator
     assert post(shim.url).status_code == 200
+    # The sample is taken when the slot is released, just after the answer has gone out.
+    waiter(lambda: estimator.samples >= 1, what="the completion's sample")
     assert estimator.samples == 1
     assert estimator.first_byte_time is None  # a non-streaming body's first byte is its end
     streamed = post(shim.url, {"x-fake-chunks": "3"}, {**CHAT, "stream": True})
@@ -51,11 +55,12 @@ def test_only_streams_feed_the_first_token_estimate(upstream: Any, make_shim: Ca
 
 
 def test_budget_below_the_measured_service_time_never_reaches_the_engine(
-    upstream: Any, make_shim: Callable[..., Any]
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
 ) -> None:
     shim = make_shim(upstream.url, max_concurrency=2)
     # One measured completion of at least 0.3 s: the fake upstream sleeps before answering.
     assert post(shim.url, {"x-fake-delay": "0.3"}).status_code == 200
+    waiter(lambda: shim.runtime.controller.estimator.samples >= 1, what="the completion's sample")
     assert shim.runtime.controller.estimator.service_time >= 0.3
     seen = len(upstream.received)
     refused = post(shim.url, {"x-request-timeout-ms": "50"})  # a slot is free, the time is not
