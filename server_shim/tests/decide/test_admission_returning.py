@@ -351,6 +351,34 @@ def test_interactive_arrivals_do_not_push_a_batch_request_past_its_budget(make: 
     assert c.serve_order() == [first, b0, b1, second]
 
 
+def test_a_class_held_longer_than_the_newcomers_yields_and_the_recheck_turns_away_who_it_makes_late(
+    make: MakeController,
+) -> None:
+    # Batch held up to 20 s, interactive at most 3 s: a batch promise is longer than any
+    # interactive one, so interactive arrivals pass queued batch requests whatever it does to them.
+    c, clock = make(
+        limit=1,
+        max_queue=8,
+        max_wait=10.0,
+        max_waits={"interactive": 3.0, "batch": 20.0},
+        returning_share=0.0,
+    )
+    measure(c, clock, 1.0)
+    ticket(c.submit(fresh()))
+    b0 = ticket(c.submit(fresh("batch")))
+    b1 = ticket(c.submit(fresh("batch", budget=4.5)))  # 2 s wait + 1 s service: 1.5 s to spare
+    first, second, third = (ticket(c.submit(fresh())) for _ in range(3))  # 1, 2 and 3 s away
+    assert c.serve_order() == [first, second, third, b0, b1]  # b1 now 5 + 1 s, past its 4.5 s
+    # Past it even as the recheck judges it (as if a slot freed now: 4 + 1 s): turned away,
+    # told when to come back.
+    late = c.recheck().expired
+    assert late == [b1]
+    assert late[0].rejection is not None
+    assert late[0].rejection.code == "queue_timeout"
+    assert late[0].rejection.retry_after > 0
+    assert c.serve_order() == [first, second, third, b0]
+
+
 def test_returning_callers_go_first_only_where_they_make_nobody_late(make: MakeController) -> None:
     c, clock = make(limit=1, max_queue=8, max_wait=10.0, returning_share=0.0)
     measure(c, clock, 1.0)
