@@ -264,9 +264,10 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     assert str(settings.upstream).rstrip("/") == sim.url
     assert (settings.max_concurrency, settings.max_queue, settings.max_queue_wait) == (
         knee,
-        rec["max_queue"],
+        rec["max_queue"] + rec["batch_max_queue"],
         rec["max_queue_wait"],
     )
+    assert settings.class_limits()["batch"].max_queue_wait == rec["batch_max_queue_wait"]
     # The sim completed what the statistics hold plus one warm-up request per worker, no more.
     stats = sim_stats(sim)
     assert all(step["errors"] == 0 for step in result["steps"])

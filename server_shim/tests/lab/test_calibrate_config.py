@@ -42,8 +42,15 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
         assert settings.upstream_base == sim.url
         assert (settings.max_concurrency, settings.max_queue, settings.max_queue_wait) == (
             rec["max_concurrency"],
-            rec["max_queue"],
+            rec["max_queue"] + rec["batch_max_queue"],
             rec["max_queue_wait"],
+        )
+        # The batch class is held: its own queue and wait, in its [classes.batch] table.
+        limits = settings.class_limits()
+        assert limits["interactive"].max_queue == rec["max_queue"]
+        assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (
+            rec["batch_max_queue"],
+            rec["batch_max_queue_wait"],
         )
         assert (
             settings.model_copy(
@@ -52,6 +59,8 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
                     "max_concurrency": 8,
                     "max_queue": 20,
                     "max_queue_wait": 10.0,
+                    "class_max_queue": {},
+                    "class_max_queue_wait": {},
                 }
             )
             == ShimSettings()

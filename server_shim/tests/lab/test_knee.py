@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_backoff_shim.lab.knee import (
+    BATCH_QUEUE_WAIT,
     KneeInputError,
     KneeRule,
     StepStats,
@@ -244,11 +245,32 @@ def test_recommendation_follows_the_slo_headroom_on_the_median_measurement() -> 
     def at(ttft_p99: float, throughput: float) -> StepStats:
         return StepStats(8, 100, 0, throughput, 0.1, ttft_p99, 0.02, 0.03, 0.4, 0.5)
 
-    rec = recommend([at(0.15, 20.0), at(0.9, 10.0), at(0.1, 30.0)], 0.5)
+    rec = recommend([at(0.15, 20.0), at(0.9, 10.0), at(0.1, 30.0)], 0.5, batch_wait=None)
     assert rec.max_concurrency == 8
     assert rec.max_queue_wait == pytest.approx(0.35)
     assert rec.max_queue == 7  # 20 req/s drain 7 requests in 0.35 s
     assert rec.serve_flags() == ["--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35"]
+
+
+def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> None:
+    step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
+    rec = recommend([step], 0.5)  # the default batch wait
+    assert rec.batch_max_queue_wait == BATCH_QUEUE_WAIT
+    assert rec.batch_max_queue == math.floor(20.0 * BATCH_QUEUE_WAIT)
+    held = recommend([step], 0.5, batch_wait=4.0)
+    assert (held.max_queue, held.batch_max_queue, held.total_queue) == (7, 80, 87)
+    assert held.serve_flags() == [
+        "--max-concurrency", "8", "--max-queue", "87", "--max-queue-wait", "0.35",
+        "--interactive-max-queue", "7", "--batch-max-queue", "80", "--batch-max-queue-wait", "4",
+    ]  # fmt: skip
+    shim = load_settings(held.serve_flags())
+    limits = shim.class_limits()
+    assert (limits["interactive"].max_queue, limits["interactive"].max_queue_wait) == (7, 0.35)
+    assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (80, 4.0)
+    assert shim.max_queue == 87
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(KneeInputError, match="batch_wait"):
+            recommend([step], 0.5, batch_wait=bad)
 
 
 def test_recommendation_keeps_one_queue_slot_and_a_positive_wait_without_headroom() -> None:
@@ -270,9 +292,10 @@ def test_recommended_flags_are_valid_shim_settings() -> None:
     shim = load_settings(rec.serve_flags())
     assert (shim.max_concurrency, shim.max_queue, shim.max_queue_wait) == (
         rec.max_concurrency,
-        rec.max_queue,
+        rec.total_queue,
         rec.max_queue_wait,
     )
+    assert shim.class_limits()["interactive"].max_queue == rec.max_queue
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from .calibrate_ramp import (
 )
 from .calibrate_report import plot, recommended_config, render_text, to_json
 from .extra import MissingLabExtraError
+from .knee import BATCH_QUEUE_WAIT
 from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
 
 PNG_NAME = "calibrate.png"  # written into --out
@@ -67,6 +68,19 @@ def doubling_levels(max_level: int) -> list[int]:
         level *= 2
     levels.append(max_level)
     return levels
+
+
+def seconds_or_none(flag: str, text: str) -> float | None:
+    """A flag's positive number of seconds, or None for 'none' / 'off' / empty."""
+    if text.strip().lower() in ("none", "off", ""):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{flag}: expected seconds or 'none', got {text!r}") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{flag}: must be a positive number of seconds, got {seconds:g}")
+    return seconds
 
 
 def parse_steps(text: str) -> list[int]:
@@ -109,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="p99 time-per-output-token SLO (a request's mean gap between tokens after the first); "
         "the default, %(default)s s (10 tokens/s, faster than people read), is a common target: "
         "set yours, or 'none' to judge TTFT only",
+    )
+    add(
+        "--batch-queue-wait",
+        default=str(BATCH_QUEUE_WAIT),
+        metavar="SECONDS|none",
+        help="the longest a batch request waits in the shim for a slot, recommended with a queue the "
+        "engine drains in that time (default %(default)s s; a caller's own x-request-timeout-ms "
+        "budget, when shorter, bounds its wait); 'none': batch shares the interactive queue's bounds",
     )
     add("--model", help="model to ask for (default: the first of /v1/models)")
     add(
@@ -241,13 +263,8 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         check(1 <= args.max_level <= 100_000, f"--max-level: must be 1..100000, got {args.max_level}")
         levels = doubling_levels(args.max_level)
     check(levels[-1] <= 100_000, "--steps: levels above 100000 are not supported")
-    tpot_slo: float | None = None
-    if args.tpot_slo.strip().lower() not in ("none", "off", ""):
-        try:
-            tpot_slo = float(args.tpot_slo)
-        except ValueError:
-            raise ValueError(f"--tpot-slo: expected seconds or 'none', got {args.tpot_slo!r}") from None
-        check(finite_positive(tpot_slo), f"--tpot-slo: must be a positive number of seconds, got {tpot_slo}")
+    tpot_slo = seconds_or_none("--tpot-slo", args.tpot_slo)
+    batch_queue_wait = seconds_or_none("--batch-queue-wait", args.batch_queue_wait)
     lengths = {}
     for flag, text in (("--prompt-words", args.prompt_words), ("--output-tokens", args.output_tokens)):
         try:
@@ -276,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         model=args.model,
         api_key=api_key,
         tpot_slo=tpot_slo,
+        batch_queue_wait=batch_queue_wait,
         prompt_words=lengths["--prompt-words"],
         output_tokens=lengths["--output-tokens"],
         step_seconds=args.step_seconds,

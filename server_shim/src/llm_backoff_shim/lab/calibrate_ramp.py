@@ -22,6 +22,7 @@ import openai
 
 from .calibrate_samples import Sample, summarize
 from .knee import (
+    BATCH_QUEUE_WAIT,
     Knee,
     KneeRule,
     Recommendation,
@@ -65,6 +66,7 @@ class CalibrateConfig:
     model: str | None = None
     api_key: str = "EMPTY"
     tpot_slo: float | None = DEFAULT_TPOT_SLO
+    batch_queue_wait: float | None = BATCH_QUEUE_WAIT
     prompt_words: LengthDist = DEFAULT_PROMPT_WORDS
     output_tokens: LengthDist = DEFAULT_OUTPUT_TOKENS
     step_seconds: float = 20.0
@@ -332,5 +334,7 @@ async def run_ramp(
         else:
             stopped = "measurement budget used up"
     knee, why = with_confidence(find_knee(runs, rule), history, rule)
-    rec = recommend(runs[knee.level], config.ttft_slo) if knee.level is not None else None
+    rec = None
+    if knee.level is not None:
+        rec = recommend(runs[knee.level], config.ttft_slo, config.batch_queue_wait)
     return Outcome(shim_upstream, model, config, steps, runs, stopped, first_errors, knee, why, rec)

@@ -40,13 +40,17 @@ def recommended_config(outcome: Outcome) -> str | None:
     if rec is None:
         return None
     cfg = outcome.config
+    active: dict[str, object] = {
+        "upstream": outcome.upstream,
+        "max_concurrency": rec.max_concurrency,
+        "max_queue": rec.total_queue,
+        "max_queue_wait": rec.max_queue_wait,
+    }
+    if rec.batch_max_queue is not None and rec.batch_max_queue_wait is not None:
+        active["class_max_queue"] = {"interactive": rec.max_queue, "batch": rec.batch_max_queue}
+        active["class_max_queue_wait"] = {"batch": rec.batch_max_queue_wait}
     return render_config(
-        {
-            "upstream": outcome.upstream,
-            "max_concurrency": rec.max_concurrency,
-            "max_queue": rec.max_queue,
-            "max_queue_wait": rec.max_queue_wait,
-        },
+        active,
         header=(
             f"llm-backoff-shim serve --config FILE: recommended by llm-backoff-shim calibrate for "
             f"{outcome.upstream}",
@@ -126,7 +130,13 @@ def render_text(outcome: Outcome) -> str:
             f"({_median(steps, 'output_tokens_per_s'):.0f} tok/s, {_median(steps, 'throughput'):.2f} req/s, "
             f"p99 TTFT {v.ttft_p99:.3f} s there; the best level within the SLO did "
             f"{knee.best_throughput:.0f}); a queue of {rec.max_queue} drains within "
-            f"{rec.max_queue_wait:g} s, the SLO headroom left",
+            f"{rec.max_queue_wait:g} s, the SLO headroom left"
+            + (
+                ""
+                if rec.batch_max_queue is None or rec.batch_max_queue_wait is None
+                else f"; batch is held up to {rec.batch_max_queue_wait:g} s in a queue of "
+                f"{rec.batch_max_queue}, behind interactive"
+            ),
             f"confidence: {knee.confidence} ({outcome.confidence_reason})",
             "",
             f"  {command}",
