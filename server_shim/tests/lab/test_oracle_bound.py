@@ -59,3 +59,14 @@ def test_more_slots_never_deliver_less() -> None:
     assert served[-1] == 40
     with pytest.raises(ValueError, match="slots"):
         oracle.schedule(jobs, 0)
+
+
+def test_classes_first_serves_the_first_class_before_an_earlier_deadline_of_another() -> None:
+    jobs = [
+        oracle.Job(0.0, 10, 4.0, 1.0, "batch"),  # must start by 1 s
+        oracle.Job(0.0, 10, 4.0, 3.0, "interactive"),  # must start by 3 s
+    ]
+    assert oracle.schedule(jobs, 1).served_by_class == {"batch": 1}  # EDF: batch, then too late
+    first = oracle.schedule(jobs, 1, classes_first=("interactive",))
+    assert first.served_by_class == {"interactive": 1}  # the batch job's latest start passed
+    assert first.useful_tokens == 10
