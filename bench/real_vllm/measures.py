@@ -12,7 +12,14 @@
 - **engine tokens wasted**: the answer tokens vLLM generated over the run
   (``vllm:generation_tokens_total``) that no completed call received, as a share of
   all it generated (callers who left mid-answer, or whose deadline cut them);
-- **interactive p90 time to failure**: over the interactive calls that failed.
+- **interactive p90 time to failure**: over the interactive calls that failed;
+- **engine pace**: the answer tokens vLLM generated in the run over its busy slot-time (the
+  sampled ``vllm:num_requests_running`` summed over time), times the slots: the answer
+  tokens/s it would make with every slot busy at the pace it had in this run. A shared
+  machine's engine speeds up and slows down between runs (seen here: 760 answer tokens/s
+  in one run, the same load served 10-20 % beyond that in the next); **useful of the run's
+  pace** divides useful tokens by that pace times (arrival window + batch deadline), so
+  cells run on a faster or slower engine can be set side by side.
 """
 
 from __future__ import annotations
@@ -52,6 +59,19 @@ def idle_slot_share(result: RunResult, slots: int) -> float | None:
     return idle / (slots * window) if window > 0 else None
 
 
+def engine_pace(result: RunResult, slots: int) -> float | None:
+    """Answer tokens/s with every slot busy at this run's pace (module docstring)."""
+    samples = [s for s in result.samples if s.engine_running is not None]
+    generated = result.engine_stats.get("tokens_generated")
+    if len(samples) < 2 or not generated:
+        return None
+    busy = sum(
+        (current.engine_running or 0) * min(following.t - current.t, MAX_SAMPLE_GAP)
+        for current, following in itertools.pairwise(samples)
+    )
+    return float(generated) * slots / busy if busy > 0 else None
+
+
 def wasted_share(result: RunResult) -> float | None:
     generated = result.engine_stats.get("tokens_generated")
     wasted = result.engine_stats.get("aborted_tokens")
@@ -81,6 +101,8 @@ class Cell:
     useful_tokens: int
     useful_fraction: float | None
     useful_of_full_load: float | None
+    engine_tokens_per_s: float | None
+    useful_of_pace: float | None
     failed: int
     failed_fast_share: float | None
     failure_p90: float | None
@@ -95,7 +117,9 @@ class Cell:
         cls, result: RunResult, figs: Figures, *, seed: int, slots: int, load: float, full_tokens_per_s: float
     ) -> Cell:
         scenario = result.scenario
-        full_ceiling = full_tokens_per_s * (scenario.duration + scenario.deadline_of("batch"))
+        span = scenario.duration + scenario.deadline_of("batch")
+        full_ceiling = full_tokens_per_s * span
+        pace = engine_pace(result, slots)
         return cls(
             label=result.setup.label,
             seed=seed,
@@ -107,6 +131,8 @@ class Cell:
             useful_tokens=figs.useful_tokens,
             useful_fraction=figs.useful_fraction,
             useful_of_full_load=figs.useful_tokens / full_ceiling if full_ceiling > 0 else None,
+            engine_tokens_per_s=pace,
+            useful_of_pace=None if pace is None else figs.useful_tokens / (pace * span),
             failed=figs.calls - figs.ok,
             failed_fast_share=figs.failed_fast_share,
             failure_p90=figs.failure_p90,
@@ -130,6 +156,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("useful_tokens", "useful tokens", "tokens"),
     ("useful_fraction", "of calibrate's capacity", "share"),
     ("useful_of_full_load", "of full-load capacity", "share"),
+    ("engine_tokens_per_s", "engine pace, tokens/s", "rate"),
+    ("useful_of_pace", "of the run's pace", "share"),
     ("failed_fast_share", "failures < 1 s", "share"),
     ("failure_p90", "p90 time to failure", "seconds"),
     ("interactive_failure_p90", "interactive p90 to failure", "seconds"),
@@ -146,6 +174,8 @@ def show(value: float | None, kind: str) -> str:
         return f"{value:.0%}" if value >= 0.1 or value == 0 else f"{value:.1%}"
     if kind == "seconds":
         return f"{value:.2f} s"
+    if kind == "rate":
+        return f"{value:.0f}"
     if kind == "tokens":
         return f"{value / 1000:.1f}k"
     return f"{value:.0f}"
