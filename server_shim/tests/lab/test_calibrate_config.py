@@ -24,9 +24,9 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
     sim_config = SimConfig(max_num_seqs=2, ttft=0.1, itl=0.01, output_tokens=5, seed=1)
     with ServerThread(create_sim_app(sim_config)) as sim:
         out, err = io.StringIO(), io.StringIO()
-        argv = ["--upstream", sim.url, "--ttft-slo", "3", "--steps", "1,8", "--step-seconds", "0.5",
-                "--prompt-words", "10", "--output-tokens", "5", "--out", str(tmp_path), "--json",
-                "--write-config", str(config)]  # fmt: skip
+        argv = ["--upstream", sim.url, "--ttft-slo", "3", "--tpot-slo", "none", "--steps", "1,8",
+                "--step-seconds", "0.5", "--prompt-words", "10", "--output-tokens", "5",
+                "--out", str(tmp_path), "--json", "--write-config", str(config)]  # fmt: skip
         assert calibrate.main(argv, stdout=out, stderr=err) == 0, err.getvalue()
         rec = json.loads(out.getvalue())["recommendation"]
         assert f"wrote {config}" in err.getvalue()
@@ -102,8 +102,8 @@ def test_an_unwritable_config_path_is_reported_and_the_status_is_1(tmp_path: Pat
     target = tmp_path / "missing-dir" / "shim.toml"
     with ServerThread(create_sim_app(sim_config)) as sim:
         out, err = io.StringIO(), io.StringIO()
-        argv = ["--upstream", sim.url, "--ttft-slo", "3", "--steps", "2", "--step-seconds", "0.3",
-                "--prompt-words", "5", "--output-tokens", "3", "--out", str(tmp_path),
+        argv = ["--upstream", sim.url, "--ttft-slo", "3", "--tpot-slo", "none", "--steps", "2",
+                "--step-seconds", "1", "--prompt-words", "5", "--output-tokens", "3", "--out", str(tmp_path),
                 "--write-config", str(target)]  # fmt: skip
         assert calibrate.main(argv, stdout=out, stderr=err) == 1
     assert f"cannot write {target}" in err.getvalue()
