@@ -387,14 +387,29 @@ def test_no_key_or_prompt_text_reaches_logs_or_metrics(
 # -- metrics and health on another interface -------------------------------------------------
 
 
+def _port_closed_on_the_proxy_interface() -> tuple[int, socket.socket]:
+    """A port free on 127.0.0.2, and a socket bound (not listening) to the same port on 127.0.0.1:
+    while it is open nothing else can listen there, so a connection to it is refused."""
+    for _ in range(20):
+        with free_socket("127.0.0.2") as probe:
+            port = probe.getsockname()[1]
+        guard = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            guard.bind(("127.0.0.1", port))
+        except OSError:
+            guard.close()
+            continue
+        return port, guard
+    raise AssertionError("no port free on both 127.0.0.1 and 127.0.0.2")
+
+
 def test_metrics_and_health_can_live_on_another_interface(upstream: Any) -> None:
-    with free_socket("127.0.0.2") as probe:
-        port = probe.getsockname()[1]
+    port, guard = _port_closed_on_the_proxy_interface()
     settings = ShimSettings(
         upstream=upstream.url, metrics_port=port, metrics_host="127.0.0.2", log_level="warning"
     )
     app = create_app(settings)
-    with shim_server(app) as shim:
+    with guard, shim_server(app) as shim:
         assert http.get(shim.url + "/metrics").status_code == 404
         assert http.get(shim.url + "/shim/state").status_code == 404
         assert http.get(shim.url + "/health").status_code == 200
