@@ -18,7 +18,7 @@ holds one for ``ttft + (n - 1) * itl``):
 A second oracle (``schedule(..., classes_first=("interactive",))``) serves interactive
 requests before any batch one, EDF within each class: the most interactive calls any
 scheduler could serve within budget on the trace, and what is then left for batch. The two
-bound the trade-off between the issue's interactive and batch targets.
+bound the trade-off between the comparison's interactive and batch targets.
 
 ``main`` prints, for the virtual-time model's version of the real-vLLM comparison, the bound
 beside what the shim and its callers achieve (plain-openai-like callers, the SDK's presets,

@@ -31,15 +31,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from llm_backoff_shim.lab.figures import Figures, percentile
-from llm_backoff_shim.lab.load_records import RunResult
+from llm_backoff_shim.lab.load_records import RunResult, Sample
 
 #: A gap between samples longer than this counts only this long (a stalled sampler is no evidence).
 MAX_SAMPLE_GAP = 1.0
 
 
+def _running_samples(result: RunResult) -> list[Sample]:
+    """The samples that read the engine's running count, in time order."""
+    return [s for s in result.samples if s.engine_running is not None]
+
+
 def idle_slot_share(result: RunResult, slots: int) -> float | None:
     """Share of the run's slot-time idle while a live caller was not running (module doc)."""
-    samples = [s for s in result.samples if s.engine_running is not None]
+    samples = _running_samples(result)
     ends = [c.end for c in result.calls if c.end is not None]
     if len(samples) < 2 or not ends:
         return None
@@ -61,7 +66,7 @@ def idle_slot_share(result: RunResult, slots: int) -> float | None:
 
 def engine_pace(result: RunResult, slots: int) -> float | None:
     """Answer tokens/s with every slot busy at this run's pace (module docstring)."""
-    samples = [s for s in result.samples if s.engine_running is not None]
+    samples = _running_samples(result)
     generated = result.engine_stats.get("tokens_generated")
     if len(samples) < 2 or not generated:
         return None

@@ -102,11 +102,12 @@ class Placement:
             # or leave it less slack than the estimate's error? Without that slack, newcomers
             # use up a queued request's margin one by one, and a drain slightly slower than
             # estimated then makes it late: refused after seconds of waiting (measured).
-            slack = self._promise_slack * self._policies[queued.cls].max_queue_wait
+            queued_wait = self._policies[queued.cls].max_queue_wait
+            slack = self._promise_slack * queued_wait
             if (
                 queued.key > key
                 # a promise longer than the newcomer's own yields to it (module docstring)
-                and (queued.cls == cls or self._policies[queued.cls].max_queue_wait <= own_wait)
+                and (queued.cls == cls or queued_wait <= own_wait)
                 and self.late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now + slack, wait)
                 is not None
             ):

@@ -70,6 +70,10 @@ def doubling_levels(max_level: int) -> list[int]:
     return levels
 
 
+def finite_positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
 def seconds_or_none(flag: str, text: str) -> float | None:
     """A flag's positive number of seconds, or None for 'none' / 'off' / empty."""
     if text.strip().lower() in ("none", "off", ""):
@@ -78,7 +82,7 @@ def seconds_or_none(flag: str, text: str) -> float | None:
         seconds = float(text)
     except ValueError:
         raise ValueError(f"{flag}: expected seconds or 'none', got {text!r}") from None
-    if not (math.isfinite(seconds) and seconds > 0):
+    if not finite_positive(seconds):
         raise ValueError(f"{flag}: must be a positive number of seconds, got {seconds:g}")
     return seconds
 
@@ -242,9 +246,6 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     def check(ok: bool, message: str) -> None:
         if not ok:
             raise ValueError(message)
-
-    def finite_positive(value: float) -> bool:
-        return math.isfinite(value) and value > 0
 
     try:
         _, _ = api_base(args.upstream)

@@ -46,9 +46,10 @@ def recommended_config(outcome: Outcome) -> str | None:
         "max_queue": rec.total_queue,
         "max_queue_wait": rec.max_queue_wait,
     }
-    if rec.batch_max_queue is not None and rec.batch_max_queue_wait is not None:
-        active["class_max_queue"] = {"interactive": rec.max_queue, "batch": rec.batch_max_queue}
-        active["class_max_queue_wait"] = {"batch": rec.batch_max_queue_wait}
+    held = rec.held_batch
+    if held is not None:
+        active["class_max_queue"] = {"interactive": rec.max_queue, "batch": held[0]}
+        active["class_max_queue_wait"] = {"batch": held[1]}
     return render_config(
         active,
         header=(
@@ -124,19 +125,17 @@ def render_text(outcome: Outcome) -> str:
         v = knee.verdict(knee.level)
         assert v is not None
         steps = outcome.runs[knee.level]
+        held = rec.held_batch
+        batch = ""
+        if held is not None:
+            batch = f"; batch is held up to {held[1]:g} s in a queue of {held[0]}, behind interactive"
         lines += [
             "",
             f"recommended: at most {rec.max_concurrency} in flight "
             f"({_median(steps, 'output_tokens_per_s'):.0f} tok/s, {_median(steps, 'throughput'):.2f} req/s, "
             f"p99 TTFT {v.ttft_p99:.3f} s there; the best level within the SLO did "
             f"{knee.best_throughput:.0f}); a queue of {rec.max_queue} drains within "
-            f"{rec.max_queue_wait:g} s, the SLO headroom left"
-            + (
-                ""
-                if rec.batch_max_queue is None or rec.batch_max_queue_wait is None
-                else f"; batch is held up to {rec.batch_max_queue_wait:g} s in a queue of "
-                f"{rec.batch_max_queue}, behind interactive"
-            ),
+            f"{rec.max_queue_wait:g} s, the SLO headroom left{batch}",
             f"confidence: {knee.confidence} ({outcome.confidence_reason})",
             "",
             f"  {command}",

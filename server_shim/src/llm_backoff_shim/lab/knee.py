@@ -197,6 +197,13 @@ class Recommendation:
     batch_max_queue_wait: float | None = None
 
     @property
+    def held_batch(self) -> tuple[int, float] | None:
+        """The batch class's queue bound and wait when it is held, else None."""
+        if self.batch_max_queue is None or self.batch_max_queue_wait is None:
+            return None
+        return self.batch_max_queue, self.batch_max_queue_wait
+
+    @property
     def total_queue(self) -> int:
         """The bound on every class's queue together (``serve --max-queue``)."""
         return self.max_queue + (self.batch_max_queue or 0)
@@ -210,16 +217,18 @@ class Recommendation:
             "--max-queue-wait",
             f"{self.max_queue_wait:g}",
         ]
-        if self.batch_max_queue is None or self.batch_max_queue_wait is None:
+        held = self.held_batch
+        if held is None:
             return flags
+        queue, wait = held
         return [
             *flags,
             "--interactive-max-queue",
             str(self.max_queue),
             "--batch-max-queue",
-            str(self.batch_max_queue),
+            str(queue),
             "--batch-max-queue-wait",
-            f"{self.batch_max_queue_wait:g}",
+            f"{wait:g}",
         ]
 
 
@@ -466,13 +475,5 @@ def recommend(
     headroom = ttft_slo - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
     queue = max(1, math.floor(throughput * wait + 1e-9))
-    if batch_wait is None:
-        return Recommendation(max_concurrency=level, max_queue=queue, max_queue_wait=wait)
-    held = max(1, math.floor(throughput * batch_wait + 1e-9))
-    return Recommendation(
-        max_concurrency=level,
-        max_queue=queue,
-        max_queue_wait=wait,
-        batch_max_queue=held,
-        batch_max_queue_wait=batch_wait,
-    )
+    held = None if batch_wait is None else max(1, math.floor(throughput * batch_wait + 1e-9))
+    return Recommendation(level, queue, wait, batch_max_queue=held, batch_max_queue_wait=batch_wait)
