@@ -107,6 +107,9 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--ttft-slo", "1", "--prompt-tokens", "0"], "--prompt-words: expected N, LOW-HIGH or lognormal"),
         (["--ttft-slo", "1", "--tpot-slo", "0"], "--tpot-slo: must be a positive number"),
         (["--ttft-slo", "1", "--tpot-slo", "fast"], "--tpot-slo: expected seconds or 'none'"),
+        (["--ttft-slo", "1", "--batch-queue-wait", "-1"], "--batch-queue-wait: must be a positive number"),
+        (["--ttft-slo", "1", "--batch-queue-wait", "inf"], "--batch-queue-wait: must be a positive number"),
+        (["--ttft-slo", "1", "--batch-queue-wait", "long"], "--batch-queue-wait: expected seconds or 'none'"),
         (["--ttft-slo", "1", "--repeats", "0"], "--repeats"),
         (["--ttft-slo", "1", "--tolerance", "0.7"], "--tolerance"),
         (["--ttft-slo", "1", "--output-tokens", "9-3"], "--output-tokens"),
@@ -134,6 +137,9 @@ def test_slo_defaults_to_two_seconds_and_a_tenth_of_a_second_per_token() -> None
     assert (config.repeats, config.tolerance) == (4, 0.05)
     off = calibrate.build_parser().parse_args(["--upstream", "http://h:1", "--tpot-slo", "none"])
     assert calibrate.config_from_args(off).tpot_slo is None
+    assert config.batch_queue_wait == 15.0
+    unheld = calibrate.build_parser().parse_args(["--upstream", "http://h:1", "--batch-queue-wait", "none"])
+    assert calibrate.config_from_args(unheld).batch_queue_wait is None
     assert config.levels == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     assert (config.step_seconds, config.step_requests, config.max_seconds) == (20.0, 1000, 600.0)
 
