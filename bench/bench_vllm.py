@@ -61,7 +61,7 @@ from llm_backoff_shim.lab.workload import Workload
 from real_vllm import plot
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, vllm_server
-from real_vllm.measures import Cell, markdown_table, text_table
+from real_vllm.measures import Cell, interactive_failure_paths, markdown_table, text_table
 
 LOAD_CPU = 0
 ENGINE_CPU = 1
@@ -220,6 +220,13 @@ def run_cell(
         f"({result.elapsed:.0f} s)",
         flush=True,
     )
+    paths = interactive_failure_paths(result)
+    if paths:
+        shown = ", ".join(
+            f"{path} {count} (p90 {'-' if p90 is None else f'{p90:.2f} s'})"
+            for path, (count, p90) in paths.items()
+        )
+        print(f"  interactive failures: {shown}", flush=True)
     return result, cell
 
 

@@ -92,6 +92,32 @@ def interactive_failure_p90(result: RunResult) -> float | None:
     return percentile(times, 90)
 
 
+#: A refusal answered later than this came after a wait in the shim's queue, not at arrival.
+QUEUED_REFUSAL = 0.5
+
+
+def interactive_failure_paths(result: RunResult) -> dict[str, tuple[int, float | None]]:
+    """How the interactive calls that failed ended, each path with its count and p90 time to
+    failure: ``at once`` (refused on arrival, not retried), ``after retries`` (refused on
+    arrival each time, more than one attempt), ``queued, then refused`` (an attempt turned away
+    after more than :data:`QUEUED_REFUSAL` s in the shim's queue) and ``deadline`` (the caller's
+    own timeout: waiting inside the engine, or its answer cut)."""
+    paths: dict[str, list[float]] = {}
+    for call in result.calls:
+        if call.cls != "interactive" or call.ok or call.duration is None:
+            continue
+        if call.outcome == "deadline":
+            path = "deadline"
+        elif any(a.rejected and (a.latency or 0.0) > QUEUED_REFUSAL for a in call.attempts):
+            path = "queued, then refused"
+        elif len(call.attempts) > 1:
+            path = "after retries"
+        else:
+            path = "at once"
+        paths.setdefault(path, []).append(call.duration)
+    return {path: (len(times), percentile(times, 90)) for path, times in sorted(paths.items())}
+
+
 @dataclass(frozen=True)
 class Cell:
     """One configuration on one seed: the headline figures, as numbers (None: not applicable)."""
