@@ -142,6 +142,13 @@ class RetryState:
         begin_by = self._begin_by
         return None if begin_by is None else begin_by - self._clock()
 
+    @property
+    def start_bound(self) -> bool:
+        """:meth:`time_to_start` ends before the deadline: it is a budget for the answer to begin,
+        which may then stream on (sent as ``x-request-timeout-scope: start``)."""
+        starts_by, expires_at = self.starts_by, self.expires_at
+        return starts_by is not None and (expires_at is None or starts_by < expires_at)
+
     def decide(
         self,
         verdict: Verdict,

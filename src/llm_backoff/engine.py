@@ -22,8 +22,9 @@ Per attempt, the engine:
   the read timeout if that is shorter, since that is as long as we will wait for
   the server to start answering; async attempts also run under a hard bound at the
   deadline (`_attempt_bound`). With a start deadline, "the time left" is what is
-  left of it until the answer's head arrives; a body passed through unread then
-  reads under the call's deadline again (`RetryEngine._begun`);
+  left of it until the answer's head arrives, and ``x-request-timeout-scope: start``
+  says so; a body passed through unread then reads under the call's deadline again
+  (`RetryEngine._begun`);
 - on a retry, counts it in ``x-stainless-retry-count`` when the request carries that
   header (openai's attempt number: 0, 1, 2, ...), and redoes what the SDK's own retries
   redo per attempt: credential providers and ``request`` event hooks (`refresh`);
@@ -407,6 +408,10 @@ class RetryEngine:
         # more patience than that would let it queue work nobody will collect.
         patience = min(left, cut.get("read") or left)
         _set_header(request.headers, "x-request-timeout-ms", str(max(1, int(patience * 1000))))
+        if state.start_bound:
+            # The budget ends when the answer begins: the shim then counts only the time to a
+            # stream's first token against it, not the whole answer.
+            _set_header(request.headers, "x-request-timeout-scope", "start")
         return left
 
     @staticmethod

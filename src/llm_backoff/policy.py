@@ -39,12 +39,12 @@ class RetryPolicy(BaseModel):
     ``max_attempts`` (first attempt included) is a backstop for servers that
     fail fast forever.
 
-    ``start_deadline`` is for callers with a time-to-first-token budget (a chat user
-    waiting for the reply to start): no retry waits past it, the server is told only
-    what is left of it (``x-request-timeout-ms``, so the shim refuses at once a request
-    that cannot start in time), and an attempt still waiting for its answer's head
-    when it passes is cut. An answer that has begun is not cut by it: a stream then
-    runs on under ``deadline``.
+    ``start_deadline`` is for callers with a time-to-first-token budget (a chat user waiting for
+    the reply to start): no retry waits past it, the server is told only what is left of it
+    (``x-request-timeout-ms`` with ``x-request-timeout-scope: start``, so the shim refuses
+    at once a request that cannot start in time), and an attempt still waiting for its
+    answer's head when it passes is cut. An answer that has begun is not cut by it: a stream
+    then runs on under ``deadline``.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -92,9 +92,7 @@ class RetryPolicy(BaseModel):
     )
 
     @classmethod
-    def interactive(
-        cls, start_deadline: float = INTERACTIVE_START_DEADLINE, **fields: Any
-    ) -> RetryPolicy:
+    def interactive(cls, start_deadline: float = INTERACTIVE_START_DEADLINE, **fields: Any) -> RetryPolicy:
         """For a caller with a time-to-first-token budget: begin within ``start_deadline`` or fail fast.
 
         A server's hint is waited out only up to `INTERACTIVE_HINT_SHARE` of the start

@@ -114,6 +114,25 @@ def test_the_server_is_told_the_start_budget_and_the_wait_for_the_head_is_cut_to
     assert fake_time.sleeps == [1.5]
 
 
+def test_the_budget_is_sent_as_one_to_begin_only_when_the_start_deadline_binds(
+    lib: ModuleType, fake_time: Any
+) -> None:
+    sync_cls, _ = transports(lib)
+    scopes = []
+    for policy in (
+        llm_backoff.RetryPolicy(deadline=30, start_deadline=2),
+        llm_backoff.RetryPolicy(deadline=None, start_deadline=2),
+        llm_backoff.RetryPolicy(deadline=30, start_deadline=30),  # the deadline binds as soon
+        llm_backoff.RetryPolicy(deadline=30),
+    ):
+        server = Recorder(lib, [lambda: lib.Response(200, json={})])
+        engine = RetryEngine(policy, **fake_time.engine_options())
+        with lib.Client(transport=sync_cls(lib.MockTransport(server), engine=engine), timeout=60) as client:
+            client.post("http://engine/v1/chat/completions", json={"model": "m"})
+        scopes.append(server.requests[0].headers.get("x-request-timeout-scope"))
+    assert scopes == ["start", "start", None, None]
+
+
 def test_a_stream_that_began_reads_its_body_under_the_whole_deadline(lib: ModuleType, fake_time: Any) -> None:
     def events() -> Any:
         return lib.Response(

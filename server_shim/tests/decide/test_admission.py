@@ -411,6 +411,22 @@ def test_a_stream_served_at_the_first_token_needs_only_wait_plus_first_token(
     assert "expected time to first token 0.30 s" in refused.message
 
 
+def test_a_budget_to_begin_needs_only_wait_plus_first_token_for_a_stream(measured: MakeController) -> None:
+    c, clock = measured(service=2.0, first_byte=0.3)  # the shim-wide rule: the whole service
+    running = ticket(c.submit(req()))
+    to_start = AdmissionRequest(cls="interactive", budget=2.5, stream=True, budget_to_start=True)
+    queued = ticket(c.submit(to_start))
+    assert queued.state is TicketState.QUEUED  # 2 s wait + 0.3 s to the first token fit 2.5 s
+    refused = rejection(c.submit(stream_req(2.5)))  # the same budget for the whole call
+    assert "expected service time 2.00 s" in refused.message
+    # Not for a non-streaming answer: it begins only at its end.
+    whole = rejection(c.submit(AdmissionRequest(cls="interactive", budget=2.5, budget_to_start=True)))
+    assert "expected service time 2.00 s" in whole.message
+    # Slower than estimated, the budget to begin still covers the first token: it is served.
+    clock.now += 2.1
+    assert c.release(running, Outcome.COMPLETED).admitted == [queued]
+
+
 def test_budget_below_service_is_refused_even_with_a_free_slot(measured: MakeController) -> None:
     c, _ = measured(limit=2, service=2.0)
     refused = rejection(c.submit(req(budget=1.0)))

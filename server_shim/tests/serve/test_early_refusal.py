@@ -96,3 +96,32 @@ def test_wait_beyond_max_queue_wait_is_refused_without_queueing(
     assert "exceeds the 0.3 s limit" in error["message"]
     assert error["retry_after_seconds"] > 0
     assert shim.state() == {"interactive": (0, 0), "batch": (0, 0)}
+
+
+def test_a_budget_to_begin_is_held_against_the_first_token_not_the_whole_stream(
+    upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
+) -> None:
+    shim = make_shim(upstream.url, max_concurrency=2)
+    estimator = shim.runtime.controller.estimator
+    slow_stream = {"x-fake-chunks": "6", "x-fake-step": "0.2"}
+    # One measured stream: its first byte comes at once, its end after at least 1 s.
+    assert post(shim.url, slow_stream, {**CHAT, "stream": True}).status_code == 200
+    waiter(lambda: estimator.samples >= 1, what="the completion's sample")
+    assert estimator.service_time >= 1.0
+    budget = {"x-request-timeout-ms": "400"}
+    # For the whole call, 0.4 s cannot cover the stream: refused without engine work.
+    seen = len(upstream.received)
+    whole = post(shim.url, {**slow_stream, **budget}, {**CHAT, "stream": True})
+    assert whole.status_code == 429
+    assert "cannot cover the expected service time" in whole.json()["error"]["message"]
+    assert len(upstream.received) == seen
+    # To begin, it covers the first token: served, and the stream runs past the 0.4 s.
+    begun = post(
+        shim.url, {**slow_stream, **budget, "x-request-timeout-scope": "start"}, {**CHAT, "stream": True}
+    )
+    assert begun.status_code == 200
+    assert begun.text.count("data:") >= 6
+    # A non-streaming answer begins only at its end: the whole service is still needed.
+    plain = post(shim.url, {**budget, "x-request-timeout-scope": "start"})
+    assert plain.status_code == 429
+    waiter(lambda: shim.state() == {"interactive": (0, 0), "batch": (0, 0)}, what="slots back")

@@ -141,6 +141,13 @@ BAD_BODIES: list[tuple[str, bytes, dict[str, str], int, str]] = [
         400,
         "invalid_header",
     ),
+    (
+        "unknown budget scope",
+        json.dumps(GOOD).encode(),
+        {"x-request-timeout-ms": "5000", "x-request-timeout-scope": "first-token"},
+        400,
+        "invalid_header",
+    ),
     ("oversized body", b'{"p": "' + b"x" * 5000 + b'"}', {}, 413, "body_too_large"),
 ]
 
@@ -183,6 +190,8 @@ def test_missing_content_type_and_missing_or_huge_budget_are_accepted(
     assert plain.status_code == 200
     huge = http.post(shim.url + CHAT, json=GOOD, headers={"x-request-timeout-ms": "1e300"}, timeout=10)
     assert huge.status_code == 200
+    scoped = {"x-request-timeout-ms": "9000", "x-request-timeout-scope": "Start"}
+    assert http.post(shim.url + CHAT, json=GOOD, headers=scoped, timeout=10).status_code == 200
     vendor_json = http.post(
         shim.url + CHAT,
         content=json.dumps(GOOD).encode(),
@@ -191,7 +200,7 @@ def test_missing_content_type_and_missing_or_huge_budget_are_accepted(
     )
     assert vendor_json.status_code == 200
     assert sum(shim.bad_requests().values()) == 0
-    assert len(upstream.received) == 3
+    assert len(upstream.received) == 4
 
 
 def test_spent_budget_is_a_429_not_a_client_error(guarded: Callable[..., GuardedShim], upstream: Any) -> None:

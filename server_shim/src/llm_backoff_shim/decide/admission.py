@@ -270,7 +270,12 @@ class AdmissionController:
             # be, so its place (a walk of the queue) is not worked out.
             ticket.state = TicketState.CANCELLED
             return refusals.reject(
-                cls, "queue_full", "server at capacity (queue full)", request.budget, stream=request.stream
+                cls,
+                "queue_full",
+                "server at capacity (queue full)",
+                request.budget,
+                stream=request.stream,
+                to_start=request.budget_to_start,
             )
         ahead, in_class = self._placement.place(ticket, now)
         # Queued tentatively even when full: the pump admits it at once if a slot is
@@ -293,13 +298,20 @@ class AdmissionController:
             queues.remove(ticket)
             ticket.state = TicketState.CANCELLED
             return refusals.reject(
-                cls, "queue_full", "server at capacity (queue full)", request.budget, stream=request.stream
+                cls,
+                "queue_full",
+                "server at capacity (queue full)",
+                request.budget,
+                stream=request.stream,
+                to_start=request.budget_to_start,
             )
         early = self._placement.arrival_refusal(ticket, ahead, in_class)
         if early is not None:
             code, why = early
             # The hint and the queue depth are estimated with it still in its place; then it leaves.
-            refused = refusals.reject(cls, code, why, request.budget, stream=request.stream)
+            refused = refusals.reject(
+                cls, code, why, request.budget, stream=request.stream, to_start=request.budget_to_start
+            )
             queues.remove(ticket)
             ticket.state = TicketState.CANCELLED
             return refused

@@ -12,16 +12,17 @@ Retry-After hints (:meth:`DrainEstimator.retry_after`) are spread over one timel
 classes, and the returns promised are remembered per class so that fresh arrivals' waits count
 them: :mod:`llm_backoff_shim.decide.promises`.
 
-Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`):
-the admission decision refuses a caller whose remaining budget cannot cover the
-expected wait plus this, since such a call would start on the engine only to be cut
-by its own deadline. By default every caller needs the whole service time (EWMA):
-a caller whose budget is its deadline for the whole call (``llm_backoff``'s is) and
-whose stream is cut by it was not served, and the engine's tokens for it were
-wasted. With ``stream_served_at="first_token"`` a streaming caller needs only the
-EWMA of time to first body byte (measured on streaming requests only: a
-non-streaming body's first byte comes with its end), for callers whose budget ends
-once tokens flow. Neither rests on the prior: unmeasured means 0 s needed.
+Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`): the
+admission decision refuses a caller whose remaining budget cannot cover the expected wait
+plus this, since such a call would start on the engine only to be cut by its own deadline.
+By default every caller needs the whole service time (EWMA): a caller whose budget is its
+deadline for the whole call (``llm_backoff``'s is) and whose stream is cut by it was not
+served, and the engine's tokens for it were wasted. With ``stream_served_at="first_token"``
+a streaming caller needs only the EWMA of time to first body byte (measured on streaming
+requests only: a non-streaming body's first byte comes with its end), for callers whose
+budget ends once tokens flow; a request that says so itself (``x-request-timeout-scope:
+start``, as ``llm_backoff`` does for a caller with a start deadline) gets that rule alone.
+Neither rests on the prior: unmeasured means 0 s needed.
 
 Token rate (:meth:`DrainEstimator.observe_tokens`): output tokens per second of one slot,
 the EWMA of the tokens of completed requests over the EWMA of their service times (a ratio
@@ -195,12 +196,14 @@ class DrainEstimator:
         """EWMA of a streaming request's time to first body byte; None until one was measured."""
         return self._first_byte if self._first_byte_samples else None
 
-    def expected_service(self, stream: bool) -> float:
-        """Seconds an admitted request needs before it has been served (see module docstring).
+    def expected_service(self, stream: bool, to_start: bool = False) -> float:
+        """Seconds an admitted request needs before it has been served (see module docstring);
+        ``to_start``: its budget ends when the answer begins, so a stream needs only its first
+        byte whatever ``stream_served_at`` says (a non-streaming answer begins at its end).
 
         0 when nothing was measured yet, so no caller is refused on the cold-start prior.
         """
-        if stream and self._config.stream_served_at == "first_token":
+        if stream and (to_start or self._config.stream_served_at == "first_token"):
             return self._first_byte if self._first_byte_samples else 0.0
         return self._service_time if self._samples else 0.0
 

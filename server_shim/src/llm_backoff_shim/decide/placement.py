@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.tickets import RejectCode, Ticket
-from llm_backoff_shim.decide.waits import QueueWaits, WaitFn, need_name
+from llm_backoff_shim.decide.waits import QueueWaits, WaitFn, need_name, service_needed
 
 
 class Placement:
@@ -135,7 +135,7 @@ class Placement:
         promised_by = above if ticket.returning else (*above, cls)
         expected = self._waits.at(cls, ahead, in_class, promised_by)
         if budget is not None:
-            need = self._estimator.expected_service(ticket.request.stream)
+            need = service_needed(self._estimator, ticket.request)
             if expected + need > budget:
                 return (
                     "queue_timeout",
@@ -182,7 +182,7 @@ class Placement:
         expected = wait(ticket.cls, ahead, in_class)
         budget = ticket.request.budget
         if budget is not None:
-            need = self._estimator.expected_service(ticket.request.stream)
+            need = service_needed(self._estimator, ticket.request)
             left = ticket.arrived + budget - now
             if expected + need > left:
                 return (

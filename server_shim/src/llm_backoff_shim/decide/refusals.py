@@ -42,6 +42,7 @@ class Refusals:
         budget_left: float | None = None,
         *,
         stream: bool = False,
+        to_start: bool = False,
     ) -> Rejection:
         """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known.
 
@@ -58,10 +59,10 @@ class Refusals:
         est = self._estimator
         usable = reach = None
         if budget_left is not None:
-            usable = budget_left - est.expected_service(stream)
+            usable = budget_left - est.expected_service(stream, to_start)
             # Whether its slot is within reach rests on the prior too: a slot promised on the
             # prior alone would otherwise run up to the end of the budget at a cold start.
-            reach = budget_left - (est.expected_service(stream) or est.service_time)
+            reach = budget_left - (est.expected_service(stream, to_start) or est.service_time)
         # A lower-class caller that sent a budget reaching past the longest queue wait of the
         # classes above it is promised no slot before then: those slots are left to
         # higher-class callers (refused now or arriving meanwhile), whose budgets are usually
@@ -105,13 +106,23 @@ class Refusals:
         else:
             why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"
         return self.reject(
-            ticket.cls, "queue_timeout", why, self.budget_left(ticket, now), stream=ticket.request.stream
+            ticket.cls,
+            "queue_timeout",
+            why,
+            self.budget_left(ticket, now),
+            stream=ticket.request.stream,
+            to_start=ticket.request.budget_to_start,
         )
 
     def overtaken(self, ticket: Ticket, why: str, now: float) -> Rejection:
         """The ``queue_timeout`` for a queued ticket the recheck found can no longer be served in time."""
         return self.reject(
-            ticket.cls, "queue_timeout", why, self.budget_left(ticket, now), stream=ticket.request.stream
+            ticket.cls,
+            "queue_timeout",
+            why,
+            self.budget_left(ticket, now),
+            stream=ticket.request.stream,
+            to_start=ticket.request.budget_to_start,
         )
 
     def from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:

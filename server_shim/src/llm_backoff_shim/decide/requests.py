@@ -3,8 +3,10 @@
 A request names its traffic class (``x-request-class``; :class:`ClassPolicy` bounds each
 class's queue and queue wait), may say how long its caller will wait (its budget,
 ``x-request-timeout-ms``), whether it streams, how long its answer may be (``max_tokens``),
-and whether it is a retry (``x-stainless-retry-count``). A retry that says how long it will
-wait is served as *returning*: ahead of the fresh arrivals of its class
+whether that budget is for the answer to begin rather than for the whole call
+(``x-request-timeout-scope: start``), and whether it is a retry
+(``x-stainless-retry-count``). A retry that says how long it will wait is served as
+*returning*: ahead of the fresh arrivals of its class
 (:mod:`llm_backoff_shim.decide.queues`). Anyone can claim to be a retry: the claim buys a
 place ahead of fresh arrivals of the same class, nothing more; tenant quotas, budgets and
 class bounds apply unchanged.
@@ -49,7 +51,8 @@ class AdmissionRequest:
     whether the body asks for a stream (served at the first token rather than at the end),
     how many times the caller says it has retried this call (``x-stainless-retry-count``), and
     the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
-    when it does not say)."""
+    when it does not say), and whether the budget ends when the answer begins (``budget_to_start``:
+    a caller with a time-to-first-token budget, whose answer may then stream on)."""
 
     cls: str
     budget: float | None = None
@@ -57,6 +60,7 @@ class AdmissionRequest:
     stream: bool = False
     retry: int = 0
     max_tokens: int | None = None
+    budget_to_start: bool = False
 
     @property
     def returning(self) -> bool:

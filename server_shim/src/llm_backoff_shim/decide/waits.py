@@ -10,8 +10,8 @@ arrival would otherwise make queued requests late that were promised the whole e
 the slots reserved for higher classes (:class:`~llm_backoff_shim.decide.scheduler.ReservedShares`:
 a class may not use them unless they are lent, which the estimate does not count on).
 
-What a request needs once admitted (:meth:`DrainEstimator.expected_service`): the whole
-service, or the first token of a stream if so configured. A caller whose remaining budget
+What a request needs once admitted (:func:`service_needed`): the whole service, or the first token of
+a stream if so configured or if its budget is for the answer to begin. A caller whose remaining budget
 cannot cover its wait plus that need would only make the engine do work its own deadline cuts.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, ReservedShares
 from llm_backoff_shim.decide.tickets import Ticket
 
@@ -127,12 +128,18 @@ def short_of(estimator: DrainEstimator, ticket: Ticket, now: float) -> float | N
     budget = ticket.request.budget
     if budget is None:
         return None
-    need = estimator.expected_service(ticket.request.stream)
-    return need if need > 0 and ticket.arrived + budget - now < need else None
+    needed = service_needed(estimator, ticket.request)
+    return needed if needed > 0 and ticket.arrived + budget - now < needed else None
+
+
+def service_needed(estimator: DrainEstimator, request: AdmissionRequest) -> float:
+    """Seconds ``request`` needs once admitted before its budget is met (module docstring)."""
+    return estimator.expected_service(request.stream, request.budget_to_start)
 
 
 def need_name(estimator: DrainEstimator, ticket: Ticket) -> str:
     """How a refusal message names what the ticket needs once admitted."""
-    if ticket.request.stream and estimator.config.stream_served_at == "first_token":
+    request = ticket.request
+    if request.stream and (request.budget_to_start or estimator.config.stream_served_at == "first_token"):
         return "expected time to first token"
     return "expected service time"

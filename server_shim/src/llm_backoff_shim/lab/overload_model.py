@@ -201,6 +201,7 @@ class OverloadModel:
             stream=True,
             retry=len(call.attempts),
             max_tokens=call.tokens,
+            budget_to_start=call.state.start_bound,
         )
         decision = self.controller.submit(request)
         moved = self.controller.take_moved()
@@ -244,6 +245,8 @@ class OverloadModel:
         first_token = start + self.shape.ttft
         if first_token <= deadline:
             call.first_token = first_token
+            # The shim measures each stream's first body byte after admission, as its relay does.
+            self._at(first_token, lambda: self.controller.estimator.observe_first_byte(self.shape.ttft))
         spread = self._service_jitter
         end = start + call.service * (1 + self._engine_rng.uniform(-spread, spread))
         if end <= deadline:

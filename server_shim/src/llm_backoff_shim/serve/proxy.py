@@ -19,10 +19,10 @@ back in ``finally`` on every path.
 
 Choices where the protocol is silent: only POSTs to the table's ``engine`` routes are
 admission-controlled, counted in the ``requests_total`` metric and carry
-``x-queue-time-ms``; ``x-request-class`` and ``x-request-timeout-ms`` are validated (400
-when malformed) only there; the shim's own errors take the route's error shape
-(Anthropic's on ``/v1/messages``, rejection.py). What the relay makes of upstream
-failures and 503s: relay.py.
+``x-queue-time-ms``; ``x-request-class``, ``x-request-timeout-ms`` and
+``x-request-timeout-scope`` are validated (400 when malformed) only there; the shim's own
+errors take the route's error shape (Anthropic's on ``/v1/messages``, rejection.py). What
+the relay makes of upstream failures and 503s: relay.py.
 """
 
 from __future__ import annotations
@@ -127,6 +127,21 @@ def parse_budget(value: str | None) -> float | None:
     if not math.isfinite(millis) or millis < 0:
         raise ValueError("must be a non-negative number of milliseconds")
     return millis / 1000.0
+
+
+#: ``x-request-timeout-scope`` values: the budget ends when the answer begins, or at its end.
+BUDGET_SCOPES = {"start": True, "end": False}
+
+
+def parse_budget_scope(value: str | None) -> bool:
+    """``x-request-timeout-scope`` -> whether the budget is for the answer to begin (``start``);
+    absent or blank is ``end``, the whole call. Raises ValueError for any other value."""
+    if value is None or not value.strip():
+        return False
+    scope = BUDGET_SCOPES.get(value.strip().lower())
+    if scope is None:
+        raise ValueError("expected 'start' or 'end'")
+    return scope
 
 
 class Proxy:
@@ -299,9 +314,10 @@ class Proxy:
         Anything else takes the usual path, so its answer does not change: a request the
         intake would refuse (path, key, headers, content type, declared size), one whose
         hooks read the body before it queues (a tenant's quota), or one whose Retry-After
-        depends on whether its body asks for a stream (``stream_served_at="first_token"``
-        with a budget). A malformed body of a refused request is not seen: its 400 comes
-        when the retry is admitted, as behind any front proxy that limits before it parses.
+        depends on whether its body asks for a stream (a budget to begin, or
+        ``stream_served_at="first_token"`` with a budget). A malformed body of a refused
+        request is not seen: its 400 comes when the retry is admitted, as behind any front
+        proxy that limits before it parses.
         """
         method: str = scope["method"]
         path: str = scope["path"]
@@ -322,7 +338,10 @@ class Proxy:
         if (
             isinstance(request, ErrorResponse)
             or not self.hooks.admits_without_body(request)
-            or (request.budget is not None and controller.estimator.config.stream_served_at != "end")
+            or (
+                request.budget is not None
+                and (request.budget_to_start or controller.estimator.config.stream_served_at != "end")
+            )
         ):
             return None
         arrival = self.clock()
@@ -427,8 +446,22 @@ class Proxy:
                 param="x-request-timeout-ms",
                 code="invalid_header",
             )
+        try:
+            to_start = parse_budget_scope(_header(headers, b"x-request-timeout-scope"))
+        except ValueError as exc:
+            return client_error(
+                f"invalid x-request-timeout-scope header: {exc}",
+                param="x-request-timeout-scope",
+                code="invalid_header",
+            )
         retry = parse_retry_count(_header(headers, b"x-stainless-retry-count"))
-        return AdmissionRequest(cls=cls, budget=budget, tenant=tenant, retry=retry)
+        return AdmissionRequest(
+            cls=cls,
+            budget=budget,
+            tenant=tenant,
+            retry=retry,
+            budget_to_start=to_start and budget is not None,
+        )
 
     async def _gated(
         self,
