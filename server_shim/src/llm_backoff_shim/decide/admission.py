@@ -274,8 +274,7 @@ class AdmissionController:
                 "queue_full",
                 "server at capacity (queue full)",
                 request.budget,
-                stream=request.stream,
-                to_start=request.budget_to_start,
+                request,
             )
         ahead, in_class = self._placement.place(ticket, now)
         # Queued tentatively even when full: the pump admits it at once if a slot is
@@ -302,16 +301,13 @@ class AdmissionController:
                 "queue_full",
                 "server at capacity (queue full)",
                 request.budget,
-                stream=request.stream,
-                to_start=request.budget_to_start,
+                request,
             )
         early = self._placement.arrival_refusal(ticket, ahead, in_class)
         if early is not None:
             code, why = early
             # The hint and the queue depth are estimated with it still in its place; then it leaves.
-            refused = refusals.reject(
-                cls, code, why, request.budget, stream=request.stream, to_start=request.budget_to_start
-            )
+            refused = refusals.reject(cls, code, why, request.budget, request)
             queues.remove(ticket)
             ticket.state = TicketState.CANCELLED
             return refused

@@ -18,8 +18,9 @@ from __future__ import annotations
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.queues import ClassQueues
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import GateRefusal, RejectCode, Rejection, Ticket
-from llm_backoff_shim.decide.waits import QueueWaits, need_name, short_of
+from llm_backoff_shim.decide.waits import QueueWaits, need_name, service_needed, short_of
 
 
 class Refusals:
@@ -40,11 +41,10 @@ class Refusals:
         code: RejectCode,
         why: str,
         budget_left: float | None = None,
-        *,
-        stream: bool = False,
-        to_start: bool = False,
+        request: AdmissionRequest | None = None,
     ) -> Rejection:
-        """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known.
+        """A refusal with a spread hint; ``budget_left``: the caller's remaining budget, if known;
+        ``request``: what it asked for (whether it needs the whole answer within that budget).
 
         The hint is aimed (:meth:`DrainEstimator.aim`): a client that adds jitter above it
         comes back at its slot on average. A retry at the hint (plus the client's jitter above
@@ -59,10 +59,11 @@ class Refusals:
         est = self._estimator
         usable = reach = None
         if budget_left is not None:
-            usable = budget_left - est.expected_service(stream, to_start)
+            need = est.expected_service(False) if request is None else service_needed(est, request)
+            usable = budget_left - need
             # Whether its slot is within reach rests on the prior too: a slot promised on the
             # prior alone would otherwise run up to the end of the budget at a cold start.
-            reach = budget_left - (est.expected_service(stream, to_start) or est.service_time)
+            reach = budget_left - (need or est.service_time)
         # A lower-class caller that sent a budget reaching past the longest queue wait of the
         # classes above it is promised no slot before then: those slots are left to
         # higher-class callers (refused now or arriving meanwhile), whose budgets are usually
@@ -105,25 +106,11 @@ class Refusals:
             why = "request budget (x-request-timeout-ms) ran out while queued"
         else:
             why = f"waited the maximum {self._policies[ticket.cls].max_queue_wait:g} s in the queue"
-        return self.reject(
-            ticket.cls,
-            "queue_timeout",
-            why,
-            self.budget_left(ticket, now),
-            stream=ticket.request.stream,
-            to_start=ticket.request.budget_to_start,
-        )
+        return self.reject(ticket.cls, "queue_timeout", why, self.budget_left(ticket, now), ticket.request)
 
     def overtaken(self, ticket: Ticket, why: str, now: float) -> Rejection:
         """The ``queue_timeout`` for a queued ticket the recheck found can no longer be served in time."""
-        return self.reject(
-            ticket.cls,
-            "queue_timeout",
-            why,
-            self.budget_left(ticket, now),
-            stream=ticket.request.stream,
-            to_start=ticket.request.budget_to_start,
-        )
+        return self.reject(ticket.cls, "queue_timeout", why, self.budget_left(ticket, now), ticket.request)
 
     def from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:
         """A gate's refusal, with the controller's estimate for a hint where the gate gave none."""
