@@ -438,22 +438,13 @@ class Proxy:
         if isinstance(chosen, ErrorResponse):
             return chosen
         cls, tenant = chosen
+        name = "x-request-timeout-ms"
         try:
             budget = parse_budget(_header(headers, b"x-request-timeout-ms"))
-        except ValueError as exc:
-            return client_error(
-                f"invalid x-request-timeout-ms header: {exc}",
-                param="x-request-timeout-ms",
-                code="invalid_header",
-            )
-        try:
+            name = "x-request-timeout-scope"
             to_start = parse_budget_scope(_header(headers, b"x-request-timeout-scope"))
         except ValueError as exc:
-            return client_error(
-                f"invalid x-request-timeout-scope header: {exc}",
-                param="x-request-timeout-scope",
-                code="invalid_header",
-            )
+            return client_error(f"invalid {name} header: {exc}", param=name, code="invalid_header")
         retry = parse_retry_count(_header(headers, b"x-stainless-retry-count"))
         return AdmissionRequest(
             cls=cls,
