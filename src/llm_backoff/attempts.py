@@ -105,6 +105,11 @@ class RetryState:
         self.starts_by: float | None = None if start is None else self.started_at + start
         # start_deadline <= deadline (the policy checks), so the sooner of the two is known now.
         self._begin_by = self.expires_at if self.starts_by is None else self.starts_by
+        #: :meth:`time_to_start` ends before the deadline: it is a budget for the answer to begin,
+        #: which may then stream on (sent as ``x-request-timeout-scope: start``).
+        self.start_bound = self.starts_by is not None and (
+            self.expires_at is None or self.starts_by < self.expires_at
+        )
         self._attempts: list[Attempt] = []
         self._previous_wait: float | None = None
         self._last_chance_taken = False
@@ -141,13 +146,6 @@ class RetryState:
         """Seconds until the answer must have begun: by the start deadline or the deadline, if sooner."""
         begin_by = self._begin_by
         return None if begin_by is None else begin_by - self._clock()
-
-    @property
-    def start_bound(self) -> bool:
-        """:meth:`time_to_start` ends before the deadline: it is a budget for the answer to begin,
-        which may then stream on (sent as ``x-request-timeout-scope: start``)."""
-        starts_by, expires_at = self.starts_by, self.expires_at
-        return starts_by is not None and (expires_at is None or starts_by < expires_at)
 
     def decide(
         self,

@@ -435,8 +435,7 @@ class RetryEngine:
     @staticmethod
     def _bound_error(request: _Request, state: RetryState) -> Exception:
         """The error for an async attempt cut by its bound: the start deadline's or the deadline's."""
-        starts_by, expires_at = state.starts_by, state.expires_at
-        if starts_by is not None and (expires_at is None or starts_by < expires_at):
+        if state.start_bound:
             return _deadline_error(request, "the call's start deadline passed before the answer began")
         return _deadline_error(request)
 

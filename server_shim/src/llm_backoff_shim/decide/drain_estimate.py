@@ -196,14 +196,19 @@ class DrainEstimator:
         """EWMA of a streaming request's time to first body byte; None until one was measured."""
         return self._first_byte if self._first_byte_samples else None
 
+    def served_at_first_byte(self, stream: bool, to_start: bool = False) -> bool:
+        """Whether a request is served once its first body byte comes (else at its end): a stream
+        whose budget ends when the answer begins (``to_start``), or any stream with
+        ``stream_served_at="first_token"``; a non-streaming answer begins at its end."""
+        return stream and (to_start or self._config.stream_served_at == "first_token")
+
     def expected_service(self, stream: bool, to_start: bool = False) -> float:
-        """Seconds an admitted request needs before it has been served (see module docstring);
-        ``to_start``: its budget ends when the answer begins, so a stream needs only its first
-        byte whatever ``stream_served_at`` says (a non-streaming answer begins at its end).
+        """Seconds an admitted request needs before it has been served (see module docstring
+        and :meth:`served_at_first_byte`).
 
         0 when nothing was measured yet, so no caller is refused on the cold-start prior.
         """
-        if stream and (to_start or self._config.stream_served_at == "first_token"):
+        if self.served_at_first_byte(stream, to_start):
             return self._first_byte if self._first_byte_samples else 0.0
         return self._service_time if self._samples else 0.0
 

@@ -140,6 +140,6 @@ def service_needed(estimator: DrainEstimator, request: AdmissionRequest) -> floa
 def need_name(estimator: DrainEstimator, ticket: Ticket) -> str:
     """How a refusal message names what the ticket needs once admitted."""
     request = ticket.request
-    if request.stream and (request.budget_to_start or estimator.config.stream_served_at == "first_token"):
+    if estimator.served_at_first_byte(request.stream, request.budget_to_start):
         return "expected time to first token"
     return "expected service time"
