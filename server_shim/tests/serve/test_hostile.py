@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -448,4 +449,38 @@ def test_a_body_refused_unread_still_gets_its_answer_not_a_reset(guarded: Callab
                 received += chunk
         assert received.startswith(b"HTTP/1.1 413"), received[:200]
         assert b"request_too_large" in received
+    still_serves(shim)
+
+
+def test_the_rest_of_a_refused_body_is_read_past_before_the_connection_closes(
+    guarded: Callable[..., GuardedShim], upstream: Any
+) -> None:
+    """After a 413 refused from the declared length, the shim keeps reading (and dropping) what
+    the client still sends, as nginx's lingering close does: a socket closed with unread bytes
+    is reset, and a reset can reach the client before the answer. The client here reads its
+    413 first, then sends its body in pieces: none of them meets a reset, and the connection
+    closes once the client is done."""
+    shim = guarded()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: shim\r\ncontent-type: application/json\r\n"
+        b"content-length: 5000\r\n\r\n"
+    )
+    with socket.create_connection((shim.server.host, shim.server.port), timeout=10) as sock:
+        sock.sendall(head)
+        received = b""
+        while not received.endswith(b"}}"):
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
+        for _ in range(5):
+            time.sleep(0.05)  # each piece after the shim has had time to close, were it not lingering
+            sock.sendall(b"x" * 1000)  # a reset raises here
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(65536):  # then the shim closes: EOF, not a reset
+            pass
+    status, headers, error = parse_raw(received)
+    assert status == 413
+    assert headers.get("connection") == "close"
+    assert error["error"]["code"] == "request_too_large"
+    assert upstream.received == []
     still_serves(shim)

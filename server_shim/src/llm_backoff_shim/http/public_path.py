@@ -113,6 +113,7 @@ class Connection:
         "gone",
         "head",
         "in_progress",
+        "lingering",
         "on_answered",
         "refusal",
         "replacing",
@@ -133,6 +134,7 @@ class Connection:
         self.timer: int | None = None
         self.timer_set: CoarseTimers | None = None
         self.closed = False
+        self.lingering = False  # closed by h11 mid-body: its rest is read past before the close
         self.replacing = False  # uvicorn's plain 400 is being replaced by ours
         self.refusal: str | None = None  # a pipelined head's refusal, written after the answers in progress
         self.on_answered: Callable[[], None] = _nothing
@@ -151,14 +153,19 @@ class Connection:
 class _Transport(asyncio.Transport):
     """The transport the h11 protocol writes to: the real one, except for uvicorn's plain 400."""
 
-    def __init__(self, real: asyncio.Transport, conn: Connection, on_event: OnEvent) -> None:
+    def __init__(
+        self, real: asyncio.Transport, conn: Connection, on_event: OnEvent, on_close: Callable[[], None]
+    ) -> None:
         super().__init__()
         self._real = real
         self._conn = conn
         self._on_event = on_event
+        self._on_close = on_close
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         conn = self._conn
+        if conn.lingering:
+            return
         if conn.replacing:
             return  # the rest of uvicorn's 400 (its body, its end)
         if conn.in_progress == 0 and bytes(data[: len(_PLAIN_400)]) == _PLAIN_400:
@@ -173,10 +180,10 @@ class _Transport(asyncio.Transport):
             self.write(data)
 
     def close(self) -> None:
-        self._real.close()
+        self._on_close()
 
     def is_closing(self) -> bool:
-        return self._real.is_closing()
+        return self._conn.lingering or self._real.is_closing()
 
     def abort(self) -> None:
         self._real.abort()
@@ -244,7 +251,7 @@ def public_protocol(
             conn.on_answered = self._answered
             if self._peer is not None:
                 connections[self._peer] = conn
-            self._inner.connection_made(_Transport(transport, conn, on_event))
+            self._inner.connection_made(_Transport(transport, conn, on_event, self._close))
             self._arm(head_timers)  # a connection that never sends is timed too
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -260,14 +267,37 @@ def public_protocol(
 
         def data_received(self, data: bytes) -> None:
             conn = self._conn
-            if conn is None or conn.closed or conn.refusal is not None:
-                return
+            if conn is None or conn.closed or conn.refusal is not None or conn.lingering:
+                return  # lingering: the rest of a body nobody reads, dropped (_close)
             if conn.state != UNFRAMED and not self._frame(conn, data):
                 return
             self._inner.data_received(data)
 
         def eof_received(self) -> bool | None:
+            conn = self._conn
+            if conn is not None and conn.lingering:
+                return None  # the client sent all it had: the transport closes now
             return self._inner.eof_received()
+
+        def _close(self) -> None:
+            """h11's close. Mid-body, the close lingers: the answer is flushed and the sending
+            side shut (``write_eof``), and what the client still sends is read and dropped until
+            it stops (EOF) or the body timer fires. A socket closed with unread bytes in it is
+            reset, and the reset can reach the client before the answer, which is then lost
+            (seen on a 413 refused from its declared length); nginx's lingering close does the
+            same."""
+            conn = self._conn
+            real = conn.transport if conn is not None else None
+            if conn is None or real is None:
+                return
+            if conn.lingering or real.is_closing():
+                return
+            if conn.state in BODY_STATES and real.can_write_eof():
+                conn.lingering = True
+                real.write_eof()
+                self._arm(body_timers)
+                return
+            real.close()
 
         def pause_writing(self) -> None:
             self._inner.pause_writing()
@@ -381,9 +411,9 @@ def public_protocol(
             conn = self._conn
             assert conn is not None
             conn.timer = conn.timer_set = None
-            if not conn.closed and conn.state in BODY_STATES and not conn.in_progress:
+            if conn.lingering or (not conn.closed and conn.state in BODY_STATES and not conn.in_progress):
                 conn.closed = True
-                conn.transport.close()  # the client stopped mid-body after its answer
+                conn.transport.close()  # the client stopped mid-body after its answer, or lingered out
 
         def _refuse(self, conn: Connection, reason: str) -> bool:
             conn.stop_timer()

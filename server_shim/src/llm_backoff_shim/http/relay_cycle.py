@@ -15,7 +15,10 @@ carry CR or LF (checked once over the whole head, not per header), content-lengt
 enforced in both directions, HEAD answers carry no body, a response without a length
 is chunked, ``connection: close`` is honoured, and an app that fails before
 answering gets a 500. An answer started before the request's body has all arrived closes
-the connection after it (``connection: close``), as nginx does with a body it did not read.
+the connection after it (``connection: close``), as nginx does with a body it did not read;
+like nginx's lingering close, the rest of that body is read and dropped first (``read_past``,
+the protocol's): a socket closed with unread bytes is reset, and the reset can reach the
+client before the answer.
 
 What it adds: a start message carrying ``BODY_FOLLOWS: True`` promises that a body
 message follows at once, and its head is written together with the first body bytes.
@@ -66,6 +69,7 @@ class RelayCycle:
         "message_event",
         "more_body",
         "on_response",
+        "read_past",
         "response_complete",
         "response_started",
         "scope",
@@ -83,6 +87,7 @@ class RelayCycle:
         expect_100_continue: bool,
         keep_alive: bool,
         on_response: Callable[[], None],
+        read_past: Callable[[], None] | None = None,
     ) -> None:
         self.scope = scope
         self.transport = transport
@@ -90,6 +95,9 @@ class RelayCycle:
         self.logger = logger
         self.message_event = asyncio.Event()
         self.on_response = on_response
+        # Closing a connection whose request body is not all in: the protocol reads the rest
+        # past, then closes (None: closed at once).
+        self.read_past = read_past
         self.disconnected = False
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
@@ -174,7 +182,10 @@ class RelayCycle:
             self.response_complete = True
             self.message_event.set()
             if not self.keep_alive:
-                self.transport.close()
+                if self.more_body and self.read_past is not None:
+                    self.read_past()
+                else:
+                    self.transport.close()
             self.on_response()
 
     def _start(self, message: dict[str, Any]) -> None:

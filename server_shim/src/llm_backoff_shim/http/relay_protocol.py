@@ -222,6 +222,7 @@ def relay_protocol(
                 expect_100_continue=self.expect_100_continue,
                 keep_alive=keep_alive,
                 on_response=self.on_response_complete,
+                read_past=self._read_past_then_close,
             )
             self.cycle = cycle
             self._relay_wire.cycle = cycle
@@ -253,6 +254,17 @@ def relay_protocol(
                 self.on_response_complete()  # the next request may begin
             else:
                 self.transport.close()
+
+        def _read_past_then_close(self) -> None:
+            """The answer is out but its request's body is not all in: read the rest past
+            (:class:`ReadingPast`, not kept alive), then close; a client that stops sending is
+            cut off after the body timeout."""
+            self.cycle = past = ReadingPast()
+            past.keep_alive = False
+            self._relay_wire.cycle = None
+            self.flow.resume_reading()
+            if body_timers is not None:
+                past.timer = body_timers.add(self._relay_body_expired, self.loop)
 
         def _relay_body_expired(self) -> None:
             past = self.cycle
