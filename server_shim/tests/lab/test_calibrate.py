@@ -274,6 +274,7 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
         rec["max_queue_wait"],
     )
     assert settings.class_limits()["batch"].max_queue_wait == rec["batch_max_queue_wait"]
+    assert settings.retry_after_max == rec["retry_after_max"]
     # The sim completed what the statistics hold plus one warm-up request per worker, no more.
     stats = sim_stats(sim)
     assert all(step["errors"] == 0 for step in result["steps"])

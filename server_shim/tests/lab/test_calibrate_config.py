@@ -36,7 +36,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
         )
         # Only the recommendation is set; every other setting is there, commented out.
         set_keys = {line.split(" = ")[0] for line in text.splitlines() if " = " in line and line[0] != "#"}
-        assert set_keys == {"upstream", "max_concurrency", "max_queue", "max_queue_wait"}
+        assert set_keys == {"upstream", "max_concurrency", "max_queue", "max_queue_wait", "retry_after_max"}
         assert "# upstream_read_timeout = 600.0" in text
         settings = load_settings(["--config", str(config)])
         assert settings.upstream_base == sim.url
@@ -52,6 +52,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
             rec["batch_max_queue"],
             rec["batch_max_queue_wait"],
         )
+        assert settings.retry_after_max == rec["retry_after_max"]
         assert (
             settings.model_copy(
                 update={
@@ -61,6 +62,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
                     "max_queue_wait": 10.0,
                     "class_max_queue": {},
                     "class_max_queue_wait": {},
+                    "retry_after_max": ShimSettings().retry_after_max,
                 }
             )
             == ShimSettings()

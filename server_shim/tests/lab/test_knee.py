@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from llm_backoff_shim.lab.knee import (
     BATCH_QUEUE_WAIT,
+    HELD_RETRY_AFTER_MAX,
     KneeInputError,
     KneeRule,
     StepStats,
@@ -250,6 +251,7 @@ def test_recommendation_follows_the_slo_headroom_on_the_median_measurement() -> 
     assert rec.max_queue_wait == pytest.approx(0.35)
     assert rec.max_queue == 7  # 20 req/s drain 7 requests in 0.35 s
     assert rec.serve_flags() == ["--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35"]
+    assert rec.retry_after_max is None  # batch not held: the shim's own cap
 
 
 def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> None:
@@ -262,8 +264,10 @@ def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> N
     assert held.serve_flags() == [
         "--max-concurrency", "8", "--max-queue", "87", "--max-queue-wait", "0.35",
         "--interactive-max-queue", "7", "--batch-max-queue", "80", "--batch-max-queue-wait", "4",
+        "--retry-after-max", "5",
     ]  # fmt: skip
     shim = load_settings(held.serve_flags())
+    assert shim.retry_after_max == HELD_RETRY_AFTER_MAX
     limits = shim.class_limits()
     assert (limits["interactive"].max_queue, limits["interactive"].max_queue_wait) == (7, 0.35)
     assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (80, 4.0)

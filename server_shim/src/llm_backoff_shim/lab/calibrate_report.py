@@ -50,6 +50,8 @@ def recommended_config(outcome: Outcome) -> str | None:
     if held is not None:
         active["class_max_queue"] = {"interactive": rec.max_queue, "batch": held[0]}
         active["class_max_queue_wait"] = {"batch": held[1]}
+    if rec.retry_after_max is not None:
+        active["retry_after_max"] = rec.retry_after_max
     return render_config(
         active,
         header=(
@@ -129,6 +131,8 @@ def render_text(outcome: Outcome) -> str:
         batch = ""
         if held is not None:
             batch = f"; batch is held up to {held[1]:g} s in a queue of {held[0]}, behind interactive"
+        if rec.retry_after_max is not None:
+            batch += f", and no caller is told to wait more than {rec.retry_after_max:g} s"
         lines += [
             "",
             f"recommended: at most {rec.max_concurrency} in flight "
