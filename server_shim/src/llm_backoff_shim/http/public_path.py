@@ -164,10 +164,8 @@ class _Transport(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         conn = self._conn
-        if conn.lingering:
-            return
-        if conn.replacing:
-            return  # the rest of uvicorn's 400 (its body, its end)
+        if conn.lingering or conn.replacing:
+            return  # closed (lingering), or the rest of uvicorn's 400 (its body, its end)
         if conn.in_progress == 0 and bytes(data[: len(_PLAIN_400)]) == _PLAIN_400:
             # No request is with the app: this is uvicorn's answer to a head h11 refused.
             conn.replacing = True
@@ -287,11 +285,9 @@ def public_protocol(
             (seen on a 413 refused from its declared length); nginx's lingering close does the
             same."""
             conn = self._conn
-            real = conn.transport if conn is not None else None
-            if conn is None or real is None:
+            if conn is None or conn.lingering or conn.transport.is_closing():
                 return
-            if conn.lingering or real.is_closing():
-                return
+            real = conn.transport
             if conn.state in BODY_STATES and real.can_write_eof():
                 conn.lingering = True
                 real.write_eof()
