@@ -61,7 +61,13 @@ from llm_backoff_shim.lab.workload import Workload
 from real_vllm import plot
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, vllm_server
-from real_vllm.measures import Cell, interactive_failure_paths, markdown_table, text_table
+from real_vllm.measures import (
+    Cell,
+    idle_markdown,
+    interactive_failure_paths,
+    markdown_table,
+    text_table,
+)
 
 LOAD_CPU = 0
 ENGINE_CPU = 1
@@ -220,6 +226,9 @@ def run_cell(
         f"({result.elapsed:.0f} s)",
         flush=True,
     )
+    if cell.idle_places and cell.idle_share:
+        shown = ", ".join(f"{place} {_pct(share)}" for place, share in cell.idle_places.items())
+        print(f"  idle while the caller was: {shown}", flush=True)
     paths = interactive_failure_paths(result)
     if paths:
         shown = ", ".join(
@@ -386,7 +395,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"tokens); all slots busy: {full:.0f} tokens/s (ceiling {full * window / 1000:.1f}k); "
         f"{len(seeds)} seed(s); machine load {min(loads):.1f}-{max(loads):.1f}"
     )
+    idle = idle_markdown(labels, cells)
     print("\n" + head + "\nmedian over seeds (each seed's value in brackets):\n" + text_table(labels, cells))
+    if idle:
+        print("\n" + idle)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ""
     png = plot.save(
@@ -409,7 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         + "\n"
     )
-    (args.out / f"{args.name}{suffix}.md").write_text(head + "\n\n" + markdown_table(labels, cells) + "\n")
+    (args.out / f"{args.name}{suffix}.md").write_text(
+        head + "\n\n" + markdown_table(labels, cells) + "\n" + (f"\n{idle}\n" if idle else "")
+    )
     print(f"\nplot: {png}\nMarkdown: {args.out / f'{args.name}{suffix}.md'}")
     print(f"total {time.monotonic() - started:.0f} s")
     return 0

@@ -6,6 +6,11 @@
   idle slots that a live caller not running could have used are
   ``min(slots - running, alive - running)``; summed over time and divided by the
   slot-time of the run (slots x the time from the first arrival to the last call's end);
+  **where those callers were** splits it by the shim's sampled state (a caller that
+  could have used an idle slot is counted first as admitted by the shim but not yet
+  running in the engine, then as queued in the shim, else as between attempts: asleep on a
+  hint, or on its way), which says whether the shim's admission or the callers' promises
+  left the slot empty;
 - **useful tokens of full-load capacity**: useful tokens over the answer tokens/s of the
   engine with every slot busy (:mod:`.capacity`) times (arrival window + batch deadline);
   beside the report's ratio to calibrate's tokens/s at its knee;
@@ -42,8 +47,17 @@ def _running_samples(result: RunResult) -> list[Sample]:
     return [s for s in result.samples if s.engine_running is not None]
 
 
-def idle_slot_share(result: RunResult, slots: int) -> float | None:
-    """Share of the run's slot-time idle while a live caller was not running (module doc)."""
+@dataclass(frozen=True)
+class IdleSpan:
+    """One sampled span of a run: ``idle`` slots a live caller not running could have used."""
+
+    sample: Sample
+    seconds: float
+    idle: int
+
+
+def _idle_spans(result: RunResult, slots: int) -> tuple[list[IdleSpan], float] | None:
+    """The run's idle spans and its slot-time denominator (module doc), None without data."""
     samples = _running_samples(result)
     ends = [c.end for c in result.calls if c.end is not None]
     if len(samples) < 2 or not ends:
@@ -51,7 +65,7 @@ def idle_slot_share(result: RunResult, slots: int) -> float | None:
     window_end = max(ends)
     starts = sorted(c.start for c in result.calls)
     finished = sorted(ends)
-    idle = 0.0
+    spans = []
     for current, following in itertools.pairwise(samples):
         if current.t >= window_end:
             break
@@ -59,9 +73,41 @@ def idle_slot_share(result: RunResult, slots: int) -> float | None:
         dt = min(dt, MAX_SAMPLE_GAP)
         alive = bisect.bisect_right(starts, current.t) - bisect.bisect_right(finished, current.t)
         running = current.engine_running or 0
-        idle += max(0, min(slots - running, alive - running)) * dt
+        spans.append(IdleSpan(current, dt, max(0, min(slots - running, alive - running))))
     window = window_end - min(starts)
-    return idle / (slots * window) if window > 0 else None
+    return (spans, slots * window) if window > 0 else None
+
+
+def idle_slot_share(result: RunResult, slots: int) -> float | None:
+    """Share of the run's slot-time idle while a live caller was not running (module doc)."""
+    walked = _idle_spans(result, slots)
+    if walked is None:
+        return None
+    spans, slot_time = walked
+    return sum(span.idle * span.seconds for span in spans) / slot_time
+
+
+#: Where a caller that could have used an idle slot was, in the order they are counted.
+IDLE_PLACES = ("admitted, not running", "queued in the shim", "between attempts")
+
+
+def idle_places(result: RunResult, slots: int) -> dict[str, float] | None:
+    """:func:`idle_slot_share` split by where the callers were (module doc); the shares sum
+    to it. None without the shim's sampled state (a run straight at the engine)."""
+    walked = _idle_spans(result, slots)
+    if walked is None:
+        return None
+    spans, slot_time = walked
+    if any(s.sample.proxy_in_flight is None or s.sample.proxy_queued is None for s in spans if s.idle):
+        return None
+    shares = dict.fromkeys(IDLE_PLACES, 0.0)
+    for span in spans:
+        running = span.sample.engine_running or 0
+        admitted = min(span.idle, max(0, (span.sample.proxy_in_flight or 0) - running))
+        queued = min(span.idle - admitted, span.sample.proxy_queued or 0)
+        for place, idle in zip(IDLE_PLACES, (admitted, queued, span.idle - admitted - queued), strict=True):
+            shares[place] += idle * span.seconds / slot_time
+    return shares
 
 
 def engine_pace(result: RunResult, slots: int) -> float | None:
@@ -142,6 +188,7 @@ class Cell:
     idle_share: float | None
     tokens_generated: int
     load_average: float
+    idle_places: dict[str, float] | None = None
 
     @classmethod
     def of(
@@ -172,6 +219,7 @@ class Cell:
             idle_share=idle_slot_share(result, slots),
             tokens_generated=int(result.engine_stats.get("tokens_generated", 0)),
             load_average=load,
+            idle_places=idle_places(result, slots),
         )
 
 
@@ -236,6 +284,33 @@ def markdown_table(labels: Sequence[str], cells: Sequence[Cell]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in summary_rows(labels, cells)]
     return "\n".join(lines)
+
+
+def idle_rows(labels: Sequence[str], cells: Sequence[Cell]) -> list[list[str]]:
+    """Per configuration with the shim's state sampled: the median share of slot-time idle
+    while its callers were in each of :data:`IDLE_PLACES`, the seeds' values after it."""
+    rows = []
+    for label in labels:
+        mine = sorted((c for c in cells if c.label == label and c.idle_places), key=lambda c: c.seed)
+        if not mine:
+            continue
+        row = [label]
+        for place in IDLE_PLACES:
+            values = [(c.idle_places or {})[place] for c in mine]
+            each = " / ".join(show(v, "share") for v in values)
+            row.append(show(median(values), "share") + (f" ({each})" if len(values) > 1 else ""))
+        rows.append(row)
+    return rows
+
+
+def idle_markdown(labels: Sequence[str], cells: Sequence[Cell]) -> str:
+    """Where the callers were while a slot stood idle, as a Markdown table ("" if nowhere known)."""
+    rows = idle_rows(labels, cells)
+    if not rows:
+        return ""
+    header = ["slot-time idle, caller waiting, while the caller was", *IDLE_PLACES]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def text_table(labels: Sequence[str], cells: Sequence[Cell]) -> str:

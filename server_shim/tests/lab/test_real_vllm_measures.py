@@ -11,8 +11,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
-from llm_backoff_shim.lab.load_records import AttemptRecord, CallRecord
-from real_vllm.measures import engine_pace, interactive_failure_paths
+from llm_backoff_shim.lab.load_records import AttemptRecord, CallRecord, Sample
+from real_vllm.measures import engine_pace, idle_places, idle_slot_share, interactive_failure_paths
 
 
 def run(running: list[int], generated: int, step: float = 0.5) -> Any:
@@ -64,3 +64,50 @@ def test_interactive_failures_are_split_by_how_they_ended() -> None:
         "deadline": (1, 5.0),
         "queued, then refused": (1, 1.9),
     }
+
+
+def sampled(*rows: tuple[float, int, int, int]) -> list[Sample]:
+    """Samples (t, engine running, shim queued, shim in flight)."""
+    return [Sample(t, running, None, queued, in_flight) for t, running, queued, in_flight in rows]
+
+
+def alive_from_0_to_4(count: int) -> list[Any]:
+    return [CallRecord(i, "batch", 0.0, 20.0, start=0.0, end=4.0) for i in range(count)]
+
+
+def test_idle_slot_time_is_split_by_where_the_waiting_callers_were() -> None:
+    # 4 slots, 6 callers alive from 0 to 4 s; one sample a second.
+    samples = sampled(
+        (0.0, 1, 0, 3),  # 3 idle: 2 admitted not yet running, 1 between attempts (6 - 3 - 0 outside)
+        (1.0, 2, 1, 2),  # 2 idle: none admitted beyond running, 1 queued, 1 between attempts
+        (2.0, 4, 2, 4),  # none idle
+        (3.0, 3, 0, 3),  # 1 idle, nobody admitted or queued: between attempts
+        (4.0, 0, 0, 0),
+    )
+    result = SimpleNamespace(calls=alive_from_0_to_4(6), samples=samples)
+    slot_time = 4 * 4.0
+    assert idle_slot_share(result, 4) == pytest.approx(6 / slot_time)  # type: ignore[arg-type]
+    places = idle_places(result, 4)  # type: ignore[arg-type]
+    assert places == pytest.approx(
+        {
+            "admitted, not running": 2 / slot_time,
+            "queued in the shim": 1 / slot_time,
+            "between attempts": 3 / slot_time,
+        }
+    )
+
+
+def test_idle_is_never_more_than_the_callers_not_running() -> None:
+    # 8 slots, 2 callers alive, 1 running: only 1 slot could have been used.
+    result = SimpleNamespace(calls=alive_from_0_to_4(2), samples=sampled((0.0, 1, 5, 5), (4.0, 0, 0, 0)))
+    assert idle_slot_share(result, 8) == pytest.approx(1 / 32)  # type: ignore[arg-type]
+    assert idle_places(result, 8) == pytest.approx(  # type: ignore[arg-type]
+        {"admitted, not running": 1 / 32, "queued in the shim": 0.0, "between attempts": 0.0}
+    )
+
+
+def test_no_split_without_the_shims_state() -> None:
+    samples = [Sample(0.0, 1, 0, None, None), Sample(4.0, 0, 0, None, None)]
+    result = SimpleNamespace(calls=alive_from_0_to_4(3), samples=samples)
+    assert idle_slot_share(result, 4) is not None  # type: ignore[arg-type]
+    assert idle_places(result, 4) is None  # type: ignore[arg-type]
