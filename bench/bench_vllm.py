@@ -87,6 +87,9 @@ CONFIGS = {
     "shim-backoff": Config(Setup("llm_backoff, shim", "shim", "llm_backoff"), False),
     "shim-presets": Config(Setup("llm_backoff presets, shim", "shim", "llm_backoff_presets"), False),
     "shim-budgets": Config(Setup("llm_backoff + budgets, shim", "shim", "llm_backoff"), True),
+    "shim-presets-hints-1s": Config(
+        Setup("llm_backoff presets, hints <= 1 s, shim", "shim", "llm_backoff_presets", 1.0), False
+    ),
 }
 
 
