@@ -254,7 +254,13 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     levels = sorted({s["concurrency"] for s in result["steps"]})
     assert levels == [2, 4, 8, 16], seen  # two levels past the capacity added nothing
     assert per_level[knee]["runs"] >= 2  # the knee was measured again
-    assert result["knee"]["limit"] in ("plateau", "slo")
+    # The reason names what stopped the climb: a level above the knee (full, or past the SLO),
+    # or no level above it (16 still added more than the tolerance over 8, which this machine's
+    # noise can do with answers this short).
+    if knee == levels[-1]:
+        assert result["knee"]["limit"] == "max_level", (result["knee"], seen)
+    else:
+        assert result["knee"]["limit"] in ("plateau", "slo"), (result["knee"], seen)
     assert result["confidence"] in ("high", "medium", "low")
     assert result["confidence_reason"]
     # Answers varied in length: the upstream's own counts are means, not one fixed value.
