@@ -48,7 +48,8 @@ def save(
                 ax.bar(x, mid, color=colour, alpha=0.6)
             ax.scatter([x] * len(values), values, color="black", s=12, zorder=3)
         ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels([label.replace(" + ", "\n+ ") for label in labels], fontsize=7)
+        # Wrapped so that five or six configurations' names do not run into each other.
+        ax.set_xticklabels([textwrap.fill(label, 16) for label in labels], fontsize=7)
         ax.set_title(titles[attr], fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     busy = flat[len(PANELS)]
