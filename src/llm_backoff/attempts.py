@@ -4,7 +4,8 @@ One `RetryState` per logical call (never shared): it is told how each attempt
 ended and answers `Retry` (wait this long) or `GiveUp` (why). The checks, in order:
 
 1. the outcome is not retryable (see `classify`) -> give up;
-2. the server's hint exceeds ``max_retry_after`` -> give up at once;
+2. the server's hint exceeds ``max_retry_after``, or would begin the retry past
+   ``max_retry_at`` after the call started -> give up at once;
 3. ``max_attempts`` reached -> give up;
 4. the wait (see `backoff`) would end at or past the start deadline -> a shorter wait
    that still begins in time when one is worth it (`RetryState._fit_to_start`), else
@@ -212,12 +213,20 @@ class RetryState:
                 f"{verdict.reason}: server asked to wait {hint:g} s, above max_retry_after "
                 f"({policy.max_retry_after:g} s)"
             )
+        start = policy.start_deadline
+        latest = policy.max_retry_at
+        if hint is not None and latest is not None:
+            elapsed = now - self.started_at
+            if elapsed + hint > latest:
+                return GiveUp(
+                    f"{verdict.reason}: server asked to wait {hint:g} s, which would begin the retry "
+                    f"past max_retry_at ({latest:g} s; {elapsed:.3g} s elapsed)"
+                )
         number = len(self._attempts) + 1
         if number >= policy.max_attempts:
             return GiveUp(f"{verdict.reason}: max_attempts ({policy.max_attempts}) reached")
         wait = next_wait(policy, number - 1, hint, self._previous_wait, self._rng)
         # A retry is an answer not yet begun: the start deadline (<= deadline) binds first.
-        start = policy.start_deadline
         if start is not None:
             elapsed = now - self.started_at
             if elapsed + wait >= start:

@@ -24,9 +24,10 @@ DEFAULT_RETRY_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504
 INTERACTIVE_START_DEADLINE = 5.0
 #: `RetryPolicy.interactive`'s deadline for the whole call (a stream that began runs on under it).
 INTERACTIVE_DEADLINE = 60.0
-#: `RetryPolicy.interactive`'s longest hint waited out, as a share of its start deadline: a
-#: retry after a longer wait is refused about as often as it is served, and then fails seconds
-#: late instead of at once (docs/sdk.md, "class-aware defaults").
+#: `RetryPolicy.interactive`'s longest hint waited out, and the latest moment a hinted retry
+#: may begin, as a share of its start deadline: a retry begun later is refused about as often
+#: as it is served, and then fails seconds late instead of at once (docs/sdk.md,
+#: "class-aware defaults").
 INTERACTIVE_HINT_SHARE = 0.4
 #: `RetryPolicy.batch`'s deadline for the whole call; batch has no start deadline.
 BATCH_DEADLINE = 600.0
@@ -71,6 +72,15 @@ class RetryPolicy(BaseModel):
         allow_inf_nan=False,
         description="a server hint above this many seconds means: do not retry, raise now",
     )
+    max_retry_at: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "a server hint that would begin the retry later than this many seconds after the call "
+            "started means: do not retry, raise now (None: no such limit)"
+        ),
+    )
     retry_after_jitter: float = Field(
         default=0.2,
         ge=0,
@@ -95,17 +105,27 @@ class RetryPolicy(BaseModel):
     def interactive(cls, start_deadline: float = INTERACTIVE_START_DEADLINE, **fields: Any) -> RetryPolicy:
         """For a caller with a time-to-first-token budget: begin within ``start_deadline`` or fail fast.
 
-        A server's hint is waited out only up to `INTERACTIVE_HINT_SHARE` of the start
-        deadline (``max_retry_after``; 2 s of 5 s): a longer hint fails the call at once,
-        while the user still waits and the application can degrade. Backoffs without a
-        hint (a connection error, a 503 without Retry-After) stay short (``max_delay`` 2 s)
-        and within the start deadline (their jitter trimmed to fit). No last chance past
-        the start deadline. Any other field may be given too.
+        A server's hint is waited out only while the retry it asks for begins within
+        `INTERACTIVE_HINT_SHARE` of the start deadline (``max_retry_after`` and
+        ``max_retry_at``; 2 s of 5 s): a longer hint, or one that a caller already turned
+        away once would wait out past that moment, fails the call at once, while the user
+        still waits and the application can degrade. ``max_retry_at`` follows a
+        ``max_retry_after`` given here, and is off with a ``last_chance`` (whose retry begins
+        just before the start deadline), unless it is given too. Backoffs without a hint (a
+        connection error, a 503 without Retry-After) stay short (``max_delay`` 2 s) and within
+        the start deadline (their jitter trimmed to fit). No last chance past the start
+        deadline. Any other field may be given too.
         """
+        hint_limit = fields.get("max_retry_after", INTERACTIVE_HINT_SHARE * start_deadline)
         values: dict[str, Any] = {
             "deadline": max(INTERACTIVE_DEADLINE, start_deadline),
             "start_deadline": start_deadline,
-            "max_retry_after": INTERACTIVE_HINT_SHARE * start_deadline,
+            "max_retry_after": hint_limit,
+            "max_retry_at": (
+                hint_limit
+                if isinstance(hint_limit, int | float) and hint_limit > 0 and not fields.get("last_chance")
+                else None
+            ),
             "base_delay": 0.25,
             "max_delay": 2.0,
         }

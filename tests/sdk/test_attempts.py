@@ -68,6 +68,26 @@ def test_hint_above_max_retry_after_stops_at_once() -> None:
     assert s.history[0].hint == 11.0
 
 
+def test_a_hint_that_would_begin_the_retry_past_max_retry_at_stops_at_once() -> None:
+    clock = FakeClock()
+    s = state(RetryPolicy(max_retry_at=3, deadline=None), clock)
+    started = clock.now
+    first = s.decide(RETRY, attempt_started=started, status=429, hint=2.5)
+    assert isinstance(first, Retry)  # it would begin at 2.5 s: within 3 s of the call's start
+    clock.now = started + 1.0
+    second = s.decide(RETRY, attempt_started=started + 0.5, status=429, hint=2.5)
+    assert isinstance(second, GiveUp)  # at 3.5 s: past it, however short the hint itself is
+    assert "max_retry_at (3 s; 1 s elapsed)" in second.reason
+    assert s.history[-1].wait is None
+
+
+def test_max_retry_at_leaves_waits_without_a_hint_alone() -> None:
+    clock = FakeClock()
+    s = state(RetryPolicy(max_retry_at=1, deadline=None, jitter="none", base_delay=2, max_delay=2), clock)
+    clock.now += 5.0  # long past max_retry_at: a connection error still gets its backoff
+    assert s.decide(RETRY, attempt_started=clock.now, status=None, hint=None) == Retry(2.0, "status 503")
+
+
 def test_hint_is_honoured_as_a_floor() -> None:
     clock = FakeClock()
     s = state(RetryPolicy(retry_after_jitter=0.2), clock)

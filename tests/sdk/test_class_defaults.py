@@ -49,6 +49,11 @@ def test_the_interactive_preset_has_a_start_deadline_and_the_batch_preset_patien
     assert fast.last_chance == 0.0
     assert fast.max_retry_after == INTERACTIVE_HINT_SHARE * 5.0 == 2.0
     assert llm_backoff.RetryPolicy.interactive(start_deadline=10).max_retry_after == 4.0
+    assert fast.max_retry_at == 2.0  # a hinted retry begins within the same share, or none does
+    assert llm_backoff.RetryPolicy.interactive(max_retry_after=1).max_retry_at == 1.0
+    assert llm_backoff.RetryPolicy.interactive(max_retry_after=1, max_retry_at=3).max_retry_at == 3.0
+    assert llm_backoff.RetryPolicy.interactive(last_chance=0.5).max_retry_at is None
+    assert llm_backoff.RetryPolicy().max_retry_at is None
     slow = llm_backoff.RetryPolicy.batch()
     assert slow.start_deadline is None
     assert slow.deadline == BATCH_DEADLINE == 600.0
@@ -109,6 +114,20 @@ def test_the_interactive_preset_fails_at_once_on_a_hint_longer_than_its_share_of
     assert calls.history[-1].wait is None  # no wait was taken: the call ends now
     waits = state(llm_backoff.RetryPolicy.interactive(), now)
     assert isinstance(waits.decide(BUSY, attempt_started=0.0, status=429, hint=2.0), Retry)
+
+
+def test_the_interactive_preset_waits_out_no_hint_that_would_begin_the_retry_past_its_share() -> None:
+    now = [0.0]
+    calls = state(llm_backoff.RetryPolicy.interactive(), now)
+    assert isinstance(calls.decide(BUSY, attempt_started=0.0, status=429, hint=1.5), Retry)
+    now[0] = 1.8  # turned away again (queued, say, then timed out): 1.8 s of its 5 s gone
+    decision = calls.decide(BUSY, attempt_started=1.5, status=429, hint=1.0)
+    assert isinstance(decision, GiveUp)  # the retry would begin at 2.8 s, past 2 s
+    assert "max_retry_at (2 s" in decision.reason
+    # A caller that waits out every hint that fits its budget keeps doing so.
+    patient = state(llm_backoff.RetryPolicy.interactive(max_retry_after=5), now)
+    now[0] = 1.8
+    assert isinstance(patient.decide(BUSY, attempt_started=1.5, status=429, hint=1.0), Retry)
 
 
 def test_the_last_chance_is_taken_once_per_call() -> None:

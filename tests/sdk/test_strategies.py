@@ -80,6 +80,18 @@ def test_retry_predicate_follows_the_policy(olib: ModuleType) -> None:
     assert not retry_if_retryable(RetryPolicy(retry_statuses=[503]))(state_for(status_error(olib, 429, {})))
 
 
+def test_retry_predicate_gives_up_on_a_hint_that_would_begin_the_retry_past_max_retry_at(
+    olib: ModuleType,
+) -> None:
+    retry = retry_if_retryable(RetryPolicy(max_retry_at=3))
+    fresh = state_for(status_error(olib, 429, {"retry-after": "2"}))
+    assert retry(fresh)  # begun just now: the retry would begin at about 2 s
+    late = state_for(status_error(olib, 429, {"retry-after": "2"}))
+    late.start_time -= 2.0  # the call began 2 s ago: the retry would begin at about 4 s
+    assert not retry(late)
+    assert "max_retry_at" in retry.verdict(late).reason
+
+
 def test_retry_predicate_on_transport_errors_and_values(olib: ModuleType) -> None:
     request = olib.Request("GET", "http://x")
     retry = retry_if_retryable()
