@@ -88,9 +88,26 @@ CONFIGS = {
     "shim-presets": Config(Setup("llm_backoff presets, shim", "shim", "llm_backoff_presets"), False),
     "shim-budgets": Config(Setup("llm_backoff + budgets, shim", "shim", "llm_backoff"), True),
     "shim-presets-hints-1s": Config(
-        Setup("llm_backoff presets, hints <= 1 s, shim", "shim", "llm_backoff_presets", 1.0), False
+        Setup(
+            "llm_backoff presets, hints <= 1 s, shim",
+            "shim",
+            "llm_backoff_presets",
+            (("max_retry_after", 1.0),),
+        ),
+        False,
+    ),
+    "shim-presets-hint-cap-only": Config(
+        Setup(
+            "llm_backoff presets, hint cap only, shim",
+            "shim",
+            "llm_backoff_presets",
+            (("max_retry_at", None),),
+        ),
+        False,
     ),
 }
+#: The comparison the benchmark is for; the other configurations measure one choice each.
+DEFAULT_SETUPS = ("direct", "shim-plain", "shim-presets", "shim-budgets")
 
 
 @dataclass(frozen=True)
@@ -281,7 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--first-seed", type=int, default=1)
     add("--duration", type=float, help="seconds of arrivals (default 30, 10 with --quick)")
     add("--rate-factor", type=float, default=2.0, help="arrival rate / capacity (default %(default)s)")
-    add("--setups", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    add(
+        "--setups",
+        default=",".join(DEFAULT_SETUPS),
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default %(default)s)",
+    )
     add("--out", type=Path, default=Path("docs/img"), help="folder for the PNG, JSON and Markdown")
     add("--name", default="real-vllm", help="file name stem of the outputs (default %(default)s)")
     add("--engine-url", help="use this running vLLM instead of starting one (it must run --max-num-seqs 8)")

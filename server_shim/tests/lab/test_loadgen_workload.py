@@ -326,7 +326,7 @@ def test_presets_callers_get_each_classes_sdk_preset() -> None:
     assert _engine_of(presets["batch"]).policy == RetryPolicy.batch()
     stated = build_clients(SHIM_BACKOFF, scenario, "http://127.0.0.1:9", http_client)
     assert _engine_of(stated["interactive"]).policy.deadline == 8.0
-    shorter = dataclasses.replace(SHIM_PRESETS, interactive_max_retry_after=1.0)
+    shorter = dataclasses.replace(SHIM_PRESETS, interactive_fields=(("max_retry_after", 1.0),))
     fast = build_clients(shorter, scenario, "http://127.0.0.1:9", http_client)
     assert _engine_of(fast["interactive"]).policy == RetryPolicy.interactive(max_retry_after=1.0)
     assert _engine_of(fast["batch"]).policy == RetryPolicy.batch()

@@ -60,12 +60,9 @@ def build_clients(
                 http_client=http_client,
                 timeout=scenario.deadline_of(cls),
             )
-            if (
-                setup.client == "llm_backoff_presets"
-                and cls == "interactive"
-                and setup.interactive_max_retry_after is not None
-            ):
-                policy = RetryPolicy.interactive(max_retry_after=setup.interactive_max_retry_after)
+            if setup.client == "llm_backoff_presets" and cls == "interactive" and setup.interactive_fields:
+                given: dict[str, Any] = dict(setup.interactive_fields)
+                policy = RetryPolicy.interactive(**given)
                 clients[cls] = wrap(raw, policy, request_class=cls, budget=budget)
             elif setup.client == "llm_backoff_presets":
                 clients[cls] = wrap(raw, request_class=cls, budget=budget)  # the class's preset

@@ -86,9 +86,9 @@ def describe_setup(setup: Setup, scenario: Scenario) -> str:
         client = f"openai.AsyncOpenAI(max_retries=2, timeout={timeout})"
     elif setup.client == "llm_backoff_presets":
         client = "llm_backoff.wrap(AsyncOpenAI(...), request_class=..., budget=RetryBudget(ratio=1.0))"
-        if setup.interactive_max_retry_after is not None:
-            hint = setup.interactive_max_retry_after
-            client += f", interactive: RetryPolicy.interactive(max_retry_after={hint:g})"
+        if setup.interactive_fields:
+            given = ", ".join(f"{name}={value}" for name, value in setup.interactive_fields)
+            client += f", interactive: RetryPolicy.interactive({given})"
     else:
         client = (
             f"llm_backoff.wrap(AsyncOpenAI(...), RetryPolicy(deadline={timeout}, "

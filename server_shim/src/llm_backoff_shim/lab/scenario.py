@@ -232,14 +232,14 @@ def arrivals(scenario: Scenario, capacity: float, rng: random.Random) -> list[Ar
 
 @dataclass(frozen=True)
 class Setup:
-    """One configuration: which client, pointed at which server. ``interactive_max_retry_after``:
-    with ``llm_backoff_presets``, the interactive preset's ``max_retry_after`` (None: its default),
-    to measure what waiting out shorter hints costs in calls served."""
+    """One configuration: which client, pointed at which server. ``interactive_fields``: with
+    ``llm_backoff_presets``, fields given to the interactive preset (``RetryPolicy.interactive``,
+    e.g. ``(("max_retry_after", 1.0),)``), to measure what one of its choices costs or buys."""
 
     label: str
     route: Route
     client: ClientKind
-    interactive_max_retry_after: float | None = None
+    interactive_fields: tuple[tuple[str, float | None], ...] = ()
 
 
 DIRECT_PLAIN = Setup("direct + plain openai", "engine", "plain")
