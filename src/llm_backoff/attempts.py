@@ -215,35 +215,30 @@ class RetryState:
             )
         start = policy.start_deadline
         latest = policy.max_retry_at
-        if hint is not None and latest is not None:
-            elapsed = now - self.started_at
-            if elapsed + hint > latest:
-                return GiveUp(
-                    f"{verdict.reason}: server asked to wait {hint:g} s, which would begin the retry "
-                    f"past max_retry_at ({latest:g} s; {elapsed:.3g} s elapsed)"
-                )
+        elapsed = now - self.started_at
+        if hint is not None and latest is not None and elapsed + hint > latest:
+            return GiveUp(
+                f"{verdict.reason}: server asked to wait {hint:g} s, which would begin the retry "
+                f"past max_retry_at ({latest:g} s; {elapsed:.3g} s elapsed)"
+            )
         number = len(self._attempts) + 1
         if number >= policy.max_attempts:
             return GiveUp(f"{verdict.reason}: max_attempts ({policy.max_attempts}) reached")
         wait = next_wait(policy, number - 1, hint, self._previous_wait, self._rng)
         # A retry is an answer not yet begun: the start deadline (<= deadline) binds first.
-        if start is not None:
-            elapsed = now - self.started_at
-            if elapsed + wait >= start:
-                fitted = self._fit_to_start(policy, start, elapsed, wait, hint)
-                if fitted is None:
-                    return GiveUp(
-                        f"{verdict.reason}: waiting {wait:.3g} s would pass the {start:g} s start deadline "
-                        f"({elapsed:.3g} s elapsed)"
-                    )
-                wait = fitted
-        if policy.deadline is not None:
-            elapsed = now - self.started_at
-            if elapsed + wait >= policy.deadline:
+        if start is not None and elapsed + wait >= start:
+            fitted = self._fit_to_start(policy, start, elapsed, wait, hint)
+            if fitted is None:
                 return GiveUp(
-                    f"{verdict.reason}: waiting {wait:.3g} s would pass the {policy.deadline:g} s deadline "
+                    f"{verdict.reason}: waiting {wait:.3g} s would pass the {start:g} s start deadline "
                     f"({elapsed:.3g} s elapsed)"
                 )
+            wait = fitted
+        if policy.deadline is not None and elapsed + wait >= policy.deadline:
+            return GiveUp(
+                f"{verdict.reason}: waiting {wait:.3g} s would pass the {policy.deadline:g} s deadline "
+                f"({elapsed:.3g} s elapsed)"
+            )
         if self._budget is not None and not self._budget.try_spend():
             return GiveUp(f"{verdict.reason}: retry budget exhausted")
         return Retry(wait, verdict.reason)

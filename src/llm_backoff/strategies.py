@@ -111,12 +111,13 @@ class retry_if_retryable(retry_base):  # noqa: N801 - tenacity's naming
         verdict = classify_status(self.policy, status, headers, body)
         if verdict.retryable:
             hint = parse_hint(headers, body, wall_clock=time.time)
-            if hint is not None and hint.seconds > self.policy.max_retry_after:
+            if hint is None:
+                return verdict
+            if hint.seconds > self.policy.max_retry_after:
                 return Verdict(False, f"server asked to wait {hint.seconds:g} s, above max_retry_after")
             latest = self.policy.max_retry_at
             # tenacity stamps start_time with time.monotonic (its default clock).
-            elapsed = time.monotonic() - retry_state.start_time
-            if hint is not None and latest is not None and elapsed + hint.seconds > latest:
+            if latest is not None and time.monotonic() - retry_state.start_time + hint.seconds > latest:
                 return Verdict(
                     False,
                     f"server asked to wait {hint.seconds:g} s, which would begin the retry past max_retry_at",
