@@ -3,7 +3,8 @@
 - admission invariants of the controller the shim really builds (``build_controller``
   with its class scheduler: reservations, minimum shares), driven by a hypothesis
   state machine: never more than the cap in flight, never more than the queue bounds
-  waiting, first come first served within a class, every admitted request released
+  waiting, first come first served within a class (whatever placement does across
+  classes), every admitted request released
   exactly once, every ticket ends in exactly one final state;
 - the request-target check: whatever the encoding tricks, an accepted path stays
   under ``/v1/`` even for an upstream that decodes once more;
@@ -175,6 +176,29 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 AdmissionMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestAdmissionInvariants = AdmissionMachine.TestCase
+
+
+def test_a_request_placed_behind_a_lower_class_is_not_passed_by_a_later_one_of_its_class() -> None:
+    """The shrunk example that found it: an interactive request placed behind a queued batch
+    request (whose promise it would have broken) kept a key extending the batch request's,
+    and a later interactive arrival, finding the batch request no longer tight, took its
+    natural place ahead of both. First come, first served within a class must hold whatever
+    placement does across classes."""
+    m = AdmissionMachine()
+    m.configure(batch_queue=1, limit=1, max_queue=5, minimum=0.0, reserved=0.0)
+    for _ in range(5):
+        m.arrive(budget=None, cls="interactive")
+    m.arrive(budget=0.5, cls="batch")
+    steps = ["finish"] * 4 + ["arrive", "arrive", "finish", "arrive", "finish", "finish"]
+    for step in steps:
+        if step == "finish":
+            m.finish(index=0, outcome=Outcome.COMPLETED)
+        else:
+            m.arrive(budget=None, cls="interactive")
+        m.bounds_hold()
+    m.teardown()
+    assert m.admission_order["interactive"] == sorted(m.admission_order["interactive"])
+    assert len(m.admission_order["interactive"]) == 7  # the two that met out of order included
 
 
 # -- request targets -------------------------------------------------------------------------

@@ -14,6 +14,11 @@ newcomer waits behind them, and is refused at arrival when that wait is too long
 schedulers see the classes with queued requests in the order their heads are due, so a request
 placed behind a lower class's request waits for it.
 
+Invariant: first come, first served within a class (returning callers before fresh ones where
+the class serves them first), whatever placement does across classes. A newcomer whose natural
+place is ahead of a request of its own class that was placed behind a lower class's request goes
+right after that request instead (:meth:`Placement.place`).
+
 A newcomer never waits behind a promise longer than its own: a request of a lower class whose
 ``max_queue_wait`` is longer than the newcomer's class's (a class held for its callers'
 patience, as ``calibrate`` recommends for batch) is passed whatever that does to its wait, and
@@ -86,10 +91,11 @@ class Placement:
         key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.id)
         ticket.key = key
         if not queues.overtakes_anyone(key):
-            return queues.total, len(queues.lists[cls])
+            return queues.total, len(queues.lists[cls])  # last in line: behind its class too
         if self._estimator.samples == 0:
             # Estimates on the prior alone refuse nobody (module docstring), so they move nobody.
             order = queues.serve_order()
+            key = ticket.key = self._behind_own_class(ticket, key)
             before = [t for t in order if t.key < key]
             return len(before), sum(t.cls == cls for t in before)
         order = queues.serve_order()
@@ -115,8 +121,28 @@ class Placement:
             seen[queued.cls] += 1
         if last_tight is not None:
             key = ticket.key = (*last_tight.key, ticket.id)
+        key = ticket.key = self._behind_own_class(ticket, key)
         before = [t for t in order if t.key < key]
         return len(before), sum(t.cls == cls for t in before)
+
+    def _behind_own_class(self, ticket: Ticket, key: tuple[int, ...]) -> tuple[int, ...]:
+        """``key``, or a key right after the last queued request of the newcomer's class that
+        comes before it in its natural order (returning before fresh, then arrival).
+
+        The invariant: first come, first served within a class (and within returning or fresh
+        callers of it), whatever placement does across classes. A request of the class placed
+        earlier may stand behind a lower class's request (its key extends that request's key);
+        a later one of the same class whose natural key sorts ahead of that place must not pass
+        it, so it goes right after it. That only moves the newcomer back: it overtakes fewer
+        queued requests than the walk checked, so no promise is broken.
+        """
+        returning = ticket.returning
+        latest: tuple[int, ...] | None = None
+        for queued in self._queues.lists[ticket.cls]:
+            precedes = queued.returning or not returning
+            if precedes and queued.key > key and (latest is None or queued.key > latest):
+                latest = queued.key
+        return key if latest is None else (*latest, ticket.id)
 
     def arrival_refusal(self, ticket: Ticket, ahead: int, in_class: int) -> tuple[RejectCode, str] | None:
         """Why a just-queued ticket, ``ahead`` places from the front (``in_class`` of its class),
