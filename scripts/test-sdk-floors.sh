@@ -5,6 +5,7 @@
 #   .venv-floor3: openai 3.0.0 on httpx2 2.7.0   (tests/sdk)
 # both with anthropic 2.0.0. A venv is reused while its pins and pyproject.toml are unchanged.
 # Usage: bash scripts/test-sdk-floors.sh [pytest args]
+# LLM_BACKOFF_INSTALL_ONLY=1 only installs; LLM_BACKOFF_XDIST=N spreads each run over N workers.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -30,9 +31,11 @@ floor_venv() {  # floor_venv DIR PIN...: create or reuse DIR with the package an
 }
 
 floor_venv "$ROOT/.venv-floor2" "${FLOOR2[@]}"
-echo "== pytest tests/sdk (lowest openai 2.x)"
-"$ROOT/.venv-floor2/bin/pytest" -q -p no:cacheprovider tests/sdk -m "not openai3" "$@"
-
 floor_venv "$ROOT/.venv-floor3" "${FLOOR3[@]}"
+[ -z "${LLM_BACKOFF_INSTALL_ONLY:-}" ] || exit 0
+XDIST=(); [ -z "${LLM_BACKOFF_XDIST:-}" ] || XDIST=(-n "$LLM_BACKOFF_XDIST")
+
+echo "== pytest tests/sdk (lowest openai 2.x)"
+"$ROOT/.venv-floor2/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" tests/sdk -m "not openai3" "$@"
 echo "== pytest tests/sdk (lowest openai 3.x)"
-"$ROOT/.venv-floor3/bin/pytest" -q -p no:cacheprovider tests/sdk "$@"
+"$ROOT/.venv-floor3/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" tests/sdk "$@"

@@ -7,6 +7,8 @@
 #
 #   bash scripts/test-shim-floors.sh [pytest args]     (default: server_shim/tests)
 #
+# LLM_BACKOFF_INSTALL_ONLY=1 only installs; LLM_BACKOFF_XDIST=N spreads each run over N workers.
+#
 # Test tools and the SDK come at their newest allowed versions: only the shim's own
 # runtime dependencies are held at their floors.
 set -euo pipefail
@@ -16,6 +18,10 @@ VENV_FLOORS="${VENV_FLOORS:-$ROOT/.venv-shim-floors}"
 PY="${PYTHON:-python3}"
 quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
+# The install is reused while pyproject.toml files are unchanged (a stamp beside it).
+STAMP="$VENV_FLOORS/.llm-backoff-floors"
+WANT="$(cat pyproject.toml server_shim/pyproject.toml | sha256sum | cut -c1-16)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
 [ -x "$VENV_FLOORS/bin/python" ] || "$PY" -m venv "$VENV_FLOORS"
 quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q --upgrade pip packaging >/dev/null 2>&1 || true
 
@@ -71,13 +77,17 @@ from llm_backoff_shim.http.capability import fast_path_problem
 problem = fast_path_problem()
 print("serving path:", "fast" if problem is None else f"public (fast path unavailable: {problem})")
 EOF
+echo "$WANT" >"$STAMP"
+fi
+[ -z "${LLM_BACKOFF_INSTALL_ONLY:-}" ] || exit 0
+XDIST=(); [ -z "${LLM_BACKOFF_XDIST:-}" ] || XDIST=(-n "$LLM_BACKOFF_XDIST")
 
 echo "== pytest server_shim/tests (shim dependencies at their floors)"
 if [ "$#" -eq 0 ]; then set -- server_shim/tests; fi
-"$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "$@"
+"$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" "$@"
 if [ "$*" = "server_shim/tests" ]; then
   # The fallback on the oldest uvicorn too: every test file that starts a shim, on the public path.
   echo "== pytest: the shim's end-to-end tests on the public HTTP path (floors)"
-  "$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider --shim-http-path=public \
+  "$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" --shim-http-path=public \
     $(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests)
 fi

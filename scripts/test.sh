@@ -1,13 +1,29 @@
 #!/usr/bin/env bash
-# Install everything the tests need (venvs, redis-server) and run lint, types and tests:
-#   1. ruff + mypy --strict over both packages
-#   2. the whole suite on openai 3.x (httpx2)
-#   3. the SDK suite again on openai 2.x (httpx), in a second venv
-#   4. the shim's end-to-end tests again on its public HTTP path (docs/shim.md, "Serving paths")
-#   5. the shim suite with its dependencies at their declared floors (scripts/test-shim-floors.sh)
+# Install everything the tests need (venvs, redis-server) and run lint, types and every suite.
+#
+#   bash scripts/test.sh [pytest args for the main suite]
+#
+# What runs, each check once per thing it proves:
+#   ruff + mypy --strict           both packages
+#   main     the whole suite (SDK, shim, integrations) on openai 3.x, newest dependencies,
+#            shims on the serving path the start-up check picks (the fast one)
+#   public   the shim's end-to-end tests on its public HTTP path (docs/shim.md, "Serving paths")
+#   floors   the shim suite with its runtime dependencies at their declared floors, both paths
+#            (scripts/test-shim-floors.sh)
+#   openai2  the SDK suite and the instructor recipe on openai 2.x (httpx), in .venv-openai2
+#   sdk-floors  the SDK suite at the lowest openai 2.x and 3.x allowed (scripts/test-sdk-floors.sh)
+#
+# Most tests wait on loopback I/O, not the CPU, so each suite is spread over pytest-xdist
+# workers and the suites run in two lanes at once; a lane's output goes to a log that is
+# printed when it ends. Property tests run on the derandomized ``ci`` Hypothesis profile
+# (conftest.py): no saved example and no luck decides a run. The suite's time is printed last.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+STARTED=$(date +%s)
+LOGS="$(mktemp -d)"
+export LLM_BACKOFF_HYPOTHESIS_PROFILE="${LLM_BACKOFF_HYPOTHESIS_PROFILE:-ci}"
+elapsed() { echo "$(( $(date +%s) - STARTED )) s"; }
 
 # Redis for the shared-limit tests: a real server on loopback.
 if ! command -v redis-server >/dev/null 2>&1; then
@@ -20,38 +36,111 @@ REDIS_PORT="${LLM_BACKOFF_TEST_REDIS_PORT:-6399}"
 REDIS_DIR="$(mktemp -d)"
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
   --dir "$REDIS_DIR" --daemonize yes --pidfile "$REDIS_DIR/redis.pid" >/dev/null
-trap 'kill "$(cat "$REDIS_DIR/redis.pid" 2>/dev/null)" 2>/dev/null || true; rm -rf "$REDIS_DIR"' EXIT
+cleanup() {
+  kill "$(cat "$REDIS_DIR/redis.pid" 2>/dev/null)" 2>/dev/null || true
+  rm -rf "$REDIS_DIR" "$LOGS"
+}
+trap cleanup EXIT
 export LLM_BACKOFF_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
 
-echo "== installing .venv (openai 3.x)"
-source scripts/setup-venv.sh
-"$VENV/bin/python" -c 'import openai; print("openai", openai.__version__)'
-# The light third-party clients of docs/integrations.md (tests/integrations, in the main run).
-"$VENV/bin/python" -m pip install -q -e "$ROOT[integrations]" \
-  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+
+# -- installs: five venvs at once (the network and pip, not the cores, set their pace) -------
+install_main() {
+  source scripts/setup-venv.sh
+  # The light third-party clients of docs/integrations.md (tests/integrations, in the main run).
+  quiet_pip "$VENV/bin/python" -m pip install -q -e "$ROOT[integrations]"
+  "$VENV/bin/python" -c 'import openai; print("openai", openai.__version__)'
+}
+install_openai2() {
+  local venv="$ROOT/.venv-openai2"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  quiet_pip "$venv/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim" \
+    "openai>=2,<3" httpx "instructor>=1.17"
+  "$venv/bin/python" -c 'import openai; print("openai", openai.__version__)'
+}
+echo "== installing .venv, .venv-openai2, .venv-shim-floors, .venv-floor2, .venv-floor3"
+declare -A INSTALLS=(
+  [main]="install_main"
+  [openai2]="install_openai2"
+  [shim-floors]="LLM_BACKOFF_INSTALL_ONLY=1 bash scripts/test-shim-floors.sh"
+  [sdk-floors]="LLM_BACKOFF_INSTALL_ONLY=1 bash scripts/test-sdk-floors.sh"
+)
+declare -A PIDS=()
+for name in "${!INSTALLS[@]}"; do
+  ( eval "${INSTALLS[$name]}" ) >"$LOGS/install-$name.log" 2>&1 &
+  PIDS[$name]=$!
+done
+for name in "${!PIDS[@]}"; do
+  if ! wait "${PIDS[$name]}"; then
+    cat "$LOGS/install-$name.log"; echo "== installing $name failed"; exit 1
+  fi
+done
+cat "$LOGS"/install-*.log
+VENV="$ROOT/.venv"
+echo "== installed ($(elapsed))"
 
 echo "== ruff"
 "$VENV/bin/ruff" check .
 echo "== mypy --strict"
 "$VENV/bin/mypy"
+echo "== lint and types done ($(elapsed))"
 
-echo "== pytest (openai 3.x)"
-"$VENV/bin/pytest" -q -p no:cacheprovider "$@"
+E2E_FILES=$(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests | sort)
+PYTEST=(-q -p no:cacheprovider)
 
-echo "== pytest: the shim's end-to-end tests on the public HTTP path"
-"$VENV/bin/pytest" -q -p no:cacheprovider --shim-http-path=public \
-  $(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests)
-bash scripts/test-shim-floors.sh
+# -- the suites, in two lanes ------------------------------------------------------------------
+step() {  # step NAME CMD...: run one suite into its log; record its status and time
+  local name="$1"; shift
+  local t0; t0=$(date +%s)
+  local status=0
+  "$@" >"$LOGS/step-$name.log" 2>&1 || status=$?
+  echo "$status $(( $(date +%s) - t0 ))" >"$LOGS/status-$name"
+  return 0
+}
+lane_a() {
+  step main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
+}
+lane_b() {
+  # shellcheck disable=SC2086
+  step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
+  step shim-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-shim-floors.sh
+  step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
+  step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
+  step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh
+}
+echo "== pytest: two lanes (main | public, shim-floors, openai2, sdk-floors)"
+lane_a "$@" &
+LANE_A=$!
+lane_b &
+LANE_B=$!
+wait "$LANE_A" "$LANE_B"
 
-echo "== installing .venv-openai2 (openai 2.x on httpx)"
-VENV2="$ROOT/.venv-openai2"
-[ -x "$VENV2/bin/python" ] || python3 -m venv "$VENV2"
-"$VENV2/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim" "openai>=2,<3" httpx \
-  "instructor>=1.17" \
-  2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-"$VENV2/bin/python" -c 'import openai; print("openai", openai.__version__)'
-echo "== pytest tests/sdk (openai 2.x)"
-"$VENV2/bin/pytest" -q -p no:cacheprovider tests/sdk -m "not openai3"
-echo "== pytest tests/integrations (openai 2.x: instructor)"
-"$VENV2/bin/pytest" -q -p no:cacheprovider tests/integrations -m integrations
-bash scripts/test-sdk-floors.sh  # tests/sdk at the lowest openai 2.x and 3.x allowed
+FAILED=()
+for name in main public shim-floors openai2 openai2-integrations sdk-floors; do
+  read -r status seconds <"$LOGS/status-$name"
+  echo "== pytest $name (${seconds} s, exit $status)"
+  cat "$LOGS/step-$name.log"
+  [ "$status" = 0 ] || FAILED+=("$name")
+done
+
+echo "== the whole run took $(elapsed)"
+# One closing line over every suite, from pytest's own summary lines.
+"$VENV/bin/python" - "$LOGS" <<'PY'
+import pathlib
+import re
+import sys
+
+totals = {"passed": 0, "failed": 0, "skipped": 0, "error": 0}
+for log in sorted(pathlib.Path(sys.argv[1]).glob("step-*.log")):
+    for line in log.read_text(errors="replace").splitlines():
+        if re.search(r"\d+ (passed|failed)", line) and (" in " in line):
+            for count, word in re.findall(r"(\d+) (passed|failed|skipped|errors?)", line):
+                totals["error" if word.startswith("error") else word] += int(count)
+print(f"total: {totals['passed']} passed, {totals['failed'] + totals['error']} failed, "
+      f"{totals['skipped']} skipped")
+PY
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  echo "== failed: ${FAILED[*]}"
+  exit 1
+fi
