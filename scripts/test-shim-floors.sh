@@ -84,10 +84,12 @@ XDIST=(); [ -z "${LLM_BACKOFF_XDIST:-}" ] || XDIST=(-n "$LLM_BACKOFF_XDIST")
 
 echo "== pytest server_shim/tests (shim dependencies at their floors)"
 if [ "$#" -eq 0 ]; then set -- server_shim/tests; fi
-"$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" "$@"
+"$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider --durations=5 "${XDIST[@]}" "$@"
 if [ "$*" = "server_shim/tests" ]; then
-  # The fallback on the oldest uvicorn too: every test file that starts a shim, on the public path.
-  echo "== pytest: the shim's end-to-end tests on the public HTTP path (floors)"
+  # The fallback on the oldest uvicorn too: the end-to-end tests of the HTTP layer (serve/, http/),
+  # where the two paths differ, on the public path. The ones above it (lab/, decide/) reach the
+  # shim through either path alike; they run on the public path at the newest versions.
+  echo "== pytest: the shim's HTTP-layer end-to-end tests on the public HTTP path (floors)"
   "$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" --shim-http-path=public \
-    $(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests)
+    $(grep -rl --include="test_*.py" "make_shim\|shim_server" server_shim/tests/serve server_shim/tests/http)
 fi

@@ -8,7 +8,8 @@
 #   main     the whole suite (SDK, shim, integrations) on openai 3.x, newest dependencies,
 #            shims on the serving path the start-up check picks (the fast one)
 #   public   the shim's end-to-end tests on its public HTTP path (docs/shim.md, "Serving paths")
-#   floors   the shim suite with its runtime dependencies at their declared floors, both paths
+#   floors   the shim suite with its runtime dependencies at their declared floors on the fast
+#            path, and the HTTP-layer end-to-end tests (serve/, http/) on the public path
 #            (scripts/test-shim-floors.sh)
 #   openai2  the SDK suite and the instructor recipe on openai 2.x (httpx), in .venv-openai2
 #   sdk-floors  the SDK suite at the lowest openai 2.x and 3.x allowed (scripts/test-sdk-floors.sh)
@@ -87,7 +88,7 @@ echo "== mypy --strict"
 echo "== lint and types done ($(elapsed))"
 
 E2E_FILES=$(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests | sort)
-PYTEST=(-q -p no:cacheprovider)
+PYTEST=(-q -p no:cacheprovider --durations=5)
 
 # -- the suites, in two lanes ------------------------------------------------------------------
 step() {  # step NAME CMD...: run one suite into its log; record its status and time
@@ -100,16 +101,16 @@ step() {  # step NAME CMD...: run one suite into its log; record its status and 
 }
 lane_a() {
   step main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
+  step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
+  step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
+  step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
 }
 lane_b() {
   # shellcheck disable=SC2086
   step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
-  step shim-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-shim-floors.sh
-  step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
-  step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
-  step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh
+  step shim-floors env LLM_BACKOFF_XDIST=3 bash scripts/test-shim-floors.sh
 }
-echo "== pytest: two lanes (main | public, shim-floors, openai2, sdk-floors)"
+echo "== pytest: two lanes (main, openai2, sdk-floors | public, shim-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
