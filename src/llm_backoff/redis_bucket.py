@@ -190,12 +190,30 @@ class RedisStore:
     ) -> tuple[float, list[float]]:
         script = self._async_script()
         pending = self._take_pending()
+        call = asyncio.ensure_future(script(keys=self.keys, args=self._args(max_wait, pending, amounts)))
         try:
-            reply = await script(keys=self.keys, args=self._args(max_wait, pending, amounts))
+            reply = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            # The script may have run on Redis already, corrections and reservation included:
+            # its reply, not a guess, says what to give back, so nothing is applied twice or lost.
+            await self._settle_cancelled(call, pending, amounts)
+            raise
         except BaseException:
             self._restore_pending(pending)
             raise
         return self._parse(reply, timeout)
+
+    async def _settle_cancelled(self, call: Any, pending: Sequence[float], amounts: Sequence[float]) -> None:
+        """After a cancellation mid-call: wait for the script's reply (bounded by the client's
+        own timeouts), then requeue the corrections if it did not run, or queue the refund of
+        what it reserved if it did."""
+        try:
+            reply = await call
+        except BaseException:
+            self._restore_pending(pending)
+            return
+        if int(reply[0]):
+            self._restore_pending([float(a) for a in amounts])
 
     # -- BucketStore
 

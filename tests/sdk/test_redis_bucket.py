@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -236,3 +237,34 @@ def test_processes_share_one_budget_without_exceeding_it(url: str, key: str) -> 
     # some (a try_acquire loop may get none while others queue: waiters go first).
     assert total > capacity
     assert all(c > 0 for c, mode in zip(counts, modes, strict=True) if mode == "block")
+
+
+async def test_a_cancellation_while_the_script_runs_gives_back_what_it_reserved(url: str, key: str) -> None:
+    """Cancelled after Redis ran the reservation but before its reply was read: the reply
+    decides, so the tokens it took come back."""
+    bucket = RedisTokenBucket(url, key, rate=0.001, capacity=2)
+    ran, reply_read = asyncio.Event(), asyncio.Event()
+    store = bucket._store
+    real_script = store._async_script()
+
+    async def slow_reply(**kwargs: Any) -> Any:
+        reply = await real_script(**kwargs)  # the reservation is made on Redis
+        ran.set()
+        await reply_read.wait()  # the reply is on its way when the caller is cancelled
+        return reply
+
+    try:
+        store._async_script = lambda: slow_reply  # type: ignore[method-assign]
+        task = asyncio.create_task(bucket.acquire_async(2, timeout=5))
+        await ran.wait()
+        task.cancel()
+        await asyncio.sleep(0)
+        reply_read.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del store._async_script
+        await bucket.aclose()
+        assert bucket.available == pytest.approx(2.0, abs=0.01)
+        assert bucket.try_acquire(2)
+    finally:
+        bucket.close()
