@@ -77,6 +77,13 @@ def test_per_class_values_have_one_syntax_and_the_aliases_are_its_entries(
         (["--upstream", "http://h:1/v1"], {}, "without a path"),
         (["--max-queue-wait", "nan"], {}, "--max-queue-wait=nan"),
         (["--max-queue-wait", "inf"], {}, "--max-queue-wait=inf"),
+        (["--max-concurrency", "true"], {}, "--max-concurrency=true: Input should be a valid integer"),
+        ([], {"LLM_BACKOFF_SHIM_MAX_CONCURRENCY": "true"}, "LLM_BACKOFF_SHIM_MAX_CONCURRENCY=true: Input"),
+        (
+            [],
+            {"LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE": '{"batch": true}'},
+            "LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE batch=True: expected a number, got the boolean true",
+        ),
     ],
 )
 def test_invalid_values_give_one_clear_line(
@@ -90,6 +97,15 @@ def test_invalid_values_give_one_clear_line(
     assert message.startswith("invalid configuration: ")
     assert expected in message
     assert "\n" not in message
+
+
+def test_booleans_are_true_or_false_and_numbers_are_numbers() -> None:
+    s = load_settings(["--access-log", "0", "--forward-priority", "--engine-metrics", "yes"])
+    assert (s.access_log, s.forward_priority, s.engine_metrics) == (False, True, True)
+    with pytest.raises(ValueError, match="expected a number, got the boolean true"):
+        ShimSettings(max_concurrency=True)
+    with pytest.raises(ValueError, match="expected true or false, got the number 1"):
+        ShimSettings(access_log=1)
 
 
 def test_settings_are_immutable() -> None:
