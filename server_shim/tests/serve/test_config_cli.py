@@ -215,4 +215,7 @@ def test_serve_starts_and_answers_health_and_metrics_port() -> None:
         assert "llm_backoff_shim_queue_depth" in metrics
     finally:
         proc.terminate()
-        proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=15)
+    # Nothing listens on port 9: the start-up line says so, and serve started all the same.
+    assert "upstream http://127.0.0.1:9 did not answer GET /v1/models: " in err
+    assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging.config
+import os
 import sys
 from typing import Any
 
@@ -27,6 +28,9 @@ from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.config_sources import load_settings
 from llm_backoff_shim.serve.config_values import ConfigError
 from llm_backoff_shim.serve.log_setup import logging_config
+from llm_backoff_shim.serve.startup import listen_url, probe_upstream, startup_line, unknown_environment
+
+log = logging.getLogger("llm_backoff_shim.serve")
 
 
 def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
@@ -115,6 +119,11 @@ def main(argv: list[str]) -> int:
     except FastPathUnavailable as exc:
         print(f"{prog}: {exc} (--http-path auto or public serves without it)", file=sys.stderr)
         return 2
+    for message in unknown_environment(os.environ):
+        log.warning("%s", message)
+    metrics = f"{ops.url if ops is not None else listen_url(settings.host, settings.port)}/metrics"
+    upstream = probe_upstream(settings.upstream_base)
+    log.info("%s", startup_line(settings, path=served.path, metrics_url=metrics, upstream=upstream))
     tune_gc()
     try:
         uvicorn.run(served.app, **{**options, **served.options})
