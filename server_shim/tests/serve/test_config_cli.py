@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -159,6 +160,34 @@ def test_dispatcher_usage_and_unknown_subcommand(capsys: pytest.CaptureFixture[s
     assert cli.main([]) == 2
     assert cli.main(["frobnicate"]) == 2
     assert "unknown subcommand 'frobnicate'" in capsys.readouterr().err
+
+
+def test_version_prints_the_distributions_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"llm-backoff-shim {importlib.metadata.version('llm-backoff-shim')}\n"
+    assert cli.main(["-V"]) == 0
+    assert capsys.readouterr().out.startswith("llm-backoff-shim ")
+
+
+@pytest.mark.parametrize(
+    ("subcommand", "argv"),
+    [
+        ("serve", ["--max-conc", "3"]),
+        ("serve", ["--help-a"]),
+        ("sim", ["--max-num", "3"]),
+        ("demo", ["--qui"]),
+        ("calibrate", ["--upstream", "http://127.0.0.1:9", "--max-sec", "30"]),
+    ],
+)
+def test_no_subcommand_takes_an_abbreviated_flag(
+    subcommand: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([subcommand, *argv])
+    assert info.value.code == 2
+    assert (
+        f"unrecognized arguments: {argv[-2] if argv[-1].isdigit() else argv[-1]}" in capsys.readouterr().err
+    )
 
 
 def test_dispatcher_reaches_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:

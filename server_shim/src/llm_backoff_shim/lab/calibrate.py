@@ -102,6 +102,7 @@ def parse_steps(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
+        allow_abbrev=False,
         description="Load-test an OpenAI-compatible upstream (vLLM, the simulator) with a closed-loop "
         "concurrency ramp of varied prompt and answer lengths, find the knee (the lowest level whose "
         "p99 TTFT and p99 time per output token meet --ttft-slo and --tpot-slo with as much throughput "

@@ -141,7 +141,9 @@ class _HelpAll(argparse.Action):
 
 def build_parser(prog: str = PROG, *, show_all: bool = False) -> argparse.ArgumentParser:
     """The ``serve`` parser: every field a flag; with ``show_all`` all of them in ``--help``."""
-    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG)
+    # No abbreviations: --max-conc would silently mean --max-concurrency, and a flag added
+    # later could change what an abbreviation in a deployed command line means.
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False)
     parser.add_argument(
         "--config",
         metavar="PATH",

@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = SimConfig()
     p = argparse.ArgumentParser(
         prog="llm-backoff-shim sim",
+        allow_abbrev=False,
         description="Run a vLLM-like OpenAI-compatible simulator (continuous batching, vLLM metrics, "
         "fault injection). No GPU, no model: answers are filler tokens on a realistic schedule.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
