@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import time
@@ -248,3 +249,39 @@ def test_serve_starts_and_answers_health_and_metrics_port() -> None:
     # Nothing listens on port 9: the start-up line says so, and serve started all the same.
     assert "upstream http://127.0.0.1:9 did not answer GET /v1/models: " in err
     assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in err
+
+
+def _option_helps(text: str) -> dict[str, str]:
+    """Each option's entry in a --help text (its lines joined), by the option's first flag."""
+    entries: dict[str, str] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--help"],
+        ["serve", "--help-all"],
+        ["sim", "--help"],
+        ["demo", "--help"],
+        ["calibrate", "--help"],
+    ],
+)
+def test_every_help_states_each_default_once(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 0
+    helps = _option_helps(capsys.readouterr().out)
+    assert len(helps) > 3
+    for flag, text in helps.items():
+        stated = re.findall(r"\(default\b|; default\b", text)
+        assert len(stated) <= 1, f"{' '.join(argv)}: {flag} states its default {len(stated)} times: {text}"

@@ -119,7 +119,10 @@ def _add_field(group: Any, name: str, *, hidden: bool) -> None:
         metavar = "CLASS=VALUE,..."
     else:
         metavar = name.split("_")[-1].upper()
-    text = f"{field.description} [env {env_name(name)}; default {_shown_default(default)}]"
+    description = field.description or ""
+    # A description that says its default in words ("(default: --host)") is not given a second one.
+    shown = "" if "(default:" in description else f"; default {_shown_default(default)}"
+    text = f"{description} [env {env_name(name)}{shown}]"
     group.add_argument(
         flag_name(name),
         dest=name,

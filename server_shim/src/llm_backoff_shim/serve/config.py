@@ -270,7 +270,7 @@ class ShimSettings(BaseSettings):
     metrics_host: str | None = Field(
         default=None,
         min_length=1,
-        description="address of the --metrics-port listener (default --host); with --metrics-port set, "
+        description="address of the --metrics-port listener (default: --host); with --metrics-port set, "
         "/metrics and /shim/state are served only there",
     )
     max_body_bytes: int = Field(
