@@ -1,4 +1,5 @@
-"""What ``serve`` says at start-up: the one INFO line, the upstream probe, unknown variables."""
+"""What ``serve`` says at start-up: the one INFO line, the upstream probe, warnings about the
+environment (unknown variables, WEB_CONCURRENCY), and that it runs one process."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from typing import Any
 
 import pytest
 
+from llm_backoff_shim.serve.command import uvicorn_options
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.config_values import env_name
 from llm_backoff_shim.serve.serving import free_socket
 from llm_backoff_shim.serve.startup import (
     changed_settings,
     probe_upstream,
+    several_workers_warning,
     startup_line,
     unknown_environment,
 )
@@ -52,6 +55,15 @@ def test_every_setting_and_the_config_variable_are_known() -> None:
     environ = {env_name(name): "x" for name in ShimSettings.model_fields}
     environ["LLM_BACKOFF_SHIM_CONFIG"] = "x"
     assert unknown_environment(environ) == []
+
+
+def test_serve_runs_one_process_whatever_web_concurrency_says() -> None:
+    assert uvicorn_options(ShimSettings())["workers"] == 1
+    assert several_workers_warning({}) is None
+    assert several_workers_warning({"WEB_CONCURRENCY": "1"}) is None
+    warning = several_workers_warning({"WEB_CONCURRENCY": "4"})
+    assert warning is not None
+    assert warning.startswith("WEB_CONCURRENCY=4 is ignored: serve runs one process per engine")
 
 
 def test_changed_settings_are_listed_with_secrets_masked() -> None:
@@ -120,7 +132,7 @@ def _stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     return lines
 
 
-def test_serve_logs_one_startup_line_and_warns_of_unknown_variables(
+def test_serve_logs_one_startup_line_and_warns_about_the_environment(
     upstream: Any, shim_http_path: str
 ) -> None:
     with free_socket() as sock:
@@ -128,6 +140,7 @@ def test_serve_logs_one_startup_line_and_warns_of_unknown_variables(
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLM_BACKOFF_SHIM_")}
     env["LLM_BACKOFF_SHIM_HTTP_PATH"] = shim_http_path  # the run's serving path (conftest)
     env["LLM_BACKOFF_SHIM_MAX_CONCURENCY"] = "5"
+    env["WEB_CONCURRENCY"] = "3"  # uvicorn would start 3 workers (or exit): serve runs one, and says so
     argv = ["serve", "--port", str(port), "--upstream", upstream.url, "--max-concurrency", "3"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "llm_backoff_shim.cli", *argv],
@@ -149,9 +162,12 @@ def test_serve_logs_one_startup_line_and_warns_of_unknown_variables(
     finally:
         proc.terminate()
         proc.wait(timeout=15)
-    warning = next(line for line in seen if "WARNING" in line)
+    warning = next(line for line in seen if "LLM_BACKOFF_SHIM_MAX_CONCURENCY" in line)
+    assert " WARNING llm_backoff_shim.serve: " in warning
     assert "LLM_BACKOFF_SHIM_MAX_CONCURENCY names no setting" in warning
     assert "did you mean LLM_BACKOFF_SHIM_MAX_CONCURRENCY?" in warning
+    workers = next(line for line in seen if "WEB_CONCURRENCY" in line)
+    assert " WARNING llm_backoff_shim.serve: WEB_CONCURRENCY=3 is ignored: " in workers
     [line] = [line for line in seen if "listening on" in line]
     assert " INFO llm_backoff_shim.serve: " in line
     assert f"listening on http://127.0.0.1:{port} ({shim_http_path} path)" in line

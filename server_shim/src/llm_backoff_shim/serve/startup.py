@@ -1,4 +1,4 @@
-"""What ``serve`` says when it starts: one INFO line, and a warning per unknown variable.
+"""What ``serve`` says when it starts: one INFO line, and warnings about the environment.
 
 The line names what an operator checks first: the listen address and serving path, the
 upstream and whether it answered a quick probe, the concurrency cap and the queues, where
@@ -49,6 +49,29 @@ def unknown_environment(environ: Mapping[str, str]) -> list[str]:
         hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
         messages.append(f"environment variable {key} names no setting and is ignored{hint}")
     return messages
+
+
+#: The variable uvicorn and gunicorn read as their number of worker processes.
+WORKERS_ENV = "WEB_CONCURRENCY"
+
+
+def several_workers_warning(environ: Mapping[str, str]) -> str | None:
+    """Why ``WEB_CONCURRENCY`` (when it asks for more than one process) is ignored, or None.
+
+    ``serve`` runs one process whatever the variable says: admission state (slots,
+    queues, the drain estimate) is per process, so N processes would each admit
+    ``--max-concurrency`` and the engine would see N times the cap. Platforms set the
+    variable for every service (it sizes web servers to the machine), so it is ignored
+    with a warning rather than refused.
+    """
+    value = environ.get(WORKERS_ENV, "").strip()
+    if value in ("", "1"):
+        return None
+    return (
+        f"{WORKERS_ENV}={value} is ignored: serve runs one process per engine, since each process "
+        "admits up to --max-concurrency on its own; to serve several engines, run one shim per "
+        "engine (docs/deploy.md)"
+    )
 
 
 def probe_upstream(base: str, timeout: float = PROBE_TIMEOUT) -> str:
