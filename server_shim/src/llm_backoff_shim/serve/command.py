@@ -136,9 +136,10 @@ def main(argv: list[str]) -> int:
     workers = several_workers_warning(os.environ)
     if workers is not None:
         log.warning("%s", workers)
-    metrics = f"{ops.url if ops is not None else listen_url(settings.host, settings.port)}/metrics"
-    upstream = probe_upstream(settings.upstream_base)
-    log.info("%s", startup_line(settings, path=served.path, metrics_url=metrics, upstream=upstream))
+    if log.isEnabledFor(logging.INFO):  # below --log-level info the line, and so the probe, is skipped
+        metrics = f"{ops.url if ops is not None else listen_url(settings.host, settings.port)}/metrics"
+        upstream = probe_upstream(settings.upstream_base)
+        log.info("%s", startup_line(settings, path=served.path, metrics_url=metrics, upstream=upstream))
     tune_gc()
     try:
         uvicorn.run(served.app, **{**options, **served.options})
