@@ -5,7 +5,8 @@
 - "The shim in one screen": the shell block's commands run as subprocesses (ports
   8000/8080 replaced by free ones); the curl lines must get a chat completion and the
   ``llm_backoff_shim_requests_total`` lines.
-- ``python examples/quickstart.py`` (and docs/sdk.md's tenacity example) exits 0.
+- ``python examples/quickstart.py`` (and docs/sdk.md's tenacity example) exits 0; every
+  example command in the README uses ``.venv/bin/python`` and runs as written.
 - Relative links in README.md and docs/*.md point to files that exist.
 
 Waits are polls bounded only so that a broken test ends; no latency is asserted.
@@ -240,6 +241,34 @@ def test_example_exits_zero(example: str) -> None:
     )
     assert result.returncode == 0, result.stderr.decode(errors="replace")
     assert "answer: Hello!" in result.stdout.decode()
+
+
+#: A command running an example, in a code span of the README (it may wrap onto a second line).
+_EXAMPLE_COMMAND = re.compile(r"`([^`]*?\bpython\s+(examples/[\w./-]+\.py))`")
+
+
+def readme_example_commands() -> list[tuple[str, str]]:
+    """(command, example path) of every example the README tells readers to run."""
+    text = README.read_text(encoding="utf-8")
+    return [(" ".join(command.split()), path) for command, path in _EXAMPLE_COMMAND.findall(text)]
+
+
+def test_the_readme_runs_every_example_with_the_venvs_python() -> None:
+    # A bare `python` is the system's, without openai or llm_backoff: the command would fail.
+    commands = readme_example_commands()
+    assert {path for _, path in commands} >= {"examples/quickstart.py", "examples/interactive_and_batch.py"}
+    for command, path in commands:
+        assert command == f".venv/bin/python {path}", command
+        assert (ROOT / path).is_file(), path
+
+
+@pytest.mark.parametrize("command", sorted({c for c, _ in readme_example_commands()}))
+def test_the_readmes_example_commands_run_as_written(command: str) -> None:
+    interpreter = command.split()[0]
+    if not (ROOT / interpreter).exists():
+        pytest.skip(f"{interpreter} is not installed here (the README assumes scripts/setup-venv.sh ran)")
+    result = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, timeout=COMMAND_LIMIT)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")
 
 
 # -- relative links --------------------------------------------------------------------------

@@ -8,8 +8,12 @@ missing optional module breaks only its own subcommand.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Callable, Sequence
+
+#: The distribution whose version ``--version`` prints.
+DISTRIBUTION = "llm-backoff-shim"
 
 #: subcommand -> (module, one-line summary)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -21,10 +25,23 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def usage() -> str:
-    lines = ["usage: llm-backoff-shim {" + ",".join(SUBCOMMANDS) + "} [options]", "", "subcommands:"]
+    lines = [
+        "usage: llm-backoff-shim {" + ",".join(SUBCOMMANDS) + "} [options]",
+        "       llm-backoff-shim --version",
+        "",
+        "subcommands:",
+    ]
     lines += [f"  {name:<10} {summary}" for name, (_, summary) in SUBCOMMANDS.items()]
     lines += ["", "`llm-backoff-shim <subcommand> --help` explains each subcommand's flags."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    """The installed distribution's version (``llm-backoff-shim --version``)."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -32,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(usage())
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"{DISTRIBUTION} {version()}")
+        return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
         print(f"llm-backoff-shim: unknown subcommand {name!r}\n\n{usage()}", file=sys.stderr)

@@ -115,7 +115,11 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--ttft-slo", "1", "--output-tokens", "9-3"], "--output-tokens"),
         (["--ttft-slo", "1", "--step-seconds", "-1"], "--step-seconds"),
         (["--ttft-slo", "1", "--step-requests", "0"], "--step-requests"),
-        (["--ttft-slo", "1", "--step-seconds", "30", "--max-seconds", "10"], "--max-seconds (10) must be"),
+        (["--ttft-slo", "1", "--step-seconds", "30", "--max-seconds", "10"], "--max-seconds 10 is too short"),
+        (
+            ["--max-seconds", "20"],
+            "the run needs at least 40 s (2 x --step-seconds); pass --max-seconds 40 or more",
+        ),
         (["--ttft-slo", "1", "--max-error-rate", "1"], "--max-error-rate"),
         (["--ttft-slo", "1", "--model", " "], "--model: must not be empty"),
     ],
@@ -142,6 +146,31 @@ def test_slo_defaults_to_two_seconds_and_a_tenth_of_a_second_per_token() -> None
     assert calibrate.config_from_args(unheld).batch_queue_wait is None
     assert config.levels == (1, 2, 4, 8, 16, 32, 64, 128, 256)
     assert (config.step_seconds, config.step_requests, config.max_seconds) == (20.0, 1000, 600.0)
+
+
+def test_the_longest_run_is_told_before_it_starts() -> None:
+    def plan(*flags: str) -> str:
+        args = calibrate.build_parser().parse_args(["--upstream", "http://127.0.0.1:9", *flags])
+        return calibrate.time_plan(calibrate.config_from_args(args))
+
+    # Defaults: 9 levels climbed, 4 repeats of the 2 levels next to the knee, 2 refinements twice.
+    assert plan() == (
+        "llm-backoff-shim calibrate: this run takes at most 10 min (--max-seconds 600): up to 29 "
+        "measurements of --step-seconds 20 plus the time their last requests take; it stops sooner "
+        "once the knee is stable"
+    )
+    assert plan(
+        "--steps", "1,2", "--step-seconds", "2", "--request-timeout", "5", "--max-seconds", "1000"
+    ).startswith(
+        "llm-backoff-shim calibrate: this run takes at most 2.6 min (--request-timeout 5 bounds each "
+        "measurement's last requests): up to 22 measurements"
+    )
+    # Printed first, on stderr, before anything is sent.
+    status, _, err = run(["--upstream", "http://127.0.0.1:9", "--max-seconds", "60", "--step-seconds", "5"])
+    assert status == 1
+    assert err.splitlines()[0].startswith(
+        "llm-backoff-shim calibrate: this run takes at most 60 s (--max-seconds 60)"
+    )
 
 
 def test_bad_upstream_exits_2() -> None:
@@ -376,7 +405,7 @@ def test_requests_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> Non
 
 
 def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
-    # Answers of 2000 tokens at 10 ms each never finish within the 1.5 s cap.
+    # Answers of 2000 tokens at 10 ms each never finish within the 2 s cap.
     with sim_server(output_tokens=2000, itl=0.01, ttft=0.0) as sim:
         status, out, err = run(
             [
@@ -389,7 +418,7 @@ def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
                 "--step-seconds",
                 "1",
                 "--max-seconds",
-                "1.5",
+                "2",
                 "--output-tokens",
                 "2000",
                 "--out",
@@ -401,7 +430,7 @@ def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
         assert status == 1
         assert result["steps"] == []
         assert result["recommendation"] is None
-        assert result["stopped"] == "--max-seconds 1.5 reached during concurrency 2"
+        assert result["stopped"] == "--max-seconds 2 reached during concurrency 2"
         assert "cut by --max-seconds" in err
         assert result["png"] is None
         # The cancelled streams were closed: the engine aborts them instead of generating on.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import time
@@ -77,6 +79,13 @@ def test_per_class_values_have_one_syntax_and_the_aliases_are_its_entries(
         (["--upstream", "http://h:1/v1"], {}, "without a path"),
         (["--max-queue-wait", "nan"], {}, "--max-queue-wait=nan"),
         (["--max-queue-wait", "inf"], {}, "--max-queue-wait=inf"),
+        (["--max-concurrency", "true"], {}, "--max-concurrency=true: Input should be a valid integer"),
+        ([], {"LLM_BACKOFF_SHIM_MAX_CONCURRENCY": "true"}, "LLM_BACKOFF_SHIM_MAX_CONCURRENCY=true: Input"),
+        (
+            [],
+            {"LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE": '{"batch": true}'},
+            "LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE batch=True: expected a number, got the boolean true",
+        ),
     ],
 )
 def test_invalid_values_give_one_clear_line(
@@ -90,6 +99,15 @@ def test_invalid_values_give_one_clear_line(
     assert message.startswith("invalid configuration: ")
     assert expected in message
     assert "\n" not in message
+
+
+def test_booleans_are_true_or_false_and_numbers_are_numbers() -> None:
+    s = load_settings(["--access-log", "0", "--forward-priority", "--engine-metrics", "yes"])
+    assert (s.access_log, s.forward_priority, s.engine_metrics) == (False, True, True)
+    with pytest.raises(ValueError, match="expected a number, got the boolean true"):
+        ShimSettings(max_concurrency=True)
+    with pytest.raises(ValueError, match="expected true or false, got the number 1"):
+        ShimSettings(access_log=1)
 
 
 def test_settings_are_immutable() -> None:
@@ -143,6 +161,34 @@ def test_dispatcher_usage_and_unknown_subcommand(capsys: pytest.CaptureFixture[s
     assert cli.main([]) == 2
     assert cli.main(["frobnicate"]) == 2
     assert "unknown subcommand 'frobnicate'" in capsys.readouterr().err
+
+
+def test_version_prints_the_distributions_version(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"llm-backoff-shim {importlib.metadata.version('llm-backoff-shim')}\n"
+    assert cli.main(["-V"]) == 0
+    assert capsys.readouterr().out.startswith("llm-backoff-shim ")
+
+
+@pytest.mark.parametrize(
+    ("subcommand", "argv"),
+    [
+        ("serve", ["--max-conc", "3"]),
+        ("serve", ["--help-a"]),
+        ("sim", ["--max-num", "3"]),
+        ("demo", ["--qui"]),
+        ("calibrate", ["--upstream", "http://127.0.0.1:9", "--max-sec", "30"]),
+    ],
+)
+def test_no_subcommand_takes_an_abbreviated_flag(
+    subcommand: str, argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main([subcommand, *argv])
+    assert info.value.code == 2
+    assert (
+        f"unrecognized arguments: {argv[-2] if argv[-1].isdigit() else argv[-1]}" in capsys.readouterr().err
+    )
 
 
 def test_dispatcher_reaches_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,4 +245,43 @@ def test_serve_starts_and_answers_health_and_metrics_port() -> None:
         assert "llm_backoff_shim_queue_depth" in metrics
     finally:
         proc.terminate()
-        proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=15)
+    # Nothing listens on port 9: the start-up line says so, and serve started all the same.
+    assert "upstream http://127.0.0.1:9 did not answer GET /v1/models: " in err
+    assert f"metrics on http://127.0.0.1:{metrics_port}/metrics" in err
+
+
+def _option_helps(text: str) -> dict[str, str]:
+    """Each option's entry in a --help text (its lines joined), by the option's first flag."""
+    entries: dict[str, str] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current is not None and line.startswith("   "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--help"],
+        ["serve", "--help-all"],
+        ["sim", "--help"],
+        ["demo", "--help"],
+        ["calibrate", "--help"],
+    ],
+)
+def test_every_help_states_each_default_once(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 0
+    helps = _option_helps(capsys.readouterr().out)
+    assert len(helps) > 3
+    for flag, text in helps.items():
+        stated = re.findall(r"\(default\b|; default\b", text)
+        assert len(stated) <= 1, f"{' '.join(argv)}: {flag} states its default {len(stated)} times: {text}"

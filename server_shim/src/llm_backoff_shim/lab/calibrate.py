@@ -99,9 +99,45 @@ def parse_steps(text: str) -> list[int]:
     return levels
 
 
+def shortest_run(step_seconds: float) -> float:
+    """The smallest ``--max-seconds`` accepted: room for one whole measurement.
+
+    A measurement starts requests for ``--step-seconds``, then waits for the ones in
+    flight; the ramp starts a measurement only with ``--step-seconds`` left. Twice
+    ``--step-seconds`` leaves that much for the last requests and the model listing, so
+    a shorter cap is refused at once instead of ending the run with nothing measured.
+    """
+    return 2 * step_seconds
+
+
+def duration(seconds: float) -> str:
+    """``"45 s"``, ``"10 min"``, ``"2.5 h"``: a length of time for people."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f}".removesuffix(".0") + " min"
+    return f"{seconds / 3600:.1f}".removesuffix(".0") + " h"
+
+
+def time_plan(config: CalibrateConfig) -> str:
+    """The line printed before a run: how long it takes at most with these flags."""
+    longest = config.longest_run()
+    bound = (
+        f"--max-seconds {config.max_seconds:g}"
+        if longest >= config.max_seconds
+        else f"--request-timeout {config.request_timeout:g} bounds each measurement's last requests"
+    )
+    return (
+        f"{PROG}: this run takes at most {duration(longest)} ({bound}): up to "
+        f"{config.max_measurements} measurements of --step-seconds {config.step_seconds:g} plus the time "
+        "their last requests take; it stops sooner once the knee is stable"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
+        allow_abbrev=False,
         description="Load-test an OpenAI-compatible upstream (vLLM, the simulator) with a closed-loop "
         "concurrency ramp of varied prompt and answer lengths, find the knee (the lowest level whose "
         "p99 TTFT and p99 time per output token meet --ttft-slo and --tpot-slo with as much throughput "
@@ -190,7 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="cap on the whole run; requests still running then are cancelled (default %(default)s)",
+        help="cap on the whole run, at least 2 x --step-seconds; requests still running then are "
+        "cancelled (default %(default)s: 10 minutes; a run usually ends sooner, once its knee is stable)",
     )
     add(
         "--request-timeout",
@@ -275,9 +312,13 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     check(finite_positive(args.step_seconds), f"--step-seconds: must be > 0, got {args.step_seconds}")
     check(args.step_requests >= 1, f"--step-requests: must be >= 1, got {args.step_requests}")
     check(finite_positive(args.max_seconds), f"--max-seconds: must be > 0, got {args.max_seconds}")
+    shortest = shortest_run(args.step_seconds)
     check(
-        args.max_seconds >= args.step_seconds,
-        f"--max-seconds ({args.max_seconds:g}) must be at least --step-seconds ({args.step_seconds:g})",
+        args.max_seconds >= shortest,
+        f"--max-seconds {args.max_seconds:g} is too short: one measurement starts requests for "
+        f"--step-seconds {args.step_seconds:g} and then waits for its last ones, so the run needs at "
+        f"least {shortest:g} s (2 x --step-seconds); pass --max-seconds {shortest:g} or more, or a "
+        "shorter --step-seconds",
     )
     check(
         finite_positive(args.request_timeout), f"--request-timeout: must be > 0, got {args.request_timeout}"
@@ -325,6 +366,8 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
 
     def progress(line: str) -> None:
         print(line, file=err, flush=True)
+
+    progress(time_plan(config))
 
     try:
         outcome = asyncio.run(run_ramp(config, clock=time.monotonic, progress=progress))

@@ -83,6 +83,19 @@ class CalibrateConfig:
     write_config: Path | None = None
 
     @property
+    def max_measurements(self) -> int:
+        """Most measurements a run takes: every level climbed once, the ones next to the knee
+        repeated, a few refinements (the ramp stops earlier when the verdict is stable)."""
+        return len(self.levels) + 4 * self.repeats + 2 * self.rule.refine
+
+    def longest_run(self) -> float:
+        """Seconds the run can take at most: ``max_seconds``, or less when even the longest
+        plan (listing the models, then every measurement's ``step_seconds`` plus its last
+        requests, each bounded by ``request_timeout``) ends sooner."""
+        plan = self.request_timeout + self.max_measurements * (self.step_seconds + self.request_timeout)
+        return min(self.max_seconds, plan)
+
+    @property
     def rule(self) -> KneeRule:
         return KneeRule(
             self.ttft_slo,
@@ -295,9 +308,8 @@ async def run_ramp(
             f"SLO p99 TTFT {config.ttft_slo:g} s / TPOT {tpot}, up to {config.step_seconds:g} s / "
             f"{config.step_requests} requests per measurement, at most {config.max_seconds:g} s in all"
         )
-        # Bounded whatever the plan says: every level climbed once, the ones next to the knee
-        # repeated, a few refinements.
-        for index in range(1, len(config.levels) + 4 * config.repeats + 2 * rule.refine + 1):
+        # Bounded whatever the plan says (CalibrateConfig.max_measurements).
+        for index in range(1, config.max_measurements + 1):
             plan = next_level(runs, config.levels, rule, history)
             if plan.level is None:
                 stopped = plan.purpose

@@ -132,6 +132,7 @@ class ProgressLine:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="llm-backoff-shim demo",
+        allow_abbrev=False,
         description="Drive the same overload three ways on the built-in simulator (no GPU, no network): "
         "plain openai straight at the engine, plain openai through the shim, llm_backoff through the shim. "
         "Prints a table per configuration and writes a PNG and a JSON file.",

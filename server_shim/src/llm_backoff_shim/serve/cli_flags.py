@@ -119,7 +119,10 @@ def _add_field(group: Any, name: str, *, hidden: bool) -> None:
         metavar = "CLASS=VALUE,..."
     else:
         metavar = name.split("_")[-1].upper()
-    text = f"{field.description} [env {env_name(name)}; default {_shown_default(default)}]"
+    description = field.description or ""
+    # A description that says its default in words ("(default: --host)") is not given a second one.
+    shown = "" if "(default:" in description else f"; default {_shown_default(default)}"
+    text = f"{description} [env {env_name(name)}{shown}]"
     group.add_argument(
         flag_name(name),
         dest=name,
@@ -141,7 +144,9 @@ class _HelpAll(argparse.Action):
 
 def build_parser(prog: str = PROG, *, show_all: bool = False) -> argparse.ArgumentParser:
     """The ``serve`` parser: every field a flag; with ``show_all`` all of them in ``--help``."""
-    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG)
+    # No abbreviations: --max-conc would silently mean --max-concurrency, and a flag added
+    # later could change what an abbreviation in a deployed command line means.
+    parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False)
     parser.add_argument(
         "--config",
         metavar="PATH",

@@ -4,7 +4,9 @@ uvicorn runs without its own ``server``/``date`` headers (the upstream's come th
 and must not be duplicated), on uvloop when installed, on the serving path the
 settings ask for (``--http-path``; :mod:`llm_backoff_shim.http.paths`): the fast path
 when the start-up check passes, else the public path, both with the same request-head
-limits and answers. The optional ``--metrics-port`` (on ``--metrics-host``) is served
+limits and answers. It runs as one process (uvicorn's ``workers`` is 1 whatever
+``WEB_CONCURRENCY`` says): the admission state is the process's, so one shim process
+serves one engine. The optional ``--metrics-port`` (on ``--metrics-host``) is served
 by :class:`~llm_backoff_shim.serve.ops_server.OpsListener` on the same event loop; its
 address is taken before uvicorn starts, so a taken port is a clear error.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import logging.config
+import os
 import sys
 from typing import Any
 
@@ -27,6 +30,15 @@ from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.config_sources import load_settings
 from llm_backoff_shim.serve.config_values import ConfigError
 from llm_backoff_shim.serve.log_setup import logging_config
+from llm_backoff_shim.serve.startup import (
+    listen_url,
+    probe_upstream,
+    several_workers_warning,
+    startup_line,
+    unknown_environment,
+)
+
+log = logging.getLogger("llm_backoff_shim.serve")
 
 
 def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
@@ -46,6 +58,10 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
         "lifespan": "on",
         # Streams of a minute or more are normal; do not let shutdown cut them at once.
         "timeout_graceful_shutdown": 30,
+        # One process per engine: admission state (slots, queues, estimates) lives in the
+        # process, so N workers would each admit --max-concurrency. Explicit, so uvicorn
+        # does not read WEB_CONCURRENCY (startup.several_workers_warning says why it is ignored).
+        "workers": 1,
     }
 
 
@@ -115,6 +131,15 @@ def main(argv: list[str]) -> int:
     except FastPathUnavailable as exc:
         print(f"{prog}: {exc} (--http-path auto or public serves without it)", file=sys.stderr)
         return 2
+    for message in unknown_environment(os.environ):
+        log.warning("%s", message)
+    workers = several_workers_warning(os.environ)
+    if workers is not None:
+        log.warning("%s", workers)
+    if log.isEnabledFor(logging.INFO):  # below --log-level info the line, and so the probe, is skipped
+        metrics = f"{ops.url if ops is not None else listen_url(settings.host, settings.port)}/metrics"
+        upstream = probe_upstream(settings.upstream_base)
+        log.info("%s", startup_line(settings, path=served.path, metrics_url=metrics, upstream=upstream))
     tune_gc()
     try:
         uvicorn.run(served.app, **{**options, **served.options})

@@ -22,7 +22,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, field_validator, model_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
@@ -32,10 +32,14 @@ from llm_backoff_shim.serve.config_values import (
     PER_CLASS_KEYS,
     Budget,
     ClassLimits,
+    NotBool,
     Share,
     check_class_names,
     check_networks,
+    not_bool,
+    only_bool,
     parse_class_map,
+    scalar_kind,
     split_list,
 )
 from llm_backoff_shim.serve.routes import UnknownOperatorRouteError, check_allowed
@@ -76,12 +80,14 @@ class ShimSettings(BaseSettings):
     max_queue_wait: float = Field(
         default=10.0, gt=0, le=86_400, description="seconds a request may wait in the queue before a 429"
     )
-    class_max_queue: Annotated[dict[str, Annotated[int, Field(ge=0, le=1_000_000)]], NoDecode] = Field(
-        default={},
-        description="queue bound per class (class=N,...); a class not named uses --max-queue",
+    class_max_queue: Annotated[dict[str, Annotated[int, NotBool, Field(ge=0, le=1_000_000)]], NoDecode] = (
+        Field(
+            default={},
+            description="queue bound per class (class=N,...); a class not named uses --max-queue",
+        )
     )
     class_max_queue_wait: Annotated[
-        dict[str, Annotated[float, Field(gt=0, le=86_400, allow_inf_nan=False)]], NoDecode
+        dict[str, Annotated[float, NotBool, Field(gt=0, le=86_400, allow_inf_nan=False)]], NoDecode
     ] = Field(
         default={},
         description="queue wait per class in seconds (class=seconds,...); a class not named uses "
@@ -138,7 +144,7 @@ class ShimSettings(BaseSettings):
         description="set vLLM's 'priority' request field from the class (upstream runs "
         "--scheduling-policy priority)",
     )
-    class_priority: Annotated[dict[str, int], NoDecode] = Field(
+    class_priority: Annotated[dict[str, Annotated[int, NotBool]], NoDecode] = Field(
         default={},
         description="vLLM priority per class, lower is served first (default: the class's position "
         "in --classes, 0 for the first)",
@@ -264,7 +270,7 @@ class ShimSettings(BaseSettings):
     metrics_host: str | None = Field(
         default=None,
         min_length=1,
-        description="address of the --metrics-port listener (default --host); with --metrics-port set, "
+        description="address of the --metrics-port listener (default: --host); with --metrics-port set, "
         "/metrics and /shim/state are served only there",
     )
     max_body_bytes: int = Field(
@@ -311,6 +317,18 @@ class ShimSettings(BaseSettings):
         description="forward this operator route of the engine (e.g. /sleep) instead of refusing it "
         "with a 403; repeat the flag, or comma-separate in the variable (docs/shim.md, route table)",
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number field refuses a boolean and a boolean field a number, from any source."""
+        assert info.field_name is not None
+        kind = scalar_kind(cls.model_fields[info.field_name].annotation)
+        if kind == "number":
+            return not_bool(value)
+        if kind == "boolean":
+            return only_bool(value)
+        return value
 
     @field_validator("allow_operator_route", mode="before")
     @classmethod
@@ -467,4 +485,3 @@ class ShimSettings(BaseSettings):
     def vllm_priority(self) -> dict[str, int]:
         """The ``priority`` each class sends to vLLM (lower is served first)."""
         return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
-

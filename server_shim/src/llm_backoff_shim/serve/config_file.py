@@ -53,9 +53,20 @@ def _fail(path: str, key: str, message: str) -> ConfigError:
     return ConfigError(f"{path}: {key}: {message}")
 
 
+#: An unknown key without a close match is told the known keys when there are at most this many.
+_LISTED = 10
+
+
 def _unknown(path: str, key: str, known: Iterable[str], what: str) -> ConfigError:
+    """An unknown key, with a hint: where a per-class value goes, or the closest known key.
+
+    ``key`` is the key's dotted path; the suggestion compares its last part
+    (``classes.batch.max_queu`` -> ``max_queue``). Without a close match, a short list of
+    known keys (the per-class ones) is given whole.
+    """
+    name = key.rpartition(".")[2]
     hint = ""
-    if key in CLASS_ALIASES:
+    if name in CLASS_ALIASES and name == key:
         per_class, name = CLASS_ALIASES[key]
         short = next(k for k, v in PER_CLASS_KEYS.items() if v == per_class)
         hint = f" (per-class values go in the class's table: [classes.{name}] {short} = ...)"
@@ -63,8 +74,12 @@ def _unknown(path: str, key: str, known: Iterable[str], what: str) -> ConfigErro
         short = next(k for k, v in PER_CLASS_KEYS.items() if v == key)
         hint = f" (set it per class: [classes.NAME] {short} = ...)"
     else:
-        close = difflib.get_close_matches(key, list(known), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        names = list(known)
+        close = difflib.get_close_matches(name, names, n=1)
+        if close:
+            hint = f" (did you mean {close[0]!r}?)"
+        elif len(names) <= _LISTED:
+            hint = f" (one of: {', '.join(names)})"
     return ConfigError(f"{path}: {key}: unknown {what}{hint}")
 
 

@@ -13,10 +13,12 @@ import ipaddress
 import json
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BeforeValidator
 
 ENV_PREFIX = "LLM_BACKOFF_SHIM_"
 
@@ -66,10 +68,46 @@ def _budget(value: float) -> float:
     return value
 
 
+def not_bool(value: Any) -> Any:
+    """Refuse a boolean where a number is expected.
+
+    pydantic's lax mode reads ``true`` as 1, so ``max_concurrency = true`` in a file would
+    start a shim with one slot; a boolean there is a mistake, and the user is told so.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+    return value
+
+
+def only_bool(value: Any) -> Any:
+    """Refuse a number where a boolean is expected (lax mode reads 1 and 0 as true and false).
+
+    Strings pass: flags and variables say ``true``, ``false``, ``1``, ``0``, ``yes``, ``no``.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got the number {value!r}")
+    return value
+
+
+#: A number that is not a boolean (for the values of per-class maps).
+NotBool = BeforeValidator(not_bool)
+
 #: One class's share of the slots (checked per entry, so an error names the class).
-Share = Annotated[float, AfterValidator(_share)]
+Share = Annotated[float, NotBool, AfterValidator(_share)]
 #: One class's time budget in seconds.
-Budget = Annotated[float, AfterValidator(_budget)]
+Budget = Annotated[float, NotBool, AfterValidator(_budget)]
+
+
+def scalar_kind(annotation: Any) -> Literal["number", "boolean"] | None:
+    """``"number"`` for an int or float field (optional or not), ``"boolean"`` for a bool field."""
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    kinds = {arg for arg in args if arg is not type(None)}
+    if kinds == {bool}:
+        return "boolean"
+    if kinds and kinds <= {int, float}:
+        return "number"
+    return None
+
 
 _CLASS_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
 

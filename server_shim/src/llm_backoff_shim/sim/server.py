@@ -124,13 +124,24 @@ def _optional_int(text: str) -> int | None:
     return None if text.lower() in ("none", "") else int(text)
 
 
+class _DefaultsOnceFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to a flag's help unless the help already says its default in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = SimConfig()
     p = argparse.ArgumentParser(
         prog="llm-backoff-shim sim",
+        allow_abbrev=False,
         description="Run a vLLM-like OpenAI-compatible simulator (continuous batching, vLLM metrics, "
         "fault injection). No GPU, no model: answers are filler tokens on a realistic schedule.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnceFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
