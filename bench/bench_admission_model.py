@@ -60,7 +60,7 @@ def varied_scenarios(shape: EngineShape, lengths: OutputLengths) -> list[tuple[S
         f"{mean_service:.2f}",
     ]
     small = dataclasses.replace(scenario, name="varied-2x-small-queue")
-    return [(scenario, shim_flags(shape, scenario)), (small, calibrated)]
+    return [(scenario, shim_flags(shape, scenario, hold_batch=False)), (small, calibrated)]
 
 
 def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
@@ -192,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             p.error(f"--lengths {args.lengths}: {exc} (want MEDIAN,SIGMA,CAP)")
     shape = EngineShape()
-    chosen = [(s, shim_flags(shape, s)) for s in [*scenarios(quick=False), demo_scenario(quick=False)]]
+    every = [*scenarios(quick=False), demo_scenario(quick=False)]
+    chosen = [(s, shim_flags(shape, s, hold_batch=False)) for s in every]
     if lengths is not None:
         chosen += varied_scenarios(shape, lengths)
     if args.start_deadline_everywhere:

@@ -48,7 +48,7 @@ def policy_maker(mode: str) -> Callable[..., RetryPolicy]:
 def measure(scenario: Scenario, mode: str, seeds: int, jitter: float) -> dict[str, float]:
     model.retry_policy = policy_maker(mode)  # the model looks the policy up per call
     shape = EngineShape()
-    flags = shim_flags(shape, scenario)
+    flags = shim_flags(shape, scenario, hold_batch=False)
     in_budget = interactive = batch = batch_ok = 0
     failures: list[float] = []
     for seed in range(1, seeds + 1):

@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 
 from llm_backoff_shim.lab import demo
-from llm_backoff_shim.lab.scenario import DEMO_SETUPS
+from llm_backoff_shim.lab.knee import HELD_RETRY_AFTER_MAX
+from llm_backoff_shim.lab.scenario import DEMO_SETUPS, DEMO_SHAPE, varied_demo_scenario
+from llm_backoff_shim.serve.config_sources import load_settings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -197,3 +199,27 @@ def _state(pid: int) -> str:
         return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_demos_shim_holds_batch_as_calibrate_recommends(quick: bool) -> None:
+    """Batch callers wait in the shim for up to half their deadline instead of being told to
+    come back after the interactive wait; hints are capped as calibrate caps them."""
+    scenario = varied_demo_scenario(quick=quick)
+    settings = load_settings(["--upstream", "http://127.0.0.1:9", *demo.shim_flags(DEMO_SHAPE, scenario)])
+    limits = settings.class_limits()
+    assert limits["interactive"].max_queue_wait == scenario.ttft_budget
+    assert limits["interactive"].max_queue == 2 * DEMO_SHAPE.slots
+    assert limits["batch"].max_queue_wait == scenario.deadline_of("batch") / 2
+    drained = DEMO_SHAPE.capacity_for(scenario.workload) * scenario.deadline_of("batch") / 2
+    assert limits["batch"].max_queue == int(drained)
+    assert settings.max_queue == limits["interactive"].max_queue + limits["batch"].max_queue
+    assert settings.retry_after_max == HELD_RETRY_AFTER_MAX
+    assert settings.max_concurrency == DEMO_SHAPE.slots
+
+
+def test_without_the_hold_every_class_shares_the_interactive_bounds() -> None:
+    scenario = varied_demo_scenario(quick=False)
+    flags = demo.shim_flags(DEMO_SHAPE, scenario, hold_batch=False)
+    limits = load_settings(["--upstream", "http://127.0.0.1:9", *flags]).class_limits()
+    assert limits["batch"] == limits["interactive"]

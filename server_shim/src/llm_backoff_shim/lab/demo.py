@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import sys
@@ -35,6 +36,7 @@ from typing import TextIO
 
 from llm_backoff_shim.lab.extra import MissingLabExtraError, require_plotting
 from llm_backoff_shim.lab.figures import Figures, figures
+from llm_backoff_shim.lab.knee import HELD_RETRY_AFTER_MAX, Recommendation
 from llm_backoff_shim.lab.load_records import Progress, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
@@ -61,22 +63,41 @@ PNG_NAME = "overload-demo.png"
 JSON_NAME = "overload-demo.json"
 
 
-def shim_flags(shape: EngineShape, scenario: Scenario) -> list[str]:
-    """The shim as an operator would size it for this engine and these callers.
+def shim_flags(shape: EngineShape, scenario: Scenario, *, hold_batch: bool = True) -> list[str]:
+    """The shim as ``calibrate`` would size it for this engine and these callers.
 
-    As many slots as the engine has; a queue of two batches (a couple of seconds of
-    work); nobody waits in it longer than the interactive TTFT budget.
+    As many slots as the engine has; an interactive queue of two batches (a couple of seconds
+    of work) that nobody waits in longer than the interactive TTFT budget. ``hold_batch``
+    (calibrate's recommendation, :func:`llm_backoff_shim.lab.knee.recommend`): batch callers
+    wait in the shim for up to half their deadline, in a queue of what the engine drains in
+    that time, and hints are capped at ``HELD_RETRY_AFTER_MAX``. Without it every class shares
+    the interactive bounds, and a plain client's batch calls are told to come back after 2 s
+    of queue, again and again until their deadline: the demo's plain openai through the shim
+    then served half its batch calls and fewer useful tokens than straight at the engine.
     """
-    return [
+    wait = scenario.ttft_budget
+    batch_wait = scenario.deadline_of("batch") / 2 if hold_batch else None
+    rec = Recommendation(
+        max_concurrency=shape.slots,
+        max_queue=2 * shape.slots,
+        max_queue_wait=wait,
+        batch_max_queue=(
+            None
+            if batch_wait is None
+            else max(1, math.floor(shape.capacity_for(scenario.workload) * batch_wait))
+        ),
+        batch_max_queue_wait=batch_wait,
+        retry_after_max=None if batch_wait is None else HELD_RETRY_AFTER_MAX,
+    )
+    flags = rec.serve_flags() if batch_wait is not None else [
         "--max-concurrency",
         str(shape.slots),
         "--max-queue",
         str(2 * shape.slots),
         "--max-queue-wait",
-        f"{scenario.ttft_budget:g}",
-        "--initial-service-time",
-        f"{shape.service_time_for(scenario.workload):.2f}",
+        f"{wait:g}",
     ]
+    return [*flags, "--initial-service-time", f"{shape.service_time_for(scenario.workload):.2f}"]
 
 
 def describe_setup(setup: Setup, scenario: Scenario) -> str:
