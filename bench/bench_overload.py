@@ -169,7 +169,7 @@ def run_scenario(
             front: ChildServer | None = None
             if setup.route == "shim":
                 # The JSON access log gives the shim's own time for each attempt (x-request-id).
-                front = shim_server(sim, [*shim_flags(shape, scenario), *ACCESS_LOG_FLAGS])
+                front = shim_server(sim, [*shim_flags(shape, scenario, hold_batch=False), *ACCESS_LOG_FLAGS])
             elif setup.route == "peer":
                 front = haproxy_server(sim, workdir, scenario.ttft_budget, shape.slots)
             with contextlib.ExitStack() as stack:
@@ -599,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"Engine: {shape.slots} slots, {shape.service_time_for(workload):.2f} s per request, "
         f"capacity {shape.capacity_for(workload):.2f}/s ({shape.token_capacity_for(workload):.0f} answer "
         "tokens/s); "
-        f"shim flags: {' '.join(shim_flags(shape, chosen[0]))}",
+        f"shim flags: {' '.join(shim_flags(shape, chosen[0], hold_batch=False))}",
         flush=True,
     )
     if args.probe_only:
