@@ -83,6 +83,13 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
     data = json.loads((out / demo.JSON_NAME).read_text())
     runs: list[dict[str, Any]] = data["runs"]
     assert [r["label"] for r in runs] == [s.label for s in DEMO_SETUPS]
+    # The reading under the summary quotes the same figures.
+    direct, plain = runs[0], runs[1]
+    said = " ".join(proc.stdout.split("Reading it:", 1)[1].split())
+    assert said.startswith(
+        f"through the shim, plain openai gets {plain['interactive_within_budget']} interactive calls "
+        f"within budget against {direct['interactive_within_budget']} straight at the engine"
+    ), said
     calls = {r["calls"] for r in runs}
     assert len(calls) == 1, "every configuration must face the same load"
     deadline = data["scenario"]["deadline"]

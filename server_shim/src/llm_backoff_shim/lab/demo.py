@@ -29,6 +29,7 @@ import math
 import os
 import random
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,7 +48,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
     start_stack,
 )
-from llm_backoff_shim.lab.report import comparison, table
+from llm_backoff_shim.lab.report import comparison, reading, table
 from llm_backoff_shim.lab.scenario import (
     DEMO_SETUPS,
     DEMO_SHAPE,
@@ -297,6 +298,8 @@ def main(argv: list[str]) -> int:
     all_figures = [figures(r) for r in results]
     print("Summary (same load, same seed, three configurations):")
     print(comparison(all_figures))
+    print()
+    print(textwrap.fill(reading(all_figures, scenario.deadline_of("batch") / 2), width=100))
     try:
         png, json_path = write_outputs(results, all_figures, args.out, scenario, args.seed)
     except OSError as exc:

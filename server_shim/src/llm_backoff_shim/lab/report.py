@@ -214,3 +214,30 @@ def comparison(all_figures: Sequence[Figures]) -> str:
         if n == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def _times(part: int, whole: int) -> str:
+    return "-" if whole == 0 else f"{part / whole:.2f}x"
+
+
+def reading(all_figures: Sequence[Figures], batch_wait: float | None) -> str:
+    """What the summary says about the shim for plain clients, from its own figures: the first
+    configuration is straight at the engine, the second plain openai through the shim, the
+    third llm_backoff through the shim (the demo's order)."""
+    if len(all_figures) < 3:
+        return ""
+    direct, plain, backoff = all_figures[0], all_figures[1], all_figures[2]
+    held = "refuses past its wait" if batch_wait is None else f"holds batch callers up to {batch_wait:g} s"
+    return (
+        "Reading it: through the shim, plain openai gets "
+        f"{plain.interactive_within_budget} interactive calls within budget against "
+        f"{direct.interactive_within_budget} straight at the engine, and {_share(plain.batch_served)} "
+        f"of batch against {_share(direct.batch_served)}: useful tokens "
+        f"{_times(plain.useful_tokens, direct.useful_tokens)}. The shim serves interactive first and "
+        f"{held}; at twice capacity some calls cannot be served by anyone, and plain openai sends no "
+        "deadline, so the shim cannot tell which waiting calls can still finish in time "
+        f"({plain.wasted_fraction:.0%} of the engine's work went to callers already gone). "
+        "llm_backoff sends its deadline and gives up early on a refusal it cannot wait out: useful "
+        f"tokens {_times(backoff.useful_tokens, direct.useful_tokens)} of plain openai straight at "
+        f"the engine, {backoff.wasted_fraction:.0%} wasted."
+    )
