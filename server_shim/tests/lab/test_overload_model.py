@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_backoff_shim.lab.demo import shim_flags
+from llm_backoff_shim.lab.demo import shim_flags as demo_shim_flags
 from llm_backoff_shim.lab.overload_model import OutputLengths, OverloadModel, service_of
 from llm_backoff_shim.lab.scenario import EngineShape, Scenario, demo_scenario
 
@@ -14,9 +14,15 @@ BURST = Scenario("burst", burst=200, rate_factor=0, duration=0, deadline=30, ttf
 TWICE = Scenario("poisson-2x", burst=0, rate_factor=2.0, duration=30, deadline=30, ttft_budget=10)
 
 
+def flags(scenario: Scenario) -> list[str]:
+    """The shim of these scenarios: every class shares the interactive bounds (the bounds the
+    burst and 2x targets were set on; the demo itself holds batch)."""
+    return demo_shim_flags(SHAPE, scenario, hold_batch=False)
+
+
 def run(scenario: Scenario, seed: int, *, start_deadline: bool, extra: tuple[str, ...] = ()) -> OverloadModel:
     return OverloadModel(
-        scenario, SHAPE, [*shim_flags(SHAPE, scenario), *extra], seed=seed, start_deadline=start_deadline
+        scenario, SHAPE, [*flags(scenario), *extra], seed=seed, start_deadline=start_deadline
     )
 
 
@@ -74,7 +80,7 @@ def test_the_demo_turns_nobody_away_after_a_wait() -> None:
 def test_engine_jitter_varies_the_service_and_still_loses_nothing() -> None:
     exact = run(TWICE, 2, start_deadline=True).run()
     jittered = OverloadModel(
-        TWICE, SHAPE, shim_flags(SHAPE, TWICE), seed=2, start_deadline=True, service_jitter=0.1
+        TWICE, SHAPE, flags(TWICE), seed=2, start_deadline=True, service_jitter=0.1
     )
     result = jittered.run()  # raises if a call hangs or a slot is left taken
     assert result.summary() != exact.summary()
@@ -88,7 +94,7 @@ LENGTHS = OutputLengths(median=20, sigma=0.8, cap=160)
 
 
 def test_output_lengths_are_drawn_per_call_and_set_the_capacity() -> None:
-    model = OverloadModel(VARIED, SHAPE, shim_flags(SHAPE, VARIED), seed=1, lengths=LENGTHS)
+    model = OverloadModel(VARIED, SHAPE, flags(VARIED), seed=1, lengths=LENGTHS)
     result = model.run()  # raises if a call hangs or a slot is left taken
     tokens = [c.tokens for c in result.calls]
     assert len(set(tokens)) > 20
@@ -108,7 +114,7 @@ def test_varied_lengths_leave_no_slot_idle_while_a_caller_could_use_it() -> None
     served waited is at most 2 % over 10 seeds (3.5 % over 20 seeds with the reservation kept
     from batch whatever its request's length)."""
     shares = sorted(
-        OverloadModel(VARIED, SHAPE, shim_flags(SHAPE, VARIED), seed=seed, lengths=LENGTHS)
+        OverloadModel(VARIED, SHAPE, flags(VARIED), seed=seed, lengths=LENGTHS)
         .run()
         .idle_while_servable_share
         for seed in range(1, 11)
