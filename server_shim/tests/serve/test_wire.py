@@ -8,7 +8,8 @@ import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.proxy import is_generation, parse_budget
+from llm_backoff_shim.serve.intake import parse_budget
+from llm_backoff_shim.serve.proxy import is_generation
 from llm_backoff_shim.serve.rejection import client_error, rejection_response, retry_after_header
 
 

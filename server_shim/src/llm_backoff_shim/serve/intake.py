@@ -1,8 +1,15 @@
-"""Checks on what a client sends, before anything is queued or forwarded.
+"""Checks on what a client sends, before anything is queued or forwarded: the proxy's intake.
+
+:class:`Intake` runs them in one order, written once: :meth:`Intake.head` on the request's
+head (path, operator route, API key, then for a generation request its class, tenant and
+budget headers and content type, then the declared size), :meth:`Intake.body` on the body
+read (a JSON object, and what it asks for: a stream, ``max_tokens``). The proxy's full path
+and its refusal from the head (``Proxy.refuse_from_head``) both start from :meth:`Intake.head`,
+so they cannot disagree on what passes.
 
 Each check returns None (fine) or a :class:`Refusal`: an OpenAI-format error answer
 plus the ``reason`` under which it is counted (``llm_backoff_shim_bad_requests_total``).
-Choices, where the issue leaves room:
+Choices, where the protocol leaves room:
 
 - API keys are checked for every ``/v1/`` path (before queueing); ``/health``,
   ``/ready`` and ``/metrics`` stay open (orchestrators probe them; bind them
@@ -12,6 +19,9 @@ Choices, where the issue leaves room:
 - The body limit is enforced on the declared ``Content-Length`` before reading, and
   again while reading (chunked bodies); the read as a whole must finish within the
   body timeout (a slow-loris body gets a 408).
+- Only POSTs to the route table's ``engine`` routes are admission-controlled; their
+  ``x-request-class``, ``x-request-timeout-ms`` and ``x-request-timeout-scope`` are
+  validated (400 when malformed) only there.
 """
 
 from __future__ import annotations
@@ -19,13 +29,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import (
+    AdmissionRequest,
+    UnknownClassError,
+    parse_retry_count,
+    requested_max_tokens,
+)
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.auth import ApiKeys, bearer_token, key_id
-from llm_backoff_shim.serve.rejection import ErrorResponse, client_error
+from llm_backoff_shim.serve.rejection import ErrorResponse, client_error, operator_route_refused
+from llm_backoff_shim.serve.request_hooks import RequestHooks
+from llm_backoff_shim.serve.routes import Route, RouteTable, Shape
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -38,6 +58,8 @@ log = logging.getLogger("llm_backoff_shim.intake")
 class Refusal:
     reason: str
     response: ErrorResponse
+    #: The error shape the answer takes (the route's, once the route is known to be served).
+    shape: Shape = Shape.OPENAI
 
 
 class ClientGone(Exception):  # noqa: N818 - an event, not an error of ours
@@ -178,3 +200,143 @@ def parse_json_object(body: bytes) -> dict[str, Any] | Refusal:
             client_error("request body must be a JSON object", code="invalid_json"),
         )
     return data
+
+
+def asks_for_stream(body: dict[str, Any]) -> bool:
+    """Whether a request body asks for a stream: only a JSON ``true`` does."""
+    return body.get("stream") is True
+
+
+def parse_budget(value: str | None) -> float | None:
+    """``x-request-timeout-ms`` -> seconds; None when absent. Raises ValueError when malformed."""
+    if value is None or not value.strip():
+        return None
+    millis = float(value.strip())
+    if not math.isfinite(millis) or millis < 0:
+        raise ValueError("must be a non-negative number of milliseconds")
+    return millis / 1000.0
+
+
+#: ``x-request-timeout-scope`` values: the budget ends when the answer begins, or at its end.
+BUDGET_SCOPES = {"start": True, "end": False}
+
+
+def parse_budget_scope(value: str | None) -> bool:
+    """``x-request-timeout-scope`` -> whether the budget is for the answer to begin (``start``);
+    absent or blank is ``end``, the whole call. Raises ValueError for any other value."""
+    if value is None or not value.strip():
+        return False
+    scope = BUDGET_SCOPES.get(value.strip().lower())
+    if scope is None:
+        raise ValueError("expected 'start' or 'end'")
+    return scope
+
+
+def _text_header(headers: RawHeaders, name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A request whose head passed the intake: its route and headers, and for a generation
+    request (a POST to an ``engine`` route) the admission request its headers make."""
+
+    route: Route
+    headers: RawHeaders
+    request: AdmissionRequest | None
+
+
+class Intake:
+    """The checks on a request, in one order (module docstring); each step returns what the
+    request is so far, or the one :class:`Refusal` that ends it."""
+
+    def __init__(
+        self,
+        *,
+        routes: RouteTable,
+        api_keys: ApiKeys,
+        hooks: RequestHooks,
+        controller: AdmissionController,
+        max_body_bytes: int,
+    ) -> None:
+        self.routes = routes
+        self.api_keys = api_keys
+        self.hooks = hooks
+        self.controller = controller
+        self.max_body_bytes = max_body_bytes
+
+    def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal:
+        """The checks on the request's head, in order: path, operator route, API key, then for a
+        generation request its class, tenant and budget headers and its content type, then the
+        declared size. A refusal before the route is known to be served is OpenAI-shaped; after
+        it, in the route's shape."""
+        route = self.routes.lookup(path)
+        if route is None:
+            missing = client_error(
+                f"no such path {path[:200]!r}: the shim serves the engine's API (docs/shim.md, routes)",
+                status=404,
+            )
+            return Refusal("bad_path", missing)
+        if route.refused:
+            return Refusal("operator_route", operator_route_refused(path))
+        shape = route.shape
+        refusal = check_api_key(self.api_keys, headers)
+        if refusal is not None:
+            return replace(refusal, shape=shape)
+        request: AdmissionRequest | None = None
+        if method == "POST" and route.admitted:
+            parsed = self._admission_request(headers)
+            if isinstance(parsed, ErrorResponse):
+                return Refusal(reason_of(parsed), parsed, shape)
+            request = parsed
+            refusal = check_content_type(headers) if route.json_body else None
+            if refusal is not None:
+                return replace(refusal, shape=shape)
+        refusal = check_declared_length(headers, self.max_body_bytes)
+        if refusal is not None:
+            return replace(refusal, shape=shape)
+        return Head(route, headers, request)
+
+    @staticmethod
+    def body(head: Head, body: bytes) -> tuple[AdmissionRequest | None, dict[str, Any] | None] | Refusal:
+        """The checks on a generation request's body read whole: a JSON object where the route
+        takes one, and what it asks for (a stream, ``max_tokens``) into its admission request.
+        Returns the admission request and the parsed body (None for other requests)."""
+        request = head.request
+        if request is None or not head.route.json_body:
+            return request, None
+        data = parse_json_object(body)
+        if isinstance(data, Refusal):
+            return replace(data, shape=head.route.shape)
+        stream, most = asks_for_stream(data), requested_max_tokens(data)
+        if stream or most is not None:
+            request = replace(request, stream=stream, max_tokens=most)
+        return request, data
+
+    def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
+        class_header = _text_header(headers, b"x-request-class")
+        try:
+            chosen = self.hooks.choose_class(headers, class_header, self.controller)
+        except UnknownClassError as exc:
+            return client_error(str(exc), param="x-request-class", code="invalid_request_class")
+        if isinstance(chosen, ErrorResponse):
+            return chosen
+        cls, tenant = chosen
+        name = "x-request-timeout-ms"
+        try:
+            budget = parse_budget(_text_header(headers, b"x-request-timeout-ms"))
+            name = "x-request-timeout-scope"
+            to_start = parse_budget_scope(_text_header(headers, b"x-request-timeout-scope"))
+        except ValueError as exc:
+            return client_error(f"invalid {name} header: {exc}", param=name, code="invalid_header")
+        retry = parse_retry_count(_text_header(headers, b"x-stainless-retry-count"))
+        return AdmissionRequest(
+            cls=cls,
+            budget=budget,
+            tenant=tenant,
+            retry=retry,
+            budget_to_start=to_start and budget is not None,
+        )
