@@ -15,7 +15,7 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
-from llm_backoff_shim.decide.tickets import GateRefusal, Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.decide.view import AdmissionView
 from llm_backoff_shim.testing import ManualClock
 
@@ -240,10 +240,10 @@ class Refuse:
         self.when = when_in_flight
         self.seen: list[AdmissionRequest] = []
 
-    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None:
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> Rejection | None:
         self.seen.append(request)
         if view.in_flight() >= self.when:
-            return GateRefusal(code="slo_shed", message="shed", retry_after=7.0, status=503)
+            return Rejection(code="slo_shed", message="shed", retry_after=7.0, status=503)
         return None
 
 

@@ -15,11 +15,13 @@ with a typed error rather than spend an attempt, and the hint is not remembered 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.requests import AdmissionRequest
-from llm_backoff_shim.decide.tickets import GateRefusal, RejectCode, Rejection, Ticket
+from llm_backoff_shim.decide.tickets import RejectCode, Rejection, Ticket
 from llm_backoff_shim.decide.waits import QueueWaits, need_name, service_needed, short_of
 
 
@@ -112,19 +114,9 @@ class Refusals:
         """The ``queue_timeout`` for a queued ticket the recheck found can no longer be served in time."""
         return self.reject(ticket.cls, "queue_timeout", why, self.budget_left(ticket, now), ticket.request)
 
-    def from_gate(self, cls: str, refusal: GateRefusal) -> Rejection:
-        """A gate's refusal, with the controller's estimate for a hint where the gate gave none."""
-        hint = refusal.retry_after
-        if hint is None:
-            hint = self._estimator.retry_after(cls, self._queues.ahead_of(cls), self._limit.limit)
-        return Rejection(
-            code=refusal.code,
-            message=refusal.message,
-            retry_after=hint,
-            queue_depth=len(self._queues.lists[cls]),
-            type=refusal.type,
-            status=refusal.status,
-        )
+    def from_gate(self, cls: str, refusal: Rejection) -> Rejection:
+        """A gate's refusal as the controller hands it out: with the class's queue depth."""
+        return replace(refusal, queue_depth=len(self._queues.lists[cls]))
 
     def upstream_unavailable(self, cls: str, detail: str) -> Rejection:
         """The refusal for a request whose upstream could not be reached (always 503)."""

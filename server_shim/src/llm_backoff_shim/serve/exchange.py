@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.interface import BODY_FOLLOWS
 from llm_backoff_shim.serve.headers import RawHeaders
-from llm_backoff_shim.serve.rejection import ErrorResponse, in_shape
+from llm_backoff_shim.serve.rejection import Refusal, in_shape
 from llm_backoff_shim.serve.routes import Shape
 
 Scope = MutableMapping[str, Any]
@@ -71,7 +71,7 @@ def classify(exchange: Exchange, status: int) -> None:
         exchange.outcome, exchange.metric = Outcome.CLIENT_ERROR, "completed"
 
 
-async def answer(send: Send, response: ErrorResponse, exchange: Exchange | None = None) -> None:
+async def answer(send: Send, response: Refusal, exchange: Exchange | None = None) -> None:
     if exchange is not None and exchange.shape is not Shape.OPENAI:
         response = in_shape(response, exchange.shape)
     await send(

@@ -7,8 +7,9 @@ read (a JSON object, and what it asks for: a stream, ``max_tokens``). The proxy'
 and its refusal from the head (``Proxy.refuse_from_head``) both start from :meth:`Intake.head`,
 so they cannot disagree on what passes.
 
-Each check returns None (fine) or a :class:`Refusal`: an OpenAI-format error answer
-plus the ``reason`` under which it is counted (``llm_backoff_shim_bad_requests_total``).
+Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.rejection.Refusal`: an
+OpenAI-format error answer with the ``reason`` under which it is counted
+(``llm_backoff_shim_bad_requests_total``).
 Choices, where the protocol leaves room:
 
 - API keys are checked for every ``/v1/`` path (before queueing); ``/health``,
@@ -43,23 +44,15 @@ from llm_backoff_shim.decide.requests import (
 )
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.auth import ApiKeys, bearer_token, key_id
-from llm_backoff_shim.serve.rejection import ErrorResponse, client_error, operator_route_refused
+from llm_backoff_shim.serve.rejection import Refusal, client_error, operator_route_refused
 from llm_backoff_shim.serve.request_hooks import RequestHooks
-from llm_backoff_shim.serve.routes import Route, RouteTable, Shape
+from llm_backoff_shim.serve.routes import Route, RouteTable
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 log = logging.getLogger("llm_backoff_shim.intake")
-
-
-@dataclass(frozen=True)
-class Refusal:
-    reason: str
-    response: ErrorResponse
-    #: The error shape the answer takes (the route's, once the route is known to be served).
-    shape: Shape = Shape.OPENAI
 
 
 class ClientGone(Exception):  # noqa: N818 - an event, not an error of ours
@@ -84,9 +77,9 @@ def check_api_key(keys: ApiKeys, headers: RawHeaders) -> Refusal | None:
     else:
         message = "incorrect API key provided"
         log.info("refused a request with an unknown API key %s", key_id(token))
-    response = client_error(message, code="invalid_api_key", status=401)
+    response = client_error(message, code="invalid_api_key", status=401, reason="unauthorized")
     response.headers.append((b"www-authenticate", b'Bearer realm="llm-backoff-shim"'))
-    return Refusal("unauthorized", response)
+    return response
 
 
 def check_content_type(headers: RawHeaders) -> Refusal | None:
@@ -97,29 +90,29 @@ def check_content_type(headers: RawHeaders) -> Refusal | None:
     if media == b"application/json" or media.endswith(b"+json"):
         return None
     shown = media.decode("latin-1")[:100]
-    return Refusal(
-        "unsupported_media_type",
-        client_error(
-            f"unsupported content type {shown!r}: send application/json",
-            param="content-type",
-            code="unsupported_media_type",
-            status=415,
-        ),
+    return client_error(
+        f"unsupported content type {shown!r}: send application/json",
+        param="content-type",
+        code="unsupported_media_type",
+        status=415,
+        reason="unsupported_media_type",
     )
 
 
-def _closing(response: ErrorResponse) -> ErrorResponse:
+def _closing(response: Refusal) -> Refusal:
     # The rest of the body is never read: close the connection rather than drain it.
     response.headers.append((b"connection", b"close"))
     return response
 
 
 def _too_large(limit: int) -> Refusal:
-    return Refusal(
-        "body_too_large",
-        _closing(
-            client_error(f"request body larger than {limit} bytes", code="request_too_large", status=413)
-        ),
+    return _closing(
+        client_error(
+            f"request body larger than {limit} bytes",
+            code="request_too_large",
+            status=413,
+            reason="body_too_large",
+        )
     )
 
 
@@ -158,23 +151,14 @@ async def read_body(
                 return b"".join(chunks)
     assert deadline.expired
     assert time_limit is not None
-    return Refusal(
-        "body_timeout",
-        _closing(
-            client_error(
-                f"request body not received within {time_limit.delay:g} s", code="body_timeout", status=408
-            )
-        ),
+    return _closing(
+        client_error(
+            f"request body not received within {time_limit.delay:g} s",
+            code="body_timeout",
+            status=408,
+            reason="body_timeout",
+        )
     )
-
-
-def reason_of(response: ErrorResponse) -> str:
-    """The counting reason of an error the proxy built itself (by its ``code``)."""
-    try:
-        code = json.loads(response.body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        code = None
-    return "unknown_class" if code == "invalid_request_class" else "invalid_header"
 
 
 #: One decoder for every body; fed text, not bytes: ``json.loads(bytes)`` first guesses the
@@ -187,17 +171,15 @@ def parse_json_object(body: bytes) -> dict[str, Any] | Refusal:
     try:
         data = _DECODER.decode(body.decode())
     except UnicodeDecodeError:
-        return Refusal("malformed_json", client_error("request body is not UTF-8", code="invalid_json"))
+        return client_error("request body is not UTF-8", code="invalid_json", reason="malformed_json")
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
-        return Refusal(
-            "malformed_json",
-            client_error(f"request body is not valid JSON{where}", code="invalid_json"),
+        return client_error(
+            f"request body is not valid JSON{where}", code="invalid_json", reason="malformed_json"
         )
     if not isinstance(data, dict):
-        return Refusal(
-            "malformed_json",
-            client_error("request body must be a JSON object", code="invalid_json"),
+        return client_error(
+            "request body must be a JSON object", code="invalid_json", reason="malformed_json"
         )
     return data
 
@@ -278,10 +260,11 @@ class Intake:
             missing = client_error(
                 f"no such path {path[:200]!r}: the shim serves the engine's API (docs/shim.md, routes)",
                 status=404,
+                reason="bad_path",
             )
-            return Refusal("bad_path", missing)
+            return missing
         if route.refused:
-            return Refusal("operator_route", operator_route_refused(path))
+            return operator_route_refused(path)
         shape = route.shape
         refusal = check_api_key(self.api_keys, headers)
         if refusal is not None:
@@ -289,8 +272,8 @@ class Intake:
         request: AdmissionRequest | None = None
         if method == "POST" and route.admitted:
             parsed = self._admission_request(headers)
-            if isinstance(parsed, ErrorResponse):
-                return Refusal(reason_of(parsed), parsed, shape)
+            if isinstance(parsed, Refusal):
+                return replace(parsed, reason=parsed.reason or "invalid_header", shape=shape)
             request = parsed
             refusal = check_content_type(headers) if route.json_body else None
             if refusal is not None:
@@ -316,13 +299,15 @@ class Intake:
             request = replace(request, stream=stream, max_tokens=most)
         return request, data
 
-    def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
+    def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | Refusal:
         class_header = _text_header(headers, b"x-request-class")
         try:
             chosen = self.hooks.choose_class(headers, class_header, self.controller)
         except UnknownClassError as exc:
-            return client_error(str(exc), param="x-request-class", code="invalid_request_class")
-        if isinstance(chosen, ErrorResponse):
+            return client_error(
+                str(exc), param="x-request-class", code="invalid_request_class", reason="unknown_class"
+            )
+        if isinstance(chosen, Refusal):
             return chosen
         cls, tenant = chosen
         name = "x-request-timeout-ms"
@@ -331,7 +316,9 @@ class Intake:
             name = "x-request-timeout-scope"
             to_start = parse_budget_scope(_text_header(headers, b"x-request-timeout-scope"))
         except ValueError as exc:
-            return client_error(f"invalid {name} header: {exc}", param=name, code="invalid_header")
+            return client_error(
+                f"invalid {name} header: {exc}", param=name, code="invalid_header", reason="invalid_header"
+            )
         retry = parse_retry_count(_text_header(headers, b"x-stainless-retry-count"))
         return AdmissionRequest(
             cls=cls,

@@ -54,21 +54,11 @@ from llm_backoff_shim.serve.exchange import (
     answer,
 )
 from llm_backoff_shim.serve.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.intake import (
-    ClientGone,
-    Intake,
-    Refusal,
-    header,
-    read_body,
-)
+from llm_backoff_shim.serve.intake import ClientGone, Intake, header, read_body
 from llm_backoff_shim.serve.metrics import ShimMetrics
-from llm_backoff_shim.serve.rejection import (
-    ErrorResponse,
-    in_shape,
-    rejection_response,
-)
+from llm_backoff_shim.serve.rejection import Refusal, in_shape, rejection_response
 from llm_backoff_shim.serve.relay import Relay
-from llm_backoff_shim.serve.request_hooks import RequestHooks, with_headers
+from llm_backoff_shim.serve.request_hooks import RequestHooks
 from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.serve.upstream import UpstreamClient
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
@@ -295,7 +285,7 @@ class Proxy:
             )
         return answer
 
-    def _head_answer(self, response: ErrorResponse, shape: Shape) -> tuple[int, bytes]:
+    def _head_answer(self, response: Refusal, shape: Shape) -> tuple[int, bytes]:
         """The status and bytes of ``response`` in the route's error shape, remembered by value:
         refusals from the head repeat (the same few hints, codes and headers)."""
         key = (shape, response.status, response.body, *response.headers)
@@ -312,7 +302,7 @@ class Proxy:
     async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
         self.metrics.bad_request(refusal.reason)
         exchange = Exchange(metric="bad_request", code=refusal.reason, shape=refusal.shape)
-        await answer(send, refusal.response, exchange)
+        await answer(send, refusal, exchange)
         self._log(record, exchange)
 
     def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
@@ -366,8 +356,8 @@ class Proxy:
             refusal = await scope.admit()
             if refusal is not None:
                 exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
-                exchange.code, exchange.retry_after = refusal.code, refusal.retry_after
-                await answer(send, refusal.response, exchange)
+                exchange.code, exchange.retry_after = refusal.reason, refusal.retry_after
+                await answer(send, refusal, exchange)
                 return
             if scope.body is not forward.body:
                 forward = forward._replace(body=scope.body)
@@ -377,7 +367,7 @@ class Proxy:
                 exchange.reject(decision)
                 exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
-                await answer(send, with_headers(response, scope.response_headers()), exchange)
+                await answer(send, response.with_headers(scope.response_headers()), exchange)
                 return
             grant = decision
             exchange.queue_time = grant.queue_time

@@ -29,9 +29,9 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
-from llm_backoff_shim.decide.tickets import RejectCode, Rejection
+from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.quota import Charge, TenantQuotas
-from llm_backoff_shim.serve.rejection import ErrorResponse, client_error, rejection_response
+from llm_backoff_shim.serve.rejection import Refusal, client_error, rejection_response
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -41,15 +41,6 @@ log = logging.getLogger("llm_backoff_shim.tenants")
 USAGE_TAIL_BYTES = 16 * 1024
 
 
-@dataclass(frozen=True)
-class HookRefusal:
-    """A hook's "no" before queueing: the answer, and its code and hint for the metrics."""
-
-    response: ErrorResponse
-    code: RejectCode
-    retry_after: float
-
-
 class RequestScope:
     """One generation request's view of the hooks; the base does nothing."""
 
@@ -57,7 +48,7 @@ class RequestScope:
         self.request = request
         self.body = body
 
-    async def admit(self) -> HookRefusal | None:
+    async def admit(self) -> Refusal | None:
         """A refusal before queueing (tenant over quota), or None to go on."""
         return None
 
@@ -76,8 +67,9 @@ class RequestHooks:
 
     def choose_class(
         self, headers: RawHeaders, class_header: str | None, controller: AdmissionController
-    ) -> tuple[str, str | None] | ErrorResponse:
-        """``(class, tenant id)``; raises UnknownClassError for a class the shim does not serve."""
+    ) -> tuple[str, str | None] | Refusal:
+        """``(class, tenant id)``, or a refusal; raises UnknownClassError for a class the shim
+        does not serve."""
         return controller.parse_class(class_header), None
 
     def scope(
@@ -86,7 +78,7 @@ class RequestHooks:
         """The request's hooks; ``parsed`` is ``body`` as the proxy already parsed it (a JSON object)."""
         return RequestScope(request, body)
 
-    def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
+    def decorate(self, rejection: Refusal, request: AdmissionRequest) -> Refusal:
         """Headers for an admission rejection of ``request`` (e.g. the SLO state)."""
         return rejection
 
@@ -94,10 +86,6 @@ class RequestHooks:
         """Whether nothing the hooks do before ``request`` queues reads its body (so an
         admission refusal may be answered from the head, :meth:`Proxy.refuse_from_head`)."""
         return True
-
-
-def with_headers(response: ErrorResponse, extra: RawHeaders) -> ErrorResponse:
-    return ErrorResponse(response.status, [*response.headers, *extra], response.body) if extra else response
 
 
 @dataclass
@@ -112,7 +100,7 @@ class _PolicyScope(RequestScope):
     quota_headers: RawHeaders = field(default_factory=list)
     _tail: bytearray = field(default_factory=bytearray)
 
-    async def admit(self) -> HookRefusal | None:
+    async def admit(self) -> Refusal | None:
         quotas = self.policies.quotas
         if quotas is None or self.tenant is None:
             return None
@@ -135,7 +123,7 @@ class _PolicyScope(RequestScope):
                 queue_depth=self.policies.controller.queued(self.request.cls),
                 status=503,
             )
-            return HookRefusal(rejection_response(rejection, 503), rejection.code, rejection.retry_after)
+            return rejection_response(rejection, 503)
         self.quota_headers = decision.headers
         if decision.granted:
             self.charge = decision.charge
@@ -149,8 +137,7 @@ class _PolicyScope(RequestScope):
             type="rate_limit_exceeded",
             status=429,
         )
-        response = with_headers(rejection_response(rejection, 429), self.response_headers())
-        return HookRefusal(response, rejection.code, rejection.retry_after)
+        return rejection_response(rejection, 429).with_headers(self.response_headers())
 
     def response_headers(self) -> RawHeaders:
         return [*self.quota_headers, *self.policies.slo_headers(self.request.cls)]
@@ -193,7 +180,7 @@ class ShimPolicies(RequestHooks):
 
     def choose_class(
         self, headers: RawHeaders, class_header: str | None, controller: AdmissionController
-    ) -> tuple[str, str | None] | ErrorResponse:
+    ) -> tuple[str, str | None] | Refusal:
         tenant = self.directory.identify(headers) if self.directory is not None else None
         if tenant is None:
             return controller.parse_class(class_header), None
@@ -211,6 +198,7 @@ class ShimPolicies(RequestHooks):
                     param="x-request-class",
                     code="class_not_allowed",
                     status=403,
+                    reason="invalid_header",
                 )
         return cls, tenant.id
 
@@ -222,8 +210,8 @@ class ShimPolicies(RequestHooks):
             tenant = self.directory.identify_id(request.tenant)
         return _PolicyScope(request, self._prioritised(body, request.cls, parsed), self, tenant, path, parsed)
 
-    def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
-        return with_headers(rejection, self.slo_headers(request.cls))
+    def decorate(self, rejection: Refusal, request: AdmissionRequest) -> Refusal:
+        return rejection.with_headers(self.slo_headers(request.cls))
 
     def admits_without_body(self, request: AdmissionRequest) -> bool:
         # A tenant's quota is priced on the body (its tokens), and charged before queueing.
@@ -249,4 +237,4 @@ class ShimPolicies(RequestHooks):
         return json.dumps({**data, "priority": self.vllm_priority[cls]}, separators=(",", ":")).encode()
 
 
-__all__ = ["HookRefusal", "RequestHooks", "RequestScope", "ShimPolicies", "with_headers"]
+__all__ = ["RequestHooks", "RequestScope", "ShimPolicies"]
