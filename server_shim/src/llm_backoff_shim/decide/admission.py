@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
@@ -392,9 +393,11 @@ class AdmissionController:
         assert ticket.rejection is not None
         return ticket.rejection
 
-    def upstream_unavailable(self, cls: str, detail: str) -> Rejection:
-        """The refusal for a request whose upstream could not be reached (always 503)."""
-        return self._refusals.upstream_unavailable(cls, detail)
+    def upstream_unavailable(self, cls: str, detail: str, retry_after: float | None = None) -> Rejection:
+        """The refusal for a request whose upstream could not be reached (always 503); its hint is
+        ``retry_after`` (the outage's, :mod:`~llm_backoff_shim.decide.outage`), else the shortest."""
+        refusal = self._refusals.upstream_unavailable(cls, detail)
+        return refusal if retry_after is None else replace(refusal, retry_after=retry_after)
 
     def overloaded_upstream(self, cls: str, detail: str) -> Rejection:
         """The refusal for a request the engine itself turned away as overloaded (vLLM's 503)."""

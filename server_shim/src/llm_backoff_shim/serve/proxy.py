@@ -57,7 +57,7 @@ from llm_backoff_shim.serve.headers import Forwarding, RawHeaders
 from llm_backoff_shim.serve.intake import ClientGone, Intake, header, read_body
 from llm_backoff_shim.serve.metrics import ShimMetrics
 from llm_backoff_shim.serve.rejection import Refusal, in_shape, rejection_response
-from llm_backoff_shim.serve.relay import Relay
+from llm_backoff_shim.serve.relay import Relay, UpstreamRefused
 from llm_backoff_shim.serve.request_hooks import RequestHooks
 from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.serve.upstream import UpstreamClient
@@ -130,15 +130,15 @@ class Proxy:
             controller=admission.controller,
             max_body_bytes=max_body_bytes,
         )
+        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
+        self.on_first_byte = on_first_byte
         self.relay = Relay(
             upstream=upstream,
-            controller=admission.controller,
             metrics=metrics,
-            reject_status=reject_status,
             clock=clock,
             # Retry-After of upstream_unavailable: the outage's length so far (outage.py says why).
             outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
-            on_first_byte=on_first_byte,
+            on_first_body_byte=self._first_body_byte,
         )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -207,8 +207,13 @@ class Proxy:
         wire = extensions.get(CLIENT_WIRE) if extensions else None
         if request is None:
             exchange = Exchange(shape=route.shape)
+
+            async def relay() -> None:
+                refused = await self.relay(forward, send, None, exchange, arrival, None, wire)
+                if refused is not None:
+                    await self._upstream_refused(send, refused, None, exchange)
+
             try:
-                relay = lambda: self.relay(forward, send, None, exchange, arrival, None, wire)  # noqa: E731
                 await watch_disconnect(task, receive, relay, gone)
             finally:
                 self._log(record, exchange)
@@ -305,6 +310,34 @@ class Proxy:
         await answer(send, refusal, exchange)
         self._log(record, exchange)
 
+    async def _upstream_refused(
+        self, send: Send, refused: UpstreamRefused, cls: str | None, exchange: Exchange
+    ) -> None:
+        """Answer a request the upstream could not serve with the controller's refusal: the engine
+        at capacity (an admitted request's 503), else the upstream unavailable."""
+        controller = self.controller
+        if refused.overloaded and cls is not None:
+            rejection = controller.overloaded_upstream(cls, refused.detail)
+            exchange.reject(rejection, Outcome.OVERLOADED)
+        else:
+            rejection = controller.upstream_unavailable(
+                cls or controller.default_class, refused.detail, refused.retry_after
+            )
+            exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
+        await answer(send, rejection_response(rejection, self.reject_status), exchange)
+
+    def _first_body_byte(self, grant: Grant) -> None:
+        # The first *body* byte: vLLM sends a stream's headers before its first token, even
+        # while the request waits in the engine, so the header time says nothing about load.
+        if grant.ticket.admitted_at is None:
+            return
+        controller = self.controller
+        seconds = self.clock() - grant.ticket.admitted_at
+        if grant.ticket.request.stream:
+            controller.estimator.observe_first_byte(seconds)
+        if self.on_first_byte is not None:
+            self.on_first_byte(seconds, controller.in_flight())
+
     def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
         if self.access_log is None or not self.access_log.enabled:
             return None
@@ -373,7 +406,9 @@ class Proxy:
             exchange.queue_time = grant.queue_time
             self.metrics.count(cls, "admitted")
             self.metrics.observe_queue_wait(cls, grant.queue_time)
-            await self.relay(forward, send, grant, exchange, arrival, scope, wire)
+            refused = await self.relay(forward, send, grant, exchange, arrival, scope, wire)
+            if refused is not None:
+                await self._upstream_refused(send, refused, cls, exchange)
 
         try:
             await watch_disconnect(task, receive, work, gone)
