@@ -35,7 +35,7 @@ from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConf
 from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
-from llm_backoff_shim.decide.tenants import TenantDirectory, load_tenants_file
+from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
 from llm_backoff_shim.serve.access_log import AccessLog
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
@@ -188,6 +188,8 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         )
     if directory is not None and directory.limited:
         policy.quotas = TenantQuotas(clock=clock, redis_url=settings.redis_url)
+        # First of the gates: a request over its quota is refused whatever the load.
+        controller.gates.insert(0, QuotaGate(controller.estimator.config.retry_after_min))
     if directory is not None or slo is not None or vllm_priority is not None:
         policy.hooks = ShimPolicies(
             controller, directory=directory, quotas=policy.quotas, slo=slo, vllm_priority=vllm_priority

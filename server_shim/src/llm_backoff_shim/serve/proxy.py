@@ -385,13 +385,10 @@ class Proxy:
         scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
 
         async def work() -> None:
-            nonlocal grant, forward
-            refusal = await scope.admit()
-            if refusal is not None:
-                exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
-                exchange.code, exchange.retry_after = refusal.reason, refusal.retry_after
-                await answer(send, refusal, exchange)
-                return
+            nonlocal grant, forward, request
+            quota = await scope.take_quota()
+            if quota is not None:
+                request = replace(request, quota=quota)
             if scope.body is not forward.body:
                 forward = forward._replace(body=scope.body)
             queued_at = self.clock()

@@ -1,15 +1,17 @@
 """The seam between the relay and the per-request policies: classes, quotas, SLO headers, priority.
 
 The proxy asks its :class:`RequestHooks` four things about each generation request:
-which class and tenant it belongs to (before the body is read), whether the tenant's
-quota allows it and what body to forward (before it queues), which headers to add to
-the answer, and how it ended (to correct the token charge). The base class does
+which class and tenant it belongs to (before the body is read), what the tenant's quota
+says of it and what body to forward (before it queues: the quota's verdict goes to the
+admission controller with the request, whose quota gate refuses it), which headers to add
+to the answer, and how it ended (to correct the token charge). The base class does
 nothing, so the relay works without any of it; :class:`ShimPolicies` implements:
 
 - the class from ``x-request-class`` or, when absent, the tenant's default; a class
   the tenant may not use is a 403 (``code: class_not_allowed``), an unknown one a
   400 (:class:`~llm_backoff_shim.decide.requests.UnknownClassError`);
-- the tenant quota (:mod:`llm_backoff_shim.serve.quota`), refusals as 429
+- the tenant quota (:mod:`llm_backoff_shim.serve.quota`), taken before queueing; its
+  refusals (:class:`~llm_backoff_shim.decide.tenants.QuotaGate`) are 429
   ``tenant_rate_limited`` with ``Retry-After`` and the rate-limit headers;
 - vLLM's ``priority`` field set from the class (``--forward-priority``);
 - ``x-slo-state: green|yellow|red`` of the request's class on every answer;
@@ -26,12 +28,11 @@ from typing import Any
 
 from llm_backoff.tokens import estimate_request_tokens, estimate_tokens, usage_tokens
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.requests import AdmissionRequest, QuotaVerdict
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
-from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.quota import Charge, TenantQuotas
-from llm_backoff_shim.serve.rejection import Refusal, client_error, rejection_response
+from llm_backoff_shim.serve.rejection import Refusal, client_error
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -48,8 +49,9 @@ class RequestScope:
         self.request = request
         self.body = body
 
-    async def admit(self) -> Refusal | None:
-        """A refusal before queueing (tenant over quota), or None to go on."""
+    async def take_quota(self) -> QuotaVerdict | None:
+        """What the tenant's quota says of the request, its charge taken when within it; None
+        when it has no quota."""
         return None
 
     def response_headers(self) -> RawHeaders:
@@ -97,10 +99,11 @@ class _PolicyScope(RequestScope):
     path: str
     parsed: dict[str, Any] | None = None
     charge: Charge | None = None
+    store_failed: bool = False
     quota_headers: RawHeaders = field(default_factory=list)
     _tail: bytearray = field(default_factory=bytearray)
 
-    async def admit(self) -> Refusal | None:
+    async def take_quota(self) -> QuotaVerdict | None:
         quotas = self.policies.quotas
         if quotas is None or self.tenant is None:
             return None
@@ -114,32 +117,21 @@ class _PolicyScope(RequestScope):
         try:
             decision = await quotas.take(self.tenant, estimate)
         except Exception as exc:  # redis.RedisError and friends: the store, not the request, failed
-            # A shared quota that cannot be checked is not silently skipped: 503, retry soon.
             log.warning("tenant quota store unavailable: %s: %s", type(exc).__name__, exc)
-            rejection = Rejection(
-                code="upstream_unavailable",
-                message=f"tenant quota store unavailable ({type(exc).__name__})",
-                retry_after=self.policies.controller.estimator.config.retry_after_min,
-                queue_depth=self.policies.controller.queued(self.request.cls),
-                status=503,
-            )
-            return rejection_response(rejection, 503)
+            self.store_failed = True
+            return QuotaVerdict(self.tenant.id, store_error=type(exc).__name__)
         self.quota_headers = decision.headers
         if decision.granted:
             self.charge = decision.charge
-            return None
+            return QuotaVerdict(self.tenant.id)
         log.info("tenant %s over quota; retry in %.2f s", self.tenant.label, decision.retry_after)
-        rejection = Rejection(
-            code="tenant_rate_limited",
-            message=f"rate limit of tenant {self.tenant.id} reached",
-            retry_after=decision.retry_after,
-            queue_depth=self.policies.controller.queued(self.request.cls),
-            type="rate_limit_exceeded",
-            status=429,
-        )
-        return rejection_response(rejection, 429).with_headers(self.response_headers())
+        return QuotaVerdict(self.tenant.id, retry_after=decision.retry_after)
 
     def response_headers(self) -> RawHeaders:
+        if self.store_failed:
+            # The request is refused for the store alone: its answer says nothing of the
+            # quota or of the class's SLO state (reading the state samples its trend).
+            return []
         return [*self.quota_headers, *self.policies.slo_headers(self.request.cls)]
 
     def observe(self, chunk: bytes) -> None:
