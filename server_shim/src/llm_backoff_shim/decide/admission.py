@@ -395,7 +395,8 @@ class AdmissionController:
 
     def upstream_unavailable(self, cls: str, detail: str, retry_after: float | None = None) -> Rejection:
         """The refusal for a request whose upstream could not be reached (always 503); its hint is
-        ``retry_after`` (the outage's, :mod:`~llm_backoff_shim.decide.outage`), else the shortest."""
+        ``retry_after`` (the outage's, :class:`~llm_backoff_shim.decide.retry_after.OutageClock`),
+        else the shortest."""
         refusal = self._refusals.upstream_unavailable(cls, detail)
         return refusal if retry_after is None else replace(refusal, retry_after=retry_after)
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.decide.view import AdmissionView
 
@@ -165,6 +166,6 @@ class SloGate:
 
     def _hint(self, cls: str, excess: float) -> float:
         c = self.tracker.controller
-        queue_hint = c.estimator.retry_after(cls, c.ahead_of(cls), c.limit)
+        queue_hint = retry_after(c.estimator, HintRequest(cls, c.ahead_of(cls), c.limit))
         cfg = c.estimator.config
         return min(cfg.retry_after_max, max(cfg.retry_after_min, queue_hint, excess))

@@ -29,8 +29,8 @@ from dataclasses import replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.outage import OutageClock
 from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
@@ -136,7 +136,7 @@ class Proxy:
             upstream=upstream,
             metrics=metrics,
             clock=clock,
-            # Retry-After of upstream_unavailable: the outage's length so far (outage.py says why).
+            # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
             outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
             on_first_body_byte=self._first_body_byte,
         )

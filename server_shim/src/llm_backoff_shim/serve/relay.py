@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llm_backoff_shim.decide.outage import OutageClock
+from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
