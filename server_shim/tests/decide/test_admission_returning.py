@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.requests import AdmissionRequest, parse_retry_count
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.intake import parse_retry_count
 from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
 

@@ -16,7 +16,7 @@ class bounds apply unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -82,33 +82,3 @@ class AdmissionRequest:
     def returning(self) -> bool:
         """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
         return self.retry >= 1
-
-
-def requested_max_tokens(body: Mapping[str, object]) -> int | None:
-    """The most output tokens a request body asks for (``max_completion_tokens``, else
-    ``max_tokens``), or None when it names no positive whole number. The engine validates
-    the body; this only reads what the admission decision may use."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
-
-
-#: Larger claimed retry counts are read as this: the number only matters as ">= 1".
-MAX_RETRY_COUNT = 1000
-
-
-def parse_retry_count(value: str | None) -> int:
-    """``x-stainless-retry-count`` as a count; absent or malformed is 0 (a fresh arrival).
-
-    The openai SDKs send it (0 on a first attempt, n on the n-th retry) and ``llm_backoff``
-    does too. It is a client library's header, not part of this shim's protocol, so a
-    value it cannot read is not the client's mistake: no 400, the request is simply fresh.
-    """
-    if value is None:
-        return 0
-    text = value.strip()
-    if not text.isascii() or not text.isdigit() or len(text) > 6:
-        return 0
-    return min(int(text), MAX_RETRY_COUNT)

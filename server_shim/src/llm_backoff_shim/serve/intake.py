@@ -31,20 +31,15 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.requests import (
-    AdmissionRequest,
-    UnknownClassError,
-    parse_retry_count,
-    requested_max_tokens,
-)
+from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.auth import ApiKeys, bearer_token, key_id
-from llm_backoff_shim.serve.rejection import Refusal, client_error, operator_route_refused
+from llm_backoff_shim.serve.rejection import Refusal, client_error
 from llm_backoff_shim.serve.request_hooks import RequestHooks
 from llm_backoff_shim.serve.routes import Route, RouteTable
 
@@ -64,6 +59,17 @@ def header(headers: RawHeaders, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+def operator_route_refused(path: str) -> Refusal:
+    """The 403 of an operator route the operator did not allow (routes.py)."""
+    return client_error(
+        f"{path[:200]!r} is an operator route of the engine, not served through this shim; "
+        "its operator may allow it with --allow-operator-route",
+        code="operator_route",
+        status=403,
+        reason="operator_route",
+    )
 
 
 def check_api_key(keys: ApiKeys, headers: RawHeaders) -> Refusal | None:
@@ -212,6 +218,36 @@ def parse_budget_scope(value: str | None) -> bool:
     if scope is None:
         raise ValueError("expected 'start' or 'end'")
     return scope
+
+
+def requested_max_tokens(body: Mapping[str, object]) -> int | None:
+    """The most output tokens a request body asks for (``max_completion_tokens``, else
+    ``max_tokens``), or None when it names no positive whole number. The engine validates
+    the body; this only reads what the admission decision may use."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+#: Larger claimed retry counts are read as this: the number only matters as ">= 1".
+MAX_RETRY_COUNT = 1000
+
+
+def parse_retry_count(value: str | None) -> int:
+    """``x-stainless-retry-count`` as a count; absent or malformed is 0 (a fresh arrival).
+
+    The openai SDKs send it (0 on a first attempt, n on the n-th retry) and ``llm_backoff``
+    does too. It is a client library's header, not part of this shim's protocol, so a
+    value it cannot read is not the client's mistake: no 400, the request is simply fresh.
+    """
+    if value is None:
+        return 0
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 6:
+        return 0
+    return min(int(text), MAX_RETRY_COUNT)
 
 
 def _text_header(headers: RawHeaders, name: bytes) -> str | None:

@@ -38,9 +38,8 @@ from llm_backoff_shim.http.interface import (
     CONNECTION_GONE,
     ClientWire,
     ConnectionGone,
-    wire_answer,
 )
-from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord, request_id
+from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord, request_id_of
 from llm_backoff_shim.serve.auth import ApiKeys
 from llm_backoff_shim.serve.disconnect import watch_disconnect
 from llm_backoff_shim.serve.exchange import (
@@ -54,9 +53,9 @@ from llm_backoff_shim.serve.exchange import (
     answer,
 )
 from llm_backoff_shim.serve.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.intake import ClientGone, Intake, header, read_body
+from llm_backoff_shim.serve.intake import ClientGone, Intake, read_body
 from llm_backoff_shim.serve.metrics import ShimMetrics
-from llm_backoff_shim.serve.rejection import Refusal, in_shape, rejection_response
+from llm_backoff_shim.serve.rejection import Refusal, rejection_response, wire_form
 from llm_backoff_shim.serve.relay import Relay, UpstreamRefused
 from llm_backoff_shim.serve.request_hooks import RequestHooks
 from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
@@ -259,7 +258,9 @@ class Proxy:
         rejection = controller.refuse_at_once(request)
         if rejection is None:
             return None
-        response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
+        response = rejection_response(rejection, self.reject_status).with_headers(
+            self.hooks.rejection_headers(request)
+        )
         status, answer = self._head_answer(response, head.route.shape)
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         access_log = self.access_log
@@ -284,21 +285,19 @@ class Proxy:
                     None,  # upstream_end
                     rejection.retry_after,
                     rejection.message,  # detail
-                    request_id(header(headers, b"x-request-id")),
+                    request_id_of(headers),
                     _peer(scope),  # client
                 )
             )
         return answer
 
     def _head_answer(self, response: Refusal, shape: Shape) -> tuple[int, bytes]:
-        """The status and bytes of ``response`` in the route's error shape, remembered by value:
-        refusals from the head repeat (the same few hints, codes and headers)."""
+        """:func:`wire_form` of ``response``, remembered by value: refusals from the head repeat
+        (the same few hints, codes and headers)."""
         key = (shape, response.status, response.body, *response.headers)
         known = self._head_answers.get(key)
         if known is None:
-            if shape is not Shape.OPENAI:
-                response = in_shape(response, shape)
-            known = response.status, wire_answer(response.status, response.headers, response.body)
+            known = wire_form(response, shape)
             if len(self._head_answers) >= _HEAD_ANSWERS_MAX:
                 self._head_answers.clear()
             self._head_answers[key] = known
@@ -345,7 +344,7 @@ class Proxy:
             method=method,
             path=path,
             arrival=arrival,
-            request_id=request_id(header(scope["headers"], b"x-request-id")),
+            request_id=request_id_of(scope["headers"]),
             client=_peer(scope),
         )
 

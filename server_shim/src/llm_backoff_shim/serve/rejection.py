@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.tickets import Rejection
+from llm_backoff_shim.http.interface import wire_answer
 from llm_backoff_shim.serve.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]
@@ -148,17 +149,6 @@ def client_error(
     return _json(status, body, [], reason)
 
 
-def operator_route_refused(path: str) -> Refusal:
-    """The 403 of an operator route the operator did not allow (routes.py)."""
-    return client_error(
-        f"{path[:200]!r} is an operator route of the engine, not served through this shim; "
-        "its operator may allow it with --allow-operator-route",
-        code="operator_route",
-        status=403,
-        reason="operator_route",
-    )
-
-
 #: Anthropic's status for "overloaded": its SDKs retry it and raise ``OverloadedError``.
 ANTHROPIC_OVERLOADED = 529
 
@@ -198,6 +188,14 @@ def in_shape(response: Refusal, shape: Shape) -> Refusal:
     headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
     shaped = _json(status, {"type": "error", "error": detail}, headers, response.reason)
     return replace(shaped, retry_after=response.retry_after, shape=shape)
+
+
+def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:
+    """``response`` as written on a route of ``shape``: its status, and the whole response
+    (status line, headers, body) in bytes, for a serving path that writes it itself."""
+    if shape is not Shape.OPENAI:
+        response = in_shape(response, shape)
+    return response.status, wire_answer(response.status, response.headers, response.body)
 
 
 def server_error(message: str, *, code: str, status: int = 502) -> Refusal:

@@ -80,9 +80,9 @@ class RequestHooks:
         """The request's hooks; ``parsed`` is ``body`` as the proxy already parsed it (a JSON object)."""
         return RequestScope(request, body)
 
-    def decorate(self, rejection: Refusal, request: AdmissionRequest) -> Refusal:
+    def rejection_headers(self, request: AdmissionRequest) -> RawHeaders:
         """Headers for an admission rejection of ``request`` (e.g. the SLO state)."""
-        return rejection
+        return []
 
     def admits_without_body(self, request: AdmissionRequest) -> bool:
         """Whether nothing the hooks do before ``request`` queues reads its body (so an
@@ -202,8 +202,8 @@ class ShimPolicies(RequestHooks):
             tenant = self.directory.identify_id(request.tenant)
         return _PolicyScope(request, self._prioritised(body, request.cls, parsed), self, tenant, path, parsed)
 
-    def decorate(self, rejection: Refusal, request: AdmissionRequest) -> Refusal:
-        return rejection.with_headers(self.slo_headers(request.cls))
+    def rejection_headers(self, request: AdmissionRequest) -> RawHeaders:
+        return self.slo_headers(request.cls)
 
     def admits_without_body(self, request: AdmissionRequest) -> bool:
         # A tenant's quota is priced on the body (its tokens), and charged before queueing.
