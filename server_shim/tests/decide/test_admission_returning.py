@@ -19,8 +19,8 @@ from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.intake import parse_retry_count
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
+from llm_backoff_shim.serve.request_path.intake import parse_retry_count
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
 
 

@@ -20,8 +20,8 @@ from llm_backoff_shim.decide.classes import ClassShares, SharedSlots, share_slot
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.serve.serving import ServerThread
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
 

@@ -28,9 +28,9 @@ from llm_backoff_shim.serve.app import create_app, shim_state
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.config_sources import load_settings
 from llm_backoff_shim.serve.config_values import ConfigError
-from llm_backoff_shim.serve.quota import TenantQuotas, quota_headers, reset_duration, specs_for
-from llm_backoff_shim.serve.rejection import Refusal
-from llm_backoff_shim.serve.request_hooks import ShimPolicies
+from llm_backoff_shim.serve.policy.quota import TenantQuotas, quota_headers, reset_duration, specs_for
+from llm_backoff_shim.serve.policy.request_hooks import ShimPolicies
+from llm_backoff_shim.serve.request_path.rejection import Refusal
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock

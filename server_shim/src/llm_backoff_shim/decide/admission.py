@@ -4,7 +4,7 @@
 gates and schedulers read, a third of it; every part that stands alone has its own module, below.)
 
 Pure and synchronous: no asyncio, no sockets; time comes from an injected clock.
-The asyncio edge (:mod:`llm_backoff_shim.serve.waiting`) turns the tickets this controller
+The asyncio edge (:mod:`llm_backoff_shim.serve.request_path.waiting`) turns the tickets this controller
 hands out into awaitables and calls back on completion, disconnect and timeout.
 
 :class:`AdmissionController` is a thin shell around small collaborators, each with its module:

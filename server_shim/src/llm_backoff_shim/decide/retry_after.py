@@ -6,7 +6,7 @@ Every hint the controller gives from the queue is computed here from the drain e
 :class:`HintRequest`; :func:`retry_after` answers it. :class:`RefusalHints` asks it for a
 caller the admission controller refuses, from that caller's place and budget. The hint of
 an unreachable upstream is :class:`OutageClock`'s (below); a tenant over quota is told when
-its buckets refill (:mod:`llm_backoff_shim.serve.quota`, where the buckets are).
+its buckets refill (:mod:`llm_backoff_shim.serve.policy.quota`, where the buckets are).
 
 The hint is the first free place on the one timeline at or after the wait a retry would have
 (behind what is queued now in its class and above), aimed so that a client adding jitter

@@ -10,7 +10,7 @@ nothing, so the relay works without any of it; :class:`ShimPolicies` implements:
 - the class from ``x-request-class`` or, when absent, the tenant's default; a class
   the tenant may not use is a 403 (``code: class_not_allowed``), an unknown one a
   400 (:class:`~llm_backoff_shim.decide.requests.UnknownClassError`);
-- the tenant quota (:mod:`llm_backoff_shim.serve.quota`), taken before queueing; its
+- the tenant quota (:mod:`llm_backoff_shim.serve.policy.quota`), taken before queueing; its
   refusals (:class:`~llm_backoff_shim.decide.tenants.QuotaGate`) are 429
   ``tenant_rate_limited`` with ``Retry-After`` and the rate-limit headers;
 - vLLM's ``priority`` field set from the class (``--forward-priority``);
@@ -31,8 +31,8 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest, QuotaVerdict
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
-from llm_backoff_shim.serve.quota import Charge, TenantQuotas
-from llm_backoff_shim.serve.rejection import Refusal, client_error
+from llm_backoff_shim.serve.policy.quota import Charge, TenantQuotas
+from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
 
 RawHeaders = list[tuple[bytes, bytes]]
 

@@ -7,7 +7,7 @@ read (a JSON object, and what it asks for: a stream, ``max_tokens``). The proxy'
 and its refusal from the head (``Proxy.refuse_from_head``) both start from :meth:`Intake.head`,
 so they cannot disagree on what passes.
 
-Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.rejection.Refusal`: an
+Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.request_path.rejection.Refusal`: an
 OpenAI-format error answer with the ``reason`` under which it is counted
 (``llm_backoff_shim_bad_requests_total``).
 Choices, where the protocol leaves room:
@@ -39,8 +39,8 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.auth import ApiKeys, bearer_token, key_id
-from llm_backoff_shim.serve.rejection import Refusal, client_error
-from llm_backoff_shim.serve.request_hooks import RequestHooks
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
 from llm_backoff_shim.serve.routes import Route, RouteTable
 
 Message = MutableMapping[str, Any]

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.interface import BODY_FOLLOWS
-from llm_backoff_shim.serve.headers import RawHeaders
-from llm_backoff_shim.serve.rejection import Refusal, in_shape
+from llm_backoff_shim.serve.request_path.headers import RawHeaders
+from llm_backoff_shim.serve.request_path.rejection import Refusal, in_shape
 from llm_backoff_shim.serve.routes import Shape
 
 Scope = MutableMapping[str, Any]

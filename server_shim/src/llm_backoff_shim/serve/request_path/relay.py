@@ -2,7 +2,7 @@
 
 Status, headers and body go to the client chunk by chunk as the upstream sends them (a
 chunked answer straight onto the client's wire where the serving path offers it). What
-the relay learns goes into the request's :class:`~llm_backoff_shim.serve.exchange.Exchange`.
+the relay learns goes into the request's :class:`~llm_backoff_shim.serve.request_path.exchange.Exchange`.
 The relay never asks the admission controller: where the upstream could not serve the
 request it returns an :class:`UpstreamRefused`, and the proxy answers it with the
 controller's refusal:
@@ -36,13 +36,21 @@ from llm_backoff_shim.http.interface import (
     UpstreamResponse,
     UpstreamTimeoutError,
 )
-from llm_backoff_shim.serve.exchange import VIA, Clock, Exchange, ForwardRequest, Send, answer, classify
-from llm_backoff_shim.serve.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.metrics import ShimMetrics
-from llm_backoff_shim.serve.rejection import server_error
-from llm_backoff_shim.serve.request_hooks import RequestScope
-from llm_backoff_shim.serve.upstream import UpstreamClient
-from llm_backoff_shim.serve.waiting import Grant
+from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+from llm_backoff_shim.serve.policy.request_hooks import RequestScope
+from llm_backoff_shim.serve.request_path.exchange import (
+    VIA,
+    Clock,
+    Exchange,
+    ForwardRequest,
+    Send,
+    answer,
+    classify,
+)
+from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
+from llm_backoff_shim.serve.request_path.rejection import server_error
+from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
+from llm_backoff_shim.serve.request_path.waiting import Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 

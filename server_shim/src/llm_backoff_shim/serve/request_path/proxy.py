@@ -39,10 +39,12 @@ from llm_backoff_shim.http.interface import (
     ClientWire,
     ConnectionGone,
 )
-from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord, request_id_of
 from llm_backoff_shim.serve.auth import ApiKeys
-from llm_backoff_shim.serve.disconnect import watch_disconnect
-from llm_backoff_shim.serve.exchange import (
+from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
+from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
+from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
     Clock,
     Exchange,
@@ -52,15 +54,13 @@ from llm_backoff_shim.serve.exchange import (
     Send,
     answer,
 )
-from llm_backoff_shim.serve.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.intake import ClientGone, Intake, read_body
-from llm_backoff_shim.serve.metrics import ShimMetrics
-from llm_backoff_shim.serve.rejection import Refusal, rejection_response, wire_form
-from llm_backoff_shim.serve.relay import Relay, UpstreamRefused
-from llm_backoff_shim.serve.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
+from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake, read_body
+from llm_backoff_shim.serve.request_path.rejection import Refusal, rejection_response, wire_form
+from llm_backoff_shim.serve.request_path.relay import Relay, UpstreamRefused
+from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
-from llm_backoff_shim.serve.upstream import UpstreamClient
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
