@@ -279,12 +279,15 @@ class Intake:
         hooks: RequestHooks,
         controller: AdmissionController,
         max_body_bytes: int,
+        body_timeout: float | None = None,
     ) -> None:
         self.routes = routes
         self.api_keys = api_keys
         self.hooks = hooks
         self.controller = controller
         self.max_body_bytes = max_body_bytes
+        # One shared timer for every request's body timeout (coarse_timers says why).
+        self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
 
     def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal:
         """The checks on the request's head, in order: path, operator route, API key, then for a
@@ -318,6 +321,12 @@ class Intake:
         if refusal is not None:
             return replace(refusal, shape=shape)
         return Head(route, headers, request)
+
+    async def read(self, head: Head, receive: Receive, task: asyncio.Task[Any] | None) -> bytes | Refusal:
+        """The request's body read whole within the size and time limits, or the refusal (in the
+        route's shape) of one too large or too slow. Raises :class:`ClientGone`."""
+        body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timers, task=task)
+        return replace(body, shape=head.route.shape) if isinstance(body, Refusal) else body
 
     @staticmethod
     def body(head: Head, body: bytes) -> tuple[AdmissionRequest | None, dict[str, Any] | None] | Refusal:

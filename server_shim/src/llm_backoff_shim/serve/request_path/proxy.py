@@ -55,7 +55,7 @@ from llm_backoff_shim.serve.request_path.exchange import (
     answer,
 )
 from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake, read_body
+from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake
 from llm_backoff_shim.serve.request_path.rejection import Refusal, rejection_response, wire_form
 from llm_backoff_shim.serve.request_path.relay import Relay, UpstreamRefused
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
@@ -113,9 +113,6 @@ class Proxy:
         # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
-        self.max_body_bytes = max_body_bytes
-        # One shared timer for every request's body timeout (coarse_timers says why).
-        self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
         self.upstream = upstream
         self.admission = admission
         self.metrics = metrics
@@ -128,6 +125,7 @@ class Proxy:
             hooks=self.hooks,
             controller=admission.controller,
             max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
         )
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
         self.on_first_byte = on_first_byte
@@ -162,6 +160,12 @@ class Proxy:
     def controller(self) -> AdmissionController:
         return self.admission.controller
 
+    @property
+    def body_timers(self) -> CoarseTimers | None:
+        """The intake's one timer for every request's body (the serving path arms it too, for a
+        body it reads past after a refusal from the head)."""
+        return self.intake.body_timers
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
@@ -175,7 +179,7 @@ class Proxy:
             return
         task = self._current_task()
         try:
-            body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timers, task=task)
+            body = await self.intake.read(head, receive, task)
         except ClientGone:
             if head.request is not None:
                 # Counted, so that every generation request the shim saw has an outcome.
@@ -185,7 +189,7 @@ class Proxy:
         if record is not None:
             record.body_done = self.clock()
         if isinstance(body, Refusal):
-            await self._refuse(send, replace(body, shape=head.route.shape), record)
+            await self._refuse(send, body, record)
             return
         checked = self.intake.body(head, body)
         if isinstance(checked, Refusal):
