@@ -52,11 +52,10 @@ from llm_backoff_shim.serve.request_path.exchange import (
     Receive,
     Scope,
     Send,
-    answer,
 )
 from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
 from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake
-from llm_backoff_shim.serve.request_path.rejection import Refusal, rejection_response, wire_form
+from llm_backoff_shim.serve.request_path.rejection import Refusal, answer, rejection_response, wire_form
 from llm_backoff_shim.serve.request_path.relay import Relay, UpstreamRefused
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant

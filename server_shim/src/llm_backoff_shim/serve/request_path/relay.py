@@ -44,11 +44,10 @@ from llm_backoff_shim.serve.request_path.exchange import (
     Exchange,
     ForwardRequest,
     Send,
-    answer,
     classify,
 )
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.request_path.rejection import server_error
+from llm_backoff_shim.serve.request_path.rejection import answer, server_error
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import Grant
 
