@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from uvicorn.logging import AccessFormatter
 
-from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord
+from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord
 
 
 def isolated_logger(name: str, formatter: logging.Formatter) -> logging.Logger:

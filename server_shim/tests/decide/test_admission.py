@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
-from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
-from llm_backoff_shim.decide.tickets import GateRefusal, Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, QuotaVerdict, UnknownClassError
+from llm_backoff_shim.decide.tenants import QuotaGate
+from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.decide.view import AdmissionView
 from llm_backoff_shim.testing import ManualClock
 
@@ -240,10 +241,10 @@ class Refuse:
         self.when = when_in_flight
         self.seen: list[AdmissionRequest] = []
 
-    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None:
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> Rejection | None:
         self.seen.append(request)
         if view.in_flight() >= self.when:
-            return GateRefusal(code="slo_shed", message="shed", retry_after=7.0, status=503)
+            return Rejection(code="slo_shed", message="shed", retry_after=7.0, status=503)
         return None
 
 
@@ -265,6 +266,26 @@ class HoldForInteractive:
         if "interactive" in waiting:
             return "interactive"
         return "batch" if view.in_flight() < view.limit - 1 else None
+
+
+def test_the_quota_gate_refuses_what_the_tenant_quota_said_no_to(make: MakeController) -> None:
+    c, _ = make(limit=1)
+    c.gates.insert(0, QuotaGate(retry_after_min=0.1))
+    ticket(c.submit(AdmissionRequest("interactive", quota=QuotaVerdict("t1"))))
+    ticket(c.submit(req()))  # queued: the over-quota refusals below report it
+    over = rejection(c.submit(AdmissionRequest("interactive", quota=QuotaVerdict("t1", retry_after=4.0))))
+    assert (over.code, over.type, over.status, over.retry_after) == (
+        "tenant_rate_limited",
+        "rate_limit_exceeded",
+        429,
+        4.0,
+    )
+    assert over.message == "rate limit of tenant t1 reached"
+    assert over.queue_depth == 1
+    store = rejection(c.submit(AdmissionRequest("interactive", quota=QuotaVerdict("t1", store_error="Boom"))))
+    assert (store.code, store.status, store.retry_after) == ("upstream_unavailable", 503, 0.1)
+    assert "quota store unavailable (Boom)" in store.message
+    assert (c.in_flight(), c.queued()) == (1, 1)
 
 
 def test_a_scheduler_may_hold_a_slot_back(make_controller: MakeController) -> None:

@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.requests import AdmissionRequest, parse_retry_count
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
+from llm_backoff_shim.serve.request_path.intake import parse_retry_count
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
 
 
@@ -81,7 +83,7 @@ def measure(c: AdmissionController, clock: ManualClock, service: float) -> None:
 
 def promise(c: AdmissionController, cls: str = "interactive") -> float:
     """Turn a caller away as the controller would: it is told (and promised) a hint."""
-    return c.estimator.retry_after(cls, c.ahead_of(cls), c.limit)
+    return retry_after(c.estimator, HintRequest(cls, c.ahead_of(cls), c.limit))
 
 
 def ticket(decision: Ticket | Rejection) -> Ticket:
@@ -309,22 +311,23 @@ def test_promises_fall_due_and_stop_counting(make: MakeController) -> None:
 def test_a_hint_beyond_the_callers_budget_is_not_remembered() -> None:
     clock = ManualClock(100.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
-    assert est.retry_after("interactive", 4, 1, keep_within=2.0) == pytest.approx(5.0)
+    assert retry_after(est, HintRequest("interactive", 4, 1, keep_within=2.0)) == pytest.approx(5.0)
     assert est.promises.outstanding("interactive") == 0  # that caller cannot come back in time
-    assert est.retry_after("interactive", 4, 1) == pytest.approx(5.0)  # so the next hears the same slot
+    # so the next hears the same slot
+    assert retry_after(est, HintRequest("interactive", 4, 1)) == pytest.approx(5.0)
     assert est.promises.outstanding("interactive") == 1
-    assert est.retry_after("interactive", 4, 1, keep_within=10.0) == pytest.approx(6.0)
+    assert retry_after(est, HintRequest("interactive", 4, 1, keep_within=10.0)) == pytest.approx(6.0)
 
 
 def test_higher_class_promises_delay_a_lower_class_hint() -> None:
     clock = ManualClock(100.0)
     est = DrainEstimator(EstimatorConfig(retry_after_min=1.0, retry_after_max=30.0, return_jitter=0.0), clock)
     for _ in range(3):
-        est.retry_after("interactive", 0, 1)  # interactive returns promised at 1, 2, 3 s
+        retry_after(est, HintRequest("interactive", 0, 1))  # interactive returns promised at 1, 2, 3 s
     # One timeline for all classes: the batch caller's slot comes after those promises.
-    assert est.retry_after("batch", 0, 1) == pytest.approx(4.0)
+    assert retry_after(est, HintRequest("batch", 0, 1)) == pytest.approx(4.0)
     assert est.expected_wait(0, 1, 0, promised_by=("interactive",)) == pytest.approx(4.0)
-    assert est.retry_after("batch", 0, 1, promised_by=("interactive",)) == pytest.approx(5.0)
+    assert retry_after(est, HintRequest("batch", 0, 1, promised_by=("interactive",))) == pytest.approx(5.0)
 
 
 # -- a queued request keeps its promise; the recheck is the safety net ----------------------------

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots, share_slots
 from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.serve.serving import ServerThread
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
 
@@ -332,7 +333,7 @@ def served_in_a_second(c: AdmissionController, clock: ManualClock, cls: str) -> 
 
 def promise_interactive(c: AdmissionController, in_seconds: float) -> None:
     """Tell an interactive caller to come back in ``in_seconds`` (a promise on the timeline)."""
-    c.estimator.retry_after("interactive", ahead=0, slots=c.limit, wait=in_seconds)
+    retry_after(c.estimator, HintRequest("interactive", ahead=0, slots=c.limit, wait=in_seconds))
 
 
 def test_a_reservation_is_lent_while_its_class_only_has_returns_not_yet_due(make: Make) -> None:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.testing import ManualClock
 
 
@@ -53,7 +54,7 @@ def test_capacity_rate_beats_completion_rate_after_light_traffic() -> None:
         est.observe_completion("interactive", 1.0)
     assert est.completion_rate("interactive") < 0.2
     assert est.capacity_rate(8) == pytest.approx(8.0)
-    hint = est.retry_after("interactive", ahead=7, slots=8)
+    hint = retry_after(est, HintRequest("interactive", ahead=7, slots=8))
     assert hint == pytest.approx(1.0)  # (7 + 1) / 8 per second, not 8 / 0.1
 
 
@@ -73,7 +74,7 @@ def test_retry_after_grows_with_queue_depth() -> None:
     hints = []
     for ahead in range(0, 40, 4):
         est, _ = make(initial_service_time=1.0)
-        hints.append(est.retry_after("interactive", ahead=ahead, slots=2))
+        hints.append(retry_after(est, HintRequest("interactive", ahead=ahead, slots=2)))
     assert hints == sorted(hints)
     assert len(set(hints)) == len(hints)
     assert hints[0] == pytest.approx(0.5)
@@ -82,7 +83,7 @@ def test_retry_after_grows_with_queue_depth() -> None:
 
 def test_burst_rejections_get_successive_slots() -> None:
     est, _ = make(initial_service_time=1.0)
-    hints = [est.retry_after("interactive", ahead=3, slots=4) for _ in range(5)]
+    hints = [retry_after(est, HintRequest("interactive", ahead=3, slots=4)) for _ in range(5)]
     # rate 4/s: the k-th caller is told (ahead + k) / rate.
     assert hints == pytest.approx([(3 + k) / 4 for k in range(1, 6)])
 
@@ -92,26 +93,26 @@ def test_fast_drain_bursts_are_spread_above_the_minimum() -> None:
     # everyone "0.5 s" would bring them back in one wave; instead they get 25 ms apart.
     est, _ = make(retry_after_min=0.5)
     est.observe_completion("interactive", 0.1)
-    hints = [est.retry_after("interactive", ahead=0, slots=4) for _ in range(4)]
+    hints = [retry_after(est, HintRequest("interactive", ahead=0, slots=4)) for _ in range(4)]
     assert hints == pytest.approx([0.5, 0.525, 0.55, 0.575])
 
 
 def test_burst_ends_when_time_passes_the_last_promise() -> None:
     est, clock = make(initial_service_time=1.0)
-    first = [est.retry_after("interactive", ahead=0, slots=1) for _ in range(3)]
+    first = [retry_after(est, HintRequest("interactive", ahead=0, slots=1)) for _ in range(3)]
     assert first == pytest.approx([1.0, 2.0, 3.0])
     clock.advance(10.0)
-    assert est.retry_after("interactive", ahead=0, slots=1) == pytest.approx(1.0)
+    assert retry_after(est, HintRequest("interactive", ahead=0, slots=1)) == pytest.approx(1.0)
 
 
 def test_all_classes_share_one_promise_timeline() -> None:
     # Each promise claims one slot freeing of the one engine: callers of two classes
     # refused together are spread over one timeline, not promised twice the drain rate.
     est, _ = make(initial_service_time=1.0)
-    est.retry_after("interactive", ahead=0, slots=1)
-    est.retry_after("interactive", ahead=0, slots=1)
-    assert est.retry_after("batch", ahead=0, slots=1) == pytest.approx(3.0)
-    assert est.retry_after("interactive", ahead=0, slots=1) == pytest.approx(4.0)
+    retry_after(est, HintRequest("interactive", ahead=0, slots=1))
+    retry_after(est, HintRequest("interactive", ahead=0, slots=1))
+    assert retry_after(est, HintRequest("batch", ahead=0, slots=1)) == pytest.approx(3.0)
+    assert retry_after(est, HintRequest("interactive", ahead=0, slots=1)) == pytest.approx(4.0)
     # The promises are still remembered per class (a returning caller counts those of
     # higher classes only).
     assert est.promises.outstanding("interactive") == 3
@@ -120,33 +121,33 @@ def test_all_classes_share_one_promise_timeline() -> None:
 
 def test_hints_are_clamped_and_promises_beyond_the_clamp_are_dropped() -> None:
     est, clock = make(retry_after_min=1.0, retry_after_max=5.0, initial_service_time=1.0)
-    assert est.retry_after("interactive", ahead=100, slots=1) == 5.0
+    assert retry_after(est, HintRequest("interactive", ahead=100, slots=1)) == 5.0
     assert est.promises.outstanding("interactive") == 1  # kept, at the cap
     # Nobody ahead: the slots before the capped promise are free on the timeline.
-    assert est.retry_after("interactive", ahead=0, slots=10) == 1.0
+    assert retry_after(est, HintRequest("interactive", ahead=0, slots=10)) == 1.0
     clock.advance(5.0)
     # The capped promise expired with the clamp; a new burst starts from the queue alone.
-    assert est.retry_after("interactive", ahead=0, slots=10) == 1.0
+    assert retry_after(est, HintRequest("interactive", ahead=0, slots=10)) == 1.0
 
 
 def test_a_place_taken_far_ahead_leaves_the_slots_before_it_to_others() -> None:
     est, _ = make(retry_after_min=1.0, retry_after_max=30.0, initial_service_time=1.0)
     # One slot per second. A batch caller is kept out of the next 10 s ...
-    assert est.retry_after("batch", ahead=0, slots=1, not_before=10.0) == 10.0
+    assert retry_after(est, HintRequest("batch", ahead=0, slots=1, not_before=10.0)) == 10.0
     # ... and callers turned away after it take the slots before it, one step apart,
-    assert [est.retry_after("interactive", ahead=0, slots=1) for _ in range(9)] == [
+    assert [retry_after(est, HintRequest("interactive", ahead=0, slots=1)) for _ in range(9)] == [
         float(k) for k in range(1, 10)
     ]
     # then step over it.
-    assert est.retry_after("interactive", ahead=0, slots=1) == 11.0
+    assert retry_after(est, HintRequest("interactive", ahead=0, slots=1)) == 11.0
 
 
 def test_a_promise_filling_a_gap_is_remembered_in_order() -> None:
     est, clock = make(retry_after_min=1.0, retry_after_max=30.0, initial_service_time=1.0)
-    assert est.retry_after("batch", ahead=0, slots=1, not_before=10.0) == 10.0
+    assert retry_after(est, HintRequest("batch", ahead=0, slots=1, not_before=10.0)) == 10.0
     # A batch caller refused after it fills the gap before it: a promise of the same class
     # earlier than the last one, which must count as much as any (it keeps a slot).
-    assert est.retry_after("batch", ahead=0, slots=1) == 1.0
+    assert retry_after(est, HintRequest("batch", ahead=0, slots=1)) == 1.0
     assert est.promises.outstanding("batch") == 2
     assert est.promises.promised_within(("batch",), clock(), clock() + 2.0) == 1
     est.promises.redeem("batch")  # the caller due first is back
@@ -186,7 +187,7 @@ def test_expected_wait_from_when_the_requests_in_flight_were_admitted() -> None:
 def test_refusals_past_a_full_timeline_keep_no_place() -> None:
     # A storm of refusals at one instant: 8 slots of 2 s drain 4/s, so 30 s hold 120 places.
     est, _ = make(initial_service_time=2.0, retry_after_max=30.0)
-    hints = [est.retry_after("interactive", ahead=0, slots=8) for _ in range(2000)]
+    hints = [retry_after(est, HintRequest("interactive", ahead=0, slots=8)) for _ in range(2000)]
     assert hints[-1] == 30.0
     # Places are a step (0.25 s) apart up to the clamp and no further: the timeline, which
     # every refusal scans, stays bounded however long the storm (it held one place per
@@ -199,7 +200,7 @@ def test_instant_upstream_does_not_divide_by_zero() -> None:
     est, _ = make()
     est.observe_completion("interactive", 0.0)
     assert est.capacity_rate(4) == pytest.approx(4000.0)
-    assert est.retry_after("interactive", ahead=10, slots=4) == 0.5
+    assert retry_after(est, HintRequest("interactive", ahead=10, slots=4)) == 0.5
 
 
 @pytest.mark.parametrize(
@@ -231,7 +232,7 @@ def test_hints_always_inside_the_clamp_and_never_decrease_in_a_burst(
 ) -> None:
     est, _ = make(retry_after_min=1.0, retry_after_max=30.0)
     est.observe_completion("interactive", service)
-    hints = [est.retry_after("interactive", ahead=ahead, slots=slots) for _ in range(burst)]
+    hints = [retry_after(est, HintRequest("interactive", ahead=ahead, slots=slots)) for _ in range(burst)]
     assert all(1.0 <= h <= 30.0 for h in hints)
     assert hints == sorted(hints)
 
@@ -281,13 +282,15 @@ def test_a_hint_the_caller_may_come_back_too_late_for_is_not_a_promise() -> None
     est, _ = make(retry_after_min=1.0, initial_service_time=1.0, return_jitter=0.2)
     assert est.latest_return(5.0) == pytest.approx(6.0)
     slot = 6.0  # ahead=4 at 1 s each, and one promise already made at 5 s
-    est.retry_after("interactive", ahead=4, slots=1)
+    retry_after(est, HintRequest("interactive", ahead=4, slots=1))
     told = slot / 1.1
-    too_late = est.retry_after("interactive", ahead=4, slots=1, keep_within=told * 1.2 - 0.01, aimed=True)
+    too_late = retry_after(
+        est, HintRequest("interactive", ahead=4, slots=1, keep_within=told * 1.2 - 0.01, aimed=True)
+    )
     assert too_late == pytest.approx(told)
     assert est.promises.outstanding("interactive") == 1
-    assert est.retry_after(
-        "interactive", ahead=4, slots=1, keep_within=told * 1.2, aimed=True
+    assert retry_after(
+        est, HintRequest("interactive", ahead=4, slots=1, keep_within=told * 1.2, aimed=True)
     ) == pytest.approx(told)
     assert est.promises.outstanding("interactive") == 2
 
@@ -296,20 +299,21 @@ def test_hints_are_aimed_so_that_callers_come_back_at_their_slot_on_average() ->
     # A client adds uniform(0, 20 %) of the hint: told slot / 1.1, it is back at the slot on
     # average. The promise (what fresh arrivals count) stays at the slot itself.
     est, clock = make(retry_after_min=0.5, initial_service_time=1.0, return_jitter=0.2)
-    hints = [est.retry_after("interactive", ahead=3, slots=4, aimed=True) for _ in range(3)]
+    hints = [retry_after(est, HintRequest("interactive", ahead=3, slots=4, aimed=True)) for _ in range(3)]
     assert hints == pytest.approx([(3 + k) / 4 / 1.1 for k in range(1, 4)])
     # Not aimed (the SLO gate's hints, for one): the slot's delay itself.
-    assert est.retry_after("interactive", ahead=3, slots=4) == pytest.approx(7 / 4)
+    assert retry_after(est, HintRequest("interactive", ahead=3, slots=4)) == pytest.approx(7 / 4)
     assert est.promises.promised_within(("interactive",), clock.now, clock.now + 1.0) == 1
     assert est.promises.promised_within(("interactive",), clock.now, clock.now + 1.5) == 3
     # Never below the minimum: the aim only shortens what lies above it.
     est2, _ = make(retry_after_min=1.0, initial_service_time=0.01, return_jitter=0.2)
-    assert est2.retry_after("interactive", ahead=0, slots=1, aimed=True) == pytest.approx(1.0)
+    assert retry_after(est2, HintRequest("interactive", ahead=0, slots=1, aimed=True)) == pytest.approx(1.0)
 
 
 def test_return_jitter_zero_judges_the_hint_itself() -> None:
     est, _ = make(retry_after_min=1.0, initial_service_time=1.0, return_jitter=0.0)
-    assert est.retry_after("interactive", ahead=4, slots=1, keep_within=5.0) == pytest.approx(5.0)
+    hint = retry_after(est, HintRequest("interactive", ahead=4, slots=1, keep_within=5.0))
+    assert hint == pytest.approx(5.0)
     assert est.promises.outstanding("interactive") == 1
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_backoff_shim.decide.outage import OutageClock
+from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.testing import ManualClock
 
 

@@ -50,7 +50,7 @@ def test_the_shim_and_its_public_path_import_no_uvicorn_protocol_module() -> Non
     """Only the fast path (built after the check) loads uvicorn's protocol modules."""
     code = (
         "import sys\n"
-        "import llm_backoff_shim.serve.command, llm_backoff_shim.serve.proxy\n"
+        "import llm_backoff_shim.serve.command, llm_backoff_shim.serve.request_path.proxy\n"
         "import llm_backoff_shim.http.public_app\n"
         "print(sorted(m for m in sys.modules if m.startswith('uvicorn.protocols')))"
     )

@@ -20,8 +20,8 @@ import pytest
 
 from llm_backoff_shim.decide.tenants import key_hash
 from llm_backoff_shim.lab.procs import ChildServer, cli_command
-from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord, json_records, request_id
 from llm_backoff_shim.serve.log_setup import LOGGER_NAME, JsonFormatter
+from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, json_records, request_id
 
 SECRET = "sk-very-secret-key-123"
 PROMPT = "PROMPT-MARKER-tell-me-a-secret"

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
-from llm_backoff_shim.serve.rejection import client_error, in_shape, rejection_response
+from llm_backoff_shim.serve.request_path.rejection import client_error, in_shape, rejection_response
 from llm_backoff_shim.serve.routes import Shape
 from llm_backoff_shim.serve.serving import ServerThread, free_socket
 from llm_backoff_shim.sim.runtime import SimRuntime

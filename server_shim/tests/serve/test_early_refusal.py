@@ -10,8 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.serve.intake import parse_json_object
-from llm_backoff_shim.serve.proxy import asks_for_stream
+from llm_backoff_shim.serve.request_path.intake import asks_for_stream, parse_json_object
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

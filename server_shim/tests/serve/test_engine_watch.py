@@ -14,7 +14,7 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Outcome, Ticket, TicketState
-from llm_backoff_shim.serve.engine_watch import (
+from llm_backoff_shim.serve.policy.engine_watch import (
     EngineSample,
     SaturationConfig,
     SaturationDetector,

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llm_backoff_shim.serve.event_counts import EventCounts, LabelledCounter, LabelledHistogram
+from llm_backoff_shim.serve.observe.event_counts import EventCounts, LabelledCounter, LabelledHistogram
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from llm_backoff_shim.serve.proxy import is_allowed_path
+from llm_backoff_shim.serve.request_path.proxy import is_allowed_path
 
 HOLD = {"x-fake-hold": "1"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from llm_backoff_shim.decide.requests import AdmissionRequest
-from llm_backoff_shim.serve.request_hooks import RequestHooks, ShimPolicies
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolicies
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 

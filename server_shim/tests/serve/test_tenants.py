@@ -28,9 +28,9 @@ from llm_backoff_shim.serve.app import create_app, shim_state
 from llm_backoff_shim.serve.config import ShimSettings
 from llm_backoff_shim.serve.config_sources import load_settings
 from llm_backoff_shim.serve.config_values import ConfigError
-from llm_backoff_shim.serve.quota import TenantQuotas, quota_headers, reset_duration, specs_for
-from llm_backoff_shim.serve.rejection import ErrorResponse
-from llm_backoff_shim.serve.request_hooks import ShimPolicies
+from llm_backoff_shim.serve.policy.quota import TenantQuotas, quota_headers, reset_duration, specs_for
+from llm_backoff_shim.serve.policy.request_hooks import ShimPolicies
+from llm_backoff_shim.serve.request_path.rejection import Refusal
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
@@ -153,7 +153,7 @@ def test_classes_by_key_bound_what_a_key_may_ask_for(make_controller: MakeContro
     assert policies.choose_class(bearer("sk-batch"), None, c) == ("batch", key_hash("sk-batch"))
     assert policies.choose_class(bearer("sk-batch"), "Batch", c) == ("batch", key_hash("sk-batch"))
     refused = policies.choose_class(bearer("sk-batch"), "interactive", c)
-    assert isinstance(refused, ErrorResponse)
+    assert isinstance(refused, Refusal)
     assert refused.status == 403
     assert json.loads(refused.body)["error"]["code"] == "class_not_allowed"
     assert policies.choose_class(bearer("sk-any"), None, c)[0] == "batch"  # type: ignore[index]

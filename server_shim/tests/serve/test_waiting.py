@@ -10,7 +10,7 @@ import pytest
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
 
 MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller

@@ -4,7 +4,7 @@
 gates and schedulers read, a third of it; every part that stands alone has its own module, below.)
 
 Pure and synchronous: no asyncio, no sockets; time comes from an injected clock.
-The asyncio edge (:mod:`llm_backoff_shim.serve.waiting`) turns the tickets this controller
+The asyncio edge (:mod:`llm_backoff_shim.serve.request_path.waiting`) turns the tickets this controller
 hands out into awaitables and calls back on completion, disconnect and timeout.
 
 :class:`AdmissionController` is a thin shell around small collaborators, each with its module:
@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
@@ -392,9 +393,12 @@ class AdmissionController:
         assert ticket.rejection is not None
         return ticket.rejection
 
-    def upstream_unavailable(self, cls: str, detail: str) -> Rejection:
-        """The refusal for a request whose upstream could not be reached (always 503)."""
-        return self._refusals.upstream_unavailable(cls, detail)
+    def upstream_unavailable(self, cls: str, detail: str, retry_after: float | None = None) -> Rejection:
+        """The refusal for a request whose upstream could not be reached (always 503); its hint is
+        ``retry_after`` (the outage's, :class:`~llm_backoff_shim.decide.retry_after.OutageClock`),
+        else the shortest."""
+        refusal = self._refusals.upstream_unavailable(cls, detail)
+        return refusal if retry_after is None else replace(refusal, retry_after=retry_after)
 
     def overloaded_upstream(self, cls: str, detail: str) -> Rejection:
         """The refusal for a request the engine itself turned away as overloaded (vLLM's 503)."""

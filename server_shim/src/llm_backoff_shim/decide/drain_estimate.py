@@ -1,4 +1,6 @@
-"""Drain rate and Retry-After estimates (pure; the clock is injected).
+"""Drain rate, service time and waits: the estimates behind admission and Retry-After.
+
+Pure; the clock is injected.
 
 The hint answers "when would a retry find room?". Room appears as requests ahead of
 the caller are admitted, i.e. at the rate slots free up. That rate is estimated from
@@ -8,9 +10,9 @@ turn over quickly, so a completions/s estimate would understate the drain rate a
 overstate the wait. Completions/s per class is still tracked, for the
 ``drain_rate`` metric.
 
-Retry-After hints (:meth:`DrainEstimator.retry_after`) are spread over one timeline for all
-classes, and the returns promised are remembered per class so that fresh arrivals' waits count
-them: :mod:`llm_backoff_shim.decide.promises`.
+The Retry-After hints built on these estimates are :mod:`llm_backoff_shim.decide.retry_after`'s;
+they are spread over one timeline for all classes, and the returns promised are remembered per
+class so that fresh arrivals' waits count them: :mod:`llm_backoff_shim.decide.promises`.
 
 Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`): the
 admission decision refuses a caller whose remaining budget cannot cover the expected wait
@@ -108,7 +110,7 @@ class _DecayingRate:
 
 
 class DrainEstimator:
-    """Service time, drain rate and spread Retry-After hints for the shim's classes."""
+    """Service time, drain rate, waits and the promise timeline for the shim's classes."""
 
     def __init__(self, config: EstimatorConfig, clock: Clock) -> None:
         self._config = config
@@ -127,6 +129,9 @@ class DrainEstimator:
     @property
     def config(self) -> EstimatorConfig:
         return self._config
+
+    def now(self) -> float:
+        return self._clock()
 
     @property
     def promises(self) -> PromiseTimeline:
@@ -314,82 +319,6 @@ class DrainEstimator:
         'a hint is a reservation').
         """
         return hint * (1.0 + self._config.return_jitter)
-
-    def retry_after(
-        self,
-        cls: str,
-        ahead: int,
-        slots: int,
-        *,
-        promised_by: Iterable[str] = (),
-        keep_within: float | None = None,
-        wait: float | None = None,
-        aimed: bool = False,
-        reserve: bool = True,
-        reach: float | None = None,
-        not_before: float = 0.0,
-    ) -> float:
-        """The spread, clamped hint (seconds) for the next caller of ``cls`` turned away.
-
-        Grows with ``ahead`` (the queued work that would be served before a retry), with
-        the promises of ``promised_by`` (higher classes) due before then, and with the
-        number of callers (of any class) already told a slot in the current burst. With
-        ``keep_within`` (the caller's remaining budget less the time it needs once
-        admitted, seconds), a hint whose :meth:`latest_return` is beyond it is not
-        remembered as a promise: that caller may not come back in time. ``wait``, when
-        given, replaces the estimate from ``ahead`` (the caller knows better, e.g. a class
-        whose guaranteed share serves it sooner than strict priority would). ``aimed``:
-        the hint told is :meth:`aim` of the slot's delay, for clients that add jitter above
-        a hint (the admission controller's refusals); otherwise the slot's delay itself.
-        ``not_before`` (seconds from now): the earliest slot to give, e.g. a lower class kept
-        out of the slots higher classes may need; the slots before it stay free for others.
-        ``reserve=False``: the caller takes its place on the timeline (later callers are
-        spread after it) but its return is not remembered as a promise, so fresh arrivals
-        do not keep its slot for it: for a caller the shim will not recognise as returning
-        when it comes back (it sent no budget), which would compete for the slot as a fresh
-        arrival, with the slot kept for nobody.
-
-        ``reach`` (seconds from now, with ``keep_within``): the latest slot at which the caller
-        can still be served (its remaining budget less the service it needs, the prior
-        included). A slot within reach whose aimed hint the caller might come back too late
-        for is still promised, with the hint brought forward so that its latest return is
-        ``reach`` (or ``keep_within`` if sooner): it comes back before its slot and waits in
-        the queue for it. Without this, the last slots a caller's budget could use were
-        promised to nobody, and the engine idled for them at the end of a burst
-        (docs/history/benchmarks-diary.md, 'where the burst's slot time went').
-        """
-        now = self._clock()
-        cfg = self._config
-        rate = self.capacity_rate(slots)
-        step = 1.0 / rate
-        # Nobody may come back before the minimum, so the burst's slots start there:
-        # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.
-        if wait is None:
-            wait = self.expected_wait(max(0, ahead), slots, 0, promised_by=promised_by)
-        earliest = max(cfg.retry_after_min, min(max(wait, not_before), cfg.retry_after_max))
-        promised = self._promises.first_gap(now, now + earliest, step)
-        delay = self.aim(promised - now) if aimed else promised - now
-        hint = min(cfg.retry_after_max, max(cfg.retry_after_min, delay))
-        latest = keep_within if reach is None or keep_within is None else min(keep_within, reach)
-        if latest is not None and self.latest_return(hint) > latest:
-            if reach is None or keep_within is None or promised - now > reach:
-                return hint
-            early = min(keep_within, reach) / (1.0 + cfg.return_jitter)
-            if early < cfg.retry_after_min:
-                return hint
-            hint = early
-        # Slots beyond the clamp are not kept, not even at the clamp: after a long overload
-        # the next burst should not inherit a backlog of hints nobody will honour, and every
-        # refusal past a full timeline would otherwise pile one more place at the clamp, so
-        # that each refusal scanned all the ones before it (a storm of refusals cost more
-        # and more: 100 -> 390 us each over 2,000 refusals at one instant, 8 slots). Places
-        # are then at least a step apart within the clamp: at most retry_after_max * rate.
-        if promised > now + cfg.retry_after_max:
-            return hint
-        self._promises.take(promised)
-        if reserve:
-            self._promises.promise(cls, promised, now)
-        return hint
 
     def _rate(self, cls: str) -> _DecayingRate:
         rate = self._completions.get(cls)

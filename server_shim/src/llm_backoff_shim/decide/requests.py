@@ -4,9 +4,10 @@ A request names its traffic class (``x-request-class``; :class:`ClassPolicy` bou
 class's queue and queue wait), may say how long its caller will wait (its budget,
 ``x-request-timeout-ms``), whether it streams, how long its answer may be (``max_tokens``),
 whether that budget is for the answer to begin rather than for the whole call
-(``x-request-timeout-scope: start``), and whether it is a retry
-(``x-stainless-retry-count``). A retry that says how long it will wait is served as
-*returning*: ahead of the fresh arrivals of its class
+(``x-request-timeout-scope: start``), whether it is a retry
+(``x-stainless-retry-count``), and what its tenant's quota said of it
+(:class:`QuotaVerdict`, asked at the edge, where the quota store is). A retry that says how
+long it will wait is served as *returning*: ahead of the fresh arrivals of its class
 (:mod:`llm_backoff_shim.decide.queues`). Anyone can claim to be a retry: the claim buys a
 place ahead of fresh arrivals of the same class, nothing more; tenant quotas, budgets and
 class bounds apply unchanged.
@@ -15,7 +16,7 @@ class bounds apply unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -45,6 +46,19 @@ class ClassPolicy:
             raise ValueError(f"class {self.name}: max_queue_wait must be a positive finite number")
 
 
+@dataclass(frozen=True, slots=True)
+class QuotaVerdict:
+    """What a tenant's quota said of a request before it may queue: over quota, with
+    ``retry_after`` seconds until its buckets hold enough again; or ``store_error`` (the kind
+    of failure) when the quota store could not be asked; within quota when both are None.
+    The controller's quota gate (:class:`~llm_backoff_shim.decide.tenants.QuotaGate`) decides
+    on it."""
+
+    tenant: str
+    retry_after: float | None = None
+    store_error: str | None = None
+
+
 @dataclass(frozen=True)
 class AdmissionRequest:
     """What the decision may look at: the class, the caller's remaining budget (s), a tenant key,
@@ -52,7 +66,8 @@ class AdmissionRequest:
     how many times the caller says it has retried this call (``x-stainless-retry-count``), and
     the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
     when it does not say), and whether the budget ends when the answer begins (``budget_to_start``:
-    a caller with a time-to-first-token budget, whose answer may then stream on)."""
+    a caller with a time-to-first-token budget, whose answer may then stream on), and what its
+    tenant's quota said of it (``quota``: None when it has no quota)."""
 
     cls: str
     budget: float | None = None
@@ -61,38 +76,9 @@ class AdmissionRequest:
     retry: int = 0
     max_tokens: int | None = None
     budget_to_start: bool = False
+    quota: QuotaVerdict | None = None
 
     @property
     def returning(self) -> bool:
         """A caller coming back (after a Retry-After, usually): served before fresh arrivals."""
         return self.retry >= 1
-
-
-def requested_max_tokens(body: Mapping[str, object]) -> int | None:
-    """The most output tokens a request body asks for (``max_completion_tokens``, else
-    ``max_tokens``), or None when it names no positive whole number. The engine validates
-    the body; this only reads what the admission decision may use."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
-
-
-#: Larger claimed retry counts are read as this: the number only matters as ">= 1".
-MAX_RETRY_COUNT = 1000
-
-
-def parse_retry_count(value: str | None) -> int:
-    """``x-stainless-retry-count`` as a count; absent or malformed is 0 (a fresh arrival).
-
-    The openai SDKs send it (0 on a first attempt, n on the n-th retry) and ``llm_backoff``
-    does too. It is a client library's header, not part of this shim's protocol, so a
-    value it cannot read is not the client's mistake: no 400, the request is simply fresh.
-    """
-    if value is None:
-        return 0
-    text = value.strip()
-    if not text.isascii() or not text.isdigit() or len(text) > 6:
-        return 0
-    return min(int(text), MAX_RETRY_COUNT)

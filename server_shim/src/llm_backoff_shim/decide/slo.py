@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest
-from llm_backoff_shim.decide.tickets import GateRefusal
+from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
+from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.decide.view import AdmissionView
 
 Clock = Callable[[], float]
@@ -141,7 +142,7 @@ class SloGate:
     def __init__(self, tracker: SloTracker) -> None:
         self.tracker = tracker
 
-    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None:
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> Rejection | None:
         cls = request.cls
         reading = self.tracker.reading(cls)
         if reading.budget is None or reading.state is SloState.GREEN:
@@ -154,7 +155,7 @@ class SloGate:
             if reading.state is SloState.RED
             else self.tracker.config.yellow_fraction * reading.budget
         )
-        return GateRefusal(
+        return Rejection(
             code="slo_shed",
             message=(
                 f"class {cls} is {reading.state.name}: estimated queue wait {reading.projected_wait:.2f} s "
@@ -165,6 +166,6 @@ class SloGate:
 
     def _hint(self, cls: str, excess: float) -> float:
         c = self.tracker.controller
-        queue_hint = c.estimator.retry_after(cls, c.ahead_of(cls), c.limit)
+        queue_hint = retry_after(c.estimator, HintRequest(cls, c.ahead_of(cls), c.limit))
         cfg = c.estimator.config
         return min(cfg.retry_after_max, max(cfg.retry_after_min, queue_hint, excess))

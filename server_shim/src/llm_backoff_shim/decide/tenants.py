@@ -33,6 +33,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Rejection
+from llm_backoff_shim.decide.view import AdmissionView
+
 _HASH = re.compile(r"[0-9a-f]{12}")
 
 
@@ -229,3 +233,36 @@ class TenantDirectory:
                 if scheme.lower() == "bearer" and token.strip():
                     return key_hash(token.strip())
         return ANONYMOUS
+
+
+class QuotaGate:
+    """The :class:`~llm_backoff_shim.decide.view.AdmissionGate` that turns a request away when its
+    tenant's quota said no (:class:`~llm_backoff_shim.decide.requests.QuotaVerdict`): 429
+    ``tenant_rate_limited`` with the time until its buckets refill as the hint; a quota store
+    that could not be asked is 503 ``upstream_unavailable`` with ``retry_after_min`` as the
+    hint, as a shared quota that cannot be checked is never silently skipped. It runs first of
+    the gates: a request over its quota is refused whatever the load."""
+
+    def __init__(self, retry_after_min: float) -> None:
+        self.retry_after_min = retry_after_min
+
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> Rejection | None:
+        verdict = request.quota
+        if verdict is None:
+            return None
+        if verdict.store_error is not None:
+            return Rejection(
+                code="upstream_unavailable",
+                message=f"tenant quota store unavailable ({verdict.store_error})",
+                retry_after=self.retry_after_min,
+                status=503,
+            )
+        if verdict.retry_after is None:
+            return None
+        return Rejection(
+            code="tenant_rate_limited",
+            message=f"rate limit of tenant {verdict.tenant} reached",
+            retry_after=verdict.retry_after,
+            type="rate_limit_exceeded",
+            status=429,
+        )

@@ -2,9 +2,8 @@
 
 A :class:`Ticket` is queued, then admitted (holding a slot), then released; every ticket ends
 in exactly one of RELEASED, CANCELLED, EXPIRED, so in-flight and queued counts return to zero
-whatever the mix of outcomes. A refusal is a :class:`Rejection` (rendered by
-:mod:`llm_backoff_shim.serve.rejection`); a gate's refusal is a :class:`GateRefusal`, which
-the controller completes with its own Retry-After estimate where the gate gives none.
+whatever the mix of outcomes. Every refusal the controller hands out, a gate's included, is a
+:class:`Rejection` (rendered by :mod:`llm_backoff_shim.serve.request_path.rejection`).
 """
 
 from __future__ import annotations
@@ -21,28 +20,18 @@ ErrorType = Literal["server_overloaded", "rate_limit_exceeded"]
 
 @dataclass(frozen=True)
 class Rejection:
-    """A refusal, ready for :mod:`llm_backoff_shim.serve.rejection` to render (docs/protocol.md).
+    """A refusal, ready for :mod:`llm_backoff_shim.serve.request_path.rejection` to render (docs/protocol.md).
 
     ``message`` is the reason only; the renderer appends ", retry in N s".
-    ``status`` None means the configured ``--reject-status``.
+    ``queue_depth``: the refused class's queue as the controller hands the refusal out (it
+    sets it on a gate's refusal). ``status`` None means the configured ``--reject-status``.
     """
 
     code: RejectCode
     message: str
     retry_after: float
-    queue_depth: int
+    queue_depth: int = 0
     type: ErrorType = "server_overloaded"
-    status: int | None = None
-
-
-@dataclass(frozen=True)
-class GateRefusal:
-    """A gate's "no". Without ``retry_after`` the controller's estimate is used."""
-
-    code: RejectCode
-    message: str
-    type: ErrorType = "server_overloaded"
-    retry_after: float | None = None
     status: int | None = None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
-from llm_backoff_shim.decide.tickets import GateRefusal
+from llm_backoff_shim.decide.tickets import Rejection
 
 
 class ClassOutlook(NamedTuple):
@@ -49,6 +49,7 @@ class AdmissionView(Protocol):
 
 
 class AdmissionGate(Protocol):
-    """A pre-admission check; return a refusal to turn the request away before it queues."""
+    """A pre-admission check; return a refusal, its code and Retry-After its own, to turn the
+    request away before it queues (the controller sets its queue depth)."""
 
-    def check(self, request: AdmissionRequest, view: AdmissionView) -> GateRefusal | None: ...
+    def check(self, request: AdmissionRequest, view: AdmissionView) -> Rejection | None: ...

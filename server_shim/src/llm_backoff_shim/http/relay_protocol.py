@@ -16,7 +16,7 @@ takes uvicorn's path, and the relay falls back to what it does under any ASGI se
 
 A generation request that admission can only refuse (every slot taken, no place in its
 queue) is answered from its head when the relay says so (``refuse``, the proxy's
-:meth:`~llm_backoff_shim.serve.proxy.Proxy.refuse_from_head`): no task, no body buffered. The
+:meth:`~llm_backoff_shim.serve.request_path.proxy.Proxy.refuse_from_head`): no task, no body buffered. The
 connection stays open; the request's body is read past (:class:`ReadingPast`) and the
 connection serves its next request as usual. Only on a kept-alive connection that did
 not ask for ``100-continue`` and has no response in progress: closing a connection the

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from llm_backoff_shim.lab.load_records import CallRecord, RunResult
-from llm_backoff_shim.serve.access_log import json_records
+from llm_backoff_shim.serve.observe.access_log import json_records
 
 WAVE_WINDOW = 0.1
 #: A failure a caller learns of within this many seconds "failed fast".

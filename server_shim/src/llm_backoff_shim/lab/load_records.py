@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llm_backoff_shim.lab.scenario import RequestClass, Scenario, Setup
-from llm_backoff_shim.serve.access_log import json_records
+from llm_backoff_shim.serve.observe.access_log import json_records
 
 Outcome = Literal["ok", "error", "deadline"]
 REJECT_STATUSES = frozenset({429, 503})

@@ -17,7 +17,7 @@ burst the load generator needs ~0.2 s to send 200 requests), the engine's variat
 unless asked for (by default every request holds its slot exactly ``shape.service_time``;
 ``service_jitter`` varies it uniformly, and :class:`OutputLengths` draws each call's
 output length, asked as ``max_tokens`` with ``ignore_eos``, from a capped lognormal), and the shim's
-asyncio edge (:mod:`llm_backoff_shim.serve.waiting`, which this replays step for step: a timer
+asyncio edge (:mod:`llm_backoff_shim.serve.request_path.waiting`, which this replays step for step: a timer
 at each queued ticket's deadline, a recheck after each request queued). So it measures
 the admission policy, not the machine; the real benchmark remains the judge of the
 numbers in docs/benchmarks.md. A run returns a

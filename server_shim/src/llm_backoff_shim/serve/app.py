@@ -8,9 +8,9 @@ nowhere below: every piece is handed plain values and the pieces built before it
 1. decide/ (pure): the concurrency limit, the drain estimator, the class policies and
    their shares, the admission controller (:func:`build_decisions`), the SLO tracker
    (a gate on the controller, a hold on the scheduler), the tenant directory;
-2. the edge, handed those: waiting (:class:`~llm_backoff_shim.serve.waiting.AsyncAdmission`),
+2. the edge, handed those: waiting (:class:`~llm_backoff_shim.serve.request_path.waiting.AsyncAdmission`),
    the filters (engine watch, tenant quotas, the request hooks) as one
-   :class:`~llm_backoff_shim.serve.traffic_policy.TrafficPolicy`, metrics, with
+   :class:`~llm_backoff_shim.serve.policy.traffic_policy.TrafficPolicy`, metrics, with
    ``--metrics-port`` the operations listener (ops_server.py), the access log, the
    proxy and the ASGI app (shim_app.py); the app's lifespan opens and closes them.
 
@@ -35,16 +35,19 @@ from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConf
 from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
-from llm_backoff_shim.decide.tenants import TenantDirectory, load_tenants_file
-from llm_backoff_shim.serve.access_log import AccessLog
+from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
 from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
-from llm_backoff_shim.serve.headers import Forwarding
-from llm_backoff_shim.serve.metrics import ShimMetrics
+from llm_backoff_shim.serve.observe.access_log import AccessLog
+from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
-from llm_backoff_shim.serve.proxy import Proxy
-from llm_backoff_shim.serve.quota import TenantQuotas
-from llm_backoff_shim.serve.request_hooks import RequestHooks, ShimPolicies
+from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
+from llm_backoff_shim.serve.policy.quota import TenantQuotas
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolicies
+from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
+from llm_backoff_shim.serve.request_path.headers import Forwarding
+from llm_backoff_shim.serve.request_path.proxy import Proxy
+from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
 from llm_backoff_shim.serve.routes import RouteTable
 from llm_backoff_shim.serve.shim_app import (
     ClassState,
@@ -54,9 +57,6 @@ from llm_backoff_shim.serve.shim_app import (
     shim_app,
     shim_state,
 )
-from llm_backoff_shim.serve.traffic_policy import TrafficPolicy
-from llm_backoff_shim.serve.upstream import UpstreamClient
-from llm_backoff_shim.serve.waiting import AsyncAdmission
 
 Clock = Callable[[], float]
 
@@ -188,6 +188,8 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         )
     if directory is not None and directory.limited:
         policy.quotas = TenantQuotas(clock=clock, redis_url=settings.redis_url)
+        # First of the gates: a request over its quota is refused whatever the load.
+        controller.gates.insert(0, QuotaGate(controller.estimator.config.retry_after_min))
     if directory is not None or slo is not None or vllm_priority is not None:
         policy.hooks = ShimPolicies(
             controller, directory=directory, quotas=policy.quotas, slo=slo, vllm_priority=vllm_priority

@@ -55,7 +55,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +95,14 @@ class AccessRecord:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 1)
+
+
+def request_id_of(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """The request's ``x-request-id`` as :func:`request_id` keeps it (None: absent or not kept)."""
+    for key, value in headers:
+        if key == b"x-request-id":
+            return request_id(value)
+    return None
 
 
 def request_id(raw: bytes | None) -> str | None:
@@ -255,7 +263,6 @@ class AccessLog:
             logger.info(self._render(record, end, now))
         except Exception:  # pragma: no cover - a broken handler; logging reports its own errors
             logging.getLogger("llm_backoff_shim").exception("access log line failed")
-
 
 
 def json_records(text: str) -> Iterator[dict[str, Any]]:

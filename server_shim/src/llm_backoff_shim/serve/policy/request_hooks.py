@@ -1,15 +1,17 @@
 """The seam between the relay and the per-request policies: classes, quotas, SLO headers, priority.
 
 The proxy asks its :class:`RequestHooks` four things about each generation request:
-which class and tenant it belongs to (before the body is read), whether the tenant's
-quota allows it and what body to forward (before it queues), which headers to add to
-the answer, and how it ended (to correct the token charge). The base class does
+which class and tenant it belongs to (before the body is read), what the tenant's quota
+says of it and what body to forward (before it queues: the quota's verdict goes to the
+admission controller with the request, whose quota gate refuses it), which headers to add
+to the answer, and how it ended (to correct the token charge). The base class does
 nothing, so the relay works without any of it; :class:`ShimPolicies` implements:
 
 - the class from ``x-request-class`` or, when absent, the tenant's default; a class
   the tenant may not use is a 403 (``code: class_not_allowed``), an unknown one a
   400 (:class:`~llm_backoff_shim.decide.requests.UnknownClassError`);
-- the tenant quota (:mod:`llm_backoff_shim.serve.quota`), refusals as 429
+- the tenant quota (:mod:`llm_backoff_shim.serve.policy.quota`), taken before queueing; its
+  refusals (:class:`~llm_backoff_shim.decide.tenants.QuotaGate`) are 429
   ``tenant_rate_limited`` with ``Retry-After`` and the rate-limit headers;
 - vLLM's ``priority`` field set from the class (``--forward-priority``);
 - ``x-slo-state: green|yellow|red`` of the request's class on every answer;
@@ -26,12 +28,11 @@ from typing import Any
 
 from llm_backoff.tokens import estimate_request_tokens, estimate_tokens, usage_tokens
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.requests import AdmissionRequest, QuotaVerdict
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
-from llm_backoff_shim.decide.tickets import RejectCode, Rejection
-from llm_backoff_shim.serve.quota import Charge, TenantQuotas
-from llm_backoff_shim.serve.rejection import ErrorResponse, client_error, rejection_response
+from llm_backoff_shim.serve.policy.quota import Charge, TenantQuotas
+from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -41,15 +42,6 @@ log = logging.getLogger("llm_backoff_shim.tenants")
 USAGE_TAIL_BYTES = 16 * 1024
 
 
-@dataclass(frozen=True)
-class HookRefusal:
-    """A hook's "no" before queueing: the answer, and its code and hint for the metrics."""
-
-    response: ErrorResponse
-    code: RejectCode
-    retry_after: float
-
-
 class RequestScope:
     """One generation request's view of the hooks; the base does nothing."""
 
@@ -57,8 +49,9 @@ class RequestScope:
         self.request = request
         self.body = body
 
-    async def admit(self) -> HookRefusal | None:
-        """A refusal before queueing (tenant over quota), or None to go on."""
+    async def take_quota(self) -> QuotaVerdict | None:
+        """What the tenant's quota says of the request, its charge taken when within it; None
+        when it has no quota."""
         return None
 
     def response_headers(self) -> RawHeaders:
@@ -76,8 +69,9 @@ class RequestHooks:
 
     def choose_class(
         self, headers: RawHeaders, class_header: str | None, controller: AdmissionController
-    ) -> tuple[str, str | None] | ErrorResponse:
-        """``(class, tenant id)``; raises UnknownClassError for a class the shim does not serve."""
+    ) -> tuple[str, str | None] | Refusal:
+        """``(class, tenant id)``, or a refusal; raises UnknownClassError for a class the shim
+        does not serve."""
         return controller.parse_class(class_header), None
 
     def scope(
@@ -86,18 +80,14 @@ class RequestHooks:
         """The request's hooks; ``parsed`` is ``body`` as the proxy already parsed it (a JSON object)."""
         return RequestScope(request, body)
 
-    def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
+    def rejection_headers(self, request: AdmissionRequest) -> RawHeaders:
         """Headers for an admission rejection of ``request`` (e.g. the SLO state)."""
-        return rejection
+        return []
 
     def admits_without_body(self, request: AdmissionRequest) -> bool:
         """Whether nothing the hooks do before ``request`` queues reads its body (so an
         admission refusal may be answered from the head, :meth:`Proxy.refuse_from_head`)."""
         return True
-
-
-def with_headers(response: ErrorResponse, extra: RawHeaders) -> ErrorResponse:
-    return ErrorResponse(response.status, [*response.headers, *extra], response.body) if extra else response
 
 
 @dataclass
@@ -109,10 +99,11 @@ class _PolicyScope(RequestScope):
     path: str
     parsed: dict[str, Any] | None = None
     charge: Charge | None = None
+    store_failed: bool = False
     quota_headers: RawHeaders = field(default_factory=list)
     _tail: bytearray = field(default_factory=bytearray)
 
-    async def admit(self) -> HookRefusal | None:
+    async def take_quota(self) -> QuotaVerdict | None:
         quotas = self.policies.quotas
         if quotas is None or self.tenant is None:
             return None
@@ -126,33 +117,21 @@ class _PolicyScope(RequestScope):
         try:
             decision = await quotas.take(self.tenant, estimate)
         except Exception as exc:  # redis.RedisError and friends: the store, not the request, failed
-            # A shared quota that cannot be checked is not silently skipped: 503, retry soon.
             log.warning("tenant quota store unavailable: %s: %s", type(exc).__name__, exc)
-            rejection = Rejection(
-                code="upstream_unavailable",
-                message=f"tenant quota store unavailable ({type(exc).__name__})",
-                retry_after=self.policies.controller.estimator.config.retry_after_min,
-                queue_depth=self.policies.controller.queued(self.request.cls),
-                status=503,
-            )
-            return HookRefusal(rejection_response(rejection, 503), rejection.code, rejection.retry_after)
+            self.store_failed = True
+            return QuotaVerdict(self.tenant.id, store_error=type(exc).__name__)
         self.quota_headers = decision.headers
         if decision.granted:
             self.charge = decision.charge
-            return None
+            return QuotaVerdict(self.tenant.id)
         log.info("tenant %s over quota; retry in %.2f s", self.tenant.label, decision.retry_after)
-        rejection = Rejection(
-            code="tenant_rate_limited",
-            message=f"rate limit of tenant {self.tenant.id} reached",
-            retry_after=decision.retry_after,
-            queue_depth=self.policies.controller.queued(self.request.cls),
-            type="rate_limit_exceeded",
-            status=429,
-        )
-        response = with_headers(rejection_response(rejection, 429), self.response_headers())
-        return HookRefusal(response, rejection.code, rejection.retry_after)
+        return QuotaVerdict(self.tenant.id, retry_after=decision.retry_after)
 
     def response_headers(self) -> RawHeaders:
+        if self.store_failed:
+            # The request is refused for the store alone: its answer says nothing of the
+            # quota or of the class's SLO state (reading the state samples its trend).
+            return []
         return [*self.quota_headers, *self.policies.slo_headers(self.request.cls)]
 
     def observe(self, chunk: bytes) -> None:
@@ -193,7 +172,7 @@ class ShimPolicies(RequestHooks):
 
     def choose_class(
         self, headers: RawHeaders, class_header: str | None, controller: AdmissionController
-    ) -> tuple[str, str | None] | ErrorResponse:
+    ) -> tuple[str, str | None] | Refusal:
         tenant = self.directory.identify(headers) if self.directory is not None else None
         if tenant is None:
             return controller.parse_class(class_header), None
@@ -211,6 +190,7 @@ class ShimPolicies(RequestHooks):
                     param="x-request-class",
                     code="class_not_allowed",
                     status=403,
+                    reason="invalid_header",
                 )
         return cls, tenant.id
 
@@ -222,8 +202,8 @@ class ShimPolicies(RequestHooks):
             tenant = self.directory.identify_id(request.tenant)
         return _PolicyScope(request, self._prioritised(body, request.cls, parsed), self, tenant, path, parsed)
 
-    def decorate(self, rejection: ErrorResponse, request: AdmissionRequest) -> ErrorResponse:
-        return with_headers(rejection, self.slo_headers(request.cls))
+    def rejection_headers(self, request: AdmissionRequest) -> RawHeaders:
+        return self.slo_headers(request.cls)
 
     def admits_without_body(self, request: AdmissionRequest) -> bool:
         # A tenant's quota is priced on the body (its tokens), and charged before queueing.
@@ -249,4 +229,4 @@ class ShimPolicies(RequestHooks):
         return json.dumps({**data, "priority": self.vllm_priority[cls]}, separators=(",", ":")).encode()
 
 
-__all__ = ["HookRefusal", "RequestHooks", "RequestScope", "ShimPolicies", "with_headers"]
+__all__ = ["RequestHooks", "RequestScope", "ShimPolicies"]

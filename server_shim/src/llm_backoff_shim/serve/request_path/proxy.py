@@ -1,15 +1,12 @@
 """The proxy's front: one ASGI endpoint for every path of the engine's API the shim serves.
 
-(Over 400 lines: one request's way through the front, route, intake and admission, with the
-refusal from the head beside it because it must reach the same answers; the relay, the
-exchange and the disconnect watch have their own modules.)
-
-For each request: look the path up in the route table (routes.py: a path no row names is a
-404, an operator route not allowed is a 403, and a ``/v1/`` path must stay under ``/v1/``
-after normalisation, so only the configured upstream's API is ever reachable), read the
-body, take a slot through admission for engine-work routes, and hand the request to the
-relay (relay.py), which forwards method, path, query, headers (Authorization included;
-hop-by-hop stripped) and body and streams the answer back.
+For each request: the intake (intake.py) checks its head, in one order shared with the
+refusal from the head (route table: a path no row names is a 404, an operator route not
+allowed is a 403, and a ``/v1/`` path must stay under ``/v1/`` after normalisation, so only
+the configured upstream's API is ever reachable; then key, headers, size), the body is read
+and checked, a generation request takes a slot through admission, and the relay (relay.py)
+forwards method, path, query, headers (Authorization included; hop-by-hop stripped) and body
+and streams the answer back.
 
 Raw ASGI rather than a Starlette ``StreamingResponse`` because the proxy must watch
 the client's connection the whole time (disconnect.py): a disconnect while queued gives
@@ -18,30 +15,22 @@ socket is closed, so the engine sees the abort) and frees the slot. The slot is 
 back in ``finally`` on every path.
 
 Choices where the protocol is silent: only POSTs to the table's ``engine`` routes are
-admission-controlled, counted in the ``requests_total`` metric and carry
-``x-queue-time-ms``; ``x-request-class``, ``x-request-timeout-ms`` and
-``x-request-timeout-scope`` are validated (400 when malformed) only there; the shim's own
-errors take the route's error shape (Anthropic's on ``/v1/messages``, rejection.py). What
-the relay makes of upstream failures and 503s: relay.py.
+admission-controlled (intake.py), counted in the ``requests_total`` metric and carry
+``x-queue-time-ms``; the shim's own errors take the route's error shape (Anthropic's on
+``/v1/messages``, rejection.py). What the relay makes of upstream failures and 503s: relay.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.outage import OutageClock
-from llm_backoff_shim.decide.requests import (
-    AdmissionRequest,
-    UnknownClassError,
-    parse_retry_count,
-    requested_max_tokens,
-)
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
@@ -49,12 +38,13 @@ from llm_backoff_shim.http.interface import (
     CONNECTION_GONE,
     ClientWire,
     ConnectionGone,
-    wire_answer,
 )
-from llm_backoff_shim.serve.access_log import AccessLog, AccessRecord, request_id
 from llm_backoff_shim.serve.auth import ApiKeys
-from llm_backoff_shim.serve.disconnect import watch_disconnect
-from llm_backoff_shim.serve.exchange import (
+from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
+from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
+from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
     Clock,
     Exchange,
@@ -62,33 +52,14 @@ from llm_backoff_shim.serve.exchange import (
     Receive,
     Scope,
     Send,
-    answer,
 )
-from llm_backoff_shim.serve.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.intake import (
-    ClientGone,
-    Refusal,
-    check_api_key,
-    check_content_type,
-    check_declared_length,
-    header,
-    parse_json_object,
-    read_body,
-    reason_of,
-)
-from llm_backoff_shim.serve.metrics import ShimMetrics
-from llm_backoff_shim.serve.rejection import (
-    ErrorResponse,
-    client_error,
-    in_shape,
-    operator_route_refused,
-    rejection_response,
-)
-from llm_backoff_shim.serve.relay import Relay
-from llm_backoff_shim.serve.request_hooks import RequestHooks, with_headers
+from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
+from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake
+from llm_backoff_shim.serve.request_path.rejection import Refusal, answer, rejection_response, wire_form
+from llm_backoff_shim.serve.request_path.relay import Relay, UpstreamRefused
+from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
-from llm_backoff_shim.serve.upstream import UpstreamClient
-from llm_backoff_shim.serve.waiting import AsyncAdmission, Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
@@ -112,36 +83,6 @@ def is_generation(method: str, path: str) -> bool:
     """Whether a request to ``path`` goes through admission (with the default route table)."""
     route = _DEFAULT_ROUTES.lookup(path)
     return method == "POST" and route is not None and route.admitted
-
-
-def asks_for_stream(body: dict[str, Any]) -> bool:
-    """Whether a request body asks for a stream: only a JSON ``true`` does."""
-    return body.get("stream") is True
-
-
-def parse_budget(value: str | None) -> float | None:
-    """``x-request-timeout-ms`` -> seconds; None when absent. Raises ValueError when malformed."""
-    if value is None or not value.strip():
-        return None
-    millis = float(value.strip())
-    if not math.isfinite(millis) or millis < 0:
-        raise ValueError("must be a non-negative number of milliseconds")
-    return millis / 1000.0
-
-
-#: ``x-request-timeout-scope`` values: the budget ends when the answer begins, or at its end.
-BUDGET_SCOPES = {"start": True, "end": False}
-
-
-def parse_budget_scope(value: str | None) -> bool:
-    """``x-request-timeout-scope`` -> whether the budget is for the answer to begin (``start``);
-    absent or blank is ``end``, the whole call. Raises ValueError for any other value."""
-    if value is None or not value.strip():
-        return False
-    scope = BUDGET_SCOPES.get(value.strip().lower())
-    if scope is None:
-        raise ValueError("expected 'start' or 'end'")
-    return scope
 
 
 class Proxy:
@@ -171,24 +112,29 @@ class Proxy:
         # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         self.api_keys = api_keys if api_keys is not None else ApiKeys(())
-        self.max_body_bytes = max_body_bytes
-        # One shared timer for every request's body timeout (coarse_timers says why).
-        self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
         self.upstream = upstream
         self.admission = admission
         self.metrics = metrics
         self.reject_status = reject_status
         self.clock = clock
         estimates = admission.controller.estimator.config
+        self.intake = Intake(
+            routes=self.routes,
+            api_keys=self.api_keys,
+            hooks=self.hooks,
+            controller=admission.controller,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
+        )
+        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
+        self.on_first_byte = on_first_byte
         self.relay = Relay(
             upstream=upstream,
-            controller=admission.controller,
             metrics=metrics,
-            reject_status=reject_status,
             clock=clock,
-            # Retry-After of upstream_unavailable: the outage's length so far (outage.py says why).
+            # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
             outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
-            on_first_byte=on_first_byte,
+            on_first_body_byte=self._first_body_byte,
         )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -213,6 +159,12 @@ class Proxy:
     def controller(self) -> AdmissionController:
         return self.admission.controller
 
+    @property
+    def body_timers(self) -> CoarseTimers | None:
+        """The intake's one timer for every request's body (the serving path arms it too, for a
+        body it reads past after a refusal from the head)."""
+        return self.intake.body_timers
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
@@ -220,69 +172,35 @@ class Proxy:
         path: str = scope["path"]
         method: str = scope["method"]
         record = self._record(scope, method, path, arrival)
-        route = self.routes.lookup(path)
-        if route is None:
-            missing = client_error(
-                f"no such path {path[:200]!r}: the shim serves the engine's API (docs/shim.md, routes)",
-                status=404,
-            )
-            await self._refuse(send, Refusal("bad_path", missing), record)
-            return
-        shape = route.shape
-        if route.refused:
-            await self._refuse(send, Refusal("operator_route", operator_route_refused(path)), record)
-            return
-        headers: RawHeaders = list(scope["headers"])
-        refusal = check_api_key(self.api_keys, headers)
-        if refusal is not None:
-            await self._refuse(send, refusal, record, shape)
-            return
-        gated = method == "POST" and route.admitted
-        request: AdmissionRequest | None = None
-        if gated:
-            parsed = self._admission_request(headers)
-            if isinstance(parsed, ErrorResponse):
-                await self._refuse(send, Refusal(reason_of(parsed), parsed), record, shape)
-                return
-            request = parsed
-            refusal = check_content_type(headers) if route.json_body else None
-            if refusal is not None:
-                await self._refuse(send, refusal, record, shape)
-                return
-        refusal = check_declared_length(headers, self.max_body_bytes)
-        if refusal is not None:
-            await self._refuse(send, refusal, record, shape)
+        head = self.intake.head(method, path, list(scope["headers"]))
+        if isinstance(head, Refusal):
+            await self._refuse(send, head, record)
             return
         task = self._current_task()
         try:
-            body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timers, task=task)
+            body = await self.intake.read(head, receive, task)
         except ClientGone:
-            if request is not None:
+            if head.request is not None:
                 # Counted, so that every generation request the shim saw has an outcome.
-                self.metrics.count(request.cls, "client_disconnected")
+                self.metrics.count(head.request.cls, "client_disconnected")
             self._log(record, Exchange())
             return  # the client left before sending its whole request
         if record is not None:
             record.body_done = self.clock()
         if isinstance(body, Refusal):
-            await self._refuse(send, body, record, shape)
+            await self._refuse(send, body, record)
             return
-        data: dict[str, Any] | None = None
-        if gated and route.json_body:
-            checked = parse_json_object(body)
-            if isinstance(checked, Refusal):
-                await self._refuse(send, checked, record, shape)
-                return
-            data = checked
-            if request is not None:
-                stream, most = asks_for_stream(data), requested_max_tokens(data)
-                if stream or most is not None:
-                    request = replace(request, stream=stream, max_tokens=most)
+        checked = self.intake.body(head, body)
+        if isinstance(checked, Refusal):
+            await self._refuse(send, checked, record)
+            return
+        request, data = checked
+        route = head.route
         forward = ForwardRequest(
             method=method,
             path=path,
             target=_target(scope, path, route),
-            headers=[*self.forwarding.request_headers(headers, _peer(scope)), VIA],
+            headers=[*self.forwarding.request_headers(head.headers, _peer(scope)), VIA],
             body=body,
             parsed=data,
         )
@@ -290,14 +208,19 @@ class Proxy:
         gone = extensions.get(CONNECTION_GONE) if extensions else None
         wire = extensions.get(CLIENT_WIRE) if extensions else None
         if request is None:
-            exchange = Exchange(shape=shape)
+            exchange = Exchange(shape=route.shape)
+
+            async def relay() -> None:
+                refused = await self.relay(forward, send, None, exchange, arrival, None, wire)
+                if refused is not None:
+                    await self._upstream_refused(send, refused, None, exchange)
+
             try:
-                relay = lambda: self.relay(forward, send, None, exchange, arrival, None, wire)  # noqa: E731
                 await watch_disconnect(task, receive, relay, gone)
             finally:
                 self._log(record, exchange)
         else:
-            await self._gated(request, forward, receive, send, arrival, task, record, gone, wire, shape)
+            await self._gated(request, forward, receive, send, arrival, task, record, gone, wire, route.shape)
 
     def refuse_from_head(self, scope: Scope) -> bytes | None:
         """The whole answer to a generation request refused as soon as its head is parsed, or
@@ -312,7 +235,7 @@ class Proxy:
         protocol then reads the body past (relay_protocol.py).
 
         Anything else takes the usual path, so its answer does not change: a request the
-        intake would refuse (path, key, headers, content type, declared size), one whose
+        intake would refuse (:meth:`Intake.head`, the same checks as the usual path's), one whose
         hooks read the body before it queues (a tenant's quota), or one whose Retry-After
         depends on whether its body asks for a stream (a budget to begin, or
         ``stream_served_at="first_token"`` with a budget). A malformed body of a refused
@@ -324,32 +247,24 @@ class Proxy:
         controller = self.controller
         if not controller.saturated() or method != "POST":
             return None
-        route = self.routes.lookup(path)
-        if route is None or not route.admitted or route.refused:
-            return None
         headers: RawHeaders = scope["headers"]
-        if (
-            check_api_key(self.api_keys, headers) is not None
-            or (route.json_body and check_content_type(headers) is not None)
-            or check_declared_length(headers, self.max_body_bytes) is not None
-        ):
+        head = self.intake.head(method, path, headers)
+        if isinstance(head, Refusal) or head.request is None:
             return None
-        request = self._admission_request(headers)
-        if (
-            isinstance(request, ErrorResponse)
-            or not self.hooks.admits_without_body(request)
-            or (
-                request.budget is not None
-                and (request.budget_to_start or controller.estimator.config.stream_served_at != "end")
-            )
+        request = head.request
+        if not self.hooks.admits_without_body(request) or (
+            request.budget is not None
+            and (request.budget_to_start or controller.estimator.config.stream_served_at != "end")
         ):
             return None
         arrival = self.clock()
         rejection = controller.refuse_at_once(request)
         if rejection is None:
             return None
-        response = self.hooks.decorate(rejection_response(rejection, self.reject_status), request)
-        status, answer = self._head_answer(response, route.shape)
+        response = rejection_response(rejection, self.reject_status).with_headers(
+            self.hooks.rejection_headers(request)
+        )
+        status, answer = self._head_answer(response, head.route.shape)
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         access_log = self.access_log
         if access_log is not None and access_log.enabled:
@@ -373,33 +288,57 @@ class Proxy:
                     None,  # upstream_end
                     rejection.retry_after,
                     rejection.message,  # detail
-                    request_id(header(headers, b"x-request-id")),
+                    request_id_of(headers),
                     _peer(scope),  # client
                 )
             )
         return answer
 
-    def _head_answer(self, response: ErrorResponse, shape: Shape) -> tuple[int, bytes]:
-        """The status and bytes of ``response`` in the route's error shape, remembered by value:
-        refusals from the head repeat (the same few hints, codes and headers)."""
+    def _head_answer(self, response: Refusal, shape: Shape) -> tuple[int, bytes]:
+        """:func:`wire_form` of ``response``, remembered by value: refusals from the head repeat
+        (the same few hints, codes and headers)."""
         key = (shape, response.status, response.body, *response.headers)
         known = self._head_answers.get(key)
         if known is None:
-            if shape is not Shape.OPENAI:
-                response = in_shape(response, shape)
-            known = response.status, wire_answer(response.status, response.headers, response.body)
+            known = wire_form(response, shape)
             if len(self._head_answers) >= _HEAD_ANSWERS_MAX:
                 self._head_answers.clear()
             self._head_answers[key] = known
         return known
 
-    async def _refuse(
-        self, send: Send, refusal: Refusal, record: AccessRecord | None, shape: Shape = Shape.OPENAI
-    ) -> None:
+    async def _refuse(self, send: Send, refusal: Refusal, record: AccessRecord | None) -> None:
         self.metrics.bad_request(refusal.reason)
-        exchange = Exchange(metric="bad_request", code=refusal.reason, shape=shape)
-        await answer(send, refusal.response, exchange)
+        exchange = Exchange(metric="bad_request", code=refusal.reason, shape=refusal.shape)
+        await answer(send, refusal, exchange)
         self._log(record, exchange)
+
+    async def _upstream_refused(
+        self, send: Send, refused: UpstreamRefused, cls: str | None, exchange: Exchange
+    ) -> None:
+        """Answer a request the upstream could not serve with the controller's refusal: the engine
+        at capacity (an admitted request's 503), else the upstream unavailable."""
+        controller = self.controller
+        if refused.overloaded and cls is not None:
+            rejection = controller.overloaded_upstream(cls, refused.detail)
+            exchange.reject(rejection, Outcome.OVERLOADED)
+        else:
+            rejection = controller.upstream_unavailable(
+                cls or controller.default_class, refused.detail, refused.retry_after
+            )
+            exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
+        await answer(send, rejection_response(rejection, self.reject_status), exchange)
+
+    def _first_body_byte(self, grant: Grant) -> None:
+        # The first *body* byte: vLLM sends a stream's headers before its first token, even
+        # while the request waits in the engine, so the header time says nothing about load.
+        if grant.ticket.admitted_at is None:
+            return
+        controller = self.controller
+        seconds = self.clock() - grant.ticket.admitted_at
+        if grant.ticket.request.stream:
+            controller.estimator.observe_first_byte(seconds)
+        if self.on_first_byte is not None:
+            self.on_first_byte(seconds, controller.in_flight())
 
     def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
         if self.access_log is None or not self.access_log.enabled:
@@ -408,7 +347,7 @@ class Proxy:
             method=method,
             path=path,
             arrival=arrival,
-            request_id=request_id(header(scope["headers"], b"x-request-id")),
+            request_id=request_id_of(scope["headers"]),
             client=_peer(scope),
         )
 
@@ -429,31 +368,6 @@ class Proxy:
         record.upstream_end = exchange.upstream_end
         self.access_log.write(record)
 
-    def _admission_request(self, headers: RawHeaders) -> AdmissionRequest | ErrorResponse:
-        class_header = _header(headers, b"x-request-class")
-        try:
-            chosen = self.hooks.choose_class(headers, class_header, self.controller)
-        except UnknownClassError as exc:
-            return client_error(str(exc), param="x-request-class", code="invalid_request_class")
-        if isinstance(chosen, ErrorResponse):
-            return chosen
-        cls, tenant = chosen
-        name = "x-request-timeout-ms"
-        try:
-            budget = parse_budget(_header(headers, b"x-request-timeout-ms"))
-            name = "x-request-timeout-scope"
-            to_start = parse_budget_scope(_header(headers, b"x-request-timeout-scope"))
-        except ValueError as exc:
-            return client_error(f"invalid {name} header: {exc}", param=name, code="invalid_header")
-        retry = parse_retry_count(_header(headers, b"x-stainless-retry-count"))
-        return AdmissionRequest(
-            cls=cls,
-            budget=budget,
-            tenant=tenant,
-            retry=retry,
-            budget_to_start=to_start and budget is not None,
-        )
-
     async def _gated(
         self,
         request: AdmissionRequest,
@@ -473,13 +387,10 @@ class Proxy:
         scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
 
         async def work() -> None:
-            nonlocal grant, forward
-            refusal = await scope.admit()
-            if refusal is not None:
-                exchange.outcome, exchange.metric = Outcome.ABORTED, "rejected"
-                exchange.code, exchange.retry_after = refusal.code, refusal.retry_after
-                await answer(send, refusal.response, exchange)
-                return
+            nonlocal grant, forward, request
+            quota = await scope.take_quota()
+            if quota is not None:
+                request = replace(request, quota=quota)
             if scope.body is not forward.body:
                 forward = forward._replace(body=scope.body)
             queued_at = self.clock()
@@ -488,13 +399,15 @@ class Proxy:
                 exchange.reject(decision)
                 exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
-                await answer(send, with_headers(response, scope.response_headers()), exchange)
+                await answer(send, response.with_headers(scope.response_headers()), exchange)
                 return
             grant = decision
             exchange.queue_time = grant.queue_time
             self.metrics.count(cls, "admitted")
             self.metrics.observe_queue_wait(cls, grant.queue_time)
-            await self.relay(forward, send, grant, exchange, arrival, scope, wire)
+            refused = await self.relay(forward, send, grant, exchange, arrival, scope, wire)
+            if refused is not None:
+                await self._upstream_refused(send, refused, cls, exchange)
 
         try:
             await watch_disconnect(task, receive, work, gone)
@@ -520,10 +433,3 @@ def _target(scope: Scope, path: str, route: Route) -> bytes:
 def _peer(scope: Scope) -> str | None:
     client = scope.get("client")
     return str(client[0]) if client else None
-
-
-def _header(headers: RawHeaders, name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1")
-    return None

@@ -1,4 +1,11 @@
-"""The shim's error answers, built in one place (docs/protocol.md, "The protocol between shim and SDK").
+"""The shim's "no": one type, built and rendered here (docs/protocol.md, "The protocol between shim and SDK").
+
+Every answer the shim makes itself instead of relaying the engine's is a :class:`Refusal`:
+its status, raw headers and body as they go on the wire, the reason or rejection code it is
+counted under, a rejection's Retry-After (for the metrics and the access log) and the error
+shape it is answered in. The intake's 4xx, a tenant over quota, an admission rejection and
+an upstream failure are all one. It leaves the shim through :func:`answer` (ASGI messages)
+or :func:`wire_form` (the bytes of a whole response, for a serving path that writes them).
 
 Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds, >= 1,
 rounded up so a client that honours it never comes back early), ``retry-after-ms``
@@ -20,21 +27,36 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.tickets import Rejection
+from llm_backoff_shim.http.interface import BODY_FOLLOWS, wire_answer
+from llm_backoff_shim.serve.request_path.exchange import Exchange, Send
 from llm_backoff_shim.serve.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]
 
 
 @dataclass(frozen=True)
-class ErrorResponse:
-    """Status, raw headers and body of an answer the shim makes itself."""
+class Refusal:
+    """An answer the shim makes itself: status, raw headers and body (OpenAI-shaped as built;
+    :func:`in_shape` renders it in a route's shape), and what it is counted and logged as.
+
+    ``reason``: the bad-request reason (``llm_backoff_shim_bad_requests_total``) or the
+    rejection code; ``retry_after``: a rejection's hint in seconds (None for other answers);
+    ``shape``: the error shape it is answered in, where its maker knows the route's.
+    """
 
     status: int
     headers: RawHeaders
     body: bytes
+    reason: str = ""
+    retry_after: float | None = None
+    shape: Shape = Shape.OPENAI
+
+    def with_headers(self, extra: RawHeaders) -> Refusal:
+        """The same answer with ``extra`` headers after its own."""
+        return replace(self, headers=[*self.headers, *extra]) if extra else self
 
 
 def retry_after_header(seconds: float) -> int:
@@ -44,7 +66,7 @@ def retry_after_header(seconds: float) -> int:
     return max(1, math.ceil(seconds - 1e-9))
 
 
-def rejection_response(rejection: Rejection, default_status: int) -> ErrorResponse:
+def rejection_response(rejection: Rejection, default_status: int) -> Refusal:
     """The answer to ``rejection`` (``default_status`` unless it names its own): a new object
     each call, its parts remembered by the values they are written from (:data:`_RENDERED`)."""
     retry_after = rejection.retry_after
@@ -72,7 +94,7 @@ def rejection_response(rejection: Rejection, default_status: int) -> ErrorRespon
                 _RENDERED.clear()
             _RENDERED[key] = parts
     status, headers, body = parts
-    return ErrorResponse(status, list(headers), body)
+    return Refusal(status, list(headers), body, rejection.code, rejection.retry_after)
 
 
 #: Rendered refusals by the values they are written from: under overload most answers are
@@ -117,21 +139,16 @@ def _json_text(text: str) -> str:
 
 
 def client_error(
-    message: str, *, param: str | None = None, code: str | None = None, status: int = 400
-) -> ErrorResponse:
-    """An OpenAI-format error for a request the shim will not forward."""
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | None = None,
+    status: int = 400,
+    reason: str = "",
+) -> Refusal:
+    """An OpenAI-format error for a request the shim will not forward, counted as ``reason``."""
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
-    return _json(status, body, [])
-
-
-def operator_route_refused(path: str) -> ErrorResponse:
-    """The 403 of an operator route the operator did not allow (routes.py)."""
-    return client_error(
-        f"{path[:200]!r} is an operator route of the engine, not served through this shim; "
-        "its operator may allow it with --allow-operator-route",
-        code="operator_route",
-        status=403,
-    )
+    return _json(status, body, [], reason)
 
 
 #: Anthropic's status for "overloaded": its SDKs retry it and raise ``OverloadedError``.
@@ -149,8 +166,9 @@ _ANTHROPIC_TYPES = {
 _KEPT = ("code", "retry_after_seconds", "queue_depth")
 
 
-def in_shape(response: ErrorResponse, shape: Shape) -> ErrorResponse:
-    """``response`` (OpenAI-shaped, as every function here builds it) in the route's error shape."""
+def in_shape(response: Refusal, shape: Shape) -> Refusal:
+    """``response`` (OpenAI-shaped, as every function here builds it) in the route's error shape:
+    the one place a refusal's wire form is chosen."""
     if shape is Shape.OPENAI:
         return response
     try:
@@ -170,18 +188,44 @@ def in_shape(response: ErrorResponse, shape: Shape) -> ErrorResponse:
         kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     detail = {"type": kind, "message": message, **{k: error[k] for k in _KEPT if error.get(k) is not None}}
     headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
-    return _json(status, {"type": "error", "error": detail}, headers)
+    shaped = _json(status, {"type": "error", "error": detail}, headers, response.reason)
+    return replace(shaped, retry_after=response.retry_after, shape=shape)
 
 
-def server_error(message: str, *, code: str, status: int = 502) -> ErrorResponse:
+def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:
+    """``response`` as written on a route of ``shape``: its status, and the whole response
+    (status line, headers, body) in bytes, for a serving path that writes it itself."""
+    if shape is not Shape.OPENAI:
+        response = in_shape(response, shape)
+    return response.status, wire_answer(response.status, response.headers, response.body)
+
+
+async def answer(send: Send, response: Refusal, exchange: Exchange | None = None) -> None:
+    """Send ``response`` whole through ASGI, in ``exchange``'s error shape, noting the status sent."""
+    if exchange is not None and exchange.shape is not Shape.OPENAI:
+        response = in_shape(response, exchange.shape)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": response.headers,
+            BODY_FOLLOWS: True,
+        }
+    )
+    if exchange is not None:
+        exchange.sent = response.status
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+def server_error(message: str, *, code: str, status: int = 502) -> Refusal:
     """An OpenAI-format error for an upstream answer the shim will not relay (nginx: 502)."""
     body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return _json(status, body, [])
 
 
-def _json(status: int, body: object, headers: RawHeaders) -> ErrorResponse:
+def _json(status: int, body: object, headers: RawHeaders, reason: str = "") -> Refusal:
     payload = json.dumps(body, separators=(",", ":")).encode()
-    return ErrorResponse(
+    return Refusal(
         status=status,
         headers=[
             (b"content-type", b"application/json"),
@@ -189,4 +233,5 @@ def _json(status: int, body: object, headers: RawHeaders) -> ErrorResponse:
             *headers,
         ],
         body=payload,
+        reason=reason,
     )

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.serve.event_counts import EventCounts, LabelledCounter, LabelledHistogram
+from llm_backoff_shim.serve.observe.event_counts import EventCounts, LabelledCounter, LabelledHistogram
 
 PREFIX = "llm_backoff_shim_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

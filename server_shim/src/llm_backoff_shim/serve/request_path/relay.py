@@ -2,14 +2,18 @@
 
 Status, headers and body go to the client chunk by chunk as the upstream sends them (a
 chunked answer straight onto the client's wire where the serving path offers it). What
-the relay learns goes into the request's :class:`~llm_backoff_shim.serve.exchange.Exchange`:
+the relay learns goes into the request's :class:`~llm_backoff_shim.serve.request_path.exchange.Exchange`.
+The relay never asks the admission controller: where the upstream could not serve the
+request it returns an :class:`UpstreamRefused`, and the proxy answers it with the
+controller's refusal:
 
-- any failure before the upstream's status line (refused, reset, timed out) is a 503
-  ``upstream_unavailable`` with a Retry-After from the outage's length so far; an invalid
-  response head is a 502, nothing of it relayed;
-- an upstream 503 on an admitted request (vLLM's ``--max-num-queued-reqs`` answer) becomes a
-  ``queue_full`` rejection with the configured status and an estimated Retry-After, the
-  upstream's message kept in ours; other statuses pass through untouched;
+- any failure before the upstream's status line (refused, reset, timed out) is returned as
+  unavailable, with a Retry-After from the outage's length so far (the proxy answers 503
+  ``upstream_unavailable``); an invalid response head is a 502, nothing of it relayed;
+- an upstream 503 on an admitted request (vLLM's ``--max-num-queued-reqs`` answer) is returned
+  as overloaded (the proxy answers a ``queue_full`` rejection with the configured status and
+  an estimated Retry-After, the upstream's message kept in ours); other statuses pass through
+  untouched;
 - a failure mid-response ends an event stream with an error event and aborts the client
   connection, so a cut answer is never passed off as complete.
 """
@@ -19,10 +23,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass
 
-from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.outage import OutageClock
+from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
@@ -33,18 +36,36 @@ from llm_backoff_shim.http.interface import (
     UpstreamResponse,
     UpstreamTimeoutError,
 )
-from llm_backoff_shim.serve.exchange import VIA, Clock, Exchange, ForwardRequest, Send, answer, classify
-from llm_backoff_shim.serve.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.metrics import ShimMetrics
-from llm_backoff_shim.serve.rejection import rejection_response, server_error
-from llm_backoff_shim.serve.request_hooks import RequestScope
-from llm_backoff_shim.serve.upstream import UpstreamClient
-from llm_backoff_shim.serve.waiting import Grant
+from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+from llm_backoff_shim.serve.policy.request_hooks import RequestScope
+from llm_backoff_shim.serve.request_path.exchange import (
+    VIA,
+    Clock,
+    Exchange,
+    ForwardRequest,
+    Send,
+    classify,
+)
+from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
+from llm_backoff_shim.serve.request_path.rejection import answer, server_error
+from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
+from llm_backoff_shim.serve.request_path.waiting import Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
 #: How much of an upstream 503 body is read to explain the rejection.
 _OVERLOAD_BODY_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRefused:
+    """The upstream could not serve the request and nothing was sent to the client: the proxy
+    answers with the controller's refusal. ``overloaded``: it answered 503 for an admitted
+    request (else it was unreachable, and ``retry_after`` is the outage's hint)."""
+
+    detail: str
+    overloaded: bool = False
+    retry_after: float | None = None
 
 
 class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
@@ -58,21 +79,17 @@ class Relay:
         self,
         *,
         upstream: UpstreamClient,
-        controller: AdmissionController,
         metrics: ShimMetrics,
-        reject_status: int,
         clock: Clock,
         outage: OutageClock,
-        on_first_byte: Callable[[float, int], None] | None = None,
+        on_first_body_byte: Callable[[Grant], None],
     ) -> None:
         self.upstream = upstream
-        self.controller = controller
         self.metrics = metrics
-        self.reject_status = reject_status
         self.clock = clock
         self.outage = outage
-        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
-        self.on_first_byte = on_first_byte
+        # Called with the grant of an admitted request when its answer's first body byte arrives.
+        self.on_first_body_byte = on_first_body_byte
 
     async def __call__(
         self,
@@ -83,7 +100,9 @@ class Relay:
         arrival: float,
         scope: RequestScope | None = None,
         wire: ClientWire | None = None,
-    ) -> None:
+    ) -> UpstreamRefused | None:
+        """Relay the request and its answer; an :class:`UpstreamRefused` when the upstream could
+        not serve it and nothing was sent (the proxy answers it)."""
         exchange = exchange if exchange is not None else Exchange()
         cls = grant.ticket.cls if grant is not None else None
         exchange.upstream_start = self.clock()
@@ -96,19 +115,19 @@ class Relay:
             exchange.upstream_end = self.clock()
             if isinstance(exc, UpstreamProtocolError):
                 await self._bad_gateway(send, str(exc), exchange)
-            else:
-                await self.unavailable(send, cls, str(exc), exchange)
-            return
+                return None
+            return self._unavailable(str(exc))
         self.outage.answered()
         started = False
+        refused: UpstreamRefused | None = None
         exchange.first_byte = self.clock()
         try:
             if cls is not None:
                 self.metrics.observe_first_byte(cls, exchange.first_byte - arrival)
             exchange.status = response.status
             if response.status == 503:
-                await self._upstream_overloaded(send, cls, response, exchange)
-                return
+                refused = await self._upstream_overloaded(cls, response)
+                return refused
             headers = strip_hop_by_hop(response.headers, lower=True)
             headers.append(VIA)
             if grant is not None:
@@ -131,7 +150,8 @@ class Relay:
                         break
                     if first:
                         first = False
-                        self._first_body_byte(grant)
+                        if grant is not None:
+                            self.on_first_body_byte(grant)
                     if scope is not None:
                         scope.observe(chunk)
                     # The upstream's last bytes often arrive with its end: finish in the same
@@ -164,25 +184,12 @@ class Relay:
             # closed, and the engine sees it drop and aborts the request.
             response.release()
             exchange.upstream_end = self.clock()
-            if not started and exchange.metric == "client_disconnected":
+            if not started and refused is None and exchange.metric == "client_disconnected":
                 log.debug("client left before the upstream answered")
+        return None
 
-    def _first_body_byte(self, grant: Grant | None) -> None:
-        # The first *body* byte: vLLM sends a stream's headers before its first token, even
-        # while the request waits in the engine, so the header time says nothing about load.
-        if grant is None or grant.ticket.admitted_at is None:
-            return
-        seconds = self.clock() - grant.ticket.admitted_at
-        if grant.ticket.request.stream:
-            self.controller.estimator.observe_first_byte(seconds)
-        if self.on_first_byte is not None:
-            self.on_first_byte(seconds, self.controller.in_flight())
-
-    async def unavailable(self, send: Send, cls: str | None, detail: str, exchange: Exchange) -> None:
-        rejection = self.controller.upstream_unavailable(cls or self.controller.default_class, detail)
-        rejection = replace(rejection, retry_after=self.outage.failed())
-        exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
-        await answer(send, rejection_response(rejection, self.reject_status), exchange)
+    def _unavailable(self, detail: str) -> UpstreamRefused:
+        return UpstreamRefused(detail, retry_after=self.outage.failed())
 
     async def _bad_gateway(self, send: Send, detail: str, exchange: Exchange) -> None:
         # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
@@ -192,19 +199,14 @@ class Relay:
         response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
         await answer(send, response, exchange)
 
-    async def _upstream_overloaded(
-        self, send: Send, cls: str | None, response: UpstreamResponse, exchange: Exchange
-    ) -> None:
+    async def _upstream_overloaded(self, cls: str | None, response: UpstreamResponse) -> UpstreamRefused:
         try:
             detail = _error_message(await response.read(_OVERLOAD_BODY_LIMIT))
         except UpstreamError as exc:
             detail = str(exc)
         if cls is None:
-            await self.unavailable(send, None, f"upstream answered 503: {detail}", exchange)
-            return
-        rejection = self.controller.overloaded_upstream(cls, f"upstream answered 503: {detail}")
-        exchange.reject(rejection, Outcome.OVERLOADED)
-        await answer(send, rejection_response(rejection, self.reject_status), exchange)
+            return self._unavailable(f"upstream answered 503: {detail}")
+        return UpstreamRefused(f"upstream answered 503: {detail}", overloaded=True)
 
 
 def _error_message(body: bytes) -> str:

@@ -7,7 +7,7 @@
   ``slo_state`` gauge and the ``x-slo-state`` header;
 - the engine watch: a hold on the scheduler while the engine is saturated and a task
   that scrapes the upstream's metrics;
-- the request hooks (:class:`~llm_backoff_shim.serve.request_hooks.ShimPolicies`): classes
+- the request hooks (:class:`~llm_backoff_shim.serve.policy.request_hooks.ShimPolicies`): classes
   by tenant, tenant quotas (local or Redis), vLLM priority.
 
 The composition root (app.py) builds each piece and wires it into the controller and
@@ -26,11 +26,11 @@ from prometheus_client.registry import Collector
 from llm_backoff_shim.decide.adaptive_limit import GradientLimit
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.slo import SloTracker
-from llm_backoff_shim.serve.engine_watch import EngineWatch, SaturationDetector, engine_metric_gauges
-from llm_backoff_shim.serve.metrics import PREFIX
-from llm_backoff_shim.serve.quota import TenantQuotas
-from llm_backoff_shim.serve.request_hooks import RequestHooks
-from llm_backoff_shim.serve.waiting import AsyncAdmission
+from llm_backoff_shim.serve.observe.metrics import PREFIX
+from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationDetector, engine_metric_gauges
+from llm_backoff_shim.serve.policy.quota import TenantQuotas
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
 
 
 class _PolicyGauges(Collector):

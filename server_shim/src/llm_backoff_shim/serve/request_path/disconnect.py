@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from llm_backoff_shim.http.interface import ConnectionGone
-from llm_backoff_shim.serve.exchange import Receive
+from llm_backoff_shim.serve.request_path.exchange import Receive
 
 
 async def watch_disconnect(

@@ -1,6 +1,5 @@
 """What one relayed request carries between the proxy's front and its relay: the forwarded
-request, what came of it (for the slot's release, the metrics and the access log), and the
-shim's own whole answers in the route's error shape."""
+request, and what came of it (for the slot's release, the metrics and the access log)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
-from llm_backoff_shim.http.interface import BODY_FOLLOWS
-from llm_backoff_shim.serve.headers import RawHeaders
-from llm_backoff_shim.serve.rejection import ErrorResponse, in_shape
+from llm_backoff_shim.serve.request_path.headers import RawHeaders
 from llm_backoff_shim.serve.routes import Shape
 
 Scope = MutableMapping[str, Any]
@@ -69,19 +66,3 @@ def classify(exchange: Exchange, status: int) -> None:
     else:
         # Relayed as sent, but a quick 4xx says nothing about how long generation takes.
         exchange.outcome, exchange.metric = Outcome.CLIENT_ERROR, "completed"
-
-
-async def answer(send: Send, response: ErrorResponse, exchange: Exchange | None = None) -> None:
-    if exchange is not None and exchange.shape is not Shape.OPENAI:
-        response = in_shape(response, exchange.shape)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": response.headers,
-            BODY_FOLLOWS: True,
-        }
-    )
-    if exchange is not None:
-        exchange.sent = response.status
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
