@@ -51,7 +51,7 @@ from llm_backoff_shim.lab.overload_model import OutputLengths, OverloadModel
 from llm_backoff_shim.lab.scenario import EngineShape, RequestClass, Scenario, arrivals
 from llm_backoff_shim.lab.workload import Workload
 from llm_backoff_shim.serve.app import build_controller
-from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.testing import ManualClock
 
 #: Interactive callers' policies for the achieved column; batch callers get `RetryPolicy.batch`.

@@ -45,8 +45,8 @@ from llm_backoff_shim.decide.limit import FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.scheduler import ClassScheduler
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_values import env_name
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.values import env_name
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.testing import ManualClock
 

@@ -114,7 +114,7 @@ def test_the_proxy_serves_without_the_extra() -> None:
 
         import llm_backoff_shim.serve.command
         from llm_backoff_shim.serve.app import create_app
-        from llm_backoff_shim.serve.config import ShimSettings
+        from llm_backoff_shim.serve.config.settings import ShimSettings
         from llm_backoff_shim.serve.serving import ServerThread, shim_server
         from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 

@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import AnyHttpUrl
 
 from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 

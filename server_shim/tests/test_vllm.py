@@ -35,7 +35,7 @@ import pytest
 from llm_backoff import wrap
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.loadgen_engine import GENERATED, RUNNING, WAITING, metric_sum
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 
 VLLM_URL = os.environ.get("LLM_BACKOFF_TEST_VLLM_URL", "").rstrip("/")
 SLOTS = 8  # --max-num-seqs

@@ -28,7 +28,7 @@ from starlette.routing import Route
 
 import llm_backoff
 from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 
 #: The one answer of `json_upstream`.

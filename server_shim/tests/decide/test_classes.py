@@ -195,8 +195,8 @@ def test_random_traffic_keeps_the_shares(
 
 
 def test_class_flags_parse_maps_and_name_the_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llm_backoff_shim.serve.config_sources import load_settings
-    from llm_backoff_shim.serve.config_values import ConfigError
+    from llm_backoff_shim.serve.config.sources import load_settings
+    from llm_backoff_shim.serve.config.values import ConfigError
 
     s = load_settings(["--classes", "interactive,batch,bulk", "--min-share", "bulk=0.1,batch=0.2"])
     assert s.classes == ("interactive", "batch", "bulk")

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import shim_server
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'

@@ -25,7 +25,7 @@ from llm_backoff_shim.http.public_app import PublicApp
 from llm_backoff_shim.serve import command
 from llm_backoff_shim.serve.app import create_app
 from llm_backoff_shim.serve.command import shim_serving
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "llm_backoff_shim"

@@ -30,7 +30,7 @@ from llm_backoff_shim.lab.calibrate import doubling_levels, parse_steps
 from llm_backoff_shim.lab.calibrate_ramp import api_base
 from llm_backoff_shim.lab.calibrate_samples import Sample, steady_samples, summarize
 from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, WORDS, LengthDist
-from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 

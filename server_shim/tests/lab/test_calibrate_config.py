@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 
 from llm_backoff_shim.lab import calibrate
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.serve.serving import ServerThread, free_socket
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 

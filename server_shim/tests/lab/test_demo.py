@@ -21,7 +21,7 @@ import pytest
 from llm_backoff_shim.lab import demo
 from llm_backoff_shim.lab.knee import HELD_RETRY_AFTER_MAX
 from llm_backoff_shim.lab.scenario import DEMO_SETUPS, DEMO_SHAPE, varied_demo_scenario
-from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config.sources import load_settings
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -23,7 +23,7 @@ from llm_backoff_shim.lab.knee import (
     recommend,
     with_confidence,
 )
-from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config.sources import load_settings
 
 DOUBLING = [1, 2, 4, 8, 16, 32, 64, 128]
 

@@ -30,7 +30,7 @@ from llm_backoff_shim.lab.scenario import (
     arrivals,
 )
 from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.engine import EngineParams, SimEngine
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app

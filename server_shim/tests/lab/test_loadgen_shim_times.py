@@ -27,7 +27,7 @@ from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import SHIM_PLAIN, Scenario, arrivals
 from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.log_setup import LOGGER_NAME
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app

@@ -274,7 +274,7 @@ def test_a_varied_run_sends_each_calls_lengths_and_records_usage() -> None:
 def test_llm_backoff_callers_through_a_real_shim_send_their_lengths_and_per_class_deadlines() -> None:
     from llm_backoff_shim.lab.scenario import SHIM_BACKOFF
     from llm_backoff_shim.serve.app import create_app
-    from llm_backoff_shim.serve.config import ShimSettings
+    from llm_backoff_shim.serve.config.settings import ShimSettings
 
     workload = Workload(prompt_words=LengthDist.uniform(5, 30), output_tokens=LengthDist.uniform(3, 12))
     scenario = Scenario(

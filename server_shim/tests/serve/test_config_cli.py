@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from llm_backoff_shim import cli
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_sources import load_settings
-from llm_backoff_shim.serve.config_values import ConfigError
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.serving import free_socket
 
 

@@ -14,11 +14,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from llm_backoff_shim.serve.cli_flags import COMMON, GROUPS
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_file import NOT_TOP_LEVEL, example_config, render_config
-from llm_backoff_shim.serve.config_sources import load_settings
-from llm_backoff_shim.serve.config_values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError
+from llm_backoff_shim.serve.config.file import NOT_TOP_LEVEL, example_config, render_config
+from llm_backoff_shim.serve.config.flags import COMMON, GROUPS
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "shim.toml"
 
@@ -197,7 +197,7 @@ def test_a_bad_file_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -> No
 
 def test_the_example_file_is_the_generated_one() -> None:
     assert EXAMPLE.read_text(encoding="utf-8") == example_config(), (
-        "regenerate: python -m llm_backoff_shim.serve.config_file > server_shim/deploy/shim.toml"
+        "regenerate: python -m llm_backoff_shim.serve.config.file > server_shim/deploy/shim.toml"
     )
 
 

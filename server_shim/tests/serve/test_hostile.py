@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 
 CHAT = "/v1/chat/completions"

@@ -473,8 +473,8 @@ def test_a_trusted_proxys_chain_is_kept_and_the_peer_appended(
 
 
 def test_trusted_proxies_must_be_addresses_or_networks() -> None:
-    from llm_backoff_shim.serve.config_sources import load_settings
-    from llm_backoff_shim.serve.config_values import ConfigError
+    from llm_backoff_shim.serve.config.sources import load_settings
+    from llm_backoff_shim.serve.config.values import ConfigError
 
     assert load_settings(["--trusted-proxies", "10.0.0.0/8,::1"]).trusted_proxies == ("10.0.0.0/8", "::1")
     with pytest.raises(ConfigError, match="not an IP address"):

@@ -24,10 +24,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
 
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_sources import load_settings
-from llm_backoff_shim.serve.config_values import ConfigError
-from llm_backoff_shim.serve.routes import (
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import ConfigError
+from llm_backoff_shim.serve.request_path.routes import (
     OPERATOR_PATHS,
     ROUTES,
     V1_FALLBACK,

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from llm_backoff_shim.serve.command import uvicorn_options
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_values import env_name
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.values import env_name
 from llm_backoff_shim.serve.serving import free_socket
 from llm_backoff_shim.serve.startup import (
     changed_settings,

@@ -25,9 +25,9 @@ from llm_backoff_shim.decide.tenants import (
     load_tenants_file,
 )
 from llm_backoff_shim.serve.app import create_app, shim_state
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_sources import load_settings
-from llm_backoff_shim.serve.config_values import ConfigError
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.policy.quota import TenantQuotas, quota_headers, reset_duration, specs_for
 from llm_backoff_shim.serve.policy.request_hooks import ShimPolicies
 from llm_backoff_shim.serve.request_path.rejection import Refusal

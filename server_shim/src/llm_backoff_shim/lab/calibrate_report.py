@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llm_backoff_shim.serve.config_file import render_config
+from llm_backoff_shim.serve.config.file import render_config
 
 from .extra import require_plotting
 from .knee import StepStats, Verdict, rate

@@ -45,7 +45,7 @@ from llm_backoff_shim.lab.callers import retry_policy
 from llm_backoff_shim.lab.overload_results import ModelCall, ModelResult
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals
 from llm_backoff_shim.serve.app import build_controller
-from llm_backoff_shim.serve.config_sources import load_settings
+from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.testing import ManualClock
 
 _REFUSED = Verdict(True, "429")

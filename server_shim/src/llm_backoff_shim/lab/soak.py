@@ -40,7 +40,7 @@ import llm_backoff
 from llm_backoff_shim.lab.soak_audit import metric_values, on_loop, outcome_counts, rss_mib, settle
 from llm_backoff_shim.lab.soak_report import KINDS, SoakConfig, SoakReport
 from llm_backoff_shim.serve.app import create_app, shim_state
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 

@@ -36,7 +36,7 @@ from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
 from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
-from llm_backoff_shim.serve.config import ShimSettings
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
@@ -46,9 +46,9 @@ from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolici
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
 from llm_backoff_shim.serve.request_path.headers import Forwarding
 from llm_backoff_shim.serve.request_path.proxy import Proxy
+from llm_backoff_shim.serve.request_path.routes import RouteTable
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
-from llm_backoff_shim.serve.routes import RouteTable
 from llm_backoff_shim.serve.shim_app import (
     ClassState,
     ShimRuntime,

@@ -26,9 +26,9 @@ from starlette.applications import Starlette
 from llm_backoff_shim.http.limits import Limits
 from llm_backoff_shim.http.paths import FastPathUnavailable, Serving, serving
 from llm_backoff_shim.serve.app import create_app, shim_state
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_sources import load_settings
-from llm_backoff_shim.serve.config_values import ConfigError
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.log_setup import logging_config
 from llm_backoff_shim.serve.startup import (
     listen_url,

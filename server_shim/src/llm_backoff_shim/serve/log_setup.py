@@ -1,7 +1,7 @@
 """The shim's logging plumbing: the access log's batched writer, JSON lines, ``serve``'s config.
 
 :class:`BatchedLineHandler` writes the access log's lines (rendered by
-:mod:`~llm_backoff_shim.serve.access_log`) in order, in batches, from a background thread;
+:mod:`~llm_backoff_shim.serve.observe.access_log`) in order, in batches, from a background thread;
 :func:`logging_config` routes them to stdout and everything else to stderr.
 """
 

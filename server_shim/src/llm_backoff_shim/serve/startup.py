@@ -21,9 +21,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import SecretStr
 
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_sources import CONFIG_ENV
-from llm_backoff_shim.serve.config_values import ENV_PREFIX, env_name
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import CONFIG_ENV
+from llm_backoff_shim.serve.config.values import ENV_PREFIX, env_name
 
 #: Longest the upstream probe may delay start-up, in seconds.
 PROBE_TIMEOUT = 1.5

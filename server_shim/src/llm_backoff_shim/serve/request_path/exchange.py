@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.serve.request_path.headers import RawHeaders
-from llm_backoff_shim.serve.routes import Shape
+from llm_backoff_shim.serve.request_path.routes import Shape
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

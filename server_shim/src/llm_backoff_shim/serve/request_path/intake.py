@@ -38,10 +38,10 @@ from typing import Any
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
-from llm_backoff_shim.serve.auth import ApiKeys, bearer_token, key_id
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.auth import ApiKeys, bearer_token, key_id
 from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
-from llm_backoff_shim.serve.routes import Route, RouteTable
+from llm_backoff_shim.serve.request_path.routes import Route, RouteTable
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

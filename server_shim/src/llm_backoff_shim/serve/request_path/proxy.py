@@ -39,10 +39,10 @@ from llm_backoff_shim.http.interface import (
     ClientWire,
     ConnectionGone,
 )
-from llm_backoff_shim.serve.auth import ApiKeys
 from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+from llm_backoff_shim.serve.request_path.auth import ApiKeys
 from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
@@ -57,9 +57,9 @@ from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
 from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake
 from llm_backoff_shim.serve.request_path.rejection import Refusal, answer, rejection_response, wire_form
 from llm_backoff_shim.serve.request_path.relay import Relay, UpstreamRefused
+from llm_backoff_shim.serve.request_path.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
-from llm_backoff_shim.serve.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.http.interface import BODY_FOLLOWS, wire_answer
 from llm_backoff_shim.serve.request_path.exchange import Exchange, Send
-from llm_backoff_shim.serve.routes import Shape
+from llm_backoff_shim.serve.request_path.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]
 

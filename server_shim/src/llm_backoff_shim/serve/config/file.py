@@ -9,7 +9,7 @@ highest priority first, so ``[classes.*]`` also sets ``classes``. Relative paths
 
 Reading checks the file's shape (valid TOML, known keys, tables where tables go) and
 raises :class:`ConfigError` naming the key's path; types and ranges are checked by the
-model, and :mod:`.config_sources` names the path of a value it refuses from
+model, and :mod:`.sources` names the path of a value it refuses from
 :attr:`FileValues.where`.
 """
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llm_backoff_shim.serve.cli_flags import GROUPS
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError, env_name
+from llm_backoff_shim.serve.config.flags import GROUPS
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError, env_name
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -278,7 +278,7 @@ def example_config() -> str:
             "Every setting of the shim, at its default. Lines starting with '# key =' are settings",
             "left at their default (or an example where the default is none): uncomment to set.",
             "Flags and LLM_BACKOFF_SHIM_* variables win over this file (flag > env > file > default).",
-            "Regenerate: python -m llm_backoff_shim.serve.config_file > server_shim/deploy/shim.toml",
+            "Regenerate: python -m llm_backoff_shim.serve.config.file > server_shim/deploy/shim.toml",
         ),
     )
 

@@ -2,10 +2,10 @@
 
 Values come from command-line flags, ``LLM_BACKOFF_SHIM_<FIELD>`` environment
 variables and a TOML file (``--config``); flag > env > file > default.
-:mod:`~llm_backoff_shim.serve.config_sources` merges them,
-:mod:`~llm_backoff_shim.serve.cli_flags` builds the flags,
-:mod:`~llm_backoff_shim.serve.config_file` reads and writes the file and
-:mod:`~llm_backoff_shim.serve.config_values` holds the names and value syntax.
+:mod:`~llm_backoff_shim.serve.config.sources` merges them,
+:mod:`~llm_backoff_shim.serve.config.flags` builds the flags,
+:mod:`~llm_backoff_shim.serve.config.file` reads and writes the file and
+:mod:`~llm_backoff_shim.serve.config.values` holds the names and value syntax.
 
 Per-class values are maps from class name to value (``class_max_queue``,
 ``reserved_share``, ...; :data:`PER_CLASS_KEYS`): ``NAME=value,...`` on the command
@@ -25,8 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AnyHttpUrl, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from llm_backoff_shim.serve.auth import ApiKeys, read_keys_file
-from llm_backoff_shim.serve.config_values import (
+from llm_backoff_shim.serve.config.values import (
     DEFAULT_CLASSES,
     ENV_PREFIX,
     PER_CLASS_KEYS,
@@ -42,7 +41,8 @@ from llm_backoff_shim.serve.config_values import (
     scalar_kind,
     split_list,
 )
-from llm_backoff_shim.serve.routes import UnknownOperatorRouteError, check_allowed
+from llm_backoff_shim.serve.request_path.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.serve.request_path.routes import UnknownOperatorRouteError, check_allowed
 
 
 class ShimSettings(BaseSettings):

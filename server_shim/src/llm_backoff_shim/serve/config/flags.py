@@ -17,8 +17,8 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_values import CLASS_ALIASES, ENV_PREFIX, env_name, flag_name
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.values import CLASS_ALIASES, ENV_PREFIX, env_name, flag_name
 
 #: The groups of ``--help``: the settings most deployments set.
 COMMON: dict[str, tuple[str, ...]] = {

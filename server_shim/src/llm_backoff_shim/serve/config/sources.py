@@ -20,10 +20,10 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from llm_backoff_shim.serve.cli_flags import PROG, REPEATABLE, build_parser
-from llm_backoff_shim.serve.config import ShimSettings
-from llm_backoff_shim.serve.config_file import FileValues, read_config_file
-from llm_backoff_shim.serve.config_values import (
+from llm_backoff_shim.serve.config.file import FileValues, read_config_file
+from llm_backoff_shim.serve.config.flags import PROG, REPEATABLE, build_parser
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.values import (
     CLASS_ALIASES,
     ENV_PREFIX,
     PER_CLASS_KEYS,
