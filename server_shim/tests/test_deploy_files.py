@@ -71,7 +71,7 @@ SCALAR_METRICS = frozenset(
         "llm_backoff_shim_requests_total",
         "llm_backoff_shim_in_flight",
         "llm_backoff_shim_queue_depth",
-        "llm_backoff_shim_drain_rate",
+        "llm_backoff_shim_drain_rate_per_second",
         "llm_backoff_shim_slo_state",
     }
 )

@@ -228,7 +228,7 @@ def test_one_line_per_request(
     assert models["tenant"] is None
     assert (malformed["outcome"], malformed["code"], malformed["status"]) == (
         "bad_request",
-        "malformed_json",
+        "invalid_json",
         400,
     )
     assert malformed["upstream_ms"] is None

@@ -326,7 +326,7 @@ def test_client_mistakes_are_typed_4xx_errors_the_sdk_does_not_retry(
         for (name, labels), value in shim.metrics().items()
         if name == "llm_backoff_shim_bad_requests_total" and value
     }
-    assert bad_requests == {"unauthorized": 1, "unknown_class": 1}  # one attempt each: not retried
+    assert bad_requests == {"unauthorized": 1, "invalid_request_class": 1}  # one attempt each: not retried
 
 
 # -- the shape mapping and the simulator's endpoint, without the SDK ---------------------------

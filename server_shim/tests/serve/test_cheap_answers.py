@@ -49,7 +49,7 @@ def random_record(rng: random.Random) -> AccessRecord:
         cls=maybe(rng.choice(["interactive", "batch"])),
         tenant=maybe("3f1a9c0d2b7e"),
         outcome=rng.choice(["completed", "rejected", "bad_request", "client_disconnected"]),
-        code=maybe(rng.choice(["queue_full", "malformed_json"])),
+        code=maybe(rng.choice(["queue_full", "invalid_json"])),
         status=maybe(rng.choice([200, 429, 400])),
         body_done=maybe(arrival + rng.random()),
         queue_time=maybe(rng.random() * rng.choice([1, 1e-4, 100])),

@@ -94,14 +94,14 @@ def still_serves(shim: GuardedShim) -> None:
 # -- ASGI-level checks (the request head was valid HTTP) ----------------------------------
 
 BAD_BODIES: list[tuple[str, bytes, dict[str, str], int, str]] = [
-    ("truncated JSON", b'{"model": "m", "messages": [', {}, 400, "malformed_json"),
-    ("not JSON at all", b"model=m&prompt=hi", {}, 400, "malformed_json"),
-    ("empty body", b"", {}, 400, "malformed_json"),
-    ("JSON array", b"[1, 2, 3]", {}, 400, "malformed_json"),
-    ("JSON string", b'"hello"', {}, 400, "malformed_json"),
-    ("invalid UTF-8", b'{"model": "\xff\xfe"}', {}, 400, "malformed_json"),
-    ("deep nesting", b"[" * 1500 + b"]" * 1500, {}, 400, "malformed_json"),
-    ("NaN literal", b'{"n": NaN', {}, 400, "malformed_json"),
+    ("truncated JSON", b'{"model": "m", "messages": [', {}, 400, "invalid_json"),
+    ("not JSON at all", b"model=m&prompt=hi", {}, 400, "invalid_json"),
+    ("empty body", b"", {}, 400, "invalid_json"),
+    ("JSON array", b"[1, 2, 3]", {}, 400, "invalid_json"),
+    ("JSON string", b'"hello"', {}, 400, "invalid_json"),
+    ("invalid UTF-8", b'{"model": "\xff\xfe"}', {}, 400, "invalid_json"),
+    ("deep nesting", b"[" * 1500 + b"]" * 1500, {}, 400, "invalid_json"),
+    ("NaN literal", b'{"n": NaN', {}, 400, "invalid_json"),
     ("text/plain", json.dumps(GOOD).encode(), {"content-type": "text/plain"}, 415, "unsupported_media_type"),
     (
         "form content type",
@@ -117,13 +117,13 @@ BAD_BODIES: list[tuple[str, bytes, dict[str, str], int, str]] = [
         415,
         "unsupported_media_type",
     ),
-    ("unknown class", json.dumps(GOOD).encode(), {"x-request-class": "vip"}, 400, "unknown_class"),
+    ("unknown class", json.dumps(GOOD).encode(), {"x-request-class": "vip"}, 400, "invalid_request_class"),
     (
         "class with CR-free junk",
         json.dumps(GOOD).encode(),
         {"x-request-class": "a" * 500},
         400,
-        "unknown_class",
+        "invalid_request_class",
     ),
     (
         "budget not a number",

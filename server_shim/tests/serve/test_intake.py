@@ -59,7 +59,7 @@ def refused(answer: Head | Refusal) -> Refusal:
         (
             CHAT,
             headers((b"x-request-class", b"vip"), (b"x-request-timeout-ms", b"-1")),
-            "unknown_class",
+            "invalid_request_class",
             400,
             Shape.OPENAI,
         ),
@@ -112,4 +112,4 @@ def test_the_body_says_what_the_admission_request_asks_for(intake: Intake) -> No
     assert (request.stream, request.max_tokens) == (True, 64)
     assert data == {"stream": True, "max_tokens": 64}
     malformed = refused(Intake.body(head, b"[1, 2]"))
-    assert (malformed.reason, malformed.status) == ("malformed_json", 400)
+    assert (malformed.reason, malformed.status) == ("invalid_json", 400)

@@ -178,8 +178,8 @@ def test_in_flight_cap_and_bounded_queue(upstream: Any, make_shim: Callable[...,
     assert metric(samples, "llm_backoff_shim_in_flight", **{"class": "interactive"}) == 0
     assert metric(samples, "llm_backoff_shim_queue_depth", **{"class": "batch"}) == 0
     assert metric(samples, "llm_backoff_shim_slo_state", **{"class": "interactive"}) == 0
-    assert metric(samples, "llm_backoff_shim_drain_rate", **{"class": "interactive"}) > 0
-    assert metric(samples, "llm_backoff_shim_drain_rate", **{"class": "batch"}) == 0
+    assert metric(samples, "llm_backoff_shim_drain_rate_per_second", **{"class": "interactive"}) > 0
+    assert metric(samples, "llm_backoff_shim_drain_rate_per_second", **{"class": "batch"}) == 0
     assert metric(samples, "llm_backoff_shim_overtaken_total") == shim.runtime.controller.overtaken_total
     state = httpx.get(shim.url + "/shim/state", timeout=5).json()
     assert state["overtaken"] == shim.runtime.controller.overtaken_total

@@ -8,7 +8,7 @@ capacity by Little's law, ``slots / EWMA(service time)``, not from completions p
 second: after light traffic few completions were observed although every slot could
 turn over quickly, so a completions/s estimate would understate the drain rate and
 overstate the wait. Completions/s per class is still tracked, for the
-``drain_rate`` metric.
+``drain_rate_per_second`` metric.
 
 The Retry-After hints built on these estimates are :mod:`llm_backoff_shim.decide.retry_after`'s;
 they are spread over one timeline for all classes, and the returns promised are remembered per

@@ -24,12 +24,12 @@ OUTCOMES = ("admitted", "completed", "rejected", "client_disconnected", "upstrea
 REJECT_CODES = ("queue_full", "queue_timeout", "slo_shed", "tenant_rate_limited", "upstream_unavailable")
 #: Why the shim refused a request as malformed or hostile (``bad_requests_total{reason}``).
 BAD_REQUEST_REASONS = (
-    "malformed_json",
+    "invalid_json",
     "unsupported_media_type",
     "body_too_large",
     "body_timeout",
     "invalid_header",
-    "unknown_class",
+    "invalid_request_class",
     "bad_path",
     "operator_route",
     "unauthorized",
@@ -55,7 +55,7 @@ class _LiveState(Collector):
         )
         depth = GaugeMetricFamily(PREFIX + "queue_depth", "Requests waiting for a slot", labels=["class"])
         drain = GaugeMetricFamily(
-            PREFIX + "drain_rate", "Completions per second (decaying average)", labels=["class"]
+            PREFIX + "drain_rate_per_second", "Completions per second (decaying average)", labels=["class"]
         )
         slo = GaugeMetricFamily(PREFIX + "slo_state", "SLO state: 0 green, 1 yellow, 2 red", labels=["class"])
         for cls in c.classes:

@@ -177,15 +177,15 @@ def parse_json_object(body: bytes) -> dict[str, Any] | Refusal:
     try:
         data = _DECODER.decode(body.decode())
     except UnicodeDecodeError:
-        return client_error("request body is not UTF-8", code="invalid_json", reason="malformed_json")
+        return client_error("request body is not UTF-8", code="invalid_json")
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
         return client_error(
-            f"request body is not valid JSON{where}", code="invalid_json", reason="malformed_json"
+            f"request body is not valid JSON{where}", code="invalid_json"
         )
     if not isinstance(data, dict):
         return client_error(
-            "request body must be a JSON object", code="invalid_json", reason="malformed_json"
+            "request body must be a JSON object", code="invalid_json"
         )
     return data
 
@@ -349,9 +349,7 @@ class Intake:
         try:
             chosen = self.hooks.choose_class(headers, class_header, self.controller)
         except UnknownClassError as exc:
-            return client_error(
-                str(exc), param="x-request-class", code="invalid_request_class", reason="unknown_class"
-            )
+            return client_error(str(exc), param="x-request-class", code="invalid_request_class")
         if isinstance(chosen, Refusal):
             return chosen
         cls, tenant = chosen

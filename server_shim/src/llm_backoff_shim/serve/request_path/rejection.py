@@ -144,11 +144,12 @@ def client_error(
     param: str | None = None,
     code: str | None = None,
     status: int = 400,
-    reason: str = "",
+    reason: str | None = None,
 ) -> Refusal:
-    """An OpenAI-format error for a request the shim will not forward, counted as ``reason``."""
+    """An OpenAI-format error for a request the shim will not forward, counted as ``reason``
+    (by default its ``code``: a metric's reason and the wire's code name one thing alike)."""
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
-    return _json(status, body, [], reason)
+    return _json(status, body, [], (code or "") if reason is None else reason)
 
 
 #: Anthropic's status for "overloaded": its SDKs retry it and raise ``OverloadedError``.
