@@ -22,7 +22,8 @@ from typing import Any
 
 import httpx2
 
-from .engine import Flavor, RetryEngine, StreamGuard
+from .bodies import Flavor, StreamGuard
+from .engine import RetryEngine
 from .policy import RetryPolicy
 
 

@@ -37,6 +37,8 @@ LAST_MARGIN = 0.1
 #: Key of the attempt history in ``response.extensions`` and name of the attribute on exceptions.
 EXTENSION_KEY = "llm_backoff.attempts"
 ATTRIBUTE = "llm_backoff_attempts"
+#: Key of the reason a call gave up in ``response.extensions`` (an error status returned as the answer).
+REASON_KEY = "llm_backoff.reason"
 
 
 class Attempt(NamedTuple):
@@ -293,3 +295,19 @@ def format_history(attempts: tuple[Attempt, ...], final_reason: str | None = Non
             parts.append(f"waited {a.wait:.3g} s")
         lines.append(", ".join(parts))
     return "\n".join(lines)
+
+
+def annotate(exc: BaseException, attempts: tuple[Attempt, ...], reason: str | None) -> None:
+    """Put the attempt history on ``exc`` as an attribute and a note (once)."""
+    if getattr(exc, ATTRIBUTE, None) is not None:
+        return
+    setattr(exc, ATTRIBUTE, attempts)
+    exc._llm_backoff_reason = reason  # type: ignore[attr-defined]
+    note = format_history(attempts, reason)
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    else:  # Python 3.10: no add_note; keep the attribute 3.11+ tracebacks print
+        notes = list(getattr(exc, "__notes__", []))
+        notes.append(note)
+        exc.__notes__ = notes  # type: ignore[attr-defined]

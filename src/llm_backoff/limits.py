@@ -24,7 +24,10 @@ calls ``budget.record_request()``.
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol, runtime_checkable
+
+logger = logging.getLogger("llm_backoff")
 
 
 class RequestInfo(Protocol):
@@ -57,3 +60,16 @@ class RetryBudgetLike(Protocol):
 
     def try_spend(self) -> bool:
         """Take credit for one retry; False means: do not retry."""
+
+
+def settle_quietly(permit: Permit | None, status: int | None, body: bytes | None) -> None:
+    """``permit.settle(...)`` when there is a permit; a limiter that raises is logged, not raised.
+
+    A limiter bug must not turn a finished call into a failure.
+    """
+    if permit is None:
+        return
+    try:
+        permit.settle(status=status, body=body)
+    except Exception:
+        logger.exception("llm_backoff: permit.settle raised")

@@ -2,15 +2,21 @@
 
 A frozen pydantic model so that one policy can be shared by many clients, threads
 and tasks, hashed, and logged. Invalid values are rejected at construction with a
-message naming the field; unknown fields are rejected too, so a typo such as
-``max_retries=`` fails loudly instead of being ignored.
+message naming the field. Unknown fields are rejected too, so a typo fails loudly
+instead of being ignored, and the error names the field that was probably meant:
+the names other retry libraries use (``max_retries``, ``timeout``, ``backoff_factor``...)
+map to their counterpart here (`LIKELY_MEANT`), anything else gets the closest field
+names (``difflib``). The error is pydantic's ``ValidationError`` (a ``ValueError``) of
+type ``extra_forbidden``, as for any unknown field.
 """
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Jitter = Literal["full", "equal", "decorrelated", "none"]
 
@@ -32,6 +38,25 @@ INTERACTIVE_HINT_SHARE = 0.4
 #: `RetryPolicy.batch`'s deadline for the whole call; batch has no start deadline.
 BATCH_DEADLINE = 600.0
 
+#: Field names of other retry libraries (openai, urllib3, tenacity, backoff...) and what they are here.
+LIKELY_MEANT: dict[str, str] = {
+    "max_retries": "max_attempts (attempts include the first: max_retries=N is max_attempts=N+1)",
+    "retries": "max_attempts (attempts include the first: retries=N is max_attempts=N+1)",
+    "max_tries": "max_attempts (attempts include the first)",
+    "stop_after_attempt": "max_attempts (attempts include the first)",
+    "timeout": "deadline (seconds for the whole call, waits included)",
+    "total_timeout": "deadline (seconds for the whole call, waits included)",
+    "max_time": "deadline (seconds for the whole call, waits included)",
+    "stop_after_delay": "deadline (seconds for the whole call, waits included)",
+    "backoff_factor": "base_delay (the first computed backoff, doubling per retry)",
+    "initial_delay": "base_delay (the first computed backoff, doubling per retry)",
+    "min_delay": "base_delay (the first computed backoff, doubling per retry)",
+    "max_backoff": "max_delay (the cap on a computed backoff)",
+    "backoff_max": "max_delay (the cap on a computed backoff)",
+    "status_forcelist": "retry_statuses",
+    "retry_on_status": "retry_statuses",
+}
+
 
 class RetryPolicy(BaseModel):
     """How one logical call is retried.
@@ -49,6 +74,19 @@ class RetryPolicy(BaseModel):
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_names(cls, data: Any) -> Any:
+        """Refuse unknown fields, naming the field probably meant (see the module's docstring)."""
+        if not isinstance(data, dict):
+            return data
+        unknown = [name for name in data if name not in cls.model_fields]
+        if unknown:
+            raise PydanticCustomError(
+                "extra_forbidden", "; ".join(_unknown_field(cls.__name__, str(name)) for name in unknown)
+            )
+        return data
 
     max_attempts: StrictInt = Field(default=10, ge=1, description="total attempts, the first one included")
     deadline: float | None = Field(
@@ -97,7 +135,8 @@ class RetryPolicy(BaseModel):
         allow_inf_nan=False,
         description=(
             "with a start deadline: a hint that would begin the retry past it, but by at most this "
-            "fraction of the start deadline, still gets one last attempt just before it"
+            "fraction of the start deadline, still gets one last attempt just before it; only with "
+            "a start_deadline (without one, a value above 0 is refused: it could never apply)"
         ),
     )
 
@@ -162,6 +201,11 @@ class RetryPolicy(BaseModel):
     def _check_delays(self) -> RetryPolicy:
         if self.max_delay < self.base_delay:
             raise ValueError(f"max_delay ({self.max_delay}) must be >= base_delay ({self.base_delay})")
+        if self.last_chance > 0 and self.start_deadline is None:
+            raise ValueError(
+                f"last_chance ({self.last_chance:g}) needs a start_deadline: it is one last attempt just "
+                "before the start deadline, and without one it could never apply"
+            )
         start, whole = self.start_deadline, self.deadline
         if start is not None and whole is not None and start > whole:
             raise ValueError(
@@ -169,6 +213,17 @@ class RetryPolicy(BaseModel):
                 "the answer cannot be allowed to begin after the whole call has ended"
             )
         return self
+
+
+def _unknown_field(model: str, name: str) -> str:
+    meant = LIKELY_MEANT.get(name.lower())
+    if meant is not None:
+        return f"{model} has no {name}; did you mean {meant}?"
+    fields = list(RetryPolicy.model_fields)
+    close = difflib.get_close_matches(name.lower(), fields, n=2, cutoff=0.6)
+    if close:
+        return f"{model} has no {name}; did you mean {' or '.join(close)}?"
+    return f"{model} has no {name}; its fields are {', '.join(fields)}"
 
 
 _CLASS_PRESETS = {"interactive": RetryPolicy.interactive, "batch": RetryPolicy.batch}

@@ -7,14 +7,17 @@
 ``httpx2.Client(transport=Httpx2RetryTransport(httpx2.HTTPTransport(), policy))``
 retries every request of that client under ``policy``. The classes are resolved on
 first access, so neither HTTP library is imported unless it is used. What one attempt
-does is described in `llm_backoff.engine`.
+does is described in `llm_backoff.engine` and decided in `llm_backoff.attempt_core`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .engine import CALL_STARTED, REASON_KEY, RetryEngine, StreamGuard, annotate
+from .attempt_core import CALL_STARTED
+from .attempts import REASON_KEY, annotate
+from .bodies import StreamGuard
+from .engine import RetryEngine
 
 if TYPE_CHECKING:
     from ._httpx2_transport import AsyncHttpx2RetryTransport, Httpx2RetryTransport

@@ -55,8 +55,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from . import _reach
-from .attempts import ATTRIBUTE, EXTENSION_KEY
-from .engine import CALL_STARTED, REASON_KEY, RetryEngine, annotate
+from .attempt_core import CALL_STARTED
+from .attempts import ATTRIBUTE, EXTENSION_KEY, REASON_KEY, annotate
+from .engine import RetryEngine
 from .errors import RateLimitTimeout, UnsupportedClientError
 from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike

@@ -68,3 +68,42 @@ def test_never_retry_statuses_cannot_be_enabled(status: int) -> None:
 def test_max_delay_below_base_delay_is_rejected() -> None:
     with pytest.raises(ValidationError, match="max_delay"):
         RetryPolicy(base_delay=2.0, max_delay=1.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "meant"),
+    [
+        ({"max_retries": 3}, "did you mean max_attempts (attempts include the first"),
+        ({"timeout": 30}, "did you mean deadline"),
+        ({"backoff_factor": 1}, "did you mean base_delay"),
+        ({"max_attemps": 3}, "did you mean max_attempts?"),
+        ({"retry_status": [503]}, "did you mean retry_statuses"),
+        ({"Jitter": "full"}, "did you mean jitter"),
+    ],
+)
+def test_an_unknown_field_names_the_field_probably_meant(kwargs: dict[str, object], meant: str) -> None:
+    with pytest.raises(ValidationError, match=r"RetryPolicy has no \w+; ") as info:
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]
+    assert meant in str(info.value)
+    assert [error["type"] for error in info.value.errors()] == ["extra_forbidden"]
+
+
+def test_an_unknown_field_with_no_close_match_lists_the_fields() -> None:
+    with pytest.raises(ValueError, match="RetryPolicy has no colour; its fields are max_attempts, deadline"):
+        RetryPolicy(colour="blue")  # type: ignore[call-arg]
+
+
+def test_every_unknown_field_is_named_and_the_presets_say_the_same() -> None:
+    with pytest.raises(ValidationError, match=r"no max_retries;.*no dedline; did you mean deadline"):
+        RetryPolicy(max_retries=3, dedline=5)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="did you mean max_attempts"):
+        RetryPolicy.interactive(max_retries=3)
+
+
+def test_last_chance_without_a_start_deadline_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"last_chance .* needs a start_deadline"):
+        RetryPolicy(last_chance=0.5)
+    with pytest.raises(ValidationError, match="needs a start_deadline"):
+        RetryPolicy.batch(last_chance=0.5)
+    assert RetryPolicy(start_deadline=5, last_chance=0.5).last_chance == 0.5
+    assert RetryPolicy(last_chance=0).last_chance == 0  # off needs nothing
