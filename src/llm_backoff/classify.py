@@ -13,7 +13,9 @@ Statuses, in order of precedence:
 Exceptions: timeouts (connect, read, write, pool) are retried when
 ``retry_timeouts``; connection failures (refused, reset, closed without a response,
 proxy) when ``retry_connection_errors``. Anything else (bad URL, local protocol
-misuse, our own ``RateLimitTimeout``) is not retried. httpx, httpx2 and openai
+misuse, our own ``RateLimitTimeout``) is not retried. A verdict also says whether the
+attempt never reached the server (`never_connected`: refused, unreachable, DNS, TLS
+handshake, connect timeout), which ``max_connect_errors`` caps separately. httpx, httpx2 and openai
 exception types are recognised; a library that was never imported cannot have
 raised anything, so each is looked up in ``sys.modules`` instead of imported.
 """
@@ -36,6 +38,8 @@ class Verdict(NamedTuple):
 
     retryable: bool
     reason: str
+    connect_failed: bool = False
+    """The attempt never reached the server: no connection could be made (`never_connected`)."""
 
 
 def parse_error_body(body: bytes | str | Mapping[str, object] | None) -> Mapping[str, object] | None:
@@ -113,11 +117,33 @@ def error_kind(exc: BaseException) -> ErrorKind | None:
     return None
 
 
+def never_connected(exc: BaseException) -> bool:
+    """True when ``exc`` says no connection to the server could be made.
+
+    httpx/httpx2 ``ConnectError`` (refused, unreachable, DNS failure, TLS handshake) and
+    ``ConnectTimeout``, a plain ``ConnectionRefusedError``, or an openai
+    ``APIConnectionError`` caused by one of them. Failures after a connection was made
+    (reset, closed without a response, read timeouts) reached the server: False.
+    """
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 4:  # openai wraps the transport's error as __cause__
+        for name in ("httpx2", "httpx"):
+            module = sys.modules.get(name)
+            if module is not None and isinstance(current, (module.ConnectError, module.ConnectTimeout)):
+                return True
+        if isinstance(current, ConnectionRefusedError):
+            return True
+        current = current.__cause__
+        seen += 1
+    return False
+
+
 def classify_exception(policy: RetryPolicy, exc: BaseException) -> Verdict:
     kind = error_kind(exc)
     name = type(exc).__name__
     if kind == "timeout":
-        return Verdict(policy.retry_timeouts, f"timeout ({name})")
+        return Verdict(policy.retry_timeouts, f"timeout ({name})", never_connected(exc))
     if kind == "connection":
-        return Verdict(policy.retry_connection_errors, f"connection error ({name})")
+        return Verdict(policy.retry_connection_errors, f"connection error ({name})", never_connected(exc))
     return Verdict(False, f"{name} is not a transport failure")

@@ -38,6 +38,13 @@ INTERACTIVE_HINT_SHARE = 0.4
 #: `RetryPolicy.batch`'s deadline for the whole call; batch has no start deadline.
 BATCH_DEADLINE = 600.0
 
+#: `RetryPolicy.max_connect_errors` by default: attempts in a row that could not connect before
+#: giving up. A server that refuses connections is down or the URL is wrong, and neither gets
+#: better in the seconds a caller waits; an overloaded server answers (429/503) and is waited
+#: out under the deadline. 3 is openai's own default (max_retries=2), so a dead server fails
+#: as fast wrapped as unwrapped (docs/sdk.md, "A server that is down").
+DEFAULT_MAX_CONNECT_ERRORS = 3
+
 #: Field names of other retry libraries (openai, urllib3, tenacity, backoff...) and what they are here.
 LIKELY_MEANT: dict[str, str] = {
     "max_retries": "max_attempts (attempts include the first: max_retries=N is max_attempts=N+1)",
@@ -129,6 +136,15 @@ class RetryPolicy(BaseModel):
     retry_statuses: frozenset[int] = DEFAULT_RETRY_STATUSES
     retry_connection_errors: StrictBool = True
     retry_timeouts: StrictBool = True
+    max_connect_errors: StrictInt | None = Field(
+        default=DEFAULT_MAX_CONNECT_ERRORS,
+        ge=1,
+        description=(
+            "attempts in a row that could not connect at all (refused, unreachable, DNS, TLS "
+            "handshake, connect timeout), the first included, after which the call gives up; "
+            "None: only max_attempts and the deadlines bound them"
+        ),
+    )
     last_chance: float = Field(
         default=0.0,
         ge=0,
@@ -173,12 +189,19 @@ class RetryPolicy(BaseModel):
 
     @classmethod
     def batch(cls, deadline: float | None = BATCH_DEADLINE, **fields: Any) -> RetryPolicy:
-        """For work nobody watches: patience (a long ``deadline``, no start deadline, long hints waited)."""
+        """For work nobody watches: patience (a long ``deadline``, no start deadline, long hints waited).
+
+        Connection failures are not capped apart (``max_connect_errors=None``): a batch job
+        rides out a server restart (a model server reloading its weights refuses connections
+        for a minute or more) within its deadline, at the price of a wrong URL failing each
+        call only when the deadline passes (about 9 minutes; docs/sdk.md, "A server that is down").
+        """
         values: dict[str, Any] = {
             "deadline": deadline,
             "max_attempts": 50,
             "max_delay": 60.0,
             "max_retry_after": 600.0,
+            "max_connect_errors": None,
         }
         values.update(fields)
         return cls(**values)
