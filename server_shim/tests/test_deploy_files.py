@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import httpx
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+
+from llm_backoff_shim.lab import procs
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "server_shim" / "deploy"
@@ -830,10 +831,7 @@ def test_deploy_doc_references_files_flags_and_metrics_that_exist() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return procs.free_port()
 
 
 def _wait_for(url: str, deadline_s: float) -> httpx.Response:

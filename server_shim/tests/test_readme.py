@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import AnyHttpUrl
 
+from llm_backoff_shim.lab import procs
 from llm_backoff_shim.serve.app import create_app
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
@@ -82,10 +82,7 @@ def shell_commands(block: str) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return procs.free_port()
 
 
 def with_ports(text: str, ports: dict[str, int]) -> str:

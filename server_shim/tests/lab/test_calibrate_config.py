@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 
-from llm_backoff_shim.lab import calibrate
+from llm_backoff_shim.lab import calibrate, procs
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
-from llm_backoff_shim.serve.serving import ServerThread, free_socket
+from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 
 
@@ -68,8 +68,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
             == ShimSettings()
         )
         # The real command runs with it: its limit is the recommendation, its upstream the simulator.
-        with free_socket() as sock:
-            port = sock.getsockname()[1]
+        port = procs.free_port()
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLM_BACKOFF_SHIM_")}
         proc = subprocess.Popen(
             [sys.executable, "-m", "llm_backoff_shim.cli", "serve", "--config", str(config), "--port", str(port)],  # noqa: E501

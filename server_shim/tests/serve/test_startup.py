@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from llm_backoff_shim.lab import procs
 from llm_backoff_shim.serve.command import uvicorn_options
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.values import env_name
-from llm_backoff_shim.serve.serving import free_socket
 from llm_backoff_shim.serve.startup import (
     changed_settings,
     probe_upstream,
@@ -106,8 +106,7 @@ def test_the_probe_reports_the_upstreams_answer(upstream: Any) -> None:
 
 
 def test_the_probe_reports_a_refused_connection() -> None:
-    with free_socket() as sock:
-        port = sock.getsockname()[1]
+    port = procs.free_port()
     # The socket is closed: nothing listens on the port.
     result = probe_upstream(f"http://127.0.0.1:{port}")
     assert result.startswith("did not answer GET /v1/models: ConnectionRefusedError")
@@ -135,8 +134,7 @@ def _stderr_lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
 def test_serve_logs_one_startup_line_and_warns_about_the_environment(
     upstream: Any, shim_http_path: str
 ) -> None:
-    with free_socket() as sock:
-        port = sock.getsockname()[1]
+    port = procs.free_port()
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LLM_BACKOFF_SHIM_")}
     env["LLM_BACKOFF_SHIM_HTTP_PATH"] = shim_http_path  # the run's serving path (conftest)
     env["LLM_BACKOFF_SHIM_MAX_CONCURENCY"] = "5"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from llm_backoff_shim.lab import procs
 from llm_backoff_shim.sim.server import main
 
 FLAGS = [
@@ -81,10 +81,7 @@ def test_unparsable_values_are_argparse_errors(capsys: pytest.CaptureFixture[str
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return procs.free_port()
 
 
 def test_the_command_serves_openai_clients_without_server_or_date_headers() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,11 +34,35 @@ class ServerStartError(RuntimeError):
     """A child server exited or did not become healthy in time; the message includes its log tail."""
 
 
+#: ``START-END``: the ports :func:`free_port` hands out, set by a test run (conftest.py) to a
+#: block of its own per worker, outside the kernel's ephemeral range.
+PORT_BLOCK_ENV = "LLM_BACKOFF_PORT_BLOCK"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now, for a child server to bind (the socket is released first).
+
+    Released, the port could be handed to someone else's ``bind(0)`` before the child binds it.
+    Where ``LLM_BACKOFF_PORT_BLOCK`` names a block (tests running in parallel), the port comes
+    from it: outside the ephemeral range no ``bind(0)`` is handed it, and no other worker draws
+    from the same block.
+    """
+    block = os.environ.get(PORT_BLOCK_ENV)
+    if block:
+        start, end = (int(n) for n in block.split("-"))
+        candidates = list(range(start, end))
+        random.shuffle(candidates)
+        for port in candidates:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        bound: int = sock.getsockname()[1]
+        return bound
 
 
 def cli_command(subcommand: str, *args: str) -> list[str]:
