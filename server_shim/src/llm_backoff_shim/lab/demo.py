@@ -90,15 +90,7 @@ def shim_flags(shape: EngineShape, scenario: Scenario, *, hold_batch: bool = Tru
         batch_max_queue_wait=batch_wait,
         retry_after_max=None if batch_wait is None else HELD_RETRY_AFTER_MAX,
     )
-    flags = rec.serve_flags() if batch_wait is not None else [
-        "--max-concurrency",
-        str(shape.slots),
-        "--max-queue",
-        str(2 * shape.slots),
-        "--max-queue-wait",
-        f"{wait:g}",
-    ]
-    return [*flags, "--initial-service-time", f"{shape.service_time_for(scenario.workload):.2f}"]
+    return [*rec.serve_flags(), "--initial-service-time", f"{shape.service_time_for(scenario.workload):.2f}"]
 
 
 def describe_setup(setup: Setup, scenario: Scenario) -> str:
