@@ -26,12 +26,18 @@ LOGS="$(mktemp -d)"
 export LLM_BACKOFF_HYPOTHESIS_PROFILE="${LLM_BACKOFF_HYPOTHESIS_PROFILE:-ci}"
 elapsed() { echo "$(( $(date +%s) - STARTED )) s"; }
 
-# Redis for the shared-limit tests: a real server on loopback.
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "== installing redis-server"
+# Real servers from Debian's packages, on loopback: Redis for the shared limits; nginx,
+# HAProxy and Prometheus for the fleet tests (several shims behind a load balancer). Each test
+# starts its own instance with its own config on its own ports; the packages' services are not used.
+missing=()
+for pair in redis-server:redis-server nginx:nginx-light haproxy:haproxy prometheus:prometheus; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || [ -x "/usr/sbin/${pair%%:*}" ] || missing+=("${pair#*:}")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "== installing ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 REDIS_PORT="${LLM_BACKOFF_TEST_REDIS_PORT:-6399}"
 REDIS_DIR="$(mktemp -d)"
