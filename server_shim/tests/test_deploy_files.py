@@ -823,8 +823,12 @@ def test_deploy_doc_references_files_flags_and_metrics_that_exist() -> None:
             assert flag in flags, f"`serve --{flag}` is not a shim flag"
     for name in set(re.findall(r"\bLLM_BACKOFF_SHIM_[A-Z_]+\b", doc)):
         assert name in {env_name(f) for f in flags}, name
-    for metric in set(re.findall(r"\bllm_backoff_shim_\w+", doc)):
+    # Recording rules (`level:metric:operations`) are named in the shipped rules file instead.
+    for metric in set(re.findall(r"(?<![:\w])llm_backoff_shim_\w+(?!\w|:)", doc)):
         assert metric in exported_series() | HISTOGRAMS, metric
+    rules = (DEPLOY / "prometheus" / "llm-backoff-rules.yml").read_text()
+    for recorded in set(re.findall(r"\b\w+:llm_backoff_shim_\w+:\w+|\binstance:llm_backoff_shim_\w+", doc)):
+        assert f"record: {recorded}\n" in rules, recorded
 
 
 # ----------------------------------------------------- the real shim, configured by the example

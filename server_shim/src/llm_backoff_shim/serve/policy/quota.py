@@ -40,6 +40,11 @@ RawHeaders = list[tuple[bytes, bytes]]
 
 #: Local buckets kept for at most this many tenants (least recently used evicted).
 MAX_LOCAL_TENANTS = 10_000
+#: Seconds a Redis connect or reply may take before the request gets its 503: a quota check
+#: sits before the queue, and a Redis that hangs (stopped, partitioned) must not hold callers
+#: (redis-py waits 5 s by default since 8.0, and without limit before). ``?socket_timeout=`` and
+#: ``?socket_connect_timeout=`` in ``--redis-url`` override it.
+REDIS_TIMEOUT = 0.5
 
 
 def specs_for(tenant: Tenant) -> tuple[BucketSpec, ...]:
@@ -154,7 +159,9 @@ class TenantQuotas:
         if redis_url is not None and redis_client is None:
             import redis
 
-            self._redis_client = redis.Redis.from_url(redis_url)
+            self._redis_client = redis.Redis.from_url(
+                redis_url, socket_timeout=REDIS_TIMEOUT, socket_connect_timeout=REDIS_TIMEOUT
+            )
 
     @property
     def shared(self) -> bool:
