@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("llm_backoff_shim.sim.server", "run the vLLM-like simulator (tests, demo, rehearsals)"),
     "demo": ("llm_backoff_shim.lab.demo", "run the overload demo on the simulator"),
     "calibrate": ("llm_backoff_shim.lab.calibrate", "measure an upstream and suggest shim settings"),
+    "fleet": ("llm_backoff_shim.lab.fleet", "run shims behind a real nginx or HAProxy on loopback"),
 }
 
 

@@ -105,8 +105,11 @@ class ChildServer:
         host: str = "127.0.0.1",
         start_timeout: float = 20.0,
         env: dict[str, str] | None = None,
+        port: int = 0,
     ) -> None:
         self.name = name
+        #: Nonzero: always this port (a load balancer's configuration names it), never a fresh one.
+        self.fixed_port = port
         self._command = command
         self._health_path = health_path
         self.host = host
@@ -127,8 +130,9 @@ class ChildServer:
         return None if self._proc is None else self._proc.pid
 
     def launch(self) -> ChildServer:
-        """Start the process on a fresh port without waiting for it (see :meth:`wait_ready`)."""
-        self.port = free_port(self.host)
+        """Start the process without waiting for it (see :meth:`wait_ready`): on
+        :attr:`fixed_port` if set, else on a fresh port."""
+        self.port = self.fixed_port or free_port(self.host)
         env = None if self._env is None else {**os.environ, **self._env}
         self.argv = list(self._command(self.port))
         self._proc = subprocess.Popen(
@@ -152,15 +156,18 @@ class ChildServer:
         return False
 
     def start(self) -> ChildServer:
-        """Launch and wait; on failure retry on a fresh port, then raise :class:`ServerStartError`."""
+        """Launch and wait; on failure retry on a fresh port, then raise :class:`ServerStartError`.
+
+        With a :attr:`fixed_port` there is no other port to try: the first failure raises."""
         if self._proc is None:
             self.launch()
-        for attempt in range(START_ATTEMPTS):
+        attempts = 1 if self.fixed_port else START_ATTEMPTS
+        for attempt in range(attempts):
             if self.wait_ready():
                 return self
             last = self.log_tail()
             self.stop()
-            if attempt + 1 == START_ATTEMPTS:
+            if attempt + 1 == attempts:
                 raise ServerStartError(f"{self.name} did not start on {self.host}; its output:\n{last}")
             self.launch()
         raise AssertionError("unreachable")  # pragma: no cover
@@ -178,6 +185,25 @@ class ChildServer:
     def stop(self, grace: float = 3.0) -> None:
         proc, self._proc = self._proc, None
         terminate(proc, grace)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would end it (nothing drains), and reap it."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        if proc is not None:
+            proc.wait()
+
+    def restart(self) -> ChildServer:
+        """Start it again on the port it had (stopped first if still running), and wait."""
+        port = self.port
+        self.stop()
+        keep, self.fixed_port = self.fixed_port, self.fixed_port or port
+        try:
+            return self.start()
+        finally:
+            self.fixed_port = keep
 
     def close(self) -> None:
         self.stop()
@@ -203,14 +229,14 @@ def sim_server(sim_flags: Sequence[str]) -> ChildServer:
     )
 
 
-def shim_server(upstream: ChildServer, shim_flags: Sequence[str]) -> ChildServer:
-    """A shim in front of ``upstream``, whose URL is read when the shim is launched."""
+def shim_server(upstream: ChildServer | str, shim_flags: Sequence[str]) -> ChildServer:
+    """A shim in front of ``upstream`` (a server, whose URL is read when the shim is launched, or a URL)."""
     return ChildServer(
         "shim",
         lambda port: cli_command(
             "serve",
             "--upstream",
-            upstream.url,
+            upstream if isinstance(upstream, str) else upstream.url,
             "--host",
             "127.0.0.1",
             "--port",
