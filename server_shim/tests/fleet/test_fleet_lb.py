@@ -1,0 +1,330 @@
+"""Shims behind a real nginx and a real HAProxy on loopback, running the shipped configurations.
+
+Three simulated engines, a shim each with one slot and no queue (``--max-concurrency 1
+--max-queue 0``), the load balancer in front (:class:`~llm_backoff_shim.lab.fleet.Fleet`):
+
+- three slow calls at once are all admitted (one per replica) and a fourth is refused at
+  once, with the shim's well-formed refusal, after the load balancer tried every replica;
+- under a short overload (twice as many closed-loop callers as slots), a caller is refused
+  only when the fleet is full. Measured from the shims' own access logs: a refusal counts as
+  "given while another replica had a free slot" when some replica had no call in flight
+  during the whole time the refused call was in the fleet (from its send to its refusal at
+  the caller, all on this machine's clock), or when not every replica was asked;
+- when every replica refuses, the Retry-After that reaches the caller is compared with each
+  replica's own estimate for that very call (each shim logs the hint it gave, by request id);
+- a 503 refusal with Retry-After (HAProxy's recipe) is waited out by the SDK and by plain
+  openai as a 429 is.
+
+Bounded: a few seconds per test; nothing leaves loopback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llm_backoff_shim.lab.fleet import Fleet
+from llm_backoff_shim.lab.fleet_configs import lb_binary
+
+pytestmark = pytest.mark.timeout(120)
+
+ITL = 0.02  # seconds per token, whatever the batch: a call's length is max_tokens * ITL
+SIM_FLAGS = (
+    "--ttft", "0", "--itl", str(ITL), "--itl-batch-factor", "0", "--prefill-time-per-token", "0",
+    "--output-tokens", "1000", "--output-tokens-sigma", "0",
+)  # fmt: skip
+ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", "--log-level", "info", "--log-format", "json")
+REFUSAL_STATUS = {"nginx": 429, "haproxy": 503}
+
+
+def need(lb: str) -> None:
+    if lb_binary(lb) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{lb} is not installed, and CI must run this test (scripts/test.sh installs it)")
+        pytest.skip(f"{lb} is not installed (apt-get install {lb})")
+
+
+@pytest.fixture(params=["nginx", "haproxy"])
+def lb(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    need(name)
+    return name
+
+
+@pytest.fixture
+def fleet(lb: str) -> Iterator[Fleet]:
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as started:
+        yield started
+
+
+@pytest.fixture
+def fine_fleet(lb: str) -> Iterator[Fleet]:
+    """Hints below the default floor of 1 s, so replicas' estimates can be told apart."""
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=(*ONE_SLOT, "--retry-after-min", "0.05")) as started:
+        yield started
+
+
+def body(seconds: float) -> dict[str, Any]:
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max(1, round(seconds / ITL)),
+    }
+
+
+def metric_counts(url: str) -> dict[str, float]:
+    """A shim's own ``requests_total`` by outcome (all classes and codes), from its /metrics."""
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+        if family.name == "llm_backoff_shim_requests":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    counts[outcome] = counts.get(outcome, 0) + sample.value
+    return counts
+
+
+def logged(fleet: Fleet, timeout: float = 10.0) -> list[list[dict[str, Any]]]:
+    """Every replica's access records, once each log holds every answer its /metrics counted
+    (the shims write their access logs in batches, a little after the answer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [fleet.access_records(i) for i in range(len(fleet.replicas))]
+        counts = [metric_counts(u) for u in fleet.shim_urls]
+        if all(
+            sum(r["outcome"] == outcome for r in recs) == c.get(outcome, 0)
+            for recs, c in zip(records, counts, strict=True)
+            for outcome in ("completed", "rejected")
+        ):
+            return records
+        if time.monotonic() > deadline:
+            raise AssertionError(f"access logs and /metrics disagree: {counts}")
+        time.sleep(0.1)
+
+
+def in_flight(metrics_text: str) -> float:
+    """Calls holding a slot, all classes together, from a shim's /metrics."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "llm_backoff_shim_in_flight"
+        for sample in family.samples
+    )
+
+
+def test_n_calls_are_admitted_and_the_next_is_refused_at_once(fleet: Fleet, lb: str) -> None:
+    with httpx.Client(base_url=fleet.url, timeout=30) as client, cf.ThreadPoolExecutor(3) as pool:
+
+        def call(rid: str, seconds: float) -> tuple[httpx.Response, float]:
+            response = client.post("/v1/chat/completions", json=body(seconds), headers={"x-request-id": rid})
+            return response, time.time()
+
+        slow = [pool.submit(call, f"slow{i}", 2.0) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            # Each shim holds its one slot (the load balancer spread the three calls).
+            if all(in_flight(httpx.get(f"{u}/metrics", timeout=2).text) == 1 for u in fleet.shim_urls):
+                break
+            time.sleep(0.05)
+        sent = time.time()
+        refused, refused_at = call("extra", 2.0)
+        answers = [f.result() for f in slow]
+
+    assert [r.status_code for r, _ in answers] == [200, 200, 200]
+    assert refused.status_code == REFUSAL_STATUS[lb], refused.text
+    # Refused while all three calls were still running: the load balancer did not wait for a slot.
+    assert refused_at < min(end for _, end in answers)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert int(refused.headers["retry-after-ms"]) > 0
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full"
+    assert error["retry_after_seconds"] > 0
+    # Every replica was asked, and refused; each admitted exactly one of the three.
+    records = logged(fleet)
+    asked = [(i, r) for i, recs in enumerate(records) for r in recs if r["request_id"] == "extra"]
+    assert sorted(i for i, _ in asked) == [0, 1, 2]
+    assert {r["outcome"] for _, r in asked} == {"rejected"}
+    assert [sum(r["outcome"] == "completed" for r in recs) for recs in records] == [1, 1, 1]
+    print(f"\n{lb}: 4th call refused after {1000 * (refused_at - sent):.1f} ms, every replica asked")
+
+
+def test_callers_are_refused_only_when_the_fleet_is_full(fine_fleet: Fleet, lb: str) -> None:
+    """Twice as many callers as slots, each waiting out the hint it is given before it calls again.
+
+    A refusal the caller gets is counted as "given while another replica had a free slot"
+    unless every replica was asked and every one refused it with ``queue_full``: a replica
+    with one slot and no queue refuses so only while its slot is held. The per-call records
+    are the shims' access logs, checked complete against each shim's /metrics counters
+    (which cannot tell one call's refusals at three replicas apart by themselves).
+    """
+    fleet = fine_fleet
+    callers, run_for, call_s = 6, 4.0, 0.2
+    refusals: list[tuple[str, float]] = []  # request id, the hint the caller got
+    served = 0
+    lock = threading.Lock()
+    started = time.monotonic()
+    stop_at = started + run_for
+
+    def caller(n: int) -> None:
+        nonlocal served
+        k = 0
+        with httpx.Client(base_url=fleet.url, timeout=30) as client:
+            while time.monotonic() < stop_at:
+                rid = f"c{n}-{k}"
+                k += 1
+                response = client.post(
+                    "/v1/chat/completions", json=body(call_s), headers={"x-request-id": rid}
+                )
+                with lock:
+                    if response.status_code == 200:
+                        served += 1
+                        continue
+                    assert response.status_code == REFUSAL_STATUS[lb], response.text
+                    hint = int(response.headers["retry-after-ms"]) / 1000
+                    refusals.append((rid, hint))
+                time.sleep(min(hint, max(0.0, stop_at - time.monotonic())))
+
+    with cf.ThreadPoolExecutor(callers) as pool:
+        for f in [pool.submit(caller, n) for n in range(callers)]:
+            f.result()
+    elapsed = time.monotonic() - started
+
+    records = logged(fleet)
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for recs in records:
+        for r in recs:
+            by_id.setdefault(r["request_id"], []).append(r)
+    with_free_slot = [
+        rid
+        for rid, _ in refusals
+        if len(by_id.get(rid, [])) != 3 or any(r["code"] != "queue_full" for r in by_id[rid])
+    ]
+    rescued = sum(
+        1 for recs in by_id.values() if any(r["outcome"] == "completed" for r in recs) and len(recs) > 1
+    )
+    busy = sum(r["total_ms"] for recs in records for r in recs if r["outcome"] == "completed") / 1000
+    ratios = sorted(hint / min(r["retry_after_s"] for r in by_id[rid]) for rid, hint in refusals)
+    share = len(with_free_slot) / max(1, len(refusals))
+    print(
+        f"\n{lb}: {served} served, {len(refusals)} refused to the caller, {rescued} calls refused by a"
+        f" replica then served by another; slots busy {100 * busy / (3 * elapsed):.0f} % of the run;"
+        f" refused while another replica had a free slot: {len(with_free_slot)} ({100 * share:.1f} %)"
+    )
+    if ratios:
+        print(
+            f"{lb}: hint delivered / soonest replica's hint for the same call: median"
+            f" {ratios[len(ratios) // 2]:.2f}, p90 {ratios[int(0.9 * (len(ratios) - 1))]:.2f},"
+            f" max {ratios[-1]:.2f}"
+        )
+    assert served > 0
+    assert refusals, "the overload did not happen"
+    assert share <= 0.02, with_free_slot
+
+
+def test_retry_after_when_every_replica_refuses(fine_fleet: Fleet, lb: str) -> None:
+    """Replicas with different loads (calls of 3, 1.5 and 0.75 s) all full: what hint reaches the caller."""
+    fleet = fine_fleet
+    lengths = (3.0, 1.5, 0.75)
+
+    def direct(i: int, seconds: float) -> int:
+        return httpx.post(
+            f"{fleet.shim_urls[i]}/v1/chat/completions", json=body(seconds), timeout=30
+        ).status_code
+
+    delivered: list[tuple[str, float]] = []
+    with cf.ThreadPoolExecutor(3) as pool:
+        # Each replica learns its own service time (two calls of half its length), then is kept busy.
+        warm = [pool.submit(lambda i=i: [direct(i, lengths[i] / 2) for _ in range(2)]) for i in range(3)]
+        assert [f.result() for f in warm] == [[200, 200]] * 3
+        busy = [pool.submit(direct, i, lengths[i]) for i in range(3)]
+        time.sleep(0.1)
+        with httpx.Client(base_url=fleet.url, timeout=30) as client:
+            for k in range(4):
+                rid = f"ra{k}"
+                r = client.post("/v1/chat/completions", json=body(1.0), headers={"x-request-id": rid})
+                assert r.status_code == REFUSAL_STATUS[lb], r.text
+                delivered.append((rid, int(r.headers["retry-after-ms"]) / 1000))
+                time.sleep(0.1)
+        assert [f.result() for f in busy] == [200, 200, 200]
+    records = logged(fleet)
+
+    print(f"\n{lb}: hint delivered vs each replica's own hint for the same call (s)")
+    for rid, hint in delivered:
+        own = sorted(r["retry_after_s"] for recs in records for r in recs if r["request_id"] == rid)
+        assert len(own) == 3
+        # The load balancer passes one replica's answer on unchanged: the last one it asked.
+        assert min(abs(hint - o) for o in own) <= 0.001, (hint, own)
+        print(f"  {rid}: delivered {hint:.3f}   replicas {own}   delivered/soonest {hint / own[0]:.2f}")
+
+
+def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after(lb: str) -> None:
+    """HAProxy's recipe refuses with 503: both clients retry it after the hint, as for a 429."""
+    if lb != "haproxy":
+        pytest.skip("the 503 refusal is HAProxy's recipe")
+    openai = pytest.importorskip("openai")
+    from llm_backoff import RetryEvent, RetryPolicy, wrap
+
+    def watched(seen: list[tuple[float, str, int, str | None]]) -> Any:
+        """An http client noting (time, request|response, status, retry-after-ms) of each exchange."""
+
+        def on_request(request: Any) -> None:
+            seen.append((time.monotonic(), "request", 0, None))
+
+        def on_response(response: Any) -> None:
+            seen.append(
+                (time.monotonic(), "response", response.status_code, response.headers.get("retry-after-ms"))
+            )
+
+        return httpx.Client(event_hooks={"request": [on_request], "response": [on_response]})
+
+    def refused_then_served(seen: list[tuple[float, str, int, str | None]]) -> tuple[float, float]:
+        """(the first refusal's hint, seconds from that refusal to the next request)."""
+        (t_refused, _, status, hint_ms), (t_again, kind, _, _) = seen[1], seen[2]
+        assert status == 503
+        assert kind == "request"
+        assert hint_ms is not None
+        assert seen[-1][2] == 200
+        return int(hint_ms) / 1000, t_again - t_refused
+
+    with Fleet(1, lb, sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as fleet, cf.ThreadPoolExecutor(1) as pool:
+        plain_seen: list[tuple[float, str, int, str | None]] = []
+        busy = pool.submit(httpx.post, f"{fleet.url}/v1/chat/completions", json=body(1.5), timeout=30)
+        time.sleep(0.3)
+        plain = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", http_client=watched(plain_seen))
+        plain.chat.completions.create(**body(0.1))
+        assert busy.result().status_code == 200
+
+        sdk_seen: list[tuple[float, str, int, str | None]] = []
+        busy = pool.submit(httpx.post, f"{fleet.url}/v1/chat/completions", json=body(1.5), timeout=30)
+        time.sleep(0.3)
+        events: list[RetryEvent] = []
+        sdk = wrap(
+            openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", http_client=watched(sdk_seen)),
+            RetryPolicy(deadline=20),
+            on_retry=events.append,
+        )
+        sdk.chat.completions.create(**body(0.1))
+        assert busy.result().status_code == 200
+
+    hint, waited = refused_then_served(plain_seen)
+    print(f"\nopenai: 503 with Retry-After-Ms {hint:.3f} s, next attempt {waited:.3f} s later")
+    assert waited >= hint * 0.9
+    # The SDK retries inside its transport (the client's response hook never sees the 503):
+    # its retry event says what it was told and how long it waited.
+    assert [e.reason for e in events] == ["status 503"]
+    requests = [t for t, kind, _, _ in sdk_seen if kind == "request"]
+    assert events[0].hint is not None
+    print(
+        f"SDK: 503 with hint {events[0].hint:.3f} s, waited {events[0].wait:.3f} s,"
+        f" next attempt {requests[1] - requests[0]:.3f} s after the first"
+    )
+    assert events[0].wait >= events[0].hint * 0.9
+    assert requests[1] - requests[0] >= events[0].hint * 0.9
