@@ -1,0 +1,258 @@
+"""Rolling restarts and a dead engine behind a real nginx and a real HAProxy, under modest load.
+
+Three simulated engines with a shim each (two slots, a short queue) behind the load balancer
+running the shipped configuration. Callers: two using the SDK (``llm_backoff.wrap``, a 20 s
+deadline, whole answers) and two plain openai clients (two retries, streaming). While they
+call, one replica's shim gets SIGTERM and is started again, then another replica's engine is
+killed (SIGKILL) and started again. Checked:
+
+- no SDK call fails (each had most of its deadline left);
+- a plain openai call fails only if it was mid-stream on the killed engine (it had chunks
+  before the error), at most as many as that replica had slots;
+- each replica serves calls again once it answers; with HAProxy its runtime API shows the
+  replica DOWN after its /ready failed and UP again after it answers.
+
+How long each step took (from this test's own clock) is printed (``pytest -s``), never
+asserted: the machine is shared. Bounded: about 15 s per load balancer, loopback only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from llm_backoff_shim.lab.fleet import Fleet
+from llm_backoff_shim.lab.fleet_configs import lb_binary
+
+pytestmark = pytest.mark.timeout(180)
+
+SIM_FLAGS = (
+    "--ttft", "0", "--itl", "0.01", "--itl-batch-factor", "0", "--prefill-time-per-token", "0",
+    "--output-tokens", "1000", "--output-tokens-sigma", "0",
+)  # fmt: skip
+SHIM_FLAGS = ("--max-concurrency", "2", "--max-queue", "4", "--log-level", "info", "--log-format", "json")
+TOKENS = 30  # 0.3 s a call
+
+
+def need(lb: str) -> None:
+    if lb_binary(lb) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{lb} is not installed, and CI must run this test (scripts/test.sh installs it)")
+        pytest.skip(f"{lb} is not installed (apt-get install {lb})")
+
+
+@pytest.fixture(params=["nginx", "haproxy"])
+def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    lb: str = request.param
+    need(lb)
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=SHIM_FLAGS) as started:
+        yield started
+
+
+@dataclass
+class Callers:
+    """Closed-loop callers of one kind; what each call ended with."""
+
+    served: int = 0
+    failures: list[tuple[float, int, str]] = field(default_factory=list)  # time, chunks seen, error
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, call: Callable[[], int], stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                call()
+            except Exception as exc:  # every failure is counted, with its kind
+                chunks = exc.chunks if isinstance(exc, MidStreamError) else 0
+                with self.lock:
+                    self.failures.append((time.monotonic(), chunks, f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            with self.lock:
+                self.served += 1
+
+
+class Watch:
+    """Samples each replica's /ready (and HAProxy's view of it) every 50 ms, with times."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.samples: list[tuple[float, list[int], list[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=1) as client:
+            while not self._stop.is_set():
+                ready = []
+                for url in self.fleet.shim_urls:
+                    try:
+                        ready.append(client.get(f"{url}/ready").status_code)
+                    except httpx.HTTPError:
+                        ready.append(0)  # no answer: the shim is down or not listening
+                lb = self.fleet.lb
+                states = lb.server_states() if lb is not None and lb.lb == "haproxy" else []
+                self.samples.append((time.monotonic(), ready, states))
+                time.sleep(0.05)
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def first(self, after: float, test: Callable[[list[int], list[str]], bool], timeout: float = 10) -> float:
+        """Seconds from ``after`` to the first sample passing ``test`` (waits for it)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, ready, states in list(self.samples):
+                if t >= after and test(ready, states):
+                    return t - after
+            time.sleep(0.05)
+        raise AssertionError(f"not seen within {timeout} s")
+
+
+def served_since(fleet: Fleet, i: int, wall: float, timeout: float = 10) -> float:
+    """Seconds from ``wall`` (epoch) to the arrival of the first call replica ``i`` served after it."""
+    from datetime import datetime
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in fleet.access_records(i):
+            end = datetime.fromisoformat(r["time"]).timestamp()
+            arrival = end - r["total_ms"] / 1000
+            if r["outcome"] == "completed" and arrival >= wall:
+                return arrival - wall
+        time.sleep(0.1)
+    raise AssertionError(f"replica {i} served nothing within {timeout} s")
+
+
+def nginx_tries(fleet: Fleet, i: int) -> list[tuple[float, str]]:
+    """(time, upstream status) of every try nginx made at replica ``i``, from its access log
+    (``lab.fleet_configs.nginx_main_config``'s format: the tries of a call are listed in order)."""
+    address = fleet.replicas[i].address
+    tries = []
+    for line in fleet.lb_log().splitlines():
+        if " up=" not in line or " upstatus=" not in line:
+            continue
+        ups = line.split("up=", 1)[1].split(" upstatus=")[0].split(", ")
+        statuses = line.split("upstatus=", 1)[1].split(" rt=")[0].split(", ")
+        tries += [(float(line.split()[0]), s) for a, s in zip(ups, statuses, strict=False) if a == address]
+    return tries
+
+
+def test_rolling_restart_and_dead_engine_lose_no_call(fleet: Fleet) -> None:
+    openai = pytest.importorskip("openai")
+    from llm_backoff import RetryPolicy, wrap
+
+    lb = fleet.lb_name
+    messages = [{"role": "user", "content": "hi"}]
+    stop = threading.Event()
+    sdk, plain = Callers(), Callers()
+
+    def sdk_call(client: Any) -> Callable[[], int]:
+        def call() -> int:
+            client.chat.completions.create(model="sim-model", messages=messages, max_tokens=TOKENS)
+            return 1
+
+        return call
+
+    threads = []
+    for _ in range(2):
+        s = wrap(openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x"), RetryPolicy(deadline=20))
+        threads.append(threading.Thread(target=sdk.run, args=(sdk_call(s), stop), daemon=True))
+        p = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", max_retries=2)
+        threads.append(
+            threading.Thread(target=plain.run, args=(plain_stream(p, messages), stop), daemon=True)
+        )
+    steps: dict[str, float] = {}
+    with Watch(fleet) as watch:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+
+        # A rolling restart of replica 0's shim.
+        t0 = time.monotonic()
+        steps["shim 0: SIGTERM to exit (drained)"] = fleet.stop_shim(0)
+        wall0 = time.time()  # from here to wall1 nothing listens on shim 0's port
+        steps["shim 0: SIGTERM to /ready unanswered"] = watch.first(t0, lambda r, s: r[0] != 200)
+        if lb == "haproxy":
+            steps["shim 0: SIGTERM to HAProxy DOWN"] = watch.first(t0, lambda r, s: s[0] == "DOWN")
+        time.sleep(0.5)
+        t1, wall1 = time.monotonic(), time.time()
+        steps["shim 0: start to /health"] = fleet.start_shim(0)
+        steps["shim 0: start to /ready 200"] = watch.first(t1, lambda r, s: r[0] == 200)
+        if lb == "haproxy":
+            steps["shim 0: start to HAProxy UP"] = watch.first(t1, lambda r, s: s[0] == "UP")
+        steps["shim 0: start to first call served"] = served_since(fleet, 0, wall1)
+
+        # Replica 1's engine crashes and comes back.
+        time.sleep(0.5)
+        t2 = time.monotonic()
+        fleet.kill_engine(1)
+        wall2 = time.time()
+        steps["engine 1: SIGKILL to shim's /ready 503"] = watch.first(t2, lambda r, s: r[1] == 503)
+        if lb == "haproxy":
+            steps["engine 1: SIGKILL to HAProxy DOWN"] = watch.first(t2, lambda r, s: s[1] == "DOWN")
+        time.sleep(1.0)
+        t3, wall3 = time.monotonic(), time.time()
+        steps["engine 1: start to its /health"] = fleet.start_engine(1)
+        steps["engine 1: start to shim's /ready 200"] = watch.first(t3, lambda r, s: r[1] == 200)
+        if lb == "haproxy":
+            steps["engine 1: start to HAProxy UP"] = watch.first(t3, lambda r, s: s[1] == "UP")
+        steps["engine 1: start to first call served"] = served_since(fleet, 1, wall3)
+        time.sleep(0.5)
+        stop.set()
+        for t in threads:
+            t.join(30)
+
+    print(f"\n{lb}: SDK {sdk.served} served, {len(sdk.failures)} failed; plain openai {plain.served} served,")
+    print(f"  {len(plain.failures)} failed: {[(round(t - t2, 2), n, e) for t, n, e in plain.failures]}")
+    for name, seconds in steps.items():
+        print(f"  {name}: {seconds:.2f} s")
+    if lb == "nginx":
+        # nginx OSS has no active checks: calls still try a stopped replica (a refused connect,
+        # then the next one) or a replica whose engine is down (its shim's 503, then the next).
+        down0 = [s for t, s in nginx_tries(fleet, 0) if wall0 <= t < wall1]
+        down1 = [s for t, s in nginx_tries(fleet, 1) if wall2 <= t < wall3]
+        print(f"  tries at shim 0 after it exited, before it started: {len(down0)} {sorted(set(down0))}")
+        print(f"  tries at replica 1 while its engine was down: {len(down1)} {sorted(set(down1))}")
+    assert sdk.served > 0
+    assert plain.served > 0
+    assert sdk.failures == []
+    # Plain callers fail only on a stream cut by the crash: chunks received, then the error,
+    # right after the kill, no more than replica 1 had calls in flight.
+    assert all(n > 0 for _, n, _ in plain.failures), plain.failures
+    assert all(t2 <= t <= t3 for t, _, _ in plain.failures), plain.failures
+    assert len(plain.failures) <= 2
+
+
+def plain_stream(client: Any, messages: list[dict[str, str]]) -> Callable[[], int]:
+    """A streamed call whose chunk count is kept when the stream breaks (as the error's note)."""
+
+    def call() -> int:
+        n = 0
+        try:
+            stream = client.chat.completions.create(
+                model="sim-model", messages=messages, max_tokens=TOKENS, stream=True
+            )
+            for _ in stream:
+                n += 1
+        except Exception as exc:
+            raise MidStreamError(n, exc) from exc
+        return n
+
+    return call
+
+
+class MidStreamError(Exception):
+    def __init__(self, chunks: int, cause: BaseException) -> None:
+        super().__init__(f"after {chunks} chunks: {type(cause).__name__}: {cause}")
+        self.chunks = chunks
