@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.testing import ManualClock
@@ -101,6 +102,28 @@ def test_a_higher_class_is_served_past_a_lower_class_head_that_does_not_fit(make
     ticket(c.submit(req(800, "batch")))
     assert ticket(c.submit(req(100, "interactive"))).state is TicketState.ADMITTED
     assert ticket(c.submit(req(100, "interactive"))).state is TicketState.QUEUED  # 1100 > 1000
+
+
+def test_a_blocked_class_with_requests_in_flight_lets_the_others_go_even_under_its_minimum_share(
+    make: MakeController,
+) -> None:
+    # Batch is guaranteed 4 of 8 slots: with one long prompt running it is under its share, and
+    # the scheduler picks its head first; that head does not fit, so chat goes meanwhile.
+    c, _ = make(limit=8, token_budget=1000, scheduler=SharedSlots(ClassShares(minimum={"batch": 0.5})))
+    running = ticket(c.submit(req(500, "batch")))
+    second = ticket(c.submit(req(800, "batch")))
+    chats = [ticket(c.submit(req(100))) for _ in range(5)]
+    assert second.state is TicketState.QUEUED
+    assert [t.state for t in chats] == [TicketState.ADMITTED] * 5  # 500 + 5 * 100 = 1000
+    # Once batch has nothing in flight, its head holds what frees for itself: a chat that would
+    # fit (500 + 100) waits behind it until the long prompt is in.
+    assert c.release(running, Outcome.COMPLETED).admitted == []
+    late_chat = ticket(c.submit(req(100)))
+    assert late_chat.state is TicketState.QUEUED
+    assert c.release(chats[0], Outcome.COMPLETED).admitted == []
+    assert c.release(chats[1], Outcome.COMPLETED).admitted == []
+    assert c.release(chats[2], Outcome.COMPLETED).admitted == [second]  # 200 + 800
+    assert c.release(chats[3], Outcome.COMPLETED).admitted == [late_chat]  # 100 + 800 + 100
 
 
 @pytest.mark.parametrize("outcome", list(Outcome))

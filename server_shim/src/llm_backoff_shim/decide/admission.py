@@ -34,19 +34,24 @@ drops at the pump a queued request whose wait or budget ran out, or whose remain
 longer covers the service it needs: the engine would only do work its own deadline cuts.
 
 With a cost budget, the class the scheduler picks is served only when its queue head fits the
-budget (:meth:`TokenBudget.fits`); a head that does not fit waits for the requests in flight
-to give back enough, and nothing behind it, of its class or another, takes the slot meanwhile.
-So first come, first served holds within a class at admission as in placement: a cheap
+budget (:meth:`TokenBudget.fits`); nothing behind a head that does not fit in its class passes
+it: first come, first served holds within a class at admission as in placement, so a cheap
 request does not pass a queued expensive one, which would otherwise wait for as long as
-cheap ones keep the budget full (starved, not just late). The price is head-of-line blocking,
-bounded by the drain of what is in flight: an expensive head waits for room, and the
-requests behind it with it. A class above it is served first as without a budget (the
-scheduler picks it first), so interactive chat keeps flowing past a queue of long batch
-prompts.
+cheap ones keep the budget full (starved, not just late). What the other classes may do
+meanwhile depends on the blocked class's requests in flight:
+
+- it has some: it is being served, and its head will fit as they end; the scheduler is asked
+  again among the other classes, so interactive chat keeps flowing past a queue of long batch
+  prompts while one of them runs (even while batch is below its guaranteed minimum share,
+  which counts requests, not their cost);
+- it has none: its head holds the budget that frees for itself, and nobody is admitted until
+  it fits (in the end, alone). Without this a long prompt could wait for as long as cheaper
+  requests of other classes keep the budget full. The price is head-of-line blocking,
+  bounded by the drain of what is in flight, once per such head.
 
 Invariant kept by :meth:`AdmissionController._pump`: after every call, either no queued
 request can be admitted (the limit is reached, the scheduler holds the slot back, or the
-head it picked does not fit the cost budget) or every queue is empty. Every ticket ends in
+heads it may pick do not fit the cost budget) or every queue is empty. Every ticket ends in
 exactly one of RELEASED, CANCELLED, EXPIRED, so in-flight and queued counts (and the cost in
 flight) return to zero whatever the mix of outcomes.
 """
@@ -465,9 +470,14 @@ class AdmissionController:
         dispatch = Dispatch()
         now = self._clock()
         queues = self._queues
+        # Classes whose head does not fit the cost budget while some of theirs are in flight.
+        blocked: set[str] = set()
         while queues.total and self._held.total < self._limit.limit:
             # In the order their heads are due (see ClassScheduler).
-            cls = self._scheduler.pick(queues.heads_due(), self)
+            due = queues.heads_due()
+            if blocked:
+                due = [c for c in due if c not in blocked]
+            cls = self._scheduler.pick(due, self)
             if cls is None:
                 break
             ticket = queues.lists[cls][0]
@@ -479,7 +489,11 @@ class AdmissionController:
                 dispatch.expired.append(ticket)
                 continue
             if not self._fits(ticket.request):
-                # The picked head waits for the cost in flight to drain (module docstring).
+                # It waits for the cost in flight to drain; the others may go meanwhile only
+                # while its class has requests in flight (module docstring).
+                if self._held.per_class[cls]:
+                    blocked.add(cls)
+                    continue
                 break
             queues.pop_head(cls)
             self._held.take(ticket, now)
