@@ -38,7 +38,10 @@ def slow_sim() -> Iterator[ServerThread]:
     server.stop()
 
 
-async def _until(client: httpx.AsyncClient, url: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+State = dict[str, Any]
+
+
+async def _until(client: httpx.AsyncClient, url: str, done: Callable[[State], bool]) -> State:
     """Poll ``/shim/state`` until ``done``; the bound only stops a broken test."""
     for _ in range(2000):
         state: dict[str, Any] = (await client.get(url + "/shim/state")).json()
