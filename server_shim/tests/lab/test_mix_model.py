@@ -18,7 +18,10 @@ ENGINE = EngineParams(
     prefill_time_per_token=0.0001,
     kv_cache_tokens=16384,
 )
-SHIM = ["--classes", "interactive,batch", "--max-queue", "200", "--class-max-queue-wait", "interactive=5,batch=60"]
+SHIM = [
+    "--classes", "interactive,batch", "--max-queue", "200",
+        "--class-max-queue-wait", "interactive=5,batch=60",
+]
 
 
 def test_a_mix_draws_its_parts_by_share_and_checks_itself() -> None:
@@ -55,7 +58,8 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_under_a_cost_budget() -> None
     arrivals = mix_arrivals(chat_only, 4.0, 20.0, random.Random(4), burst=(5.0, 30, long_))
     direct = run_mix(arrivals, ENGINE, None, 20.0)
     capped = run_mix(arrivals, ENGINE, [*SHIM, "--max-concurrency", "32"], 20.0)
-    budget = run_mix(arrivals, ENGINE, [*SHIM, "--max-concurrency", "32", "--max-inflight-tokens", "8000"], 20.0)
+    budgeted = [*SHIM, "--max-concurrency", "32", "--max-inflight-tokens", "8000"]
+    budget = run_mix(arrivals, ENGINE, budgeted, 20.0)
     chats = len(budget.by_part["chat"])
     ok = [r.count("chat", lambda c: c.useful) for r in (direct, capped, budget)]
     # Straight to the engine or through a request cap sized for chat, the burst makes chat late;
