@@ -18,10 +18,8 @@ ENGINE = EngineParams(
     prefill_time_per_token=0.0001,
     kv_cache_tokens=16384,
 )
-SHIM = [
-    "--classes", "interactive,batch", "--max-queue", "200",
-        "--class-max-queue-wait", "interactive=5,batch=60",
-]
+SHIM = ["--classes", "interactive,batch", "--max-queue", "200"]
+SHIM += ["--class-max-queue-wait", "interactive=5,batch=60"]
 
 
 def test_a_mix_draws_its_parts_by_share_and_checks_itself() -> None:
