@@ -56,9 +56,10 @@ def _counts(state: dict[str, Any], cls: str) -> tuple[int, int]:
     return entry["in_flight"], entry["queued"]
 
 
-async def _burst_then_chat(shim_url: str) -> tuple[dict[str, Any], str]:
+async def _burst_then_chat(shim_url: str, sim_url: str) -> tuple[State, str, int]:
     """Send the long prompts (batch), then chat (interactive) once the burst has settled; return the
-    shim's state once every request is in flight or queued, and its /metrics text."""
+    shim's state once every request is in flight or queued, its /metrics text and the requests
+    the simulator has received, all read before the callers hang up (which frees slots)."""
 
     async def post(body: dict[str, Any], cls: str) -> None:
         await client.post(shim_url + "/v1/chat/completions", json=body, headers={"x-request-class": cls})
@@ -69,10 +70,17 @@ async def _burst_then_chat(shim_url: str) -> tuple[dict[str, Any], str]:
         tasks += [asyncio.create_task(post(CHAT, "interactive")) for _ in range(CHATS)]
         state = await _until(client, shim_url, lambda s: sum(_counts(s, "interactive")) == CHATS)
         metrics = (await client.get(shim_url + "/metrics")).text
+        # What the shim admitted reaches the engine a moment later; nothing more may follow.
+        in_flight = sum(_counts(state, cls)[0] for cls in ("interactive", "batch"))
+        for _ in range(2000):
+            received: int = (await client.get(sim_url + "/sim/stats")).json()["requests_received"]
+            if received >= in_flight:
+                break
+            await asyncio.sleep(0.005)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    return state, metrics
+    return state, metrics, received
 
 
 def _gauge(metrics: str, name: str) -> float:
@@ -85,7 +93,7 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
     shim = make_shim(slow_sim.url, max_concurrency=32, max_queue=30, max_inflight_tokens=BUDGET)
-    state, metrics = asyncio.run(_burst_then_chat(shim.url))
+    state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     # One long prompt fits; the other three wait in the shim, whose slots are mostly free.
     assert _counts(state, "batch") == (1, LONGS - 1)
     # Chat is admitted as long as the budget allows beside it, and no further.
@@ -96,7 +104,6 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
     assert (state["in_flight_tokens"], state["max_inflight_tokens"]) == (in_flight_tokens, BUDGET)
     assert _gauge(metrics, "in_flight_tokens") == in_flight_tokens
     assert _gauge(metrics, "max_inflight_tokens") == BUDGET
-    received = httpx.get(slow_sim.url + "/sim/stats", timeout=5).json()["requests_received"]
     assert received == 1 + admitted  # what the engine was sent: within the budget
 
 
@@ -104,7 +111,8 @@ def test_with_the_request_cap_alone_the_whole_burst_reaches_the_engine(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
     shim = make_shim(slow_sim.url, max_concurrency=32, max_queue=30)
-    state, metrics = asyncio.run(_burst_then_chat(shim.url))
+    state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
+    assert received == LONGS + CHATS
     assert (_counts(state, "batch"), _counts(state, "interactive")) == ((LONGS, 0), (CHATS, 0))
     assert "in_flight_tokens" not in state
     assert "llm_backoff_shim_in_flight_tokens" not in metrics
