@@ -16,6 +16,8 @@ for Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import shlex
 import signal
 import subprocess
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from llm_backoff_shim.lab import procs
 from llm_backoff_shim.lab.fleet_configs import (
@@ -263,6 +266,16 @@ class Fleet:
     def shim_log(self, i: int, limit: int = 10_000_000) -> str:
         """Replica ``i``'s shim output (its access log with ``--log-level info``), last ``limit`` chars."""
         return self.replicas[i].shim.log_tail(limit)
+
+    def access_records(self, i: int) -> list[dict[str, Any]]:
+        """Replica ``i``'s access-log lines so far, parsed (shims run with ``--log-format json``
+        and ``--log-level info``; other lines are skipped)."""
+        records: list[dict[str, Any]] = []
+        for line in self.shim_log(i).splitlines():
+            if line.startswith("{") and '"outcome"' in line:
+                with contextlib.suppress(ValueError):
+                    records.append(json.loads(line))
+        return records
 
     def lb_log(self, limit: int = 10_000_000) -> str:
         """The load balancer's output (HAProxy: its request log) and, for nginx, its access log."""

@@ -1,0 +1,313 @@
+"""Shims behind a real nginx and a real HAProxy on loopback, running the shipped configurations.
+
+Three simulated engines, a shim each with one slot and no queue (``--max-concurrency 1
+--max-queue 0``), the load balancer in front (:class:`~llm_backoff_shim.lab.fleet.Fleet`):
+
+- three slow calls at once are all admitted (one per replica) and a fourth is refused at
+  once, with the shim's well-formed refusal, after the load balancer tried every replica;
+- under a short overload (twice as many closed-loop callers as slots), a caller is refused
+  only when the fleet is full. Measured from the shims' own access logs (times to the
+  millisecond, one clock): a refusal counts as "given while another replica had a free slot"
+  when, at the moment it was decided (the last replica's refusal of that request id), some
+  replica had no call in flight (an admitted call occupies its slot from its arrival,
+  ``time - total_ms``, to its end, ``time``), with 2 ms of slack for the logs' resolution;
+- when every replica refuses, the Retry-After that reaches the caller is compared with each
+  replica's own estimate for that very call (each shim logs the hint it gave, by request id);
+- a 503 refusal with Retry-After (HAProxy's recipe) is waited out by the SDK and by plain
+  openai as a 429 is.
+
+Bounded: a few seconds per test; nothing leaves loopback.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llm_backoff_shim.lab.fleet import Fleet
+from llm_backoff_shim.lab.fleet_configs import lb_binary
+
+pytestmark = pytest.mark.timeout(120)
+
+ITL = 0.02  # seconds per token, whatever the batch: a call's length is max_tokens * ITL
+SIM_FLAGS = (
+    "--ttft", "0", "--itl", str(ITL), "--itl-batch-factor", "0", "--prefill-time-per-token", "0",
+    "--output-tokens", "1000", "--output-tokens-sigma", "0",
+)  # fmt: skip
+ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", "--log-level", "info", "--log-format", "json")
+REFUSAL_STATUS = {"nginx": 429, "haproxy": 503}
+
+
+def need(lb: str) -> None:
+    if lb_binary(lb) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{lb} is not installed, and CI must run this test (scripts/test.sh installs it)")
+        pytest.skip(f"{lb} is not installed (apt-get install {lb})")
+
+
+@pytest.fixture(params=["nginx", "haproxy"])
+def lb(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    need(name)
+    return name
+
+
+@pytest.fixture
+def fleet(lb: str) -> Iterator[Fleet]:
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as started:
+        yield started
+
+
+def body(seconds: float) -> dict[str, Any]:
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max(1, round(seconds / ITL)),
+    }
+
+
+def stamp(record: dict[str, Any]) -> float:
+    """The end of a shim's access-log record, in seconds since the epoch."""
+    return datetime.fromisoformat(record["time"]).timestamp()
+
+
+def asked_by(fleet: Fleet, request_id: str) -> list[dict[str, Any]]:
+    """Every replica's record of ``request_id`` (one per replica asked)."""
+    return [
+        {**rec, "replica": i}
+        for i in range(len(fleet.replicas))
+        for rec in fleet.access_records(i)
+        if rec.get("request_id") == request_id
+    ]
+
+
+def test_n_calls_are_admitted_and_the_next_is_refused_at_once(fleet: Fleet, lb: str) -> None:
+    with httpx.Client(base_url=fleet.url, timeout=30) as client, cf.ThreadPoolExecutor(3) as pool:
+
+        def call(rid: str, seconds: float) -> tuple[httpx.Response, float]:
+            response = client.post("/v1/chat/completions", json=body(seconds), headers={"x-request-id": rid})
+            return response, time.time()
+
+        slow = [pool.submit(call, f"slow{i}", 2.0) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while sum(len(fleet.access_records(i)) for i in range(3)) == 0 and time.monotonic() < deadline:
+            # Admitted calls log at their end; wait instead until each shim holds its slot.
+            busy = [httpx.get(f"{u}/metrics", timeout=2).text for u in fleet.shim_urls]
+            if all(_in_flight(text) == 1 for text in busy):
+                break
+            time.sleep(0.05)
+        sent = time.time()
+        refused, refused_at = call("extra", 2.0)
+        answers = [f.result() for f in slow]
+
+    assert [r.status_code for r, _ in answers] == [200, 200, 200]
+    assert refused.status_code == REFUSAL_STATUS[lb], refused.text
+    # Refused while all three calls were still running: the load balancer did not wait for a slot.
+    assert refused_at < min(end for _, end in answers)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert int(refused.headers["retry-after-ms"]) > 0
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full"
+    assert error["retry_after_seconds"] > 0
+    # Every replica was asked (HAProxy may ask one twice: it avoids only the one it just asked),
+    # and refused; each admitted exactly one of the three.
+    settled_records(fleet, 3)
+    asked = asked_by(fleet, "extra")
+    assert {r["replica"] for r in asked} == {0, 1, 2}
+    assert {r["outcome"] for r in asked} == {"rejected"}
+    admitted = [[r for r in fleet.access_records(i) if r["outcome"] == "completed"] for i in range(3)]
+    assert [len(a) for a in admitted] == [1, 1, 1]
+    print(f"\n{lb}: 4th call refused after {1000 * (refused_at - sent):.1f} ms, {len(asked)} asks")
+
+
+def _in_flight(metrics_text: str) -> float:
+    """Calls holding a slot, all classes together, from a shim's /metrics."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "llm_backoff_shim_in_flight"
+        for sample in family.samples
+    )
+
+
+#: Slack around a refusal's moment: the shims log times to the millisecond, and a slot freed
+#: and taken again within a millisecond or two is the race every balancer has.
+SLACK = 0.002
+
+
+def free_at(busy: list[tuple[float, float]], moment: float) -> bool:
+    """True when the slot whose busy intervals are ``busy`` was free around ``moment``."""
+    return not any(start - SLACK <= moment <= end + SLACK for start, end in busy)
+
+
+def test_callers_are_refused_only_when_the_fleet_is_full(fleet: Fleet, lb: str) -> None:
+    """Twice as many closed-loop callers as slots for 3 s; a refused caller tries again 50 ms later."""
+    callers, run_for, call_s, pause = 6, 3.0, 0.2, 0.05
+    refusals: list[tuple[str, float, float]] = []  # request id, sent, answered
+    served = 0
+    lock = threading.Lock()
+    stop_at = time.monotonic() + run_for
+
+    def caller(n: int) -> None:
+        nonlocal served
+        k = 0
+        with httpx.Client(base_url=fleet.url, timeout=30) as client:
+            while time.monotonic() < stop_at:
+                rid = f"c{n}-{k}"
+                k += 1
+                sent = time.time()
+                response = client.post(
+                    "/v1/chat/completions", json=body(call_s), headers={"x-request-id": rid}
+                )
+                answered = time.time()
+                assert response.status_code in (200, REFUSAL_STATUS[lb]), response.text
+                with lock:
+                    if response.status_code == 200:
+                        served += 1
+                    else:
+                        refusals.append((rid, sent, answered))
+                if response.status_code != 200:
+                    time.sleep(pause)
+
+    with cf.ThreadPoolExecutor(callers) as pool:
+        for f in [pool.submit(caller, n) for n in range(callers)]:
+            f.result()
+    records = settled_records(fleet, served)
+    busy = [
+        [(stamp(r) - r["total_ms"] / 1000, stamp(r)) for r in recs if r["outcome"] == "completed"]
+        for recs in records
+    ]
+    asked: dict[str, set[int]] = {}
+    for i, recs in enumerate(records):
+        for r in recs:
+            asked.setdefault(r["request_id"], set()).add(i)
+
+    # The moment a caller's refusal was decided: the last replica's refusal of it.
+    decided: dict[str, float] = {}
+    for recs in records:
+        for r in recs:
+            if r["outcome"] == "rejected":
+                decided[r["request_id"]] = max(stamp(r), decided.get(r["request_id"], 0.0))
+    not_all_asked = [rid for rid, _, _ in refusals if asked.get(rid, set()) != {0, 1, 2}]
+    with_free_slot = [
+        rid for rid, _, answered in refusals if any(free_at(b, decided.get(rid, answered)) for b in busy)
+    ]
+    share = len(with_free_slot) / max(1, len(refusals))
+    print(
+        f"\n{lb}: {served} served, {len(refusals)} refused; not every replica asked: {len(not_all_asked)}"
+        f" ({100 * len(not_all_asked) / max(1, len(refusals)):.1f} %); refused while another replica had"
+        f" a free slot: {len(with_free_slot)} ({100 * share:.1f} %)"
+    )
+    assert served > 0
+    assert refusals, "the overload did not happen"
+    assert share <= 0.02, with_free_slot
+
+
+def settled_records(fleet: Fleet, completed: int) -> list[list[dict[str, Any]]]:
+    """Every replica's access records once ``completed`` completions are logged (lines are
+    written in batches, a moment after the answer)."""
+    deadline = time.monotonic() + 5
+    while True:
+        records = [fleet.access_records(i) for i in range(len(fleet.replicas))]
+        done = sum(1 for recs in records for r in recs if r["outcome"] == "completed")
+        if done >= completed or time.monotonic() > deadline:
+            time.sleep(0.2)  # the refusals logged after the last completion
+            return [fleet.access_records(i) for i in range(len(fleet.replicas))]
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fleet_fine_hints(lb: str) -> Iterator[Fleet]:
+    """Hints below the default floor of 1 s, so replicas' estimates can be told apart."""
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=(*ONE_SLOT, "--retry-after-min", "0.05")) as started:
+        yield started
+
+
+def test_retry_after_when_every_replica_refuses(fleet_fine_hints: Fleet, lb: str) -> None:
+    """Replicas with different loads (calls of 3, 1.5 and 0.75 s) all full: what hint reaches the caller."""
+    fleet = fleet_fine_hints
+    lengths = (3.0, 1.5, 0.75)
+
+    def direct(i: int, seconds: float) -> int:
+        return httpx.post(
+            f"{fleet.shim_urls[i]}/v1/chat/completions", json=body(seconds), timeout=30
+        ).status_code
+
+    delivered: list[tuple[str, float]] = []
+    with cf.ThreadPoolExecutor(3) as pool:
+        # Each replica learns its own service time (two calls of half its length), then is kept busy.
+        warm = [pool.submit(lambda i=i: [direct(i, lengths[i] / 2) for _ in range(2)]) for i in range(3)]
+        assert [f.result() for f in warm] == [[200, 200]] * 3
+        busy = [pool.submit(direct, i, lengths[i]) for i in range(3)]
+        time.sleep(0.1)
+        with httpx.Client(base_url=fleet.url, timeout=30) as client:
+            for k in range(4):
+                rid = f"ra{k}"
+                r = client.post("/v1/chat/completions", json=body(1.0), headers={"x-request-id": rid})
+                assert r.status_code == REFUSAL_STATUS[lb], r.text
+                delivered.append((rid, int(r.headers["retry-after-ms"]) / 1000))
+                time.sleep(0.1)
+        assert [f.result() for f in busy] == [200, 200, 200]
+    time.sleep(0.3)
+
+    print(f"\n{lb}: hint delivered vs each replica's own hint for the same call (s)")
+    for rid, hint in delivered:
+        own = [(r["replica"], r["retry_after_s"]) for r in asked_by(fleet, rid)]
+        soonest = min(h for _, h in own)
+        # The load balancer passes one replica's answer on unchanged (the last one it asked; the
+        # logs' millisecond times cannot tell which that was).
+        assert min(abs(hint - h) for _, h in own) <= 0.001, (hint, own)
+        print(f"  {rid}: delivered {hint:.3f}   asked (replica, hint) {own}   /soonest {hint / soonest:.2f}")
+
+
+def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after(lb: str) -> None:
+    """HAProxy's recipe refuses with 503: both clients wait the hint and retry, as for a 429."""
+    if lb != "haproxy":
+        pytest.skip("the 503 refusal is HAProxy's recipe")
+    openai = pytest.importorskip("openai")
+    from llm_backoff import RetryEvent, RetryPolicy, wrap
+
+    attempts: list[tuple[float, str | None]] = []  # response time, its retry-after-ms
+
+    def seen(response: httpx.Response) -> None:
+        attempts.append((time.monotonic(), response.headers.get("retry-after-ms")))
+
+    events: list[RetryEvent] = []
+    with Fleet(1, lb, sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as fleet, cf.ThreadPoolExecutor(1) as pool:
+        url = f"{fleet.url}/v1"
+
+        def keep_busy() -> cf.Future[httpx.Response]:
+            future = pool.submit(httpx.post, f"{url}/chat/completions", json=body(1.5), timeout=30)
+            time.sleep(0.3)
+            return future
+
+        busy = keep_busy()
+        http = httpx.Client(event_hooks={"response": [seen]})
+        plain = openai.OpenAI(base_url=url, api_key="x", max_retries=3, http_client=http)
+        plain.chat.completions.create(**body(0.1))
+        assert busy.result().status_code == 200
+
+        busy = keep_busy()
+        sdk = wrap(openai.OpenAI(base_url=url, api_key="x"), RetryPolicy(deadline=20), on_retry=events.append)
+        sdk.chat.completions.create(**body(0.1))
+        assert busy.result().status_code == 200
+
+    (first, hint_ms), (second, _) = attempts[0], attempts[1]
+    assert hint_ms is not None
+    print(f"\nopenai: 503 with retry-after-ms {hint_ms}; next attempt {second - first:.3f} s later")
+    # openai sleeps exactly the hint (no jitter) before its retry.
+    assert second - first >= int(hint_ms) / 1000
+    assert events
+    assert events[0].reason == "status 503"
+    assert events[0].hint is not None
+    assert events[0].wait >= events[0].hint
+    print(f"SDK: {len(events)} retries; first: hint {events[0].hint:.3f} s, waited {events[0].wait:.3f} s")
