@@ -153,6 +153,7 @@ def test_callers_are_refused_only_when_the_fleet_is_full(fleet: Fleet, lb: str) 
     """Twice as many closed-loop callers as slots for 3 s; a refused caller tries again 50 ms later."""
     callers, run_for, call_s, pause = 6, 3.0, 0.2, 0.05
     refusals: list[tuple[str, float, float]] = []  # request id, sent, answered
+    hints: dict[str, float] = {}  # request id -> the Retry-After that reached the caller
     served = 0
     lock = threading.Lock()
     stop_at = time.monotonic() + run_for
@@ -175,6 +176,7 @@ def test_callers_are_refused_only_when_the_fleet_is_full(fleet: Fleet, lb: str) 
                         served += 1
                     else:
                         refusals.append((rid, sent, answered))
+                        hints[rid] = int(response.headers["retry-after-ms"]) / 1000
                 if response.status_code != 200:
                     time.sleep(pause)
 
@@ -202,6 +204,17 @@ def test_callers_are_refused_only_when_the_fleet_is_full(fleet: Fleet, lb: str) 
         rid for rid, _, answered in refusals if any(free_at(b, decided.get(rid, answered)) for b in busy)
     ]
     share = len(with_free_slot) / max(1, len(refusals))
+    own: dict[str, list[float]] = {}
+    for recs in records:
+        for r in recs:
+            if r["outcome"] == "rejected":
+                own.setdefault(r["request_id"], []).append(r["retry_after_s"])
+    ratios = sorted(hints[rid] / min(own[rid]) for rid, _, _ in refusals if rid in own)
+    if ratios:
+        print(
+            f"\n{lb}: Retry-After delivered / soonest replica's: median {ratios[len(ratios) // 2]:.2f},"
+            f" p90 {ratios[int(0.9 * (len(ratios) - 1))]:.2f}, max {ratios[-1]:.2f}"
+        )
     print(
         f"\n{lb}: {served} served, {len(refusals)} refused; not every replica asked: {len(not_all_asked)}"
         f" ({100 * len(not_all_asked) / max(1, len(refusals)):.1f} %); refused while another replica had"
