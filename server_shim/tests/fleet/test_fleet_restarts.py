@@ -118,11 +118,12 @@ class Load:
 class HAProxyStates:
     """When HAProxy's log first said each replica went DOWN / UP (polled every 20 ms)."""
 
-    LINE = re.compile(r"Server \S+/(replica\d+) is (DOWN|UP)")
+    LINE = re.compile(r"^Server \S+/(replica\d+) is (DOWN|UP)(.*)$", re.MULTILINE)
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.seen: list[tuple[str, str, float]] = []
+        self.reasons: list[str] = []  # HAProxy's own words, for a failure's message
         self._count = 0
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -132,8 +133,9 @@ class HAProxyStates:
         while not self.stopping.wait(0.02):
             found = self.LINE.findall(self.fleet.lb_log())
             now = time.time()
-            for server, state in found[self._count :]:
+            for server, state, reason in found[self._count :]:
                 self.seen.append((server, state, now))
+                self.reasons.append(f"{server} {state}{reason}")
             self._count = len(found)
 
     def first(self, server: str, state: str, after: float) -> float | None:
@@ -203,10 +205,10 @@ def test_rolling_restart_and_dead_engine_lose_no_call(lb: str) -> None:
             down1 = states.first("replica2", "DOWN", t_kill)
             up1 = states.first("replica2", "UP", t_engine)
             print(f"\nHAProxy states seen: {[(s, st, round(t - t_term, 2)) for s, st, t in states.seen]}")
-            assert down0 is not None, states.seen
-            assert up0 is not None, states.seen
-            assert down1 is not None, states.seen
-            assert up1 is not None, states.seen
+            assert down0 is not None, states.reasons
+            assert up0 is not None, states.reasons
+            assert down1 is not None, states.reasons
+            assert up1 is not None, states.reasons
             timings["HAProxy: shim SIGTERM -> replica out"] = down0 - t_term
             timings["HAProxy: shim up -> replica back"] = up0 - (
                 t_start + (timings["shim start -> /health answers"] or 0)
