@@ -14,7 +14,9 @@ Three simulated engines, a shim each with one slot and no queue (``--max-concurr
 - when every replica refuses, the Retry-After that reaches the caller is compared with each
   replica's own estimate for that very call (each shim logs the hint it gave, by request id);
 - a 503 refusal with Retry-After (HAProxy's recipe) is waited out by the SDK and by plain
-  openai as a 429 is.
+  openai as a 429 is;
+- calls for whole answers in flight on an engine that crashes are sent by the load balancer
+  to another replica (the dead engine's shim answers 503 before anything was relayed).
 
 Bounded: a few seconds per test; nothing leaves loopback.
 """
@@ -43,7 +45,8 @@ SIM_FLAGS = (
     "--ttft", "0", "--itl", str(ITL), "--itl-batch-factor", "0", "--prefill-time-per-token", "0",
     "--output-tokens", "1000", "--output-tokens-sigma", "0",
 )  # fmt: skip
-ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", "--log-level", "info", "--log-format", "json")
+JSON_LOGS = ("--log-level", "info", "--log-format", "json")  # access logs the tests read
+ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", *JSON_LOGS)
 REFUSAL_STATUS = {"nginx": 429, "haproxy": 503}
 
 
@@ -324,3 +327,31 @@ def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after(lb: str) -> None
     assert events[0].hint is not None
     assert events[0].wait >= events[0].hint
     print(f"SDK: {len(events)} retries; first: hint {events[0].hint:.3f} s, waited {events[0].wait:.3f} s")
+
+
+def test_whole_answer_calls_on_a_crashed_engine_are_served_by_another_replica(lb: str) -> None:
+    """An engine dies under four 1-second calls: its shim answers 503 ``upstream_unavailable``
+    before anything was relayed, and the load balancer sends each call to the other replica."""
+    with Fleet(2, lb, sim_flags=SIM_FLAGS, shim_flags=JSON_LOGS) as fleet:
+        with httpx.Client(base_url=fleet.url, timeout=30) as client, cf.ThreadPoolExecutor(4) as pool:
+            calls = [
+                pool.submit(
+                    client.post, "/v1/chat/completions", json=body(1.0), headers={"x-request-id": f"k{i}"}
+                )
+                for i in range(4)
+            ]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if _in_flight(httpx.get(f"{fleet.shim_urls[0]}/metrics", timeout=2).text) > 0:
+                    break
+                time.sleep(0.02)
+            fleet.kill_engine(0)
+            statuses = [f.result().status_code for f in calls]
+        records = settled_records(fleet, 4)
+    assert statuses == [200, 200, 200, 200]
+    cut = [r for r in records[0] if r["outcome"] == "rejected"]
+    assert cut, "no call was on the killed engine"
+    assert {(r["status"], r["code"]) for r in cut} == {(503, "upstream_unavailable")}
+    served = {r["request_id"] for r in records[1] if r["outcome"] == "completed"}
+    assert {r["request_id"] for r in cut} <= served
+    print(f"\n{lb}: {len(cut)} calls on the killed engine, all served by the other replica")
