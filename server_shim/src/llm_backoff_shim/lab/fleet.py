@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import json
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,8 +94,32 @@ class LoadBalancer(ChildServer):
                 self.binary, "-p", str(self.dir), "-e", "stderr",
                 "-c", str(self.config_path), "-g", "daemon off;",
             ]  # fmt: skip
-        self.config_path.write_text(render_haproxy(self.replicas, listen))
+        self.config_path.write_text(render_haproxy(self.replicas, listen, stats_socket=self.stats_socket))
         return [self.binary, "-db", "-f", str(self.config_path)]
+
+    @property
+    def stats_socket(self) -> Path:
+        """HAProxy's runtime API (a unix socket in the run's directory)."""
+        return self.dir / "admin.sock"
+
+    def runtime_api(self, command: str, timeout: float = 2.0) -> str:
+        """HAProxy's answer to one runtime API ``command`` (e.g. ``show stat``)."""
+        if self.lb != "haproxy":
+            raise RuntimeError("nginx OSS has no runtime API")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(self.stats_socket))
+            sock.sendall(command.encode() + b"\n")
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode()
+
+    def server_states(self) -> list[str]:
+        """HAProxy's view of each replica, in order: ``UP``, ``DOWN``, ``MAINT``, ``UP 1/2``..."""
+        rows = csv.DictReader(self.runtime_api("show stat").lstrip("# ").splitlines())
+        states = {row["svname"]: row["status"] for row in rows if row["svname"].startswith("replica")}
+        return [states[f"replica{i + 1}"] for i in range(len(self.replicas))]
 
     def check_config(self) -> str:
         """``nginx -t`` / ``haproxy -c`` on the configuration as rendered; raises on failure."""

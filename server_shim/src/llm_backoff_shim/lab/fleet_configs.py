@@ -10,7 +10,8 @@ what the tests exercise is what is shipped:
   file is an http-context file; :func:`nginx_main_config` wraps it in a minimal ``nginx.conf``
   whose pid, logs and temporary paths are in the run's directory.
 - HAProxy: the backend's ``server`` lines become one per replica (``replica1``...), ``bind``
-  becomes the loopback address and the ``log`` target is stdout (the child's log).
+  becomes the loopback address, the ``log`` target is stdout (the child's log) and the
+  runtime API's ``stats socket`` is in the run's directory.
 
 A line the renderer expects and does not find raises :class:`ConfigShapeError`, so a change
 to a shipped file that would make the fleet run something else fails loudly.
@@ -114,8 +115,11 @@ http {{
 _HAPROXY_SERVER = r"^(?P<indent>[ \t]*)server[ \t]+(?P<name>\S+)[ \t]+(?P<addr>\S+:\d+)(?P<params>[^\n]*)$"
 
 
-def render_haproxy(replicas: Sequence[str], bind: str, text: str | None = None) -> str:
-    """The shipped HAProxy file for shims at ``replicas`` (``host:port``), bound to ``bind``."""
+def render_haproxy(
+    replicas: Sequence[str], bind: str, text: str | None = None, *, stats_socket: Path | None = None
+) -> str:
+    """The shipped HAProxy file for shims at ``replicas`` (``host:port``), bound to ``bind``, with
+    its runtime API on ``stats_socket`` (None: the shipped path)."""
     if not replicas:
         raise ValueError("a fleet needs at least one replica")
     source = HAPROXY_CONFIG.read_text() if text is None else text
@@ -126,6 +130,10 @@ def render_haproxy(replicas: Sequence[str], bind: str, text: str | None = None) 
     lines = [f"{indent}server replica{i + 1} {addr}{params}" for i, addr in enumerate(replicas)]
     out = _replace_servers(source, _HAPROXY_SERVER, lines, "backend")
     out = _replace_once(r"^([ \t]*)bind[ \t]+\S+", rf"\g<1>bind {bind}", out, "bind")
+    if stats_socket is not None:
+        out = _replace_once(
+            r"^([ \t]*)stats socket[ \t]+\S+", rf"\g<1>stats socket {stats_socket}", out, "stats socket"
+        )
     return _replace_once(r"^([ \t]*)log[ \t]+/dev/log\b", r"\g<1>log stdout format raw", out, "log")
 
 
