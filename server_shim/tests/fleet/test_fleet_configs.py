@@ -124,3 +124,17 @@ def test_the_recipes_rely_on_what_the_docs_say() -> None:
 def test_a_file_missing_a_line_the_renderer_replaces_is_an_error(render: object, text: str) -> None:
     with pytest.raises(ConfigShapeError):
         render(REPLICAS, "127.0.0.1:1", text)  # type: ignore[operator]
+
+
+def test_the_deploy_doc_names_the_files_the_command_and_the_tested_versions() -> None:
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "deploy.md").read_text()
+    fleet = doc.split("## A fleet", 1)[1]
+    for needed in (
+        "server_shim/deploy/nginx/llm-backoff-fleet.conf",
+        "server_shim/deploy/haproxy/llm-backoff-fleet.cfg",
+        "nginx 1.22.1",
+        "HAProxy 2.6.12",
+        "llm-backoff-shim fleet",
+        "retries 4",
+    ):
+        assert needed in fleet, needed

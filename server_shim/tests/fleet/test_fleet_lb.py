@@ -6,14 +6,17 @@ Three simulated engines, a shim each with one slot and no queue (``--max-concurr
 - three slow calls at once are all admitted (one per replica) and a fourth is refused at
   once, with the shim's well-formed refusal, after the load balancer tried every replica;
 - under a short overload (twice as many closed-loop callers as slots), a caller is refused
-  only when the fleet is full. Measured from the shims' own access logs: a refusal counts as
-  "given while another replica had a free slot" when some replica had no call in flight
-  during the whole time the refused call was in the fleet (from its send to its refusal at
-  the caller, all on this machine's clock), or when not every replica was asked;
+  only when the fleet is full. Measured from the shims' own access logs (times to the
+  millisecond, one clock): a refusal counts as "given while another replica had a free slot"
+  when, at the moment it was decided (the last replica's refusal of that request id), some
+  replica had no call in flight (an admitted call occupies its slot from its arrival,
+  ``time - total_ms``, to its end, ``time``), with 2 ms of slack for the logs' resolution;
 - when every replica refuses, the Retry-After that reaches the caller is compared with each
   replica's own estimate for that very call (each shim logs the hint it gave, by request id);
 - a 503 refusal with Retry-After (HAProxy's recipe) is waited out by the SDK and by plain
-  openai as a 429 is.
+  openai as a 429 is;
+- calls for whole answers in flight on an engine that crashes are sent by the load balancer
+  to another replica (the dead engine's shim answers 503 before anything was relayed).
 
 Bounded: a few seconds per test; nothing leaves loopback.
 """
@@ -25,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -41,7 +45,8 @@ SIM_FLAGS = (
     "--ttft", "0", "--itl", str(ITL), "--itl-batch-factor", "0", "--prefill-time-per-token", "0",
     "--output-tokens", "1000", "--output-tokens-sigma", "0",
 )  # fmt: skip
-ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", "--log-level", "info", "--log-format", "json")
+JSON_LOGS = ("--log-level", "info", "--log-format", "json")  # access logs the tests read
+ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", *JSON_LOGS)
 REFUSAL_STATUS = {"nginx": 429, "haproxy": 503}
 
 
@@ -65,19 +70,162 @@ def fleet(lb: str) -> Iterator[Fleet]:
         yield started
 
 
-@pytest.fixture
-def fine_fleet(lb: str) -> Iterator[Fleet]:
-    """Hints below the default floor of 1 s, so replicas' estimates can be told apart."""
-    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=(*ONE_SLOT, "--retry-after-min", "0.05")) as started:
-        yield started
-
-
 def body(seconds: float) -> dict[str, Any]:
     return {
         "model": "sim-model",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": max(1, round(seconds / ITL)),
     }
+
+
+def stamp(record: dict[str, Any]) -> float:
+    """The end of a shim's access-log record, in seconds since the epoch."""
+    return datetime.fromisoformat(record["time"]).timestamp()
+
+
+def asked_by(fleet: Fleet, request_id: str) -> list[dict[str, Any]]:
+    """Every replica's record of ``request_id`` (one per replica asked)."""
+    return [
+        {**rec, "replica": i}
+        for i in range(len(fleet.replicas))
+        for rec in fleet.access_records(i)
+        if rec.get("request_id") == request_id
+    ]
+
+
+def test_n_calls_are_admitted_and_the_next_is_refused_at_once(fleet: Fleet, lb: str) -> None:
+    with httpx.Client(base_url=fleet.url, timeout=30) as client, cf.ThreadPoolExecutor(3) as pool:
+
+        def call(rid: str, seconds: float) -> tuple[httpx.Response, float]:
+            response = client.post("/v1/chat/completions", json=body(seconds), headers={"x-request-id": rid})
+            return response, time.time()
+
+        slow = [pool.submit(call, f"slow{i}", 2.0) for i in range(3)]
+        deadline = time.monotonic() + 10
+        while sum(len(fleet.access_records(i)) for i in range(3)) == 0 and time.monotonic() < deadline:
+            # Admitted calls log at their end; wait instead until each shim holds its slot.
+            busy = [httpx.get(f"{u}/metrics", timeout=2).text for u in fleet.shim_urls]
+            if all(_in_flight(text) == 1 for text in busy):
+                break
+            time.sleep(0.05)
+        sent = time.time()
+        refused, refused_at = call("extra", 2.0)
+        answers = [f.result() for f in slow]
+
+    assert [r.status_code for r, _ in answers] == [200, 200, 200]
+    assert refused.status_code == REFUSAL_STATUS[lb], refused.text
+    # Refused while all three calls were still running: the load balancer did not wait for a slot.
+    assert refused_at < min(end for _, end in answers)
+    assert int(refused.headers["retry-after"]) >= 1
+    assert int(refused.headers["retry-after-ms"]) > 0
+    error = refused.json()["error"]
+    assert error["code"] == "queue_full"
+    assert error["retry_after_seconds"] > 0
+    # Every replica was asked (HAProxy may ask one twice: it avoids only the one it just asked),
+    # and refused; each admitted exactly one of the three.
+    logged(fleet)
+    asked = asked_by(fleet, "extra")
+    assert {r["replica"] for r in asked} == {0, 1, 2}
+    assert {r["outcome"] for r in asked} == {"rejected"}
+    admitted = [[r for r in fleet.access_records(i) if r["outcome"] == "completed"] for i in range(3)]
+    assert [len(a) for a in admitted] == [1, 1, 1]
+    print(f"\n{lb}: 4th call refused after {1000 * (refused_at - sent):.1f} ms, {len(asked)} asks")
+
+
+def _in_flight(metrics_text: str) -> float:
+    """Calls holding a slot, all classes together, from a shim's /metrics."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "llm_backoff_shim_in_flight"
+        for sample in family.samples
+    )
+
+
+#: Slack around a refusal's moment: the shims log times to the millisecond, and a slot freed
+#: and taken again within a millisecond or two is the race every balancer has.
+SLACK = 0.002
+
+
+def free_at(busy: list[tuple[float, float]], moment: float) -> bool:
+    """True when the slot whose busy intervals are ``busy`` was free around ``moment``."""
+    return not any(start - SLACK <= moment <= end + SLACK for start, end in busy)
+
+
+def test_callers_are_refused_only_when_the_fleet_is_full(fleet: Fleet, lb: str) -> None:
+    """Twice as many closed-loop callers as slots for 3 s; a refused caller tries again 50 ms later."""
+    callers, run_for, call_s, pause = 6, 3.0, 0.2, 0.05
+    refusals: list[tuple[str, float, float]] = []  # request id, sent, answered
+    hints: dict[str, float] = {}  # request id -> the Retry-After that reached the caller
+    served = 0
+    lock = threading.Lock()
+    stop_at = time.monotonic() + run_for
+
+    def caller(n: int) -> None:
+        nonlocal served
+        k = 0
+        with httpx.Client(base_url=fleet.url, timeout=30) as client:
+            while time.monotonic() < stop_at:
+                rid = f"c{n}-{k}"
+                k += 1
+                sent = time.time()
+                response = client.post(
+                    "/v1/chat/completions", json=body(call_s), headers={"x-request-id": rid}
+                )
+                answered = time.time()
+                assert response.status_code in (200, REFUSAL_STATUS[lb]), response.text
+                with lock:
+                    if response.status_code == 200:
+                        served += 1
+                    else:
+                        refusals.append((rid, sent, answered))
+                        hints[rid] = int(response.headers["retry-after-ms"]) / 1000
+                if response.status_code != 200:
+                    time.sleep(pause)
+
+    with cf.ThreadPoolExecutor(callers) as pool:
+        for f in [pool.submit(caller, n) for n in range(callers)]:
+            f.result()
+    records = logged(fleet)
+    busy = [
+        [(stamp(r) - r["total_ms"] / 1000, stamp(r)) for r in recs if r["outcome"] == "completed"]
+        for recs in records
+    ]
+    asked: dict[str, set[int]] = {}
+    for i, recs in enumerate(records):
+        for r in recs:
+            asked.setdefault(r["request_id"], set()).add(i)
+
+    # The moment a caller's refusal was decided: the last replica's refusal of it.
+    decided: dict[str, float] = {}
+    for recs in records:
+        for r in recs:
+            if r["outcome"] == "rejected":
+                decided[r["request_id"]] = max(stamp(r), decided.get(r["request_id"], 0.0))
+    not_all_asked = [rid for rid, _, _ in refusals if asked.get(rid, set()) != {0, 1, 2}]
+    with_free_slot = [
+        rid for rid, _, answered in refusals if any(free_at(b, decided.get(rid, answered)) for b in busy)
+    ]
+    share = len(with_free_slot) / max(1, len(refusals))
+    own: dict[str, list[float]] = {}
+    for recs in records:
+        for r in recs:
+            if r["outcome"] == "rejected":
+                own.setdefault(r["request_id"], []).append(r["retry_after_s"])
+    ratios = sorted(hints[rid] / min(own[rid]) for rid, _, _ in refusals if rid in own)
+    if ratios:
+        print(
+            f"\n{lb}: Retry-After delivered / soonest replica's: median {ratios[len(ratios) // 2]:.2f},"
+            f" p90 {ratios[int(0.9 * (len(ratios) - 1))]:.2f}, max {ratios[-1]:.2f}"
+        )
+    print(
+        f"\n{lb}: {served} served, {len(refusals)} refused; not every replica asked: {len(not_all_asked)}"
+        f" ({100 * len(not_all_asked) / max(1, len(refusals)):.1f} %); refused while another replica had"
+        f" a free slot: {len(with_free_slot)} ({100 * share:.1f} %)"
+    )
+    assert served > 0
+    assert refusals, "the overload did not happen"
+    assert share <= 0.02, with_free_slot
 
 
 def metric_counts(url: str) -> dict[str, float]:
@@ -110,128 +258,16 @@ def logged(fleet: Fleet, timeout: float = 10.0) -> list[list[dict[str, Any]]]:
         time.sleep(0.1)
 
 
-def in_flight(metrics_text: str) -> float:
-    """Calls holding a slot, all classes together, from a shim's /metrics."""
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(metrics_text)
-        if family.name == "llm_backoff_shim_in_flight"
-        for sample in family.samples
-    )
+@pytest.fixture
+def fleet_fine_hints(lb: str) -> Iterator[Fleet]:
+    """Hints below the default floor of 1 s, so replicas' estimates can be told apart."""
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=(*ONE_SLOT, "--retry-after-min", "0.05")) as started:
+        yield started
 
 
-def test_n_calls_are_admitted_and_the_next_is_refused_at_once(fleet: Fleet, lb: str) -> None:
-    with httpx.Client(base_url=fleet.url, timeout=30) as client, cf.ThreadPoolExecutor(3) as pool:
-
-        def call(rid: str, seconds: float) -> tuple[httpx.Response, float]:
-            response = client.post("/v1/chat/completions", json=body(seconds), headers={"x-request-id": rid})
-            return response, time.time()
-
-        slow = [pool.submit(call, f"slow{i}", 2.0) for i in range(3)]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            # Each shim holds its one slot (the load balancer spread the three calls).
-            if all(in_flight(httpx.get(f"{u}/metrics", timeout=2).text) == 1 for u in fleet.shim_urls):
-                break
-            time.sleep(0.05)
-        sent = time.time()
-        refused, refused_at = call("extra", 2.0)
-        answers = [f.result() for f in slow]
-
-    assert [r.status_code for r, _ in answers] == [200, 200, 200]
-    assert refused.status_code == REFUSAL_STATUS[lb], refused.text
-    # Refused while all three calls were still running: the load balancer did not wait for a slot.
-    assert refused_at < min(end for _, end in answers)
-    assert int(refused.headers["retry-after"]) >= 1
-    assert int(refused.headers["retry-after-ms"]) > 0
-    error = refused.json()["error"]
-    assert error["code"] == "queue_full"
-    assert error["retry_after_seconds"] > 0
-    # Every replica was asked, and refused; each admitted exactly one of the three.
-    records = logged(fleet)
-    asked = [(i, r) for i, recs in enumerate(records) for r in recs if r["request_id"] == "extra"]
-    assert sorted(i for i, _ in asked) == [0, 1, 2]
-    assert {r["outcome"] for _, r in asked} == {"rejected"}
-    assert [sum(r["outcome"] == "completed" for r in recs) for recs in records] == [1, 1, 1]
-    print(f"\n{lb}: 4th call refused after {1000 * (refused_at - sent):.1f} ms, every replica asked")
-
-
-def test_callers_are_refused_only_when_the_fleet_is_full(fine_fleet: Fleet, lb: str) -> None:
-    """Twice as many callers as slots, each waiting out the hint it is given before it calls again.
-
-    A refusal the caller gets is counted as "given while another replica had a free slot"
-    unless every replica was asked and every one refused it with ``queue_full``: a replica
-    with one slot and no queue refuses so only while its slot is held. The per-call records
-    are the shims' access logs, checked complete against each shim's /metrics counters
-    (which cannot tell one call's refusals at three replicas apart by themselves).
-    """
-    fleet = fine_fleet
-    callers, run_for, call_s = 6, 4.0, 0.2
-    refusals: list[tuple[str, float]] = []  # request id, the hint the caller got
-    served = 0
-    lock = threading.Lock()
-    started = time.monotonic()
-    stop_at = started + run_for
-
-    def caller(n: int) -> None:
-        nonlocal served
-        k = 0
-        with httpx.Client(base_url=fleet.url, timeout=30) as client:
-            while time.monotonic() < stop_at:
-                rid = f"c{n}-{k}"
-                k += 1
-                response = client.post(
-                    "/v1/chat/completions", json=body(call_s), headers={"x-request-id": rid}
-                )
-                with lock:
-                    if response.status_code == 200:
-                        served += 1
-                        continue
-                    assert response.status_code == REFUSAL_STATUS[lb], response.text
-                    hint = int(response.headers["retry-after-ms"]) / 1000
-                    refusals.append((rid, hint))
-                time.sleep(min(hint, max(0.0, stop_at - time.monotonic())))
-
-    with cf.ThreadPoolExecutor(callers) as pool:
-        for f in [pool.submit(caller, n) for n in range(callers)]:
-            f.result()
-    elapsed = time.monotonic() - started
-
-    records = logged(fleet)
-    by_id: dict[str, list[dict[str, Any]]] = {}
-    for recs in records:
-        for r in recs:
-            by_id.setdefault(r["request_id"], []).append(r)
-    with_free_slot = [
-        rid
-        for rid, _ in refusals
-        if len(by_id.get(rid, [])) != 3 or any(r["code"] != "queue_full" for r in by_id[rid])
-    ]
-    rescued = sum(
-        1 for recs in by_id.values() if any(r["outcome"] == "completed" for r in recs) and len(recs) > 1
-    )
-    busy = sum(r["total_ms"] for recs in records for r in recs if r["outcome"] == "completed") / 1000
-    ratios = sorted(hint / min(r["retry_after_s"] for r in by_id[rid]) for rid, hint in refusals)
-    share = len(with_free_slot) / max(1, len(refusals))
-    print(
-        f"\n{lb}: {served} served, {len(refusals)} refused to the caller, {rescued} calls refused by a"
-        f" replica then served by another; slots busy {100 * busy / (3 * elapsed):.0f} % of the run;"
-        f" refused while another replica had a free slot: {len(with_free_slot)} ({100 * share:.1f} %)"
-    )
-    if ratios:
-        print(
-            f"{lb}: hint delivered / soonest replica's hint for the same call: median"
-            f" {ratios[len(ratios) // 2]:.2f}, p90 {ratios[int(0.9 * (len(ratios) - 1))]:.2f},"
-            f" max {ratios[-1]:.2f}"
-        )
-    assert served > 0
-    assert refusals, "the overload did not happen"
-    assert share <= 0.02, with_free_slot
-
-
-def test_retry_after_when_every_replica_refuses(fine_fleet: Fleet, lb: str) -> None:
+def test_retry_after_when_every_replica_refuses(fleet_fine_hints: Fleet, lb: str) -> None:
     """Replicas with different loads (calls of 3, 1.5 and 0.75 s) all full: what hint reaches the caller."""
-    fleet = fine_fleet
+    fleet = fleet_fine_hints
     lengths = (3.0, 1.5, 0.75)
 
     def direct(i: int, seconds: float) -> int:
@@ -254,15 +290,16 @@ def test_retry_after_when_every_replica_refuses(fine_fleet: Fleet, lb: str) -> N
                 delivered.append((rid, int(r.headers["retry-after-ms"]) / 1000))
                 time.sleep(0.1)
         assert [f.result() for f in busy] == [200, 200, 200]
-    records = logged(fleet)
+    logged(fleet)
 
     print(f"\n{lb}: hint delivered vs each replica's own hint for the same call (s)")
     for rid, hint in delivered:
-        own = sorted(r["retry_after_s"] for recs in records for r in recs if r["request_id"] == rid)
-        assert len(own) == 3
-        # The load balancer passes one replica's answer on unchanged: the last one it asked.
-        assert min(abs(hint - o) for o in own) <= 0.001, (hint, own)
-        print(f"  {rid}: delivered {hint:.3f}   replicas {own}   delivered/soonest {hint / own[0]:.2f}")
+        own = [(r["replica"], r["retry_after_s"]) for r in asked_by(fleet, rid)]
+        soonest = min(h for _, h in own)
+        # The load balancer passes one replica's answer on unchanged (the last one it asked; the
+        # logs' millisecond times cannot tell which that was).
+        assert min(abs(hint - h) for _, h in own) <= 0.001, (hint, own)
+        print(f"  {rid}: delivered {hint:.3f}   asked (replica, hint) {own}   /soonest {hint / soonest:.2f}")
 
 
 def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after() -> None:
@@ -328,3 +365,31 @@ def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after() -> None:
     )
     assert events[0].wait >= events[0].hint * 0.9
     assert requests[1] - requests[0] >= events[0].hint * 0.9
+
+
+def test_whole_answer_calls_on_a_crashed_engine_are_served_by_another_replica(lb: str) -> None:
+    """An engine dies under four 1-second calls: its shim answers 503 ``upstream_unavailable``
+    before anything was relayed, and the load balancer sends each call to the other replica."""
+    with Fleet(2, lb, sim_flags=SIM_FLAGS, shim_flags=JSON_LOGS) as fleet:
+        with httpx.Client(base_url=fleet.url, timeout=30) as client, cf.ThreadPoolExecutor(4) as pool:
+            calls = [
+                pool.submit(
+                    client.post, "/v1/chat/completions", json=body(1.0), headers={"x-request-id": f"k{i}"}
+                )
+                for i in range(4)
+            ]
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if _in_flight(httpx.get(f"{fleet.shim_urls[0]}/metrics", timeout=2).text) > 0:
+                    break
+                time.sleep(0.02)
+            fleet.kill_engine(0)
+            statuses = [f.result().status_code for f in calls]
+        records = logged(fleet)
+    assert statuses == [200, 200, 200, 200]
+    cut = [r for r in records[0] if r["outcome"] == "rejected"]
+    assert cut, "no call was on the killed engine"
+    assert {(r["status"], r["code"]) for r in cut} == {(503, "upstream_unavailable")}
+    served = {r["request_id"] for r in records[1] if r["outcome"] == "completed"}
+    assert {r["request_id"] for r in cut} <= served
+    print(f"\n{lb}: {len(cut)} calls on the killed engine, all served by the other replica")

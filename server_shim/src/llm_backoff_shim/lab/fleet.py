@@ -123,7 +123,7 @@ class LoadBalancer(ChildServer):
 
     def check_config(self) -> str:
         """``nginx -t`` / ``haproxy -c`` on the configuration as rendered; raises on failure."""
-        argv = self._command(self.port or 8000)
+        argv = self._command(self.port or self.fixed_port or 8000)
         check = [*argv[:-2], "-t"] if self.lb == "nginx" else [self.binary, "-c", "-f", str(self.config_path)]
         result = subprocess.run(check, capture_output=True, text=True, timeout=30)
         if result.returncode != 0:

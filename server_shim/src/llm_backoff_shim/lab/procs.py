@@ -93,6 +93,20 @@ def terminate(proc: subprocess.Popen[bytes] | None, grace: float) -> None:
         proc.wait(grace)
 
 
+def _append_only(fd: int) -> None:
+    """Make every write to ``fd`` go to the end of the file (``O_APPEND``).
+
+    The child writes through the same open file as :meth:`ChildServer.log_tail` reads, so
+    they share one file offset: without ``O_APPEND`` a line the child writes while the log is
+    being read lands at the reader's offset, over lines written before.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+
+
 class ChildServer:
     """A server process; ``command(port)`` builds its argv, ``health_path`` says when it is up."""
 
@@ -120,6 +134,7 @@ class ChildServer:
         self._proc: subprocess.Popen[bytes] | None = None
         # Closed in close(); the child writes to it for the whole life of this object.
         self._log = tempfile.TemporaryFile()  # noqa: SIM115
+        _append_only(self._log.fileno())
 
     @property
     def url(self) -> str:

@@ -1,0 +1,54 @@
+"""Child servers (lab/procs.py): their logs read while they write, a fixed port, kill and restart."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from llm_backoff_shim.lab import procs
+
+LINES = 1500
+WRITER = (
+    f"import time\nfor i in range({LINES}):\n    print(f'line {{i}}', flush=True)\n    time.sleep(0.0005)\n"
+)
+
+
+def test_reading_the_log_while_the_child_writes_loses_no_line() -> None:
+    child = procs.ChildServer("writer", lambda port: [sys.executable, "-c", WRITER])
+    child.launch()
+    try:
+        while child.alive():  # read as often as a test polling an access log would, and more
+            child.log_tail()
+            time.sleep(0.001)
+        lines = child.log_tail(10_000_000).splitlines()
+    finally:
+        child.close()
+    assert lines == [f"line {i}" for i in range(LINES)]
+
+
+def http_server(port: int) -> list[str]:
+    return [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+
+
+def test_a_fixed_port_is_kept_across_kill_and_restart() -> None:
+    port = procs.free_port()
+    with procs.ChildServer("http", http_server, health_path="/", port=port) as child:
+        assert child.port == port
+        first = child.pid
+        child.kill()
+        assert not child.alive()
+        assert not procs.is_healthy(child.url + "/")
+        child.restart()
+        assert child.port == port
+        assert child.pid != first
+        assert procs.is_healthy(child.url + "/")
+
+
+def test_restart_keeps_a_port_that_was_chosen_freely() -> None:
+    with procs.ChildServer("http", http_server, health_path="/") as child:
+        port = child.port
+        child.stop()
+        child.restart()
+        assert child.port == port
+        assert child.fixed_port == 0  # later plain starts may pick a fresh port again
+        assert procs.is_healthy(child.url + "/")
