@@ -269,6 +269,13 @@ def only(samples: Values) -> float:
     return samples[0].value
 
 
+#: Tolerance of a rate Prometheus computes against the callers' own counts. A rate is read over
+#: a window whose edges fall between scrapes, and on a loaded machine scrapes come late, so a
+#: tight band here tests the machine, not the query. Half either way still tells a sum over the
+#: replicas from one replica's figure (a third of it), or a rate from a count.
+RATE_REL = 0.5
+
+
 def near(value: float, expected: float, rel: float, what: str) -> None:
     assert math.isfinite(value), f"{what}: {value}"
     assert abs(value - expected) <= rel * max(abs(expected), 1e-9), (
@@ -337,7 +344,7 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
     def time_to_drain(values: dict[str, float]) -> None:
         got = per_replica(values)
         for i, queued in enumerate(QUEUED):
-            near(got[i], queued / seen.drain[i], 0.25, f"{name} replica {i}")
+            near(got[i], queued / seen.drain[i], RATE_REL, f"{name} replica {i}")
         assert got[0] > got[1] > got[2] > 0
 
     if name == "keda queue-depth" or name == "rule job:llm_backoff_shim_queue_depth:sum":
@@ -353,7 +360,7 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
     elif name.startswith("grafana Rejected share") or name.startswith(
         "rule job:llm_backoff_shim_capacity_rejections"
     ):
-        near(only(samples), share, 0.3, name)
+        near(only(samples), share, RATE_REL, name)
     elif name.startswith("grafana In flight"):
         assert by(samples, "class") == {"interactive": 3 * SLOTS, "batch": 0}
     elif (
@@ -383,18 +390,18 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
         assert bottom <= value <= top, (name, value, true)
     elif name.startswith("grafana Requests by outcome"):
         got = {(s.labels["class"], s.labels["outcome"]): s.value for s in samples}
-        near(got[("interactive", "completed")], completed, 0.25, name + " completed")
-        near(got[("interactive", "admitted")], completed, 0.25, name + " admitted")
-        near(got[("interactive", "rejected")], refused, 0.35, name + " rejected")
+        near(got[("interactive", "completed")], completed, RATE_REL, name + " completed")
+        near(got[("interactive", "admitted")], completed, RATE_REL, name + " admitted")
+        near(got[("interactive", "rejected")], refused, RATE_REL, name + " rejected")
         assert got[("interactive", "upstream_error")] == 0
         assert all(v == 0 for (cls, _), v in got.items() if cls == "batch")
     elif name.startswith("grafana Rejections by reason"):
         got = by(samples, "code")
-        near(got["queue_full"], refused, 0.35, name)
+        near(got["queue_full"], refused, RATE_REL, name)
         assert all(v == 0 for code, v in got.items() if code != "queue_full"), got
     elif name.startswith("grafana Drain rate"):
         got = by(samples, "class")
-        near(got["interactive"], sum(seen.drain), 0.2, name)  # the fleet's, not one replica's
+        near(got["interactive"], sum(seen.drain), RATE_REL, name)  # the fleet's, not one replica's
         assert got["batch"] == 0
     elif (
         name.startswith("grafana Time to drain by replica")
@@ -402,7 +409,7 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
     ):
         time_to_drain(by(samples, "instance"))
     elif name == "rule job:llm_backoff_shim_time_to_drain_seconds:max":
-        near(only(samples), QUEUED[0] / seen.drain[0], 0.25, name)
+        near(only(samples), QUEUED[0] / seen.drain[0], RATE_REL, name)
     elif name == "rule job:llm_backoff_shim_replicas:count":
         assert only(samples) == 3
     elif name == "rule job:llm_backoff_shim_queue_depth_per_replica:avg":
@@ -410,7 +417,7 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
     elif name == "rule instance:llm_backoff_shim_drain_rate_per_second:sum":
         got = per_replica(by(samples, "instance"))
         for i in range(3):
-            near(got[i], seen.drain[i], 0.2, f"{name} replica {i}")
+            near(got[i], seen.drain[i], RATE_REL, f"{name} replica {i}")
     elif name == "alert LlmBackoffFleetShedding":
         # The full replica refuses: the expression holds (the alert fires after its `for`).
         assert only(samples) > 0.05, samples
