@@ -121,6 +121,12 @@ class StepStats:
     mean_output_tokens: float = 0.0
     ttft_p90: float | None = None
     latency_p90: float | None = None
+    #: Mean latency of the successful requests that ended in the window (sizes the next steps).
+    mean_latency: float = 0.0
+    #: Time-weighted mean cost in flight over the window (prompt + max_tokens per request).
+    inflight_cost: float = 0.0
+    #: Seconds of steady window the throughput was counted over (0: not windowed).
+    window: float = 0.0
 
     @property
     def error_ratio(self) -> float:
@@ -138,6 +144,8 @@ class KneeRule:
     min_repeats: int = 2
     max_repeats: int = 4
     refine: int = 2
+    #: Fewest successful requests a measurement of the knee counts for ``high`` confidence.
+    min_requests: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ttft_slo) and self.ttft_slo > 0):
@@ -156,6 +164,8 @@ class KneeRule:
             )
         if self.refine < 0:
             raise KneeInputError(f"refine must be >= 0, got {self.refine!r}")
+        if self.min_requests < 1:
+            raise KneeInputError(f"min_requests must be >= 1, got {self.min_requests!r}")
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,8 @@ class Verdict:
     spread: float
     #: Some request succeeded (on the median measurement).
     working: bool = True
+    #: The fewest successful requests any one measurement counted.
+    fewest_requests: int = 0
 
     @property
     def good(self) -> bool:
@@ -209,6 +221,8 @@ class Recommendation:
     batch_max_queue_wait: float | None = None
     #: ``--retry-after-max`` (None: the shim's default).
     retry_after_max: float | None = None
+    #: ``--max-inflight-tokens``, the cost budget (None: the request-count cap alone).
+    max_inflight_tokens: int | None = None
 
     @property
     def held_batch(self) -> tuple[int, float] | None:
@@ -244,6 +258,8 @@ class Recommendation:
             ]
         if self.retry_after_max is not None:
             flags += ["--retry-after-max", f"{self.retry_after_max:g}"]
+        if self.max_inflight_tokens is not None:
+            flags += ["--max-inflight-tokens", str(self.max_inflight_tokens)]
         return flags
 
 
@@ -304,7 +320,17 @@ def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdi
     disagreeing = sum(1 for s in steps if _meets(s, rule) != within)
     spread = (max(rates) - min(rates)) / median_rate if median_rate > 0 and len(rates) > 1 else 0.0
     return Verdict(
-        level, len(steps), median_rate, ttft, tpot, within, errors_ok, disagreeing, spread, working
+        level,
+        len(steps),
+        median_rate,
+        ttft,
+        tpot,
+        within,
+        errors_ok,
+        disagreeing,
+        spread,
+        working,
+        min(s.requests for s in steps),
     )
 
 
@@ -462,7 +488,16 @@ def confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tup
         return "medium", f"{flipped} measurement(s) next to the knee disagreed with the SLO verdict"
     if spread > 2 * rule.tolerance:
         return "medium", f"throughput next to the knee spread by {spread:.0%} between measurements"
-    return "high", f"{v.runs} measurements of {knee.level} agree and the knee held"
+    fewest = min(x.fewest_requests for x in neighbours)
+    if fewest < rule.min_requests:
+        return (
+            "medium",
+            f"a measurement next to the knee counted only {fewest} requests (< {rule.min_requests})",
+        )
+    return "high", (
+        f"{v.runs} measurements of {knee.level} agree (throughput spread {spread:.0%} next to the knee, "
+        f"at most {2 * rule.tolerance:.0%}) and the knee held"
+    )
 
 
 def with_confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tuple[Knee, str]:
@@ -472,10 +507,16 @@ def with_confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -
 
 
 def recommend(
-    runs: Sequence[StepStats], ttft_slo: float, batch_wait: float | None = BATCH_QUEUE_WAIT
+    runs: Sequence[StepStats],
+    ttft_slo: float,
+    batch_wait: float | None = BATCH_QUEUE_WAIT,
+    *,
+    inflight_budget: int | None = None,
 ) -> Recommendation:
     """Shim settings for the knee level, from its measurements (see the module doc);
-    ``batch_wait`` None: batch is not held (it shares the interactive queue's bounds)."""
+    ``batch_wait`` None: batch is not held (it shares the interactive queue's bounds);
+    ``inflight_budget``: the cost budget measured at the knee, recommended as
+    ``--max-inflight-tokens`` beside the request cap."""
     if not (math.isfinite(ttft_slo) and ttft_slo > 0):
         raise KneeInputError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
     if batch_wait is not None and not (math.isfinite(batch_wait) and batch_wait > 0):
@@ -490,8 +531,10 @@ def recommend(
     headroom = ttft_slo - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
     queue = max(1, math.floor(throughput * wait + 1e-9))
+    if inflight_budget is not None and inflight_budget < 1:
+        raise KneeInputError(f"inflight_budget must be >= 1, got {inflight_budget!r}")
     if batch_wait is None:
-        return Recommendation(level, queue, wait)
+        return Recommendation(level, queue, wait, max_inflight_tokens=inflight_budget)
     held = max(1, math.floor(throughput * batch_wait + 1e-9))
     return Recommendation(
         level,
@@ -500,4 +543,5 @@ def recommend(
         batch_max_queue=held,
         batch_max_queue_wait=batch_wait,
         retry_after_max=HELD_RETRY_AFTER_MAX,
+        max_inflight_tokens=inflight_budget,
     )
