@@ -192,14 +192,14 @@ def plan_lines(plan: SweepPlan, probe: str) -> list[str]:
     ]
     if plan.cuts:
         lines.append(
-            f"plan: the full sweep would take about {duration_text(plan.full_seconds)}, over --max-seconds "
-            f"{plan.max_seconds:g}: cut to " + "; ".join(plan.cuts)
+            f"plan: the full sweep would take about {duration_text(plan.full_seconds)}, over the "
+            f"{duration_text(plan.max_seconds)} --max-seconds leaves: cut to " + "; ".join(plan.cuts)
         )
     if not plan.fits:
         lines.append(
-            f"plan: still over --max-seconds {plan.max_seconds:g}: the sweep stops when the next "
-            "measurement does not fit, and recommends from what it measured"
+            f"plan: still over the {duration_text(plan.max_seconds)} --max-seconds leaves: the sweep stops "
+            "when the next measurement does not fit, and recommends from what it measured"
         )
     elif not plan.cuts:
-        lines.append(f"plan: within --max-seconds {plan.max_seconds:g}")
+        lines.append(f"plan: within the {duration_text(plan.max_seconds)} --max-seconds leaves")
     return lines

@@ -372,6 +372,7 @@ async def run_ramp(
             empty.seconds = clock() - began
             return empty
         if not probe.ok:
+            progress(f"{PROG}: the probe request failed: {probe.error}")
             empty.stopped = f"the probe failed: {probe.error}"
             empty.first_errors[1] = probe.error or "failed"
             empty.probe = probe

@@ -178,6 +178,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
             **asdict(v),
             "output_tokens_per_s": _median(outcome.runs[v.concurrency], "output_tokens_per_s"),
             "requests_per_s": _median(outcome.runs[v.concurrency], "throughput"),
+            "inflight_cost": _median(outcome.runs[v.concurrency], "inflight_cost"),
         }
         for v in knee.verdicts
     ]
