@@ -12,6 +12,7 @@ import json
 import re
 import shlex
 import socket
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from starlette.routing import Route
 from llm_backoff_shim import cli
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.calibrate import doubling_levels, parse_steps
+from llm_backoff_shim.lab.calibrate_cost import budget_tokens
 from llm_backoff_shim.lab.calibrate_plan import Sizing
 from llm_backoff_shim.lab.calibrate_ramp import api_base
 from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, WORDS, LengthDist
@@ -593,3 +595,42 @@ def test_a_silent_upstream_is_bounded_by_the_time_cap(tmp_path: Path) -> None:
     assert status == 1
     assert out == ""
     assert f"{url}/v1/models did not answer within 1 s (or pass --model)" in err
+
+
+def test_an_engine_slower_than_the_step_is_measured_by_completions_with_the_mix(tmp_path: Path) -> None:
+    # A request lasts about 0.4 s alone and longer in a batch, more than --step-seconds 0.1: each
+    # level runs until it has its completions, whatever that takes. A quarter of the prompts are long.
+    with sim_server(max_num_seqs=4, ttft=0.05, itl=0.015, itl_batch_factor=0.1) as sim:
+        status, out, err = run(
+            ["--upstream", sim.url, "--ttft-slo", "5", "--tpot-slo", "none", "--steps", "2,4,8",
+             "--step-seconds", "0.1", "--completions-per-slot", "1", "--min-completions", "4",
+             "--repeats", "2", "--prompt-words", "10", "--output-tokens", "20", "--long-share", "0.25",
+             "--long-prompt-tokens", "400-600", "--out", str(tmp_path), "--json"]
+        )  # fmt: skip
+    assert status == 0, err
+    result = json.loads(out)
+    probe = result["probe"]
+    assert probe["ok"]
+    assert probe["output_tokens"] == 20
+    assert probe["seconds"] > result["step_seconds"]
+    # The plan was printed before the sweep, from the probe, with its estimate.
+    plan_at = err.index("plan: one request of the mix's mean lengths (20 tokens out) took")
+    assert plan_at < err.index("] concurrency")
+    assert "at the probe's pace" in err
+    assert result["plan"]["request_seconds"] == pytest.approx(probe["seconds"])
+    sizing = Sizing(per_slot=1, minimum=4)
+    per_level: dict[int, list[dict[str, Any]]] = {}
+    for step in result["steps"]:
+        assert step["requests"] >= sizing.completions(step["concurrency"]), step
+        per_level.setdefault(step["concurrency"], []).append(step)
+    # Long prompts were sent: the upstream counted far more prompt tokens than 10 words make (17).
+    assert statistics.fmean(s["mean_prompt_tokens"] for s in result["steps"]) > 60
+    # Past the engine's 4 slots the extra workers only queue: counted in a steady window, 8
+    # workers deliver no more than 4 do (the fixed-step sweep read 5 times more at such a level).
+    best4 = max(s["output_tokens_per_s"] for s in per_level[4])
+    assert all(s["output_tokens_per_s"] < 1.3 * best4 for s in per_level[8])
+    assert all(s["throughput"] < 1.5 * max(x["throughput"] for x in per_level[4]) for s in per_level[8])
+    rec = result["recommendation"]
+    knee = result["knee"]
+    assert rec["max_inflight_tokens"] == budget_tokens(knee["inflight_cost"])
+    assert f"--max-inflight-tokens {rec['max_inflight_tokens']}" in rec["command"]
