@@ -20,7 +20,7 @@ from llm_backoff_shim.lab.calibrate_plan import (
     plan_sweep,
     thin,
 )
-from llm_backoff_shim.lab.calibrate_ramp import expected_duration
+from llm_backoff_shim.lab.calibrate_ramp import expected_duration, time_to_go
 from llm_backoff_shim.lab.calibrate_samples import Sample, summarize, tokens_in
 from llm_backoff_shim.lab.knee import StepStats
 
@@ -56,6 +56,19 @@ def test_the_requests_expected_at_a_level_follow_what_was_measured() -> None:
     assert expected_duration(4, 4.5, runs) == 4.5
     assert expected_duration(16, 4.5, runs) == pytest.approx(16 / 0.9)  # Little: at least level / best rate
     assert expected_duration(8, 4.5, runs) == 9.0
+
+
+def test_the_time_to_go_is_re_estimated_from_what_was_measured() -> None:
+    sizing = Sizing(min_seconds=0)
+
+    def step(level: int, latency: float, rate: float) -> StepStats:
+        return StepStats(level, 20, 0, rate, 0.1, 0.2, 0.01, 0.02, latency, latency, mean_latency=latency)
+
+    # Nothing measured: every level and the settling at the probe's pace.
+    assert time_to_go((1, 2), 2, sizing, 1.0, {}) == pytest.approx(7 + 7 + 3 * 7)
+    # Level 1 measured 2 s a request, 0.5 req/s: two workers take at least 2 / 0.5 = 4 s a request.
+    runs = {1: [step(1, 2.0, 0.5)]}
+    assert time_to_go((1, 2), 2, sizing, 1.0, runs) == pytest.approx(4 * 7 * 4.0)
 
 
 # -- the plan against --max-seconds --------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Calibrate's ramp: its settings, the closed-loop load generator (I/O) and the measurement loop.
 
-:class:`Driver` sends streaming chat completions through one ``AsyncOpenAI`` client,
-``concurrency`` workers at a time, each sending its next request when the last ends;
-:func:`run_ramp` measures the levels :func:`~llm_backoff_shim.lab.knee.next_level` asks
-for, within the run's time cap, and returns an :class:`Outcome` for
+:class:`Driver` sends streaming chat completions of the mix through one ``AsyncOpenAI``
+client (the probe, and the requests of the closed loop of
+:mod:`~llm_backoff_shim.lab.calibrate_loop`); :func:`run_ramp` probes, prints the plan
+(:mod:`~llm_backoff_shim.lab.calibrate_plan`), measures the levels
+:func:`~llm_backoff_shim.lab.knee.next_level` asks for within the run's time cap, and
+returns an :class:`Outcome` for
 :mod:`llm_backoff_shim.lab.calibrate_report`. The command and its flags are
 :mod:`llm_backoff_shim.lab.calibrate`.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,16 @@ import openai
 
 from .calibrate_cost import budget_tokens, request_cost
 from .calibrate_loop import ClosedLoop, Live, measure_level
-from .calibrate_plan import Sizing, SweepPlan, coarse, measurement_seconds, plan_lines, plan_sweep
+from .calibrate_plan import (
+    Sizing,
+    SweepPlan,
+    coarse,
+    duration_text,
+    measurement_seconds,
+    plan_lines,
+    plan_sweep,
+    settle_measurements,
+)
 from .calibrate_samples import Sample, summarize
 from .knee import (
     BATCH_QUEUE_WAIT,
@@ -317,6 +328,19 @@ def expected_duration(level: int, probe: float, runs: dict[int, list[StepStats]]
     return latency
 
 
+def time_to_go(
+    levels: Sequence[int], repeats: int, sizing: Sizing, probe: float, runs: dict[int, list[StepStats]]
+) -> float:
+    """Seconds the rest of a sweep takes if it climbs every level not yet measured and then
+    settles, each request lasting as :func:`expected_duration` says from what was measured."""
+    top = max(runs, default=0)
+    ahead = [level for level in levels if level > top]
+    seconds = sum(measurement_seconds(sizing, lvl, expected_duration(lvl, probe, runs)) for lvl in ahead)
+    last = ahead[-1] if ahead else top
+    settle = measurement_seconds(sizing, last, expected_duration(last, probe, runs)) if last else 0.0
+    return seconds + settle_measurements(repeats) * settle
+
+
 def _probe_text(sample: Sample) -> str:
     ttft = (sample.first_token or sample.end) - sample.start
     tpot = f", {sample.itl * 1000:.0f} ms per token" if sample.itl is not None else ""
@@ -455,7 +479,11 @@ async def _sweep(
             steps.append(step)
             runs.setdefault(level, []).append(step)
             history.append(find_knee(runs, rule).level)
-            progress(_progress_line(index, step, clock() - began, error))
+            left = time_to_go(plan.levels, plan.repeats, sizing, duration, runs)
+            progress(
+                _progress_line(index, step, clock() - began, error)
+                + f" | at most about {duration_text(left)} to go at the pace measured"
+            )
             if all(s.requests == 0 for s in steps):
                 stopped = f"every request failed at concurrency {level}"
                 break

@@ -34,11 +34,12 @@ not the whole request's latency, which mostly follows how long the answer is. So
    ramp), so a capacity between two doubling levels is found. Measurements of the knee or
    the level above that disagree on the SLO, or whose throughputs spread by more than
    twice ``tolerance``, are repeated too (up to ``max_repeats``).
-6. **Confidence**: ``high`` when the knee held still over its last round and every
-   measurement of it met the SLO; ``medium`` when it held still but measurements
-   disagreed (an SLO verdict flipped, or throughputs spread by more than twice
-   ``tolerance``);
-   ``low`` when it was still moving, or rests on a single measurement.
+6. **Confidence**: ``high`` when the knee held still over its last round, every
+   measurement of it and of the level above agrees with their SLO verdicts, their
+   throughputs spread by at most twice ``tolerance`` and each counted at least
+   ``min_requests`` requests; ``medium`` when it held still but measurements disagreed (an
+   SLO verdict flipped, throughputs spread by more than twice ``tolerance``) or one counted
+   too few requests; ``low`` when it was still moving, or rests on a single measurement.
 
 The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
 
@@ -59,6 +60,8 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   budget through the same shim, and from 1.15x to 1.60x its useful tokens; batch served
   fell from 99 % to 69 % (plain's from 69 % to 36 %). ``max_queue`` becomes the bound on
   both queues together (interactive's plus batch's), and interactive keeps its own bound.
+- ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: the
+  mean cost in flight at the knee, :mod:`llm_backoff_shim.lab.calibrate_cost`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
   a batch caller refused past the held queue's wait would otherwise be told a slot 15 s or
   more ahead, and cannot be called back when the work ahead of it melts away (interactive
