@@ -40,6 +40,8 @@ not the whole request's latency, which mostly follows how long the answer is. So
    ``min_requests`` requests; ``medium`` when it held still but measurements disagreed (an
    SLO verdict flipped, throughputs spread by more than twice ``tolerance``) or one counted
    too few requests; ``low`` when it was still moving, or rests on a single measurement.
+   Disagreement or spread at a level above the knee within :data:`REPRODUCIBLE` (15 %) of
+   it does not count: whichever of the two is the knee, the recommendation moves by less.
 
 The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
 
@@ -94,6 +96,9 @@ BATCH_QUEUE_WAIT = 15.0
 #: (3 s: 0.7 %, 8 s: 1.8 %); below the interactive preset's 2 s, its callers would wait out
 #: every hint instead of failing fast.
 HELD_RETRY_AFTER_MAX = 5.0
+#: How far apart two runs' recommendations may be and still agree: doubt about a level above
+#: the knee within this fraction of it does not lower the confidence (rule 6).
+REPRODUCIBLE = 0.15
 
 
 class KneeInputError(ValueError):
@@ -484,7 +489,10 @@ def confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tup
     if not stable(history, knee.level, rounds=2):
         return "low", "the knee still moved on the last measurement"
     above = next((u for u in knee.verdicts if u.concurrency > knee.level), None)
-    neighbours = [x for x in (v, above) if x is not None]
+    # Doubt about a level above within REPRODUCIBLE of the knee cannot move the
+    # recommendation by more than that: it does not lower the confidence.
+    near = above is not None and above.concurrency <= knee.level * (1 + REPRODUCIBLE)
+    neighbours = [x for x in (v, None if near else above) if x is not None]
     flipped = sum(x.disagreeing for x in neighbours)
     spread = max(x.spread for x in neighbours)
     if flipped:
@@ -497,10 +505,16 @@ def confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tup
             "medium",
             f"a measurement next to the knee counted only {fewest} requests (< {rule.min_requests})",
         )
-    return "high", (
+    why = (
         f"{v.runs} measurements of {knee.level} agree (throughput spread {spread:.0%} next to the knee, "
         f"at most {2 * rule.tolerance:.0%}) and the knee held"
     )
+    if near and above is not None and (above.disagreeing or above.spread > 2 * rule.tolerance):
+        why += (
+            f"; {above.concurrency} above it, within {REPRODUCIBLE:.0%}, measured unevenly: the knee is "
+            f"{knee.level} or {above.concurrency}"
+        )
+    return "high", why
 
 
 def with_confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tuple[Knee, str]:
