@@ -329,16 +329,24 @@ def expected_duration(level: int, probe: float, runs: dict[int, list[StepStats]]
 
 
 def time_to_go(
-    levels: Sequence[int], repeats: int, sizing: Sizing, probe: float, runs: dict[int, list[StepStats]]
+    levels: Sequence[int],
+    repeats: int,
+    sizing: Sizing,
+    probe: float,
+    runs: dict[int, list[StepStats]],
+    settled: int | None = None,
 ) -> float:
-    """Seconds the rest of a sweep takes if it climbs every level not yet measured and then
-    settles, each request lasting as :func:`expected_duration` says from what was measured."""
+    """Seconds the rest of a sweep takes at most, each request lasting as
+    :func:`expected_duration` says from what was measured: while climbing (``settled``
+    None), every level not yet measured and then the settling; once the climb is over,
+    the settling measurements not yet taken (``settled`` of them were), at the cost of the
+    highest level measured."""
     top = max(runs, default=0)
-    ahead = [level for level in levels if level > top]
+    ahead = [level for level in levels if level > top] if settled is None else []
     seconds = sum(measurement_seconds(sizing, lvl, expected_duration(lvl, probe, runs)) for lvl in ahead)
     last = ahead[-1] if ahead else top
-    settle = measurement_seconds(sizing, last, expected_duration(last, probe, runs)) if last else 0.0
-    return seconds + settle_measurements(repeats) * settle
+    each = measurement_seconds(sizing, last, expected_duration(last, probe, runs)) if last else 0.0
+    return seconds + max(0, settle_measurements(repeats) - (settled or 0)) * each
 
 
 def _probe_text(sample: Sample) -> str:
@@ -436,6 +444,7 @@ async def _sweep(
     stopped = "all levels measured"
     sizing = plan.sizing
     duration = probe.end - probe.start
+    settled: int | None = None  # measurements since the climb ended
     try:
         for index in range(1, config.max_measurements + 1):
             step_plan = next_level(runs, plan.levels, rule, history)
@@ -479,7 +488,11 @@ async def _sweep(
             steps.append(step)
             runs.setdefault(level, []).append(step)
             history.append(find_knee(runs, rule).level)
-            left = time_to_go(plan.levels, plan.repeats, sizing, duration, runs)
+            if step_plan.purpose != "climb" and settled is None:
+                settled = 0
+            if settled is not None:
+                settled += 1
+            left = time_to_go(plan.levels, plan.repeats, sizing, duration, runs, settled)
             progress(
                 _progress_line(index, step, clock() - began, error)
                 + f" | at most about {duration_text(left)} to go at the pace measured"
