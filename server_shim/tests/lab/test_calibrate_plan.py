@@ -69,6 +69,8 @@ def test_the_time_to_go_is_re_estimated_from_what_was_measured() -> None:
     # Level 1 measured 2 s a request, 0.5 req/s: two workers take at least 2 / 0.5 = 4 s a request.
     runs = {1: [step(1, 2.0, 0.5)]}
     assert time_to_go((1, 2), 2, sizing, 1.0, runs) == pytest.approx(4 * 7 * 4.0)
+    # At the pace measured (the engine not full yet), 2 s a request.
+    assert time_to_go((1, 2), 2, sizing, 1.0, runs, full=False) == pytest.approx(4 * 7 * 2.0)
     # Once the climb is over only the settling measurements not yet taken remain.
     assert time_to_go((1, 2, 4), 2, sizing, 1.0, runs, settled=1) == pytest.approx(2 * 7 * 2.0)
     assert time_to_go((1, 2, 4), 2, sizing, 1.0, runs, settled=5) == 0.0

@@ -314,16 +314,19 @@ async def _pick_model(client: openai.AsyncOpenAI, upstream: str) -> str:
     return ids[0]
 
 
-def expected_duration(level: int, probe: float, runs: dict[int, list[StepStats]]) -> float:
+def expected_duration(
+    level: int, probe: float, runs: dict[int, list[StepStats]], *, full: bool = True
+) -> float:
     """How long a request will take at ``level``: the mean latency measured at the highest
-    level at or below it (the probe's before any), and no less than ``level`` over the best
-    rate measured so far (Little's law: past the engine's capacity requests queue in it)."""
+    level at or below it (the probe's before any) and, with ``full``, no less than ``level``
+    over the best rate measured so far (Little's law: were the engine already full, requests
+    would queue in it)."""
     below = [lvl for lvl in runs if lvl <= level and any(s.mean_latency > 0 for s in runs[lvl])]
     latency = probe
     if below:
         latency = max(s.mean_latency for s in runs[max(below)])
     best = max((s.throughput for steps in runs.values() for s in steps), default=0.0)
-    if best > 0:
+    if full and best > 0:
         latency = max(latency, level / best)
     return latency
 
@@ -335,17 +338,24 @@ def time_to_go(
     probe: float,
     runs: dict[int, list[StepStats]],
     settled: int | None = None,
+    *,
+    full: bool = True,
 ) -> float:
-    """Seconds the rest of a sweep takes at most, each request lasting as
-    :func:`expected_duration` says from what was measured: while climbing (``settled``
-    None), every level not yet measured and then the settling; once the climb is over,
-    the settling measurements not yet taken (``settled`` of them were), at the cost of the
+    """Seconds the rest of a sweep takes, each request lasting as :func:`expected_duration`
+    says from what was measured (``full``: as if the engine were already full, the most it
+    can take; else at the pace of the highest level measured): while climbing (``settled``
+    None), every level not yet measured and then the settling; once the climb is over, the
+    settling measurements not yet taken (``settled`` of them were), at the cost of the
     highest level measured."""
     top = max(runs, default=0)
     ahead = [level for level in levels if level > top] if settled is None else []
-    seconds = sum(measurement_seconds(sizing, lvl, expected_duration(lvl, probe, runs)) for lvl in ahead)
+
+    def cost(level: int) -> float:
+        return measurement_seconds(sizing, level, expected_duration(level, probe, runs, full=full))
+
+    seconds = sum(cost(level) for level in ahead)
     last = ahead[-1] if ahead else top
-    each = measurement_seconds(sizing, last, expected_duration(last, probe, runs)) if last else 0.0
+    each = cost(last) if last else 0.0
     return seconds + max(0, settle_measurements(repeats) - (settled or 0)) * each
 
 
@@ -492,10 +502,15 @@ async def _sweep(
                 settled = 0
             if settled is not None:
                 settled += 1
-            left = time_to_go(plan.levels, plan.repeats, sizing, duration, runs, settled)
+            fast = time_to_go(plan.levels, plan.repeats, sizing, duration, runs, settled, full=False)
+            slow = time_to_go(plan.levels, plan.repeats, sizing, duration, runs, settled)
+            to_go = f"about {duration_text(fast)} to go at this pace"
+            if slow - fast >= 60:
+                to_go += f", {duration_text(slow)} if the engine is already full"
+            progress(f"{_progress_line(index, step, clock() - began, error)} | {to_go}")
             progress(
                 _progress_line(index, step, clock() - began, error)
-                + f" | at most about {duration_text(left)} to go at the pace measured"
+                + f" | about {to_go} to go (at this pace; if the engine is already full)"
             )
             if all(s.requests == 0 for s in steps):
                 stopped = f"every request failed at concurrency {level}"
