@@ -36,8 +36,9 @@ from typing import Any
 import openai
 
 from llm_backoff_shim.lab import calibrate
+from llm_backoff_shim.lab.calibrate_driver import Driver, streaming_http_client
 from llm_backoff_shim.lab.calibrate_loop import ClosedLoop, measure_level
-from llm_backoff_shim.lab.calibrate_ramp import CalibrateConfig, Driver, streaming_http_client
+from llm_backoff_shim.lab.calibrate_ramp import CalibrateConfig
 from llm_backoff_shim.lab.calibrate_samples import summarize
 from llm_backoff_shim.lab.knee import KneeRule, StepStats, Verdict, judge_level
 from llm_backoff_shim.lab.procs import sim_server

@@ -15,12 +15,13 @@ from llm_backoff_shim.lab.calibrate_cost import budget_tokens, request_cost
 from llm_backoff_shim.lab.calibrate_plan import (
     COARSE,
     Sizing,
+    expected_duration,
     measurement_seconds,
     plan_lines,
     plan_sweep,
     thin,
+    time_to_go,
 )
-from llm_backoff_shim.lab.calibrate_ramp import expected_duration, time_to_go
 from llm_backoff_shim.lab.calibrate_samples import Sample, summarize, tokens_in
 from llm_backoff_shim.lab.knee import StepStats
 

@@ -32,8 +32,10 @@ ramp re-estimates each measurement from the durations measured so far
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+
+from .knee import StepStats
 
 
 def settle_measurements(repeats: int) -> int:
@@ -203,3 +205,48 @@ def plan_lines(plan: SweepPlan, probe: str) -> list[str]:
     elif not plan.cuts:
         lines.append(f"plan: within the {duration_text(plan.max_seconds)} --max-seconds leaves")
     return lines
+
+
+def expected_duration(
+    level: int, probe: float, runs: Mapping[int, Sequence[StepStats]], *, full: bool = True
+) -> float:
+    """How long a request will take at ``level``: the mean latency measured at the highest
+    level at or below it (the probe's before any) and, with ``full``, no less than ``level``
+    over the best rate measured so far (Little's law: were the engine already full, requests
+    would queue in it)."""
+    below = [lvl for lvl in runs if lvl <= level and any(s.mean_latency > 0 for s in runs[lvl])]
+    latency = probe
+    if below:
+        latency = max(s.mean_latency for s in runs[max(below)])
+    best = max((s.throughput for steps in runs.values() for s in steps), default=0.0)
+    if full and best > 0:
+        latency = max(latency, level / best)
+    return latency
+
+
+def time_to_go(
+    levels: Sequence[int],
+    repeats: int,
+    sizing: Sizing,
+    probe: float,
+    runs: Mapping[int, Sequence[StepStats]],
+    settled: int | None = None,
+    *,
+    full: bool = True,
+) -> float:
+    """Seconds the rest of a sweep takes, each request lasting as :func:`expected_duration`
+    says from what was measured (``full``: as if the engine were already full, the most it
+    can take; else at the pace of the highest level measured): while climbing (``settled``
+    None), every level not yet measured and then the settling; once the climb is over, the
+    settling measurements not yet taken (``settled`` of them were), at the cost of the
+    highest level measured."""
+    top = max(runs, default=0)
+    ahead = [level for level in levels if level > top] if settled is None else []
+
+    def cost(level: int) -> float:
+        return measurement_seconds(sizing, level, expected_duration(level, probe, runs, full=full))
+
+    seconds = sum(cost(level) for level in ahead)
+    last = ahead[-1] if ahead else top
+    each = cost(last) if last else 0.0
+    return seconds + max(0, settle_measurements(repeats) - (settled or 0)) * each

@@ -1,13 +1,11 @@
-"""Calibrate's ramp: its settings, the closed-loop load generator (I/O) and the measurement loop.
+"""Calibrate's run: its settings, the probe, the plan and the measurement loop over the levels.
 
-:class:`Driver` sends streaming chat completions of the mix through one ``AsyncOpenAI``
-client (the probe, and the requests of the closed loop of
-:mod:`~llm_backoff_shim.lab.calibrate_loop`); :func:`run_ramp` probes, prints the plan
-(:mod:`~llm_backoff_shim.lab.calibrate_plan`), measures the levels
-:func:`~llm_backoff_shim.lab.knee.next_level` asks for within the run's time cap, and
-returns an :class:`Outcome` for
-:mod:`llm_backoff_shim.lab.calibrate_report`. The command and its flags are
-:mod:`llm_backoff_shim.lab.calibrate`.
+:func:`run_ramp` probes one request (:class:`~llm_backoff_shim.lab.calibrate_driver.Driver`),
+prints the plan (:mod:`~llm_backoff_shim.lab.calibrate_plan`), measures the levels
+:func:`~llm_backoff_shim.lab.knee.next_level` asks for on one closed loop
+(:mod:`~llm_backoff_shim.lab.calibrate_loop`) within the run's time cap, and returns an
+:class:`Outcome` for :mod:`llm_backoff_shim.lab.calibrate_report`. The command and its
+flags are :mod:`llm_backoff_shim.lab.calibrate`.
 """
 
 from __future__ import annotations
@@ -15,25 +13,26 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import openai
 
-from .calibrate_cost import budget_tokens, request_cost
-from .calibrate_loop import ClosedLoop, Live, measure_level
+from .calibrate_cost import budget_tokens
+from .calibrate_driver import Driver, error_text, streaming_http_client
+from .calibrate_loop import ClosedLoop, measure_level
 from .calibrate_plan import (
     Sizing,
     SweepPlan,
     coarse,
     duration_text,
+    expected_duration,
     measurement_seconds,
     plan_lines,
     plan_sweep,
-    settle_measurements,
+    time_to_go,
 )
 from .calibrate_samples import Sample, summarize
 from .knee import (
@@ -47,7 +46,7 @@ from .knee import (
     recommend,
     with_confidence,
 )
-from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, prompt_text
+from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
 
 #: Long prompts' length when ``--long-share`` is set without ``--long-prompt-tokens``: the
 #: retrieval-augmented and agent calls of a mixed load, 1500-3000 tokens.
@@ -149,125 +148,6 @@ class CalibrateConfig:
         )
 
 
-# -- the load generator (I/O) -------------------------------------------------------------
-
-
-def _has_content(delta: Any) -> bool:
-    if delta is None:
-        return False
-    # vLLM streams reasoning models' thinking in reasoning_content (older) or reasoning.
-    return any(
-        getattr(delta, name, None) for name in ("content", "reasoning_content", "reasoning", "tool_calls")
-    )
-
-
-def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, openai.APIStatusError):
-        return f"HTTP {exc.status_code}: {exc.message}"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def streaming_http_client(pool: int) -> Any:
-    """The SDK's default async HTTP client with a pool wide enough for ``pool`` streams.
-
-    openai's default keeps 100 idle connections; above that, each new request would
-    pay a TCP connect inside its measured TTFT. openai 3.x runs on httpx2, 2.x on httpx.
-    """
-    if int(openai.__version__.split(".")[0]) >= 3:
-        import httpx2 as httplib
-    else:  # pragma: no cover - exercised by the openai 2.x environment
-        import httpx as httplib  # type: ignore[no-redef]
-    limits = httplib.Limits(max_connections=pool + 16, max_keepalive_connections=pool + 16)
-    return openai.DefaultAsyncHttpxClient(limits=limits)
-
-
-@dataclass
-class Driver:
-    """Sends calibrate's requests through one ``AsyncOpenAI`` client, lengths drawn from the mix."""
-
-    client: openai.AsyncOpenAI
-    model: str
-    config: CalibrateConfig
-    clock: Callable[[], float]
-    rng: random.Random = field(default_factory=random.Random)
-
-    def draw(self) -> tuple[int, int]:
-        """One request's prompt words and ``max_tokens``, from the mix."""
-        cfg = self.config
-        long = cfg.long_share > 0 and self.rng.random() < cfg.long_share
-        words = (cfg.long_prompt_words if long else cfg.prompt_words).draw(self.rng)
-        return words, cfg.output_tokens.draw(self.rng)
-
-    async def probe(self) -> Sample:
-        """One request of the mix's mean lengths, alone: how long a request takes."""
-        words = max(1, round(self.config.mean_prompt_words()))
-        max_tokens = max(1, round(self.config.output_tokens.mean()))
-        return await self.one_request(0, -1, {}, lengths=(words, max_tokens))
-
-    async def one_request(
-        self,
-        worker: int,
-        seq: int,
-        live: dict[tuple[int, int], Live],
-        lengths: tuple[int, int] | None = None,
-    ) -> Sample:
-        """One streamed request, registered in ``live`` while it runs (its chunks' times too)."""
-        cfg = self.config
-        words, max_tokens = lengths or self.draw()
-        prompt = prompt_text(words, self.rng)
-        extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
-        start = self.clock()
-        # Until the upstream counts the prompt (usage), its words stand for its tokens.
-        running = Live(worker, seq, start, request_cost(words, max_tokens))
-        live[(worker, seq)] = running
-        times = running.token_times
-        usage: Any = None
-        try:
-            stream = await self.client.chat.completions.create(
-                model=self.model,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                temperature=0,
-                extra_body=extra or None,
-            )
-            async with stream:
-                async for chunk in stream:
-                    now = self.clock()
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    if any(_has_content(choice.delta) for choice in chunk.choices):
-                        times.append(now)
-        except Exception as exc:  # a load generator records any failure and carries on
-            return Sample(
-                worker, seq, start, self.clock(), ok=False, error=_error_text(exc), cost=running.cost
-            )
-        finally:
-            live.pop((worker, seq), None)
-        end = self.clock()
-        tokens = int(getattr(usage, "completion_tokens", 0) or len(times))
-        prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
-        first = times[0] if times else None
-        itl = None
-        if first is not None and tokens >= 2 and times[-1] > first:
-            itl = (times[-1] - first) / (tokens - 1)
-        return Sample(
-            worker,
-            seq,
-            start,
-            end,
-            ok=True,
-            first_token=first,
-            itl=itl,
-            output_tokens=tokens,
-            prompt_tokens=prompt_tokens,
-            cost=request_cost(prompt_tokens or words, max_tokens),
-            token_times=tuple(times),
-        )
-
-
 # -- the ramp ---------------------------------------------------------------------------
 
 
@@ -306,57 +186,12 @@ async def _pick_model(client: openai.AsyncOpenAI, upstream: str) -> str:
         page = await client.models.list()
     except Exception as exc:  # any failure here means the upstream is unusable as given
         raise CalibrateError(
-            f"cannot list models at {upstream}: {_error_text(exc)} (or pass --model)"
+            f"cannot list models at {upstream}: {error_text(exc)} (or pass --model)"
         ) from None
     ids = [m.id for m in page.data]
     if not ids:
         raise CalibrateError(f"{upstream}/v1/models lists no model; pass --model")
     return ids[0]
-
-
-def expected_duration(
-    level: int, probe: float, runs: dict[int, list[StepStats]], *, full: bool = True
-) -> float:
-    """How long a request will take at ``level``: the mean latency measured at the highest
-    level at or below it (the probe's before any) and, with ``full``, no less than ``level``
-    over the best rate measured so far (Little's law: were the engine already full, requests
-    would queue in it)."""
-    below = [lvl for lvl in runs if lvl <= level and any(s.mean_latency > 0 for s in runs[lvl])]
-    latency = probe
-    if below:
-        latency = max(s.mean_latency for s in runs[max(below)])
-    best = max((s.throughput for steps in runs.values() for s in steps), default=0.0)
-    if full and best > 0:
-        latency = max(latency, level / best)
-    return latency
-
-
-def time_to_go(
-    levels: Sequence[int],
-    repeats: int,
-    sizing: Sizing,
-    probe: float,
-    runs: dict[int, list[StepStats]],
-    settled: int | None = None,
-    *,
-    full: bool = True,
-) -> float:
-    """Seconds the rest of a sweep takes, each request lasting as :func:`expected_duration`
-    says from what was measured (``full``: as if the engine were already full, the most it
-    can take; else at the pace of the highest level measured): while climbing (``settled``
-    None), every level not yet measured and then the settling; once the climb is over, the
-    settling measurements not yet taken (``settled`` of them were), at the cost of the
-    highest level measured."""
-    top = max(runs, default=0)
-    ahead = [level for level in levels if level > top] if settled is None else []
-
-    def cost(level: int) -> float:
-        return measurement_seconds(sizing, level, expected_duration(level, probe, runs, full=full))
-
-    seconds = sum(cost(level) for level in ahead)
-    last = ahead[-1] if ahead else top
-    each = cost(last) if last else 0.0
-    return seconds + max(0, settle_measurements(repeats) - (settled or 0)) * each
 
 
 def _probe_text(sample: Sample) -> str:
@@ -508,10 +343,6 @@ async def _sweep(
             if slow - fast >= 60:
                 to_go += f", {duration_text(slow)} if the engine is already full"
             progress(f"{_progress_line(index, step, clock() - began, error)} | {to_go}")
-            progress(
-                _progress_line(index, step, clock() - began, error)
-                + f" | about {to_go} to go (at this pace; if the engine is already full)"
-            )
             if all(s.requests == 0 for s in steps):
                 stopped = f"every request failed at concurrency {level}"
                 break
