@@ -63,6 +63,16 @@ class Driver:
     config: CalibrateConfig
     clock: Callable[[], float]
     rng: random.Random = field(default_factory=random.Random)
+    #: Prompt words sent and prompt tokens the upstream counted for them, so far: a running
+    #: request's cost is estimated at this ratio until its own count arrives.
+    words_sent: int = 0
+    tokens_counted: int = 0
+
+    def prompt_tokens(self, words: int) -> int:
+        """The upstream's likely count for a prompt of ``words`` words."""
+        if self.words_sent <= 0 or self.tokens_counted <= 0:
+            return words
+        return round(words * self.tokens_counted / self.words_sent)
 
     def draw(self) -> tuple[int, int]:
         """One request's prompt words and ``max_tokens``, from the mix."""
@@ -90,8 +100,7 @@ class Driver:
         prompt = prompt_text(words, self.rng)
         extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
         start = self.clock()
-        # Until the upstream counts the prompt (usage), its words stand for its tokens.
-        running = Live(worker, seq, start, request_cost(words, max_tokens))
+        running = Live(worker, seq, start, request_cost(self.prompt_tokens(words), max_tokens))
         live[(worker, seq)] = running
         times = running.token_times
         usage: Any = None
@@ -121,6 +130,9 @@ class Driver:
         end = self.clock()
         tokens = int(getattr(usage, "completion_tokens", 0) or len(times))
         prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
+        if prompt_tokens:
+            self.words_sent += words
+            self.tokens_counted += prompt_tokens
         first = times[0] if times else None
         itl = None
         if first is not None and tokens >= 2 and times[-1] > first:
@@ -135,6 +147,6 @@ class Driver:
             itl=itl,
             output_tokens=tokens,
             prompt_tokens=prompt_tokens,
-            cost=request_cost(prompt_tokens or words, max_tokens),
+            cost=request_cost(prompt_tokens or self.prompt_tokens(words), max_tokens),
             token_times=tuple(times),
         )
