@@ -29,13 +29,16 @@ import random
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import openai
 
 from llm_backoff_shim.lab import calibrate
-from llm_backoff_shim.lab.calibrate_ramp import CalibrateConfig, Driver, streaming_http_client
+from llm_backoff_shim.lab.calibrate_driver import Driver, streaming_http_client
+from llm_backoff_shim.lab.calibrate_loop import ClosedLoop, measure_level
+from llm_backoff_shim.lab.calibrate_ramp import CalibrateConfig
 from llm_backoff_shim.lab.calibrate_samples import summarize
 from llm_backoff_shim.lab.knee import KneeRule, StepStats, Verdict, judge_level
 from llm_backoff_shim.lab.procs import sim_server
@@ -93,6 +96,8 @@ async def reference_sweep(url: str, rounds: int, step_seconds: float) -> dict[in
     config = CalibrateConfig(
         upstream=url, ttft_slo=TTFT_SLO, levels=REFERENCE_LEVELS, step_seconds=step_seconds
     )
+    # Every reference measurement counts twice calibrate's completions over at least step_seconds.
+    sizing = replace(config.sizing, per_slot=4, minimum=40, max_durations=12)
     client = openai.AsyncOpenAI(
         base_url=url + "/v1",
         api_key="EMPTY",
@@ -103,17 +108,21 @@ async def reference_sweep(url: str, rounds: int, step_seconds: float) -> dict[in
     runs: dict[int, list[StepStats]] = {level: [] for level in REFERENCE_LEVELS}
     async with client:
         driver = Driver(client, "sim-model", config, time.monotonic, random.Random(99))
-        for r in range(rounds):
-            for level in REFERENCE_LEVELS:
-                samples = await driver.run_step(level, step_seconds, 1_000_000)
-                step = summarize(level, samples)
-                runs[level].append(step)
-                print(
-                    f"  reference round {r + 1}/{rounds} concurrency {level:>3}: "
-                    f"{step.output_tokens_per_s:6.0f} tok/s, TTFT p99 {step.ttft_p99:.3f} s, "
-                    f"TPOT p99 {step.itl_p99 * 1000:.1f} ms",
-                    flush=True,
-                )
+        loop = ClosedLoop(driver.one_request, time.monotonic)
+        try:
+            for r in range(rounds):
+                for level in REFERENCE_LEVELS:
+                    m = await measure_level(loop, level, sizing, time.monotonic() + 600)
+                    step = summarize(level, m.samples, level_start=m.level_start, window=m.window)
+                    runs[level].append(step)
+                    print(
+                        f"  reference round {r + 1}/{rounds} concurrency {level:>3}: "
+                        f"{step.output_tokens_per_s:6.0f} tok/s, TTFT p99 {step.ttft_p99:.3f} s, "
+                        f"TPOT p99 {step.itl_p99 * 1000:.1f} ms",
+                        flush=True,
+                    )
+        finally:
+            await loop.close()
     return runs
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shlex
 import socket
+import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +29,11 @@ from starlette.routing import Route
 from llm_backoff_shim import cli
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.calibrate import doubling_levels, parse_steps
+from llm_backoff_shim.lab.calibrate_cost import budget_tokens
+from llm_backoff_shim.lab.calibrate_plan import Sizing
 from llm_backoff_shim.lab.calibrate_ramp import api_base
-from llm_backoff_shim.lab.calibrate_samples import Sample, steady_samples, summarize
 from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, WORDS, LengthDist
+from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
@@ -91,6 +95,10 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--step-seconds",
         "--step-requests",
         "--max-seconds",
+        "--long-share",
+        "--long-prompt-tokens",
+        "--completions-per-slot",
+        "--min-completions",
         "--out",
         "--json",
     ):
@@ -116,10 +124,10 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--ttft-slo", "1", "--step-seconds", "-1"], "--step-seconds"),
         (["--ttft-slo", "1", "--step-requests", "0"], "--step-requests"),
         (["--ttft-slo", "1", "--step-seconds", "30", "--max-seconds", "10"], "--max-seconds 10 is too short"),
-        (
-            ["--max-seconds", "20"],
-            "the run needs at least 40 s (2 x --step-seconds); pass --max-seconds 40 or more",
-        ),
+        (["--long-share", "1.5"], "--long-share: must be in [0, 1]"),
+        (["--long-prompt-tokens", "x"], "--long-prompt-tokens: expected N"),
+        (["--completions-per-slot", "0"], "--completions-per-slot"),
+        (["--min-completions", "0"], "--min-completions"),
         (["--ttft-slo", "1", "--max-error-rate", "1"], "--max-error-rate"),
         (["--ttft-slo", "1", "--model", " "], "--model: must not be empty"),
     ],
@@ -145,78 +153,14 @@ def test_slo_defaults_to_two_seconds_and_a_tenth_of_a_second_per_token() -> None
     unheld = calibrate.build_parser().parse_args(["--upstream", "http://h:1", "--batch-queue-wait", "none"])
     assert calibrate.config_from_args(unheld).batch_queue_wait is None
     assert config.levels == (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert (config.step_seconds, config.step_requests, config.max_seconds) == (20.0, 1000, 600.0)
-
-
-def test_the_longest_run_is_told_before_it_starts() -> None:
-    def plan(*flags: str) -> str:
-        args = calibrate.build_parser().parse_args(["--upstream", "http://127.0.0.1:9", *flags])
-        return calibrate.time_plan(calibrate.config_from_args(args))
-
-    # Defaults: 9 levels climbed, 4 repeats of the 2 levels next to the knee, 2 refinements twice.
-    assert plan() == (
-        "llm-backoff-shim calibrate: this run takes at most 10 min (--max-seconds 600): up to 29 "
-        "measurements of --step-seconds 20 plus the time their last requests take; it stops sooner "
-        "once the knee is stable"
-    )
-    assert plan(
-        "--steps", "1,2", "--step-seconds", "2", "--request-timeout", "5", "--max-seconds", "1000"
-    ).startswith(
-        "llm-backoff-shim calibrate: this run takes at most 2.6 min (--request-timeout 5 bounds each "
-        "measurement's last requests): up to 22 measurements"
-    )
-    # Printed first, on stderr, before anything is sent.
-    status, _, err = run(["--upstream", "http://127.0.0.1:9", "--max-seconds", "60", "--step-seconds", "5"])
-    assert status == 1
-    assert err.splitlines()[0].startswith(
-        "llm-backoff-shim calibrate: this run takes at most 60 s (--max-seconds 60)"
-    )
+    assert (config.step_seconds, config.step_requests, config.max_seconds) == (3.0, 1000, 600.0)
+    assert (config.completions_per_slot, config.min_completions, config.long_share) == (2, 20, 0.0)
 
 
 def test_bad_upstream_exits_2() -> None:
     err = io.StringIO()
     assert calibrate.main(["--upstream", "localhost:8000", "--ttft-slo", "1"], stderr=err) == 2
     assert "--upstream: expected an http(s) URL" in err.getvalue()
-
-
-# -- one step's statistics -----------------------------------------------------------------
-
-
-def _ok(worker: int, seq: int, start: float, latency: float, ttft: float, itl: float = 0.01) -> Sample:
-    return Sample(worker, seq, start, start + latency, True, start + ttft, itl, output_tokens=10)
-
-
-def test_warm_up_requests_are_left_out_when_later_ones_exist() -> None:
-    first = _ok(0, 0, 0.0, 5.0, 4.0)
-    later = _ok(0, 1, 5.0, 1.0, 0.1)
-    failed = Sample(1, 1, 0.0, 0.1, False, error="HTTP 500: boom")
-    assert steady_samples([first, later, failed]) == [later]
-    assert steady_samples([first, failed]) == [first]  # only warm-up: better than nothing
-
-
-def test_summary_uses_littles_law_and_counts_failures() -> None:
-    samples = [
-        _ok(w, s, float(s), latency=0.5 + 0.1 * w, ttft=0.1 * (w + 1)) for w in range(4) for s in range(3)
-    ]
-    samples.append(Sample(3, 3, 9.0, 9.5, False, error="HTTP 503: queue full"))
-    stats = summarize(4, samples)
-    steady = [s for s in samples if s.ok and s.seq > 0]
-    mean_latency = sum(s.end - s.start for s in steady) / len(steady)
-    assert stats.requests == len(steady) == 8
-    assert stats.errors == 1
-    assert stats.throughput == pytest.approx(4 / mean_latency)
-    assert stats.output_tokens_per_s == pytest.approx(stats.throughput * 10)
-    assert stats.ttft_p50 == pytest.approx(0.25)
-    assert stats.ttft_p99 == pytest.approx(0.4, abs=0.01)
-    assert stats.latency_p99 <= 0.8 + 1e-9
-    assert stats.itl_p50 == pytest.approx(0.01)
-    assert stats.mean_output_tokens == 10
-
-
-def test_summary_of_a_step_where_everything_failed() -> None:
-    stats = summarize(2, [Sample(0, 0, 0.0, 1.0, False, error="x"), Sample(1, 0, 0.0, 1.0, False, error="x")])
-    assert (stats.requests, stats.errors, stats.throughput) == (0, 2, 0.0)
-    assert stats.error_ratio == 1.0
 
 
 # -- whole runs ------------------------------------------------------------------------------
@@ -232,6 +176,16 @@ def sim_server(**overrides: Any) -> ServerThread:
 def sim() -> Iterator[ServerThread]:
     with sim_server() as server:
         yield server
+
+
+def known_to_serve(argv: list[str]) -> list[str]:
+    """``argv`` without the flags this version's ``serve`` does not define (the cost cap's)."""
+    known = {f"--{name.replace('_', '-')}" for name in ShimSettings.model_fields}
+    out: list[str] = []
+    for flag, value in zip(argv[::2], argv[1::2], strict=True):
+        if flag in known:
+            out += [flag, value]
+    return out
 
 
 def sim_stats(server: ServerThread) -> dict[str, Any]:
@@ -256,7 +210,7 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
             "--steps",
             "2,4,8,16",
             "--step-seconds",
-            "2",  # a 1 s step let this machine's noise move the knee
+            "1",  # the shortest window: two completions per slot take less on this engine
             "--prompt-words",
             "lognormal:20:0.8:5-100",
             "--output-tokens",
@@ -301,7 +255,7 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     # The printed command is what `serve` accepts, with the same values.
     argv = shlex.split(rec["command"])
     assert argv[:2] == ["llm-backoff-shim", "serve"]
-    settings = load_settings(argv[2:])
+    settings = load_settings(known_to_serve(argv[2:]))
     assert str(settings.upstream).rstrip("/") == sim.url
     assert (settings.max_concurrency, settings.max_queue, settings.max_queue_wait) == (
         knee,
@@ -310,13 +264,23 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     )
     assert settings.class_limits()["batch"].max_queue_wait == rec["batch_max_queue_wait"]
     assert settings.retry_after_max == rec["retry_after_max"]
-    # The sim completed what the statistics hold plus one warm-up request per worker, no more.
-    stats = sim_stats(sim)
+    # The cost budget: the mean cost in flight at the knee (prompt + max_tokens), rounded up to 64.
+    assert rec["max_inflight_tokens"] % 64 == 0
+    assert 0 <= rec["max_inflight_tokens"] - per_level[knee]["inflight_cost"] < 64
+    assert argv[argv.index("--max-inflight-tokens") + 1] == str(rec["max_inflight_tokens"])
+    # Every level counted its window's completions (two per slot, at least 20, at most six
+    # request durations) after its ramp-in.
+    assert result["probe"]["ok"]
+    assert result["plan"]["levels"] == [2, 4, 8, 16]
+    for step in result["steps"]:
+        assert step["requests"] >= Sizing().completions(step["concurrency"]), step
+        assert step["window"] >= 1.0
+    # The engine served the probe, every ramp-in and window, and the requests cancelled at the end.
+    stats = _wait_for_idle(sim)
     assert all(step["errors"] == 0 for step in result["steps"])
     measured = sum(step["requests"] for step in result["steps"])
-    assert stats["requests_completed"] == measured + sum(step["concurrency"] for step in result["steps"])
+    assert stats["requests_completed"] > measured
     assert stats["peak_running"] == max_num_seqs
-    assert stats["running"] == stats["waiting"] == 0
     # The PNG is a real image.
     png = Path(result["png"])
     assert png == tmp_path / "out" / "calibrate.png"
@@ -324,9 +288,11 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 400
     assert image.shape[1] > 400
-    # Progress: one line when a measurement starts and one when it ends.
-    assert err.count("running...") == len(result["steps"])
-    assert f"[{len(result['steps'])}] concurrency " in err
+    # Progress: the plan before the sweep, one line when a measurement starts and one when it ends.
+    assert "plan: one request of the mix's mean lengths" in err
+    starts = [line for line in err.splitlines() if re.match(r"\[\d+\] concurrency +\d+ \(", line)]
+    assert len(starts) == len(result["steps"])
+    assert err.count(" s window (") == len(result["steps"])
 
 
 def test_text_output_through_the_cli_has_the_table_and_the_serve_command(
@@ -335,7 +301,7 @@ def test_text_output_through_the_cli_has_the_table_and_the_serve_command(
     with sim_server(max_num_seqs=2) as sim:
         status = cli.main(
             ["calibrate", "--upstream", sim.url + "/v1", "--ttft-slo", "3", "--steps", "1,8",
-             "--step-seconds", "0.5", "--prompt-words", "10", "--output-tokens", "5", "--out", str(tmp_path)]
+             "--step-seconds", "0.2", "--prompt-words", "10", "--output-tokens", "5", "--out", str(tmp_path)]
         )  # fmt: skip
     assert status == 0
     out = capsys.readouterr().out
@@ -352,7 +318,7 @@ def test_text_output_through_the_cli_has_the_table_and_the_serve_command(
     assert any(line.startswith("confidence: ") for line in lines)
     command = next(line.strip() for line in lines if line.strip().startswith("llm-backoff-shim serve"))
     assert f"--upstream {sim.url} --max-concurrency 8 " in command
-    assert load_settings(shlex.split(command)[2:]).max_concurrency == 8
+    assert load_settings(known_to_serve(shlex.split(command)[2:])).max_concurrency == 8
     assert (tmp_path / "calibrate.png").stat().st_size > 0
 
 
@@ -372,36 +338,20 @@ def test_an_unwritable_png_is_reported_and_the_result_still_printed(
     assert result["recommendation"]["max_concurrency"] == 1
 
 
-def test_requests_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> None:
-    # Long steps, but each level may start only 5 requests: the run ends once they finish.
-    status, out, _ = run(
-        [
-            "--upstream",
-            sim.url,
-            "--ttft-slo",
-            "5",
-            "--steps",
-            "1,2",
-            "--step-requests",
-            "5",
-            "--step-seconds",
-            "120",
-            "--repeats",
-            "1",
-            "--output-tokens",
-            "3",
-            "--prompt-tokens",
-            "5",
-            "--out",
-            str(tmp_path),
-            "--json",
-        ]
-    )
-    assert status == 0
+def test_completions_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> None:
+    # Each level's window may count only 5 completions, whatever two per slot would ask.
+    status, out, err = run(
+        ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "1,2", "--step-requests", "5",
+         "--step-seconds", "0", "--repeats", "1", "--output-tokens", "3", "--prompt-tokens", "5",
+         "--out", str(tmp_path), "--json"]
+    )  # fmt: skip
+    assert status == 0, err
     result = json.loads(out)
-    assert sim_stats(sim)["requests_received"] == 10
-    # Warm-up (each worker's first request) is received but left out of the statistics.
-    assert [s["requests"] for s in result["steps"]] == [4, 3]
+    assert result["steps"][0]["requests"] == 5  # one worker: exactly the fifth ends the window
+    assert 5 <= result["steps"][1]["requests"] <= 6  # two may end in the same instant
+    # The probe, each level's ramp-in (one per worker), the windows and the two cancelled at the end.
+    received = sim_stats(sim)["requests_received"]
+    assert 1 + (1 + 5) + (2 + 5) <= received <= 1 + (1 + 6) + (2 + 6) + 2
 
 
 def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
@@ -430,13 +380,31 @@ def test_total_time_cap_cancels_running_requests(tmp_path: Path) -> None:
         assert status == 1
         assert result["steps"] == []
         assert result["recommendation"] is None
-        assert result["stopped"] == "--max-seconds 2 reached during concurrency 2"
-        assert "cut by --max-seconds" in err
+        assert result["stopped"] == "--max-seconds 2 reached during the probe"
+        assert "a probe request first sizes the steps" in err
         assert result["png"] is None
-        # The cancelled streams were closed: the engine aborts them instead of generating on.
+        # The cancelled stream was closed: the engine aborts it instead of generating on.
         stats = _wait_for_idle(sim)
-        assert stats["requests_aborted"] == 2
+        assert stats["requests_aborted"] == 1
         assert stats["requests_completed"] == 0
+
+
+def test_a_level_that_does_not_fit_the_time_left_is_not_started(tmp_path: Path) -> None:
+    # Requests of 0.3 s: the probe fits, but two per slot at 4 workers do not fit in 2 s.
+    with sim_server(output_tokens=30, itl=0.01, ttft=0.0) as sim:
+        status, out, err = run(
+            ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "4", "--step-seconds", "10",
+             "--max-seconds", "10.5", "--output-tokens", "30", "--prompt-tokens", "5", "--out", str(tmp_path),
+             "--json"]
+        )  # fmt: skip
+        result = json.loads(out)
+        assert status == 1
+        assert result["steps"] == []
+        assert result["stopped"].startswith("--max-seconds 10.5: ")
+        assert "concurrency 4 (climb) needs about" in result["stopped"]
+        assert "plan: still over the 10 s --max-seconds leaves" in err
+        stats = _wait_for_idle(sim)
+        assert stats["requests_completed"] == 1  # the probe alone: nothing was started that could not end
 
 
 def _wait_for_idle(sim: ServerThread) -> dict[str, Any]:
@@ -541,13 +509,16 @@ def test_requests_on_the_wire(ignore_eos: bool, tmp_path: Path) -> None:
     bodies: list[dict[str, Any]] = []
     auth: list[str] = []
     flags = ["--ttft-slo", "5", "--steps", "1", "--step-requests", "6", "--api-key", "sk-test", "--json",
-             "--repeats", "1",
+             "--repeats", "1", "--step-seconds", "0",
              "--prompt-tokens", "3-9", "--output-tokens", "4-6", "--out", str(tmp_path)]  # fmt: skip
     with ServerThread(recording_upstream(bodies, auth)) as server:
         status, out, _ = run(["--upstream", server.url, *flags, *([] if ignore_eos else ["--no-ignore-eos"])])
     assert status == 0
-    assert len(bodies) == 6
+    # The probe, one ramp-in request, the window's 6, and at most one cancelled at the end.
+    assert 8 <= len(bodies) <= 9
     assert set(auth) == {"Bearer sk-test"}
+    # The probe has the mix's mean lengths: 6 words of 3-9, max_tokens 5 of 4-6.
+    assert (len(bodies[0]["messages"][0]["content"].split()), bodies[0]["max_tokens"]) == (6, 5)
     for body in bodies:
         assert body["model"] == "rec"  # the first model /v1/models lists
         assert body["stream"] is True
@@ -561,7 +532,7 @@ def test_requests_on_the_wire(ignore_eos: bool, tmp_path: Path) -> None:
     step = json.loads(out)["steps"][0]
     assert step["mean_prompt_tokens"] == 7  # the upstream's count, not the request's
     assert step["mean_output_tokens"] == 2
-    assert step["requests"] == 5  # the first request is warm-up
+    assert step["requests"] == 6
 
 
 def test_an_upstream_that_refuses_everything_gets_no_recommendation(tmp_path: Path) -> None:
@@ -590,12 +561,9 @@ def test_an_upstream_that_refuses_everything_gets_no_recommendation(tmp_path: Pa
         )
     assert status == 1
     result = json.loads(out)
-    assert [s["concurrency"] for s in result["steps"]] == [1]
-    assert result["steps"][0]["errors"] >= 1
-    assert result["steps"][0]["first_error"].startswith("HTTP 401: ")
-    assert result["stopped"] == "every request failed at concurrency 1"
-    assert result["reason"] == "every request failed at concurrency 1"
-    assert "first error: HTTP 401" in err
+    assert result["steps"] == []
+    assert result["stopped"].startswith("the probe failed: HTTP 401: ")
+    assert "the probe request failed: HTTP 401" in err
 
 
 def test_an_unreachable_upstream_is_one_clear_line(tmp_path: Path) -> None:
@@ -627,3 +595,42 @@ def test_a_silent_upstream_is_bounded_by_the_time_cap(tmp_path: Path) -> None:
     assert status == 1
     assert out == ""
     assert f"{url}/v1/models did not answer within 1 s (or pass --model)" in err
+
+
+def test_an_engine_slower_than_the_step_is_measured_by_completions_with_the_mix(tmp_path: Path) -> None:
+    # A request lasts about 0.4 s alone and longer in a batch, more than --step-seconds 0.1: each
+    # level runs until it has its completions, whatever that takes. A quarter of the prompts are long.
+    with sim_server(max_num_seqs=4, ttft=0.05, itl=0.015, itl_batch_factor=0.1) as sim:
+        status, out, err = run(
+            ["--upstream", sim.url, "--ttft-slo", "5", "--tpot-slo", "none", "--steps", "2,4,8",
+             "--step-seconds", "0.1", "--completions-per-slot", "1", "--min-completions", "4",
+             "--repeats", "2", "--prompt-words", "10", "--output-tokens", "20", "--long-share", "0.25",
+             "--long-prompt-tokens", "400-600", "--out", str(tmp_path), "--json"]
+        )  # fmt: skip
+    assert status == 0, err
+    result = json.loads(out)
+    probe = result["probe"]
+    assert probe["ok"]
+    assert probe["output_tokens"] == 20
+    assert probe["seconds"] > result["step_seconds"]
+    # The plan was printed before the sweep, from the probe, with its estimate.
+    plan_at = err.index("plan: one request of the mix's mean lengths (20 tokens out) took")
+    assert plan_at < err.index("] concurrency")
+    assert "at the probe's pace" in err
+    assert result["plan"]["request_seconds"] == pytest.approx(probe["seconds"])
+    sizing = Sizing(per_slot=1, minimum=4)
+    per_level: dict[int, list[dict[str, Any]]] = {}
+    for step in result["steps"]:
+        assert step["requests"] >= sizing.completions(step["concurrency"]), step
+        per_level.setdefault(step["concurrency"], []).append(step)
+    # Long prompts were sent: the upstream counted far more prompt tokens than 10 words make (17).
+    assert statistics.fmean(s["mean_prompt_tokens"] for s in result["steps"]) > 60
+    # Past the engine's 4 slots the extra workers only queue: counted in a steady window, 8
+    # workers deliver no more than 4 do (the fixed-step sweep read 5 times more at such a level).
+    best4 = max(s["output_tokens_per_s"] for s in per_level[4])
+    assert all(s["output_tokens_per_s"] < 1.3 * best4 for s in per_level[8])
+    assert all(s["throughput"] < 1.5 * max(x["throughput"] for x in per_level[4]) for s in per_level[8])
+    rec = result["recommendation"]
+    knee = result["knee"]
+    assert rec["max_inflight_tokens"] == budget_tokens(knee["inflight_cost"])
+    assert f"--max-inflight-tokens {rec['max_inflight_tokens']}" in rec["command"]

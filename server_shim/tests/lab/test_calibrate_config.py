@@ -36,7 +36,13 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
         )
         # Only the recommendation is set; every other setting is there, commented out.
         set_keys = {line.split(" = ")[0] for line in text.splitlines() if " = " in line and line[0] != "#"}
-        assert set_keys == {"upstream", "max_concurrency", "max_queue", "max_queue_wait", "retry_after_max"}
+        expected = {"upstream", "max_concurrency", "max_queue", "max_queue_wait", "retry_after_max"}
+        # The cost budget is set where the shim has the cost-aware cap, else named in the header.
+        if "max_inflight_tokens" in ShimSettings.model_fields:
+            expected.add("max_inflight_tokens")
+        else:
+            assert f"--max-inflight-tokens {rec['max_inflight_tokens']}" in text
+        assert set_keys == expected
         assert "# upstream_read_timeout = 600.0" in text
         settings = load_settings(["--config", str(config)])
         assert settings.upstream_base == sim.url

@@ -239,7 +239,60 @@ def test_a_single_measurement_is_low_confidence() -> None:
     assert "measured once" in why
 
 
+def test_high_confidence_needs_enough_requests_in_every_measurement_next_to_the_knee() -> None:
+    rule = KneeRule(ttft_slo=100.0, min_requests=150)  # engine_step counts 100 per measurement
+    runs, history = run_plan(lambda c: engine_step(c, slots=8), DOUBLING, rule)
+    knee, why = with_confidence(find_knee(runs, rule), history, rule)
+    assert knee.confidence == "medium"
+    assert why == "a measurement next to the knee counted only 100 requests (< 150)"
+    enough = KneeRule(ttft_slo=100.0, min_requests=100)
+    knee, why = with_confidence(find_knee(runs, enough), history, enough)
+    assert knee.confidence == "high"
+    assert "throughput spread 0% next to the knee, at most 10%" in why
+    with pytest.raises(KneeInputError, match="min_requests"):
+        KneeRule(ttft_slo=1.0, min_requests=0)
+
+
+def test_doubt_about_a_level_just_above_the_knee_does_not_lower_the_confidence() -> None:
+    rule = KneeRule(ttft_slo=1.0)
+
+    def at(c: int, ttft_p99: float, tok_s: float) -> StepStats:
+        return StepStats(
+            c, 40, 0, tok_s / 100, 0.1, ttft_p99, 0.02, 0.03, 1.0, 1.0, output_tokens_per_s=tok_s
+        )
+
+    def runs_with(above: int) -> dict[int, list[StepStats]]:
+        # The knee: 16, twice within the SLO; the level above flips around the SLO.
+        return {
+            8: [at(8, 0.3, 200.0)],
+            16: [at(16, 0.5, 290.0), at(16, 0.5, 292.0)],
+            above: [at(above, 0.9, 295.0), at(above, 1.2, 296.0), at(above, 1.1, 294.0)],
+        }
+
+    runs = runs_with(17)  # 6 % above: whichever is the knee, the recommendation moves by less than 15 %
+    knee, why = with_confidence(find_knee(runs, rule), [16, 16], rule)
+    assert (knee.level, knee.confidence) == (16, "high")
+    assert why.endswith("17 above it, within 15%, measured unevenly: the knee is 16 or 17")
+    runs = runs_with(24)  # 50 % above: the doubt counts
+    knee, why = with_confidence(find_knee(runs, rule), [16, 16], rule)
+    assert (knee.level, knee.confidence) == (16, "medium")
+    assert "disagreed with the SLO verdict" in why
+
+
 # -- the recommendation ---------------------------------------------------------------------------
+
+
+def test_the_cost_budget_is_recommended_beside_the_request_cap() -> None:
+    step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
+    rec = recommend([step], 0.5, batch_wait=None, inflight_budget=4096)
+    assert rec.max_inflight_tokens == 4096
+    assert rec.serve_flags() == [
+        "--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35",
+        "--max-inflight-tokens", "4096",
+    ]  # fmt: skip
+    assert recommend([step], 0.5).max_inflight_tokens is None  # no budget measured: the count cap alone
+    with pytest.raises(KneeInputError, match="inflight_budget"):
+        recommend([step], 0.5, inflight_budget=0)
 
 
 def test_recommendation_follows_the_slo_headroom_on_the_median_measurement() -> None:

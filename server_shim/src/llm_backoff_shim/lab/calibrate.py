@@ -2,13 +2,16 @@
 
     llm-backoff-shim calibrate --upstream http://127.0.0.1:8000 --ttft-slo 1.0 --tpot-slo 0.1
 
-Ramps a closed loop of N workers (N = 1, 2, 4, ... up to ``--max-level``, or a
-``--steps`` list); each worker sends a streaming chat completion
-(``stream_options.include_usage``, vLLM's ``ignore_eos``) whose prompt and answer lengths
-are drawn (seeded) from ``--prompt-words`` and ``--output-tokens`` (lognormal by default,
-as chat traffic is), and sends the next one when it ends. A step stops starting requests
-after ``--step-seconds`` or ``--step-requests``, lets those in flight finish, and reports
-TTFT, time per output token (TPOT) and throughput in answer tokens/s.
+First a probe: one request of the mix's mean lengths, alone, measures how long a request
+takes; from it calibrate sizes each level's measurement in request durations
+(:mod:`llm_backoff_shim.lab.calibrate_plan`), prints how long the sweep will take and what
+it cuts to fit ``--max-seconds``. Then a closed loop of N workers (N = 1, 2, 4, ... up to
+``--max-level``, or a ``--steps`` list) runs the whole sweep; each worker sends a streaming
+chat completion (``stream_options.include_usage``, vLLM's ``ignore_eos``) whose prompt and
+answer lengths are drawn (seeded) from the mix (``--prompt-words``, ``--output-tokens``,
+``--long-share`` of ``--long-prompt-tokens``), and sends the next one when it ends. Each
+level waits out its ramp-in, counts its completions in a steady window and reports TTFT,
+time per output token (TPOT), throughput and the cost in flight.
 
 Which level to measure next, when to stop and where the knee is are
 :mod:`llm_backoff_shim.lab.knee` (pure): the ramp climbs while the SLOs hold and throughput
@@ -38,6 +41,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from .calibrate_plan import duration_text
 from .calibrate_ramp import (
     DEFAULT_TPOT_SLO,
     DEFAULT_TTFT_SLO,
@@ -97,41 +101,6 @@ def parse_steps(text: str) -> list[int]:
     if any(b <= a for a, b in itertools.pairwise(levels)):
         raise ValueError(f"levels must be strictly increasing, got {text!r}")
     return levels
-
-
-def shortest_run(step_seconds: float) -> float:
-    """The smallest ``--max-seconds`` accepted: room for one whole measurement.
-
-    A measurement starts requests for ``--step-seconds``, then waits for the ones in
-    flight; the ramp starts a measurement only with ``--step-seconds`` left. Twice
-    ``--step-seconds`` leaves that much for the last requests and the model listing, so
-    a shorter cap is refused at once instead of ending the run with nothing measured.
-    """
-    return 2 * step_seconds
-
-
-def duration(seconds: float) -> str:
-    """``"45 s"``, ``"10 min"``, ``"2.5 h"``: a length of time for people."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f}".removesuffix(".0") + " min"
-    return f"{seconds / 3600:.1f}".removesuffix(".0") + " h"
-
-
-def time_plan(config: CalibrateConfig) -> str:
-    """The line printed before a run: how long it takes at most with these flags."""
-    longest = config.longest_run()
-    bound = (
-        f"--max-seconds {config.max_seconds:g}"
-        if longest >= config.max_seconds
-        else f"--request-timeout {config.request_timeout:g} bounds each measurement's last requests"
-    )
-    return (
-        f"{PROG}: this run takes at most {duration(longest)} ({bound}): up to "
-        f"{config.max_measurements} measurements of --step-seconds {config.step_seconds:g} plus the time "
-        "their last requests take; it stops sooner once the knee is stable"
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,26 +177,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer length (max_tokens), same forms as --prompt-words (default %(default)s)",
     )
     add(
+        "--long-share",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="share of requests with a long prompt (retrieval, agents), drawn from "
+        "--long-prompt-tokens (default %(default)s: none)",
+    )
+    add(
+        "--long-prompt-tokens",
+        "--long-prompt-words",
+        dest="long_prompt_words",
+        default="1500-3000",
+        metavar="SPEC",
+        help="the long prompts' length in words, same forms as --prompt-words (default %(default)s)",
+    )
+    add(
+        "--completions-per-slot",
+        type=int,
+        default=2,
+        metavar="N",
+        help="each level's steady window counts N completions per worker (default %(default)s)",
+    )
+    add(
+        "--min-completions",
+        type=int,
+        default=20,
+        metavar="N",
+        help="... and at least N in all, unless that is over 6 request durations (default %(default)s)",
+    )
+    add(
         "--step-seconds",
         type=float,
-        default=20.0,
+        default=3.0,
         metavar="SECONDS",
-        help="how long each level keeps starting requests (default %(default)s)",
+        help="shortest steady window of a level, for fast engines (default %(default)s)",
     )
     add(
         "--step-requests",
         type=int,
         default=1000,
         metavar="N",
-        help="most requests per level (default %(default)s)",
+        help="most completions a level's window counts (default %(default)s)",
     )
     add(
         "--max-seconds",
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="cap on the whole run, at least 2 x --step-seconds; requests still running then are "
-        "cancelled (default %(default)s: 10 minutes; a run usually ends sooner, once its knee is stable)",
+        help="cap on the whole run: the plan printed after the probe cuts steps, repeats and levels "
+        "to fit, and requests still running at the end are cancelled (default %(default)s: 10 minutes)",
     )
     add(
         "--request-timeout",
@@ -304,21 +303,31 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     tpot_slo = seconds_or_none("--tpot-slo", args.tpot_slo)
     batch_queue_wait = seconds_or_none("--batch-queue-wait", args.batch_queue_wait)
     lengths = {}
-    for flag, text in (("--prompt-words", args.prompt_words), ("--output-tokens", args.output_tokens)):
+    for flag, text in (
+        ("--prompt-words", args.prompt_words),
+        ("--output-tokens", args.output_tokens),
+        ("--long-prompt-tokens", args.long_prompt_words),
+    ):
         try:
             lengths[flag] = LengthDist.parse(text)
         except ValueError as exc:
             raise ValueError(f"{flag}: {exc}") from None
-    check(finite_positive(args.step_seconds), f"--step-seconds: must be > 0, got {args.step_seconds}")
-    check(args.step_requests >= 1, f"--step-requests: must be >= 1, got {args.step_requests}")
-    check(finite_positive(args.max_seconds), f"--max-seconds: must be > 0, got {args.max_seconds}")
-    shortest = shortest_run(args.step_seconds)
     check(
-        args.max_seconds >= shortest,
-        f"--max-seconds {args.max_seconds:g} is too short: one measurement starts requests for "
-        f"--step-seconds {args.step_seconds:g} and then waits for its last ones, so the run needs at "
-        f"least {shortest:g} s (2 x --step-seconds); pass --max-seconds {shortest:g} or more, or a "
-        "shorter --step-seconds",
+        math.isfinite(args.step_seconds) and args.step_seconds >= 0,
+        f"--step-seconds: must be >= 0, got {args.step_seconds}",
+    )
+    check(args.step_requests >= 1, f"--step-requests: must be >= 1, got {args.step_requests}")
+    check(
+        1 <= args.completions_per_slot <= 100,
+        f"--completions-per-slot: must be 1..100, got {args.completions_per_slot}",
+    )
+    check(args.min_completions >= 1, f"--min-completions: must be >= 1, got {args.min_completions}")
+    check(0 <= args.long_share <= 1, f"--long-share: must be in [0, 1], got {args.long_share}")
+    check(finite_positive(args.max_seconds), f"--max-seconds: must be > 0, got {args.max_seconds}")
+    check(
+        args.max_seconds > args.step_seconds,
+        f"--max-seconds {args.max_seconds:g} is too short: a level's window lasts at least "
+        f"--step-seconds {args.step_seconds:g}",
     )
     check(
         finite_positive(args.request_timeout), f"--request-timeout: must be > 0, got {args.request_timeout}"
@@ -338,8 +347,12 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         batch_queue_wait=batch_queue_wait,
         prompt_words=lengths["--prompt-words"],
         output_tokens=lengths["--output-tokens"],
+        long_share=args.long_share,
+        long_prompt_words=lengths["--long-prompt-tokens"],
         step_seconds=args.step_seconds,
         step_requests=args.step_requests,
+        completions_per_slot=args.completions_per_slot,
+        min_completions=args.min_completions,
         max_seconds=args.max_seconds,
         request_timeout=args.request_timeout,
         ignore_eos=args.ignore_eos,
@@ -367,7 +380,10 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
     def progress(line: str) -> None:
         print(line, file=err, flush=True)
 
-    progress(time_plan(config))
+    progress(
+        f"{PROG}: a probe request first sizes the steps and prints the plan; the whole run stops "
+        f"within --max-seconds {config.max_seconds:g} ({duration_text(config.max_seconds)})"
+    )
 
     try:
         outcome = asyncio.run(run_ramp(config, clock=time.monotonic, progress=progress))

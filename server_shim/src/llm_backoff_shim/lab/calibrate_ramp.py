@@ -1,25 +1,39 @@
-"""Calibrate's ramp: its settings, the closed-loop load generator (I/O) and the measurement loop.
+"""Calibrate's run: its settings, the probe, the plan and the measurement loop over the levels.
 
-:class:`Driver` sends streaming chat completions through one ``AsyncOpenAI`` client,
-``concurrency`` workers at a time, each sending its next request when the last ends;
-:func:`run_ramp` measures the levels :func:`~llm_backoff_shim.lab.knee.next_level` asks
-for, within the run's time cap, and returns an :class:`Outcome` for
-:mod:`llm_backoff_shim.lab.calibrate_report`. The command and its flags are
-:mod:`llm_backoff_shim.lab.calibrate`.
+:func:`run_ramp` probes one request (:class:`~llm_backoff_shim.lab.calibrate_driver.Driver`),
+prints the plan (:mod:`~llm_backoff_shim.lab.calibrate_plan`), measures the levels
+:func:`~llm_backoff_shim.lab.knee.next_level` asks for on one closed loop
+(:mod:`~llm_backoff_shim.lab.calibrate_loop`) within the run's time cap, and returns an
+:class:`Outcome` for :mod:`llm_backoff_shim.lab.calibrate_report`. The command and its
+flags are :mod:`llm_backoff_shim.lab.calibrate`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import openai
 
+from .calibrate_cost import budget_tokens
+from .calibrate_driver import Driver, error_text, streaming_http_client
+from .calibrate_loop import ClosedLoop, measure_level
+from .calibrate_plan import (
+    Sizing,
+    SweepPlan,
+    coarse,
+    duration_text,
+    expected_duration,
+    measurement_seconds,
+    plan_lines,
+    plan_sweep,
+    time_to_go,
+)
 from .calibrate_samples import Sample, summarize
 from .knee import (
     BATCH_QUEUE_WAIT,
@@ -32,7 +46,11 @@ from .knee import (
     recommend,
     with_confidence,
 )
-from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, prompt_text
+from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
+
+#: Long prompts' length when ``--long-share`` is set without ``--long-prompt-tokens``: the
+#: retrieval-augmented and agent calls of a mixed load, 1500-3000 tokens.
+DEFAULT_LONG_PROMPT_WORDS = LengthDist.uniform(1500, 3000)
 
 PROG = "llm-backoff-shim calibrate"
 DEFAULT_TTFT_SLO = 2.0
@@ -69,8 +87,14 @@ class CalibrateConfig:
     batch_queue_wait: float | None = BATCH_QUEUE_WAIT
     prompt_words: LengthDist = DEFAULT_PROMPT_WORDS
     output_tokens: LengthDist = DEFAULT_OUTPUT_TOKENS
-    step_seconds: float = 20.0
+    #: Share of requests whose prompt is drawn from ``long_prompt_words`` instead.
+    long_share: float = 0.0
+    long_prompt_words: LengthDist = DEFAULT_LONG_PROMPT_WORDS
+    #: Shortest steady window (``--step-seconds``) and most completions counted per level.
+    step_seconds: float = 3.0
     step_requests: int = 1000
+    completions_per_slot: int = 2
+    min_completions: int = 20
     max_seconds: float = 600.0
     request_timeout: float = 300.0
     ignore_eos: bool = True
@@ -88,12 +112,27 @@ class CalibrateConfig:
         repeated, a few refinements (the ramp stops earlier when the verdict is stable)."""
         return len(self.levels) + 4 * self.repeats + 2 * self.rule.refine
 
-    def longest_run(self) -> float:
-        """Seconds the run can take at most: ``max_seconds``, or less when even the longest
-        plan (listing the models, then every measurement's ``step_seconds`` plus its last
-        requests, each bounded by ``request_timeout``) ends sooner."""
-        plan = self.request_timeout + self.max_measurements * (self.step_seconds + self.request_timeout)
-        return min(self.max_seconds, plan)
+    @property
+    def sizing(self) -> Sizing:
+        return Sizing(
+            per_slot=self.completions_per_slot,
+            minimum=self.min_completions,
+            cap=self.step_requests,
+            min_seconds=self.step_seconds,
+        )
+
+    def mean_prompt_words(self) -> float:
+        """The mix's mean prompt length in words (short and long prompts together)."""
+        short = self.prompt_words.mean()
+        if self.long_share <= 0:
+            return short
+        return (1 - self.long_share) * short + self.long_share * self.long_prompt_words.mean()
+
+    def describe_mix(self) -> str:
+        text = f"prompt {self.prompt_words} words"
+        if self.long_share > 0:
+            text += f" ({self.long_share:.0%} of them {self.long_prompt_words} words)"
+        return text + f", output {self.output_tokens} tokens"
 
     @property
     def rule(self) -> KneeRule:
@@ -105,124 +144,8 @@ class CalibrateConfig:
             gain=self.tolerance,
             min_repeats=min(2, self.repeats),
             max_repeats=self.repeats,
+            min_requests=max(1, min(self.min_completions, self.step_requests) // 2),
         )
-
-
-# -- the load generator (I/O) -------------------------------------------------------------
-
-
-def _has_content(delta: Any) -> bool:
-    if delta is None:
-        return False
-    # vLLM streams reasoning models' thinking in reasoning_content (older) or reasoning.
-    return any(
-        getattr(delta, name, None) for name in ("content", "reasoning_content", "reasoning", "tool_calls")
-    )
-
-
-def _error_text(exc: BaseException) -> str:
-    if isinstance(exc, openai.APIStatusError):
-        return f"HTTP {exc.status_code}: {exc.message}"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-def streaming_http_client(pool: int) -> Any:
-    """The SDK's default async HTTP client with a pool wide enough for ``pool`` streams.
-
-    openai's default keeps 100 idle connections; above that, each new request would
-    pay a TCP connect inside its measured TTFT. openai 3.x runs on httpx2, 2.x on httpx.
-    """
-    if int(openai.__version__.split(".")[0]) >= 3:
-        import httpx2 as httplib
-    else:  # pragma: no cover - exercised by the openai 2.x environment
-        import httpx as httplib  # type: ignore[no-redef]
-    limits = httplib.Limits(max_connections=pool + 16, max_keepalive_connections=pool + 16)
-    return openai.DefaultAsyncHttpxClient(limits=limits)
-
-
-@dataclass
-class Driver:
-    """Sends the ramp's requests through one ``AsyncOpenAI`` client."""
-
-    client: openai.AsyncOpenAI
-    model: str
-    config: CalibrateConfig
-    clock: Callable[[], float]
-    rng: random.Random = field(default_factory=random.Random)
-
-    async def one_request(self, worker: int, seq: int) -> Sample:
-        cfg = self.config
-        prompt = prompt_text(cfg.prompt_words.draw(self.rng), self.rng)
-        max_tokens = cfg.output_tokens.draw(self.rng)
-        extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
-        start = self.clock()
-        first: float | None = None
-        last: float | None = None
-        chunks = 0
-        usage: Any = None
-        try:
-            stream = await self.client.chat.completions.create(
-                model=self.model,
-                messages=[{"role": "user", "content": prompt}],
-                max_tokens=max_tokens,
-                stream=True,
-                stream_options={"include_usage": True},
-                temperature=0,
-                extra_body=extra or None,
-            )
-            async with stream:
-                async for chunk in stream:
-                    now = self.clock()
-                    if chunk.usage is not None:
-                        usage = chunk.usage
-                    if any(_has_content(choice.delta) for choice in chunk.choices):
-                        if first is None:
-                            first = now
-                        last = now
-                        chunks += 1
-        except Exception as exc:  # a load generator records any failure and carries on
-            return Sample(worker, seq, start, self.clock(), ok=False, error=_error_text(exc))
-        end = self.clock()
-        tokens = int(getattr(usage, "completion_tokens", 0) or chunks)
-        itl = None
-        if first is not None and last is not None and tokens >= 2 and last > first:
-            itl = (last - first) / (tokens - 1)
-        return Sample(
-            worker,
-            seq,
-            start,
-            end,
-            ok=True,
-            first_token=first,
-            itl=itl,
-            output_tokens=tokens,
-            prompt_tokens=int(getattr(usage, "prompt_tokens", 0) or 0),
-        )
-
-    async def run_step(self, concurrency: int, seconds: float, max_requests: int) -> list[Sample]:
-        """Closed loop of ``concurrency`` workers; returns once every started request ended."""
-        samples: list[Sample] = []
-        stop_at = self.clock() + seconds
-        started = 0
-
-        async def worker(index: int) -> None:
-            nonlocal started
-            seq = 0
-            while started < max_requests and self.clock() < stop_at:
-                started += 1
-                samples.append(await self.one_request(index, seq))
-                seq += 1
-
-        tasks = [asyncio.create_task(worker(i)) for i in range(concurrency)]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-            # Cancelled streams close their connections, so the upstream aborts them too.
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return samples
 
 
 # -- the ramp ---------------------------------------------------------------------------
@@ -243,13 +166,17 @@ class Outcome:
     confidence_reason: str
     recommendation: Recommendation | None
     png: Path | None = None
+    plan: SweepPlan | None = None
+    probe: Sample | None = None
+    seconds: float = 0.0
 
 
 def _progress_line(index: int, step: StepStats, seconds: float, first_error: str | None) -> str:
     line = (
         f"[{index}] concurrency {step.concurrency:>4}: {step.requests} ok, {step.errors} failed "
-        f"in {seconds:.1f} s | {step.throughput:.2f} req/s, {step.output_tokens_per_s:.0f} tok/s | "
-        f"TTFT p50 {step.ttft_p50:.3f} p99 {step.ttft_p99:.3f} s | TPOT p99 {step.itl_p99 * 1000:.1f} ms"
+        f"in a {step.window:.1f} s window ({seconds:.1f} s with ramp-in) | {step.throughput:.2f} req/s, "
+        f"{step.output_tokens_per_s:.0f} tok/s | TTFT p50 {step.ttft_p50:.3f} p99 {step.ttft_p99:.3f} s | "
+        f"TPOT p99 {step.itl_p99 * 1000:.1f} ms | {step.mean_latency:.1f} s per request"
     )
     return line + (f" | first error: {first_error}" if first_error else "")
 
@@ -259,12 +186,21 @@ async def _pick_model(client: openai.AsyncOpenAI, upstream: str) -> str:
         page = await client.models.list()
     except Exception as exc:  # any failure here means the upstream is unusable as given
         raise CalibrateError(
-            f"cannot list models at {upstream}: {_error_text(exc)} (or pass --model)"
+            f"cannot list models at {upstream}: {error_text(exc)} (or pass --model)"
         ) from None
     ids = [m.id for m in page.data]
     if not ids:
         raise CalibrateError(f"{upstream}/v1/models lists no model; pass --model")
     return ids[0]
+
+
+def _probe_text(sample: Sample) -> str:
+    ttft = (sample.first_token or sample.end) - sample.start
+    tpot = f", {sample.itl * 1000:.0f} ms per token" if sample.itl is not None else ""
+    return (
+        f"one request of the mix's mean lengths ({sample.output_tokens} tokens out) took "
+        f"{sample.end - sample.start:.2f} s alone (TTFT {ttft:.2f} s{tpot})"
+    )
 
 
 async def run_ramp(
@@ -273,9 +209,11 @@ async def run_ramp(
     clock: Callable[[], float],
     progress: Callable[[str], None],
 ) -> Outcome:
-    """Measure levels as :func:`~llm_backoff_shim.lab.knee.next_level` asks, within ``config.max_seconds``."""
+    """Probe, plan, then measure levels as :func:`~llm_backoff_shim.lab.knee.next_level` asks,
+    within ``config.max_seconds``."""
     base_url, shim_upstream = api_base(config.upstream)
-    rule = config.rule
+    began = clock()
+    run_deadline = began + config.max_seconds
     client = openai.AsyncOpenAI(
         base_url=base_url,
         api_key=config.api_key,
@@ -283,7 +221,6 @@ async def run_ramp(
         timeout=config.request_timeout,
         http_client=streaming_http_client(max(config.levels)),
     )
-    run_deadline = clock() + config.max_seconds
     async with client:
         if config.model:
             model = config.model
@@ -297,56 +234,131 @@ async def run_ramp(
                     f"{shim_upstream}/v1/models did not answer within {limit:g} s (or pass --model)"
                 ) from None
         driver = Driver(client, model, config, clock, random.Random(config.seed))
-        steps: list[StepStats] = []
-        runs: dict[int, list[StepStats]] = {}
-        history: list[int | None] = []
-        first_errors: dict[int, str] = {}
-        stopped = "all levels measured"
         tpot = "off" if config.tpot_slo is None else f"{config.tpot_slo:g} s"
         progress(
-            f"{PROG}: {shim_upstream} model {model!r}, levels {','.join(map(str, config.levels))}, "
-            f"SLO p99 TTFT {config.ttft_slo:g} s / TPOT {tpot}, up to {config.step_seconds:g} s / "
-            f"{config.step_requests} requests per measurement, at most {config.max_seconds:g} s in all"
+            f"{PROG}: {shim_upstream} model {model!r}, {config.describe_mix()}, SLO p99 TTFT "
+            f"{config.ttft_slo:g} s / TPOT {tpot}; probing one request to size the steps"
         )
-        # Bounded whatever the plan says (CalibrateConfig.max_measurements).
+        empty = Outcome(
+            shim_upstream, model, config, [], {}, "", {}, find_knee({}, config.rule), "no knee", None
+        )
+        try:
+            probe = await asyncio.wait_for(driver.probe(), timeout=max(0.0, run_deadline - clock()))
+        except asyncio.TimeoutError:
+            empty.stopped = f"--max-seconds {config.max_seconds:g} reached during the probe"
+            empty.seconds = clock() - began
+            return empty
+        if not probe.ok:
+            progress(f"{PROG}: the probe request failed: {probe.error}")
+            empty.stopped = f"the probe failed: {probe.error}"
+            empty.first_errors[1] = probe.error or "failed"
+            empty.probe = probe
+            empty.seconds = clock() - began
+            return empty
+        plan = plan_sweep(
+            config.levels,
+            config.repeats,
+            config.sizing,
+            probe.end - probe.start,
+            max(0.0, run_deadline - clock()),
+        )
+        for line in plan_lines(plan, _probe_text(probe)):
+            progress(line)
+        outcome = await _sweep(driver, config, plan, probe, run_deadline, progress)
+    outcome.upstream, outcome.model, outcome.seconds = shim_upstream, model, clock() - began
+    return outcome
+
+
+async def _sweep(
+    driver: Driver,
+    config: CalibrateConfig,
+    plan: SweepPlan,
+    probe: Sample,
+    run_deadline: float,
+    progress: Callable[[str], None],
+) -> Outcome:
+    clock = driver.clock
+    rule = replace(
+        config.rule, max_repeats=plan.repeats, min_repeats=min(config.rule.min_repeats, plan.repeats)
+    )
+    loop = ClosedLoop(driver.one_request, clock)
+    steps: list[StepStats] = []
+    runs: dict[int, list[StepStats]] = {}
+    history: list[int | None] = []
+    first_errors: dict[int, str] = {}
+    stopped = "all levels measured"
+    sizing = plan.sizing
+    duration = probe.end - probe.start
+    settled: int | None = None  # measurements since the climb ended
+    try:
         for index in range(1, config.max_measurements + 1):
-            plan = next_level(runs, config.levels, rule, history)
-            if plan.level is None:
-                stopped = plan.purpose
+            step_plan = next_level(runs, plan.levels, rule, history)
+            if step_plan.level is None:
+                stopped = step_plan.purpose
                 break
-            level = plan.level
+            level = step_plan.level
             remaining = run_deadline - clock()
-            if remaining < config.step_seconds:
+            expected = expected_duration(level, duration, runs)
+            turnover = loop.concurrency != level
+            need = measurement_seconds(sizing, level, expected, turnover=turnover)
+            if need > remaining and sizing != coarse(sizing):
+                sizing = coarse(sizing)
+                progress(f"[{index}] coarser steps from here on to fit --max-seconds: {sizing.describe()}")
+                need = measurement_seconds(sizing, level, expected, turnover=turnover)
+            if need > remaining:
                 stopped = (
-                    f"--max-seconds {config.max_seconds:g} reached before concurrency {level} "
-                    f"({plan.purpose})"
+                    f"--max-seconds {config.max_seconds:g}: {remaining:.0f} s left, concurrency {level} "
+                    f"({step_plan.purpose}) needs about {need:.0f} s"
                 )
                 break
-            progress(f"[{index}] concurrency {level:>4} ({plan.purpose}): running...")
+            progress(
+                f"[{index}] concurrency {level:>4} ({step_plan.purpose}): "
+                f"{'ramp-in, then ' if turnover else ''}{sizing.completions(level)} completions, about "
+                f"{need:.0f} s at {expected:.1f} s per request; {remaining:.0f} s left"
+            )
             began = clock()
             try:
-                samples = await asyncio.wait_for(
-                    driver.run_step(level, config.step_seconds, config.step_requests), timeout=remaining
-                )
-            except asyncio.TimeoutError:
+                measured = await measure_level(loop, level, sizing, run_deadline)
+            except TimeoutError:
                 stopped = f"--max-seconds {config.max_seconds:g} reached during concurrency {level}"
                 progress(f"[{index}] concurrency {level:>4}: cut by --max-seconds; not counted")
                 break
-            step = summarize(level, samples)
-            error = next((s.error for s in samples if s.error), None)
+            step = summarize(
+                level, measured.samples, level_start=measured.level_start, window=measured.window
+            )
+            low, high = measured.window
+            error = next((s.error for s in measured.samples if s.error and low < s.end <= high), None)
             if error:
                 first_errors.setdefault(level, error)
             steps.append(step)
             runs.setdefault(level, []).append(step)
             history.append(find_knee(runs, rule).level)
-            progress(_progress_line(index, step, clock() - began, error))
+            if step_plan.purpose != "climb" and settled is None:
+                settled = 0
+            if settled is not None:
+                settled += 1
+            fast = time_to_go(plan.levels, plan.repeats, sizing, duration, runs, settled, full=False)
+            slow = time_to_go(plan.levels, plan.repeats, sizing, duration, runs, settled)
+            to_go = f"about {duration_text(fast)} to go at this pace"
+            if slow - fast >= 60:
+                to_go += f", {duration_text(slow)} if the engine is already full"
+            progress(f"{_progress_line(index, step, clock() - began, error)} | {to_go}")
             if all(s.requests == 0 for s in steps):
                 stopped = f"every request failed at concurrency {level}"
                 break
         else:
             stopped = "measurement budget used up"
+    finally:
+        await loop.close()
     knee, why = with_confidence(find_knee(runs, rule), history, rule)
     rec = None
     if knee.level is not None:
-        rec = recommend(runs[knee.level], config.ttft_slo, config.batch_queue_wait)
-    return Outcome(shim_upstream, model, config, steps, runs, stopped, first_errors, knee, why, rec)
+        at_knee = runs[knee.level]
+        cost = statistics.median(s.inflight_cost for s in at_knee)
+        rec = recommend(
+            at_knee,
+            config.ttft_slo,
+            config.batch_queue_wait,
+            inflight_budget=budget_tokens(cost) if cost > 0 else None,
+        )
+    return Outcome("", "", config, steps, runs, stopped, first_errors, knee, why, rec, plan=plan, probe=probe)

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llm_backoff_shim.serve.config.file import render_config
+from llm_backoff_shim.serve.config.settings import ShimSettings
 
+from .calibrate_plan import duration_text
 from .extra import require_plotting
 from .knee import StepStats, Verdict, rate
 
@@ -52,13 +54,20 @@ def recommended_config(outcome: Outcome) -> str | None:
         active["class_max_queue_wait"] = {"batch": held[1]}
     if rec.retry_after_max is not None:
         active["retry_after_max"] = rec.retry_after_max
+    budget = ""
+    if rec.max_inflight_tokens is not None:
+        if "max_inflight_tokens" in ShimSettings.model_fields:
+            active["max_inflight_tokens"] = rec.max_inflight_tokens
+        else:  # a shim without the cost cap: the budget is still worth knowing
+            budget = f" Cost budget measured: --max-inflight-tokens {rec.max_inflight_tokens}."
     return render_config(
         active,
         header=(
             f"llm-backoff-shim serve --config FILE: recommended by llm-backoff-shim calibrate for "
             f"{outcome.upstream}",
             f"(model {outcome.model!r}, SLO p99 TTFT {cfg.ttft_slo:g} s; knee: {outcome.knee.reason}).",
-            "Flags and LLM_BACKOFF_SHIM_* variables win over this file (flag > env > file > default).",
+            "Flags and LLM_BACKOFF_SHIM_* variables win over this file (flag > env > file > default)."
+            + budget,
         ),
     )
 
@@ -81,7 +90,7 @@ def _notes(outcome: Outcome, v: Verdict) -> str:
 def render_table(outcome: Outcome) -> str:
     header = (
         f"{'conc':>5} {'runs':>4} {'ok':>6} {'fail':>5} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'spread':>6}  verdict"
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'in-flight cost':>14} {'spread':>6}  verdict"
     )
     lines = [header]
     for v in outcome.knee.verdicts:
@@ -91,7 +100,7 @@ def render_table(outcome: Outcome) -> str:
             f"{sum(s.errors for s in steps):>5} {_median(steps, 'throughput'):>7.2f} "
             f"{_median(steps, 'output_tokens_per_s'):>8.0f} {_median(steps, 'ttft_p50'):>8.3f}s "
             f"{v.ttft_p99:>8.3f}s {_median(steps, 'itl_p50') * 1000:>7.1f}ms {v.tpot_p99 * 1000:>7.1f}ms "
-            f"{v.spread:>6.0%}  {_notes(outcome, v)}"
+            f"{_median(steps, 'inflight_cost'):>14.0f} {v.spread:>6.0%}  {_notes(outcome, v)}"
         )
     return "\n".join(lines)
 
@@ -112,12 +121,12 @@ def render_text(outcome: Outcome) -> str:
     tpot = "off" if cfg.tpot_slo is None else f"{cfg.tpot_slo * 1000:g} ms"
     lines = [
         f"upstream {outcome.upstream}, model {outcome.model!r}, SLO p99 TTFT {cfg.ttft_slo:g} s, "
-        f"p99 TPOT {tpot}; prompt {cfg.prompt_words} words, output {cfg.output_tokens} tokens"
-        f"{_counted(outcome.steps)}",
+        f"p99 TPOT {tpot}; {cfg.describe_mix()}{_counted(outcome.steps)}",
         "",
         render_table(outcome),
         "",
-        f"ramp: {outcome.stopped} ({len(outcome.steps)} measurements)",
+        f"ramp: {outcome.stopped} ({len(outcome.steps)} measurements, {duration_text(outcome.seconds)} "
+        "with the probe)",
         f"knee: {outcome.knee.reason}",
     ]
     command = serve_command(outcome)
@@ -133,6 +142,11 @@ def render_text(outcome: Outcome) -> str:
             batch = f"; batch is held up to {held[1]:g} s in a queue of {held[0]}, behind interactive"
         if rec.retry_after_max is not None:
             batch += f", and no caller is told to wait more than {rec.retry_after_max:g} s"
+        if rec.max_inflight_tokens is not None:
+            batch += (
+                f"; cost budget {rec.max_inflight_tokens} tokens in flight (prompt + max_tokens per "
+                f"request: the mean in-flight cost at the knee, {_median(steps, 'inflight_cost'):.0f})"
+            )
         lines += [
             "",
             f"recommended: at most {rec.max_concurrency} in flight "
@@ -164,6 +178,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
             **asdict(v),
             "output_tokens_per_s": _median(outcome.runs[v.concurrency], "output_tokens_per_s"),
             "requests_per_s": _median(outcome.runs[v.concurrency], "throughput"),
+            "inflight_cost": _median(outcome.runs[v.concurrency], "inflight_cost"),
         }
         for v in knee.verdicts
     ]
@@ -176,6 +191,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
             "limit": knee.limit,
             "output_tokens_per_s": _median(runs, "output_tokens_per_s"),
             "requests_per_s": _median(runs, "throughput"),
+            "inflight_cost": _median(runs, "inflight_cost"),
             "best_in_slo": knee.best_throughput,
         }
     return {
@@ -186,9 +202,32 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
         "prompt_words": str(cfg.prompt_words),
         "output_tokens": str(cfg.output_tokens),
         "levels_planned": list(cfg.levels),
+        "long_share": cfg.long_share,
+        "long_prompt_words": str(cfg.long_prompt_words),
         "step_seconds": cfg.step_seconds,
         "step_requests": cfg.step_requests,
         "max_seconds": cfg.max_seconds,
+        "seconds": outcome.seconds,
+        "probe": None
+        if outcome.probe is None
+        else {
+            "ok": outcome.probe.ok,
+            "seconds": outcome.probe.end - outcome.probe.start,
+            "output_tokens": outcome.probe.output_tokens,
+            "prompt_tokens": outcome.probe.prompt_tokens,
+        },
+        "plan": None
+        if outcome.plan is None
+        else {
+            "levels": list(outcome.plan.levels),
+            "repeats": outcome.plan.repeats,
+            "sizing": asdict(outcome.plan.sizing),
+            "request_seconds": outcome.plan.duration,
+            "estimated_seconds": outcome.plan.seconds,
+            "full_seconds": outcome.plan.full_seconds,
+            "cuts": list(outcome.plan.cuts),
+            "fits": outcome.plan.fits,
+        },
         "seed": cfg.seed,
         "steps": steps,
         "levels": levels,

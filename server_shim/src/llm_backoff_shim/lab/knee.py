@@ -34,11 +34,14 @@ not the whole request's latency, which mostly follows how long the answer is. So
    ramp), so a capacity between two doubling levels is found. Measurements of the knee or
    the level above that disagree on the SLO, or whose throughputs spread by more than
    twice ``tolerance``, are repeated too (up to ``max_repeats``).
-6. **Confidence**: ``high`` when the knee held still over its last round and every
-   measurement of it met the SLO; ``medium`` when it held still but measurements
-   disagreed (an SLO verdict flipped, or throughputs spread by more than twice
-   ``tolerance``);
-   ``low`` when it was still moving, or rests on a single measurement.
+6. **Confidence**: ``high`` when the knee held still over its last round, every
+   measurement of it and of the level above agrees with their SLO verdicts, their
+   throughputs spread by at most twice ``tolerance`` and each counted at least
+   ``min_requests`` requests; ``medium`` when it held still but measurements disagreed (an
+   SLO verdict flipped, throughputs spread by more than twice ``tolerance``) or one counted
+   too few requests; ``low`` when it was still moving, or rests on a single measurement.
+   Disagreement or spread at a level above the knee within :data:`REPRODUCIBLE` (15 %) of
+   it does not count: whichever of the two is the knee, the recommendation moves by less.
 
 The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
 
@@ -59,6 +62,8 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   budget through the same shim, and from 1.15x to 1.60x its useful tokens; batch served
   fell from 99 % to 69 % (plain's from 69 % to 36 %). ``max_queue`` becomes the bound on
   both queues together (interactive's plus batch's), and interactive keeps its own bound.
+- ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: the
+  mean cost in flight at the knee, :mod:`llm_backoff_shim.lab.calibrate_cost`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
   a batch caller refused past the held queue's wait would otherwise be told a slot 15 s or
   more ahead, and cannot be called back when the work ahead of it melts away (interactive
@@ -91,6 +96,9 @@ BATCH_QUEUE_WAIT = 15.0
 #: (3 s: 0.7 %, 8 s: 1.8 %); below the interactive preset's 2 s, its callers would wait out
 #: every hint instead of failing fast.
 HELD_RETRY_AFTER_MAX = 5.0
+#: How far apart two runs' recommendations may be and still agree: doubt about a level above
+#: the knee within this fraction of it does not lower the confidence (rule 6).
+REPRODUCIBLE = 0.15
 
 
 class KneeInputError(ValueError):
@@ -121,6 +129,12 @@ class StepStats:
     mean_output_tokens: float = 0.0
     ttft_p90: float | None = None
     latency_p90: float | None = None
+    #: Mean latency of the successful requests that ended in the window (sizes the next steps).
+    mean_latency: float = 0.0
+    #: Time-weighted mean cost in flight over the window (prompt + max_tokens per request).
+    inflight_cost: float = 0.0
+    #: Seconds of steady window the throughput was counted over (0: not windowed).
+    window: float = 0.0
 
     @property
     def error_ratio(self) -> float:
@@ -138,6 +152,8 @@ class KneeRule:
     min_repeats: int = 2
     max_repeats: int = 4
     refine: int = 2
+    #: Fewest successful requests a measurement of the knee counts for ``high`` confidence.
+    min_requests: int = 1
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ttft_slo) and self.ttft_slo > 0):
@@ -156,6 +172,8 @@ class KneeRule:
             )
         if self.refine < 0:
             raise KneeInputError(f"refine must be >= 0, got {self.refine!r}")
+        if self.min_requests < 1:
+            raise KneeInputError(f"min_requests must be >= 1, got {self.min_requests!r}")
 
 
 @dataclass(frozen=True)
@@ -175,6 +193,8 @@ class Verdict:
     spread: float
     #: Some request succeeded (on the median measurement).
     working: bool = True
+    #: The fewest successful requests any one measurement counted.
+    fewest_requests: int = 0
 
     @property
     def good(self) -> bool:
@@ -209,6 +229,8 @@ class Recommendation:
     batch_max_queue_wait: float | None = None
     #: ``--retry-after-max`` (None: the shim's default).
     retry_after_max: float | None = None
+    #: ``--max-inflight-tokens``, the cost budget (None: the request-count cap alone).
+    max_inflight_tokens: int | None = None
 
     @property
     def held_batch(self) -> tuple[int, float] | None:
@@ -244,6 +266,8 @@ class Recommendation:
             ]
         if self.retry_after_max is not None:
             flags += ["--retry-after-max", f"{self.retry_after_max:g}"]
+        if self.max_inflight_tokens is not None:
+            flags += ["--max-inflight-tokens", str(self.max_inflight_tokens)]
         return flags
 
 
@@ -304,7 +328,17 @@ def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdi
     disagreeing = sum(1 for s in steps if _meets(s, rule) != within)
     spread = (max(rates) - min(rates)) / median_rate if median_rate > 0 and len(rates) > 1 else 0.0
     return Verdict(
-        level, len(steps), median_rate, ttft, tpot, within, errors_ok, disagreeing, spread, working
+        level,
+        len(steps),
+        median_rate,
+        ttft,
+        tpot,
+        within,
+        errors_ok,
+        disagreeing,
+        spread,
+        working,
+        min(s.requests for s in steps),
     )
 
 
@@ -455,14 +489,32 @@ def confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tup
     if not stable(history, knee.level, rounds=2):
         return "low", "the knee still moved on the last measurement"
     above = next((u for u in knee.verdicts if u.concurrency > knee.level), None)
-    neighbours = [x for x in (v, above) if x is not None]
+    # Doubt about a level above within REPRODUCIBLE of the knee cannot move the
+    # recommendation by more than that: it does not lower the confidence.
+    near = above is not None and above.concurrency <= knee.level * (1 + REPRODUCIBLE)
+    neighbours = [x for x in (v, None if near else above) if x is not None]
     flipped = sum(x.disagreeing for x in neighbours)
     spread = max(x.spread for x in neighbours)
     if flipped:
         return "medium", f"{flipped} measurement(s) next to the knee disagreed with the SLO verdict"
     if spread > 2 * rule.tolerance:
         return "medium", f"throughput next to the knee spread by {spread:.0%} between measurements"
-    return "high", f"{v.runs} measurements of {knee.level} agree and the knee held"
+    fewest = min(x.fewest_requests for x in neighbours)
+    if fewest < rule.min_requests:
+        return (
+            "medium",
+            f"a measurement next to the knee counted only {fewest} requests (< {rule.min_requests})",
+        )
+    why = (
+        f"{v.runs} measurements of {knee.level} agree (throughput spread {spread:.0%} next to the knee, "
+        f"at most {2 * rule.tolerance:.0%}) and the knee held"
+    )
+    if near and above is not None and (above.disagreeing or above.spread > 2 * rule.tolerance):
+        why += (
+            f"; {above.concurrency} above it, within {REPRODUCIBLE:.0%}, measured unevenly: the knee is "
+            f"{knee.level} or {above.concurrency}"
+        )
+    return "high", why
 
 
 def with_confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -> tuple[Knee, str]:
@@ -472,10 +524,16 @@ def with_confidence(knee: Knee, history: Sequence[int | None], rule: KneeRule) -
 
 
 def recommend(
-    runs: Sequence[StepStats], ttft_slo: float, batch_wait: float | None = BATCH_QUEUE_WAIT
+    runs: Sequence[StepStats],
+    ttft_slo: float,
+    batch_wait: float | None = BATCH_QUEUE_WAIT,
+    *,
+    inflight_budget: int | None = None,
 ) -> Recommendation:
     """Shim settings for the knee level, from its measurements (see the module doc);
-    ``batch_wait`` None: batch is not held (it shares the interactive queue's bounds)."""
+    ``batch_wait`` None: batch is not held (it shares the interactive queue's bounds);
+    ``inflight_budget``: the cost budget measured at the knee, recommended as
+    ``--max-inflight-tokens`` beside the request cap."""
     if not (math.isfinite(ttft_slo) and ttft_slo > 0):
         raise KneeInputError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
     if batch_wait is not None and not (math.isfinite(batch_wait) and batch_wait > 0):
@@ -490,8 +548,10 @@ def recommend(
     headroom = ttft_slo - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
     queue = max(1, math.floor(throughput * wait + 1e-9))
+    if inflight_budget is not None and inflight_budget < 1:
+        raise KneeInputError(f"inflight_budget must be >= 1, got {inflight_budget!r}")
     if batch_wait is None:
-        return Recommendation(level, queue, wait)
+        return Recommendation(level, queue, wait, max_inflight_tokens=inflight_budget)
     held = max(1, math.floor(throughput * batch_wait + 1e-9))
     return Recommendation(
         level,
@@ -500,4 +560,5 @@ def recommend(
         batch_max_queue=held,
         batch_max_queue_wait=batch_wait,
         retry_after_max=HELD_RETRY_AFTER_MAX,
+        max_inflight_tokens=inflight_budget,
     )
