@@ -69,8 +69,8 @@ BURST_WINDOW = 20.0
 
 #: The simulator's flags fitted to this vLLM by bench/real_vllm/probe.py (docs/real-vllm.md).
 FITTED_ENGINE_FLAGS = (
-    "--max-num-seqs 8 --ttft 0.03 --itl 0.012 --itl-batch-factor 0.05 "
-    "--prefill-time-per-token 0.0004 --max-num-batched-tokens 2048"
+    "--max-num-seqs 8 --ttft 0.018 --itl 0.0056 --itl-batch-factor 0.01 --prefill-time-per-token 0.000025 "
+    "--prefill-attention-time 0.000085 --max-num-batched-tokens 2048 --kv-cache-tokens 131072"
 )
 #: calibrate's recommendation on the chat-only benchmark (docs/benchmarks.md, today's run).
 COUNT_FLAGS = (

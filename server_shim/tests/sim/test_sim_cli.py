@@ -29,6 +29,7 @@ FLAGS = [
     "--output-tokens-sigma",
     "--output-tokens-max",
     "--prefill-time-per-token",
+    "--prefill-attention-time",
     "--max-num-batched-tokens",
     "--kv-cache-tokens",
     "--error-rate",

@@ -288,6 +288,30 @@ def test_time_to_first_token_grows_with_the_prompt() -> None:
     assert firsts[1000] == pytest.approx(1.0 + 0.2)
 
 
+def test_attention_makes_prefill_grow_with_the_square_of_the_prompt() -> None:
+    """``prefill_attention_time``: P * per_token + attention * P**2 / 2000 in all, chunked or not."""
+    firsts = {}
+    for prompt, chunk in ((1000, 4096), (2000, 4096), (2000, 500)):
+        clock = ManualClock(0.0)
+        engine = make(
+            clock,
+            ttft=0.0,
+            prefill_time_per_token=0.0001,
+            prefill_attention_time=0.0001,
+            max_num_batched_tokens=chunk,
+        )
+        seq = engine.add("a", max_tokens=1, prompt_tokens=prompt)
+        run_until_idle(engine, clock)
+        assert seq.first_token_at is not None
+        firsts[prompt, chunk] = seq.first_token_at
+    # 1000 tokens: 0.1 s linear, and each token attends to the ones before it.
+    assert firsts[1000, 4096] == pytest.approx(0.1 + 0.0001 * 1000 * 999 / 2 / 1000)
+    assert firsts[2000, 4096] == pytest.approx(0.2 + 0.0001 * 2000 * 1999 / 2 / 1000)
+    assert firsts[2000, 4096] > 2 * firsts[1000, 4096]
+    # Chunks of 500: each attends to the context prefilled before it; the sum is the same.
+    assert firsts[2000, 500] == pytest.approx(firsts[2000, 4096])
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_that_slow_the_decode_steps_it_shares() -> None:
     clock = ManualClock(0.0)
     engine = make(

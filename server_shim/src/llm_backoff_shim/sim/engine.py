@@ -10,8 +10,11 @@ set). The running ones advance together in *engine steps*, as vLLM's scheduler d
   tokens of sequences still in prefill (chunked prefill, oldest first) up to
   ``max_num_batched_tokens`` tokens in all. It lasts
   ``itl * (1 + itl_batch_factor * (decoding - 1))`` (0 without a decode) plus
-  ``prefill_time_per_token`` per prompt token in it: a long prompt arriving slows the
-  decode steps it shares, as it does on a real engine.
+  ``prefill_time_per_token`` per prompt token in it, plus ``prefill_attention_time`` per
+  prompt token for each 1000 tokens of its sequence's context before it (attention: a
+  prompt of ``P`` tokens costs ``P * prefill_time_per_token + prefill_attention_time *
+  P**2 / 2000`` in all, so prefill grows faster than the prompt, as measured on vLLM): a
+  long prompt arriving slows the decode steps it shares, as it does on a real engine.
 - A sequence emits its first token ``ttft`` after its prompt is prefilled: ``ttft`` is
   the fixed part of time to first token (scheduling, sampling, detokenising, the HTTP
   path) that holds the slot without costing the batch step time. Alone, with a prompt of
@@ -91,6 +94,7 @@ class EngineParams:
     max_num_queued_reqs: int | None = None
     tick_slack: float = 0.0
     prefill_time_per_token: float = 0.0
+    prefill_attention_time: float = 0.0
     max_num_batched_tokens: int = 2048
     kv_cache_tokens: int | None = None
 
@@ -103,7 +107,14 @@ class EngineParams:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise ValueError("kv_cache_tokens must be >= 2 or None")
-        for name in ("ttft", "itl", "itl_batch_factor", "tick_slack", "prefill_time_per_token"):
+        for name in (
+            "ttft",
+            "itl",
+            "itl_batch_factor",
+            "tick_slack",
+            "prefill_time_per_token",
+            "prefill_attention_time",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -423,12 +434,17 @@ class SimEngine:
         if not decode and not prefill:
             return
         params = self.params
-        duration = params.prefill_time_per_token * sum(n for _, n in prefill)
+        duration = sum(self.prefill_cost(seq.prefilled, n) for seq, n in prefill)
         if decode:
             duration += params.itl * (1.0 + params.itl_batch_factor * (len(decode) - 1))
         ready = min(seq.available_at for seq in (*decode, *(s for s, _ in prefill)))
         start = min(now, max(self._free_at, ready))
         self._step = _Step(start, start + duration, decode, prefill)
+
+    def prefill_cost(self, context: int, tokens: int) -> float:
+        """Step seconds to prefill ``tokens`` prompt tokens after ``context`` already in the cache."""
+        attention = self.params.prefill_attention_time * tokens * (context + (tokens - 1) / 2) / 1000
+        return self.params.prefill_time_per_token * tokens + attention
 
     def _preempt_youngest(self) -> Sequence:
         victim = max(self._running.values(), key=lambda seq: seq.order)

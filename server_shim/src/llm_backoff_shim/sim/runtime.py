@@ -82,6 +82,7 @@ class SimRuntime:
                 max_num_queued_reqs=config.max_num_queued_reqs,
                 tick_slack=TICK_SLACK,
                 prefill_time_per_token=config.prefill_time_per_token,
+                prefill_attention_time=config.prefill_attention_time,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 kv_cache_tokens=config.kv_cache_tokens,
             ),

@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine step seconds per prompt token prefilled (slows the decode steps it shares)",
     )
     p.add_argument(
+        "--prefill-attention-time",
+        type=float,
+        default=defaults.prefill_attention_time,
+        help="engine step seconds per prompt token per 1000 tokens of context before it (attention: "
+        "prefill grows with the square of the prompt, as on a real engine)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=defaults.max_num_batched_tokens,
@@ -286,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_tokens_sigma=args.output_tokens_sigma,
         output_tokens_max=args.output_tokens_max,
         prefill_time_per_token=args.prefill_time_per_token,
+        prefill_attention_time=args.prefill_attention_time,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         error_rate=args.error_rate,
