@@ -44,6 +44,7 @@ from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConf
 from llm_backoff_shim.decide.limit import FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.scheduler import ClassScheduler
+from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.values import env_name
@@ -366,13 +367,14 @@ def build_pure_controller(
     returning_share: float = 0.25,
     returning_first: bool = True,
     promise_slack: float = 0.1,
+    token_budget: int | None = None,
     **estimator: Any,
 ) -> tuple[AdmissionController, ManualClock]:
     """An :class:`AdmissionController` over ``limit`` fixed slots, driven by a manual clock set at
     ``start``. ``classes`` highest priority first, each with ``max_queue`` places and ``max_wait``
     seconds of queue wait unless ``max_queues`` / ``max_waits`` name it; ``estimator``: fields of
     :class:`EstimatorConfig` (its defaults otherwise). The other options are the controller's,
-    with its defaults."""
+    with its defaults; ``token_budget``: a cost budget in tokens (none by default)."""
     clock = ManualClock(start)
     queues, waits = max_queues or {}, max_waits or {}
     unknown = (set(queues) | set(waits)) - set(classes)
@@ -387,6 +389,7 @@ def build_pure_controller(
         returning_share=returning_share,
         returning_first=returning_first,
         promise_slack=promise_slack,
+        token_budget=None if token_budget is None else TokenBudget(token_budget),
     )
     return controller, clock
 

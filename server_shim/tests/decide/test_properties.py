@@ -5,7 +5,9 @@
   state machine: never more than the cap in flight, never more than the queue bounds
   waiting, first come first served within a class (whatever placement does across
   classes), every admitted request released
-  exactly once, every ticket ends in exactly one final state;
+  exactly once, every ticket ends in exactly one final state; with a cost budget (drawn, or
+  none), the cost in flight is the admitted requests' and stays within it unless one request
+  runs alone, and comes back to zero whatever the mix of outcomes;
 - the request-target check: whatever the encoding tricks, an accepted path stays
   under ``/v1/`` even for an upstream that decodes once more;
 - the Retry-After the shim writes is read back by the SDK as the same estimate.
@@ -60,9 +62,16 @@ class AdmissionMachine(RuleBasedStateMachine):
         batch_queue=st.integers(0, 6),
         reserved=st.sampled_from([0.0, 0.25, 0.5]),
         minimum=st.sampled_from([0.0, 0.1, 0.5]),
+        tokens=st.sampled_from([None, None, 100, 400, 2000]),
     )
     def configure(
-        self, limit: int, max_queue: int, batch_queue: int, reserved: float, minimum: float
+        self,
+        limit: int,
+        max_queue: int,
+        batch_queue: int,
+        reserved: float,
+        minimum: float,
+        tokens: int | None = None,
     ) -> None:
         self.clock = ManualClock(1000.0)
         self.settings = ShimSettings(
@@ -72,6 +81,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             max_queue_wait=5.0,
             reserved_share={"interactive": reserved},
             min_share={"batch": minimum},
+            max_inflight_tokens=tokens,
         )
         self.limit_obj = CountingLimit(limit)
         self.c = build_controller(self.settings, self.clock, self.limit_obj)
@@ -85,9 +95,13 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.admission_order[t.cls].append(t.id)
 
     @precondition(lambda self: self.configured)
-    @rule(cls=st.sampled_from(CLASSES), budget=st.sampled_from([None, None, 0.5, 3.0, 30.0]))
-    def arrive(self, cls: str, budget: float | None) -> None:
-        decision = self.c.submit(AdmissionRequest(cls=cls, budget=budget))
+    @rule(
+        cls=st.sampled_from(CLASSES),
+        budget=st.sampled_from([None, None, 0.5, 3.0, 30.0]),
+        cost=st.sampled_from([0, 40, 40, 150, 900, 2500]),
+    )
+    def arrive(self, cls: str, budget: float | None, cost: int = 0) -> None:
+        decision = self.c.submit(AdmissionRequest(cls=cls, budget=budget, cost=cost))
         if isinstance(decision, Rejection):
             assert decision.retry_after > 0
             assert math.isfinite(decision.retry_after)
@@ -148,6 +162,12 @@ class AdmissionMachine(RuleBasedStateMachine):
             assert order == sorted(order), "first come, first served within a class"
         assert all(n == 1 for n in self.released.values())
         assert self.limit_obj.completions == len(self.released)
+        running = [t for t in self.tickets if t.state is TicketState.ADMITTED]
+        assert c.in_flight_tokens() == sum(t.request.cost for t in running)
+        tokens = self.settings.max_inflight_tokens
+        if tokens is not None and sum(t.request.cost > 0 for t in running) > 1:
+            # Over the budget only alone: beside requests that cost nothing at most.
+            assert c.in_flight_tokens() <= tokens, "over the cost budget with more than one in flight"
         # Nobody admitted after its queue deadline.
         for t in self.tickets:
             if t.admitted_at is not None:
@@ -165,7 +185,7 @@ class AdmissionMachine(RuleBasedStateMachine):
                 if t.state is TicketState.ADMITTED:
                     self.c.release(t, Outcome.COMPLETED)
                     self.released[t.id] = self.released.get(t.id, 0) + 1
-        assert (self.c.in_flight(), self.c.queued()) == (0, 0)
+        assert (self.c.in_flight(), self.c.queued(), self.c.in_flight_tokens()) == (0, 0, 0)
         final = {TicketState.RELEASED, TicketState.CANCELLED, TicketState.EXPIRED}
         assert all(t.state in final for t in self.tickets)
         ever_admitted = {t.id for t in self.tickets if t.admitted_at is not None}

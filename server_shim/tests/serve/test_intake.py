@@ -105,11 +105,42 @@ def test_only_a_post_to_an_engine_route_becomes_an_admission_request(intake: Int
 def test_the_body_says_what_the_admission_request_asks_for(intake: Intake) -> None:
     head = intake.head("POST", CHAT, headers())
     assert isinstance(head, Head)
-    checked = Intake.body(head, b'{"stream": true, "max_tokens": 64}')
+    checked = intake.body(head, b'{"stream": true, "max_tokens": 64}')
     assert not isinstance(checked, Refusal)
     request, data = checked
     assert request is not None
     assert (request.stream, request.max_tokens) == (True, 64)
     assert data == {"stream": True, "max_tokens": 64}
-    malformed = refused(Intake.body(head, b"[1, 2]"))
+    malformed = refused(intake.body(head, b"[1, 2]"))
     assert (malformed.reason, malformed.status) == ("invalid_json", 400)
+
+
+def test_under_a_cost_budget_the_body_prices_the_request(make_controller: MakeController) -> None:
+    controller, _ = make_controller(token_budget=10_000)
+    intake = Intake(
+        routes=RouteTable(),
+        api_keys=ApiKeys([KEY]),
+        hooks=RequestHooks(),
+        controller=controller,
+        max_body_bytes=1000,
+        default_max_tokens=300,
+    )
+    head = intake.head("POST", CHAT, headers())
+    assert isinstance(head, Head)
+    # 40 bytes of text: 10 tokens, 4 for the message; no max_tokens: the default 300.
+    body = b'{"messages": [{"role": "user", "content": "' + b"w" * 40 + b'"}]}'
+    checked = intake.body(head, body)
+    assert not isinstance(checked, Refusal)
+    request, _ = checked
+    assert request is not None
+    assert (request.cost, request.max_tokens, request.stream) == (314, None, False)
+
+
+def test_without_a_cost_budget_the_body_is_not_priced(intake: Intake) -> None:
+    head = intake.head("POST", CHAT, headers())
+    assert isinstance(head, Head)
+    checked = intake.body(head, b'{"prompt": "' + b"w" * 40 + b'", "max_tokens": 5}')
+    assert not isinstance(checked, Refusal)
+    request, _ = checked
+    assert request is not None
+    assert (request.cost, request.max_tokens) == (0, 5)

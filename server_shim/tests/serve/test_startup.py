@@ -95,7 +95,8 @@ def test_the_line_names_listener_path_upstream_limits_and_metrics() -> None:
     )
     assert line == (
         "listening on http://127.0.0.1:9001 (public path); upstream http://127.0.0.1:8000 answered GET "
-        "/v1/models with 200; max_concurrency 3; queue places/wait: interactive 20/10 s, batch 5/10 s "
+        "/v1/models with 200; max_concurrency 3 (requests counted, no cost budget); queue places/wait: "
+        "interactive 20/10 s, batch 5/10 s "
         "(20 places in all); metrics on http://127.0.0.1:9001/metrics; settings not at their default: "
         "port=9001 max_concurrency=3 class_max_queue=batch=5"
     )
@@ -170,7 +171,7 @@ def test_serve_logs_one_startup_line_and_warns_about_the_environment(
     assert " INFO llm_backoff_shim.serve: " in line
     assert f"listening on http://127.0.0.1:{port} ({shim_http_path} path)" in line
     assert f"upstream {upstream.url} answered GET /v1/models with 200" in line
-    assert "max_concurrency 3;" in line
+    assert "max_concurrency 3 (requests counted, no cost budget);" in line
     assert f"metrics on http://127.0.0.1:{port}/metrics" in line
     assert f"settings not at their default: upstream={upstream.url} port={port} max_concurrency=3" in line
     assert f"http_path={shim_http_path}" in line

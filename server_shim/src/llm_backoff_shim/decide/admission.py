@@ -12,8 +12,11 @@ hands out into awaitables and calls back on completion, disconnect and timeout.
 - :class:`~llm_backoff_shim.decide.queues.ClassQueues`: one bounded FIFO queue per traffic
   class, highest priority first, standing in one serve order, with places kept for returning
   callers;
-- a :class:`~llm_backoff_shim.decide.limit.ConcurrencyLimit` caps requests in flight, and
-  :class:`~llm_backoff_shim.decide.slots.HeldSlots` counts them and keeps when each was admitted;
+- a :class:`~llm_backoff_shim.decide.limit.ConcurrencyLimit` caps requests in flight, an
+  optional :class:`~llm_backoff_shim.decide.token_budget.TokenBudget` caps their cost
+  (KV-cache tokens: prompt plus ``max_tokens``), and
+  :class:`~llm_backoff_shim.decide.slots.HeldSlots` counts them, their cost, and keeps when
+  each was admitted;
 - a :class:`~llm_backoff_shim.decide.scheduler.ClassScheduler` picks the class whose head is
   admitted when a slot frees (default strict priority; the shim's reserved and minimum shares,
   :mod:`llm_backoff_shim.decide.classes`, plug in here);
@@ -30,10 +33,27 @@ The controller keeps what holds a slot, feeds completions to the estimator and t
 drops at the pump a queued request whose wait or budget ran out, or whose remaining budget no
 longer covers the service it needs: the engine would only do work its own deadline cuts.
 
+With a cost budget, the class the scheduler picks is served only when its queue head fits the
+budget (:meth:`TokenBudget.fits`); nothing behind a head that does not fit in its class passes
+it: first come, first served holds within a class at admission as in placement, so a cheap
+request does not pass a queued expensive one, which would otherwise wait for as long as
+cheap ones keep the budget full (starved, not just late). What the other classes may do
+meanwhile depends on the blocked class's requests in flight:
+
+- it has some: it is being served, and its head will fit as they end; the scheduler is asked
+  again among the other classes, so interactive chat keeps flowing past a queue of long batch
+  prompts while one of them runs (even while batch is below its guaranteed minimum share,
+  which counts requests, not their cost);
+- it has none: its head holds the budget that frees for itself, and nobody is admitted until
+  it fits (in the end, alone). Without this a long prompt could wait for as long as cheaper
+  requests of other classes keep the budget full. The price is head-of-line blocking,
+  bounded by the drain of what is in flight, once per such head.
+
 Invariant kept by :meth:`AdmissionController._pump`: after every call, either no queued
-request can be admitted (the limit is reached or the scheduler holds the slot back)
-or every queue is empty. Every ticket ends in exactly one of RELEASED, CANCELLED,
-EXPIRED, so in-flight and queued counts return to zero whatever the mix of outcomes.
+request can be admitted (the limit is reached, the scheduler holds the slot back, or the
+heads it may pick do not fit the cost budget) or every queue is empty. Every ticket ends in
+exactly one of RELEASED, CANCELLED, EXPIRED, so in-flight and queued counts (and the cost in
+flight) return to zero whatever the mix of outcomes.
 """
 
 from __future__ import annotations
@@ -52,6 +72,7 @@ from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, Unkn
 from llm_backoff_shim.decide.scheduler import ClassScheduler, StrictPriority
 from llm_backoff_shim.decide.slots import HeldSlots
 from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.decide.view import AdmissionGate, ClassOutlook
 from llm_backoff_shim.decide.waits import QueueWaits, short_of
 
@@ -75,6 +96,7 @@ class AdmissionController:
         returning_share: float = 0.25,
         returning_first: bool = True,
         promise_slack: float = 0.1,
+        token_budget: TokenBudget | None = None,
     ) -> None:
         if not policies:
             raise ValueError("at least one traffic class is needed")
@@ -95,6 +117,7 @@ class AdmissionController:
         # Off: every request is fresh (one FIFO per class, no places kept).
         self._returning_first = returning_first
         self._limit = limit
+        self._budget = token_budget
         self._estimator = estimator
         self._clock = clock
         self._scheduler: ClassScheduler = scheduler or StrictPriority()
@@ -109,7 +132,8 @@ class AdmissionController:
         )
         waits = QueueWaits(self._classes, self._scheduler, estimator, limit, self._held.admitted)
         self._placement = Placement(self._queues, waits, estimator, promise_slack=promise_slack)
-        self._refusals = Refusals(self._queues, waits, estimator, limit)
+        places_of = None if token_budget is None else self._places
+        self._refusals = Refusals(self._queues, waits, estimator, limit, places_of)
         # When each class last saw a fresh arrival (ClassOutlook.fresh_recently).
         self._last_fresh: dict[str, float] = {}
         self._moved: Dispatch | None = None  # see take_moved
@@ -129,6 +153,16 @@ class AdmissionController:
     @property
     def limit(self) -> int:
         return self._limit.limit
+
+    @property
+    def token_budget(self) -> int | None:
+        """The cost budget in KV-cache tokens; None without one (the count cap alone)."""
+        return None if self._budget is None else self._budget.tokens
+
+    def in_flight_tokens(self) -> int:
+        """Cost of the requests holding a slot, in KV-cache tokens (0 without a cost budget
+        unless the requests were priced anyway)."""
+        return self._held.tokens
 
     @property
     def estimator(self) -> DrainEstimator:
@@ -243,13 +277,15 @@ class AdmissionController:
         ticket = Ticket(
             id=next(self._ids), request=request, arrived=now, deadline=deadline, budget_bound=budget_bound
         )
+        if self._budget is not None:
+            ticket.places = self._places(request)
         if request.retry and self._returning_first and request.budget is not None:
             # A caller promised a return is back: its promise no longer holds a slot ahead of
             # anyone (it is queued, admitted or refused and told a new one).
             self._estimator.promises.redeem(cls)
         queues = self._queues
         # The common case, a slot free and nobody queued: no place to find, nobody to overtake.
-        if not queues.total and self._held.total < self._limit.limit:
+        if not queues.total and self._held.total < self._limit.limit and self._fits(request):
             self._offer = request
             try:
                 offered = self._scheduler.pick((cls,), self) == cls
@@ -434,21 +470,46 @@ class AdmissionController:
         dispatch = Dispatch()
         now = self._clock()
         queues = self._queues
+        # Classes whose head does not fit the cost budget while some of theirs are in flight.
+        blocked: set[str] = set()
         while queues.total and self._held.total < self._limit.limit:
             # In the order their heads are due (see ClassScheduler).
-            cls = self._scheduler.pick(queues.heads_due(), self)
+            due = queues.heads_due()
+            if blocked:
+                due = [c for c in due if c not in blocked]
+            cls = self._scheduler.pick(due, self)
             if cls is None:
                 break
-            ticket = queues.pop_head(cls)
+            ticket = queues.lists[cls][0]
             if ticket.deadline <= now or short_of(self._estimator, ticket, now) is not None:
                 # Its wait or the caller's budget ran out, or what is left of the budget cannot
                 # cover the service: never send it to the engine.
+                queues.pop_head(cls)
                 self._expire(ticket)
                 dispatch.expired.append(ticket)
                 continue
+            if not self._fits(ticket.request):
+                # It waits for the cost in flight to drain; the others may go meanwhile only
+                # while its class has requests in flight (module docstring).
+                if self._held.per_class[cls]:
+                    blocked.add(cls)
+                    continue
+                break
+            queues.pop_head(cls)
             self._held.take(ticket, now)
             dispatch.admitted.append(ticket)
         return dispatch
+
+    def _fits(self, request: AdmissionRequest) -> bool:
+        """Whether ``request``'s cost fits the cost budget beside what is in flight (always,
+        without a budget)."""
+        budget = self._budget
+        return budget is None or budget.fits(self._held.tokens, request.cost)
+
+    def _places(self, request: AdmissionRequest) -> int:
+        """Queue places ``request`` stands for in a wait estimate (:meth:`TokenBudget.places`)."""
+        budget = self._budget
+        return 1 if budget is None else budget.places(request.cost, self._limit.limit)
 
     def _expire(self, ticket: Ticket) -> None:
         ticket.state = TicketState.EXPIRED

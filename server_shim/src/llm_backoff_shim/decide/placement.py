@@ -77,7 +77,8 @@ class Placement:
         self._promise_slack = promise_slack
 
     def place(self, ticket: Ticket, now: float) -> tuple[int, int]:
-        """Give a newcomer its sort key; return how many queued requests (and of its class) are ahead.
+        """Give a newcomer its sort key; return how many queued requests (and of its class) are
+        ahead, in queue places (:attr:`Ticket.places`: one each without a cost budget).
 
         Its natural place: by class, returning before fresh, then arrival. If that is ahead
         of queued requests that one more request ahead would make late (the estimate, as in
@@ -91,19 +92,22 @@ class Placement:
         key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.id)
         ticket.key = key
         if not queues.overtakes_anyone(key):
-            return queues.total, len(queues.lists[cls])  # last in line: behind its class too
+            # last in line: behind its class too
+            return sum(queues.places.values()), queues.places[cls]
         if self._estimator.samples == 0:
             # Estimates on the prior alone refuse nobody (module docstring), so they move nobody.
             order = queues.serve_order()
             key = ticket.key = self._behind_own_class(ticket, key)
-            before = [t for t in order if t.key < key]
-            return len(before), sum(t.cls == cls for t in before)
+            return _places_before(order, key, cls)
         order = queues.serve_order()
         seen = dict.fromkeys(queues.classes, 0)
         last_tight: Ticket | None = None
         wait = self._waits.walk()
         own_wait = self._policies[cls].max_queue_wait
-        for ahead, queued in enumerate(order):
+        ahead, mine = 0, ticket.places
+        for queued in order:
+            # One more request ahead of a queued one: the newcomer's places, of its class or not.
+            mine_in_class = mine if queued.cls == cls else 0
             # Would one more request ahead of it (and of its class, if the same) make it late,
             # or leave it less slack than the estimate's error? Without that slack, newcomers
             # use up a queued request's margin one by one, and a drain slightly slower than
@@ -114,16 +118,16 @@ class Placement:
                 queued.key > key
                 # a promise longer than the newcomer's own yields to it (module docstring)
                 and (queued.cls == cls or queued_wait <= own_wait)
-                and self.late(queued, ahead + 1, seen[queued.cls] + (queued.cls == cls), now + slack, wait)
+                and self.late(queued, ahead + mine, seen[queued.cls] + mine_in_class, now + slack, wait)
                 is not None
             ):
                 last_tight = queued
-            seen[queued.cls] += 1
+            seen[queued.cls] += queued.places
+            ahead += queued.places
         if last_tight is not None:
             key = ticket.key = (*last_tight.key, ticket.id)
         key = ticket.key = self._behind_own_class(ticket, key)
-        before = [t for t in order if t.key < key]
-        return len(before), sum(t.cls == cls for t in before)
+        return _places_before(order, key, cls)
 
     def _behind_own_class(self, ticket: Ticket, key: tuple[int, ...]) -> tuple[int, ...]:
         """``key``, or a key right after the last queued request of the newcomer's class that
@@ -145,7 +149,7 @@ class Placement:
         return key if latest is None else (*latest, ticket.id)
 
     def arrival_refusal(self, ticket: Ticket, ahead: int, in_class: int) -> tuple[RejectCode, str] | None:
-        """Why a just-queued ticket, ``ahead`` places from the front (``in_class`` of its class),
+        """Why a just-queued ticket, ``ahead`` queue places from the front (``in_class`` of its class),
         cannot be served in time by the estimates (a code and a reason), or None."""
         if self._estimator.samples == 0:
             return None  # the wait estimate would rest on the prior alone
@@ -159,7 +163,7 @@ class Placement:
         # docs/history/benchmarks-diary.md, 'The fail-fast preset, three seeds per run').
         above = self._queues.above(cls)
         promised_by = above if ticket.returning else (*above, cls)
-        expected = self._waits.at(cls, ahead, in_class, promised_by)
+        expected = self._waits.at(cls, ahead, in_class, promised_by, ticket.places)
         if budget is not None:
             need = service_needed(self._estimator, ticket.request)
             if expected + need > budget:
@@ -192,20 +196,20 @@ class Placement:
         for ticket in self._queues.serve_order():
             why = self.late(ticket, ahead, seen[ticket.cls], now, wait)
             if why is None:
-                ahead += 1
-                seen[ticket.cls] += 1
+                ahead += ticket.places
+                seen[ticket.cls] += ticket.places
                 continue
             yield ticket, why
 
     def late(self, ticket: Ticket, ahead: int, in_class: int, now: float, wait: WaitFn) -> str | None:
-        """Why a queued ticket with ``ahead`` requests before it (``in_class`` of its class)
+        """Why a queued ticket with ``ahead`` queue places before it (``in_class`` of its class)
         cannot be served in time, or None (``wait``: the walk's :meth:`QueueWaits.walk`).
 
         Judged on the requests queued ahead of it only, not on promised returns: those may
         not come back (a client gives up, or has no retries left), and a request dropped
         from the queue on a guess cannot be given its place back.
         """
-        expected = wait(ticket.cls, ahead, in_class)
+        expected = wait(ticket.cls, ahead, in_class, ticket.places)
         budget = ticket.request.budget
         if budget is not None:
             need = service_needed(self._estimator, ticket.request)
@@ -223,3 +227,13 @@ class Placement:
                 f"{max_wait:g} s limit"
             )
         return None
+
+
+def _places_before(order: list[Ticket], key: tuple[int, ...], cls: str) -> tuple[int, int]:
+    """Queue places before ``key`` in ``order``: in all, and of ``cls``."""
+    ahead = in_class = 0
+    for queued in order:
+        if queued.key < key:
+            ahead += queued.places
+            in_class += queued.places if queued.cls == cls else 0
+    return ahead, in_class

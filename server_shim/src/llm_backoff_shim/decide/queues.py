@@ -64,6 +64,8 @@ class ClassQueues:
         self.lists: dict[str, list[Ticket]] = {name: [] for name in self._classes}
         # Kept beside the per-class lists: read several times per request.
         self.total = 0
+        #: Queue places per class, each ticket counted as its ``places`` (1 without a cost budget).
+        self.places: dict[str, int] = dict.fromkeys(self._classes, 0)
 
     @property
     def policies(self) -> Mapping[str, ClassPolicy]:
@@ -86,14 +88,18 @@ class ClassQueues:
     def insert(self, ticket: Ticket) -> None:
         bisect.insort(self.lists[ticket.cls], ticket, key=_key)
         self.total += 1
+        self.places[ticket.cls] += ticket.places
 
     def remove(self, ticket: Ticket) -> None:
         self.lists[ticket.cls].remove(ticket)
         self.total -= 1
+        self.places[ticket.cls] -= ticket.places
 
     def pop_head(self, cls: str) -> Ticket:
         self.total -= 1
-        return self.lists[cls].pop(0)
+        ticket = self.lists[cls].pop(0)
+        self.places[cls] -= ticket.places
+        return ticket
 
     def serve_order(self) -> list[Ticket]:
         """The queued tickets of every class, in the order strict priority would admit them."""
@@ -112,6 +118,11 @@ class ClassQueues:
         """Requests that would be served before a fresh newcomer of ``cls`` (strict-priority view)."""
         lists = self.lists
         return sum(len(lists[c]) for c in self._classes[: self._rank[cls] + 1])
+
+    def places_ahead_of(self, cls: str) -> int:
+        """:meth:`ahead_of` in queue places (:attr:`Ticket.places`): what a wait estimate counts."""
+        places = self.places
+        return sum(places[c] for c in self._classes[: self._rank[cls] + 1])
 
     def returning(self, cls: str) -> int:
         """Queued requests of ``cls`` that said they are retries (and count as returning)."""

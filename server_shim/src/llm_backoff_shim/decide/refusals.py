@@ -7,6 +7,7 @@ from the refused caller's place and budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
@@ -22,12 +23,17 @@ class Refusals:
     """Builds every refusal of the controller, each with its Retry-After (module docstring)."""
 
     def __init__(
-        self, queues: ClassQueues, waits: QueueWaits, estimator: DrainEstimator, limit: ConcurrencyLimit
+        self,
+        queues: ClassQueues,
+        waits: QueueWaits,
+        estimator: DrainEstimator,
+        limit: ConcurrencyLimit,
+        places_of: Callable[[AdmissionRequest], int] | None = None,
     ) -> None:
         self._policies = queues.policies
         self._queues = queues
         self._estimator = estimator
-        self._hints = RefusalHints(queues, waits, estimator, limit)
+        self._hints = RefusalHints(queues, waits, estimator, limit, places_of)
 
     def reject(
         self,

@@ -66,8 +66,10 @@ class AdmissionRequest:
     how many times the caller says it has retried this call (``x-stainless-retry-count``), and
     the most output tokens the body asks for (``max_tokens`` / ``max_completion_tokens``; None
     when it does not say), and whether the budget ends when the answer begins (``budget_to_start``:
-    a caller with a time-to-first-token budget, whose answer may then stream on), and what its
-    tenant's quota said of it (``quota``: None when it has no quota)."""
+    a caller with a time-to-first-token budget, whose answer may then stream on), what its
+    tenant's quota said of it (``quota``: None when it has no quota), and what it may cost the
+    engine (``cost``: KV-cache tokens, its prompt plus its answer's limit,
+    :mod:`llm_backoff_shim.decide.cost`; 0 when not priced, as without a cost budget)."""
 
     cls: str
     budget: float | None = None
@@ -77,6 +79,7 @@ class AdmissionRequest:
     max_tokens: int | None = None
     budget_to_start: bool = False
     quota: QuotaVerdict | None = None
+    cost: int = 0
 
     @property
     def returning(self) -> bool:

@@ -122,8 +122,14 @@ class RefusalHints:
     (module docstring)."""
 
     def __init__(
-        self, queues: ClassQueues, waits: QueueWaits, estimator: DrainEstimator, limit: ConcurrencyLimit
+        self,
+        queues: ClassQueues,
+        waits: QueueWaits,
+        estimator: DrainEstimator,
+        limit: ConcurrencyLimit,
+        places_of: Callable[[AdmissionRequest], int] | None = None,
     ) -> None:
+        self._places_of = places_of
         self._policies = queues.policies
         self._queues = queues
         self._waits = waits
@@ -143,10 +149,14 @@ class RefusalHints:
         time it needs once admitted cannot be served: such a caller is told a hint at least
         its remaining budget, not remembered as a promise (module docstring).
         """
-        # A retry would come back returning, behind what is queued now in its class and above.
+        # A retry would come back returning, behind what is queued now in its class and above
+        # (in queue places: a queued request costing several slots' share of a cost budget
+        # stands for several, and so may the caller itself; waits.py).
         higher = self._queues.above(cls)
-        ahead, in_class = self._queues.ahead_of(cls), len(self._queues.lists[cls])
-        wait = self._waits.at(cls, ahead, in_class, higher)
+        queues = self._queues
+        ahead, in_class = queues.places_ahead_of(cls), queues.places[cls]
+        places = 1 if request is None or self._places_of is None else self._places_of(request)
+        wait = self._waits.at(cls, ahead, in_class, higher, places)
         est = self._estimator
         usable = reach = None
         if budget_left is not None:

@@ -1,4 +1,7 @@
-"""The requests holding a slot: how many per class and in all, and when each was admitted.
+"""The requests holding a slot: how many per class and in all, when each was admitted, and
+the cost they hold together (KV-cache tokens, :mod:`llm_backoff_shim.decide.cost`; 0 without
+a cost budget). Every way a ticket ends goes through :meth:`HeldSlots.give_back`, so the cost
+comes back with the slot.
 
 When they were admitted says when their slots free (each is expected to end a service time
 later: :meth:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator.expected_wait`'s
@@ -18,7 +21,7 @@ from llm_backoff_shim.decide.tickets import Ticket, TicketState
 class HeldSlots:
     """Slots taken by admitted tickets (module docstring)."""
 
-    __slots__ = ("admitted", "per_class", "total")
+    __slots__ = ("admitted", "per_class", "tokens", "total")
 
     def __init__(self, classes: Sequence[str]) -> None:
         self.per_class: dict[str, int] = dict.fromkeys(classes, 0)
@@ -26,6 +29,8 @@ class HeldSlots:
         self.total = 0
         #: Admission times of the tickets holding a slot, ascending.
         self.admitted: list[float] = []
+        #: Cost of the requests holding a slot, in KV-cache tokens.
+        self.tokens = 0
 
     def take(self, ticket: Ticket, now: float) -> None:
         """Admit ``ticket`` at ``now``: it holds a slot until :meth:`give_back`."""
@@ -33,12 +38,14 @@ class HeldSlots:
         ticket.admitted_at = now
         self.per_class[ticket.cls] += 1
         self.total += 1
+        self.tokens += ticket.request.cost
         bisect.insort(self.admitted, now)
 
     def give_back(self, ticket: Ticket) -> None:
         """``ticket`` (admitted) no longer holds its slot; the caller sets its new state."""
         self.per_class[ticket.cls] -= 1
         self.total -= 1
+        self.tokens -= ticket.request.cost
         assert ticket.admitted_at is not None
         # Only the times matter, so any entry equal to this ticket's is the one to drop.
         del self.admitted[bisect.bisect_left(self.admitted, ticket.admitted_at)]

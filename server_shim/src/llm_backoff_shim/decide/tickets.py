@@ -62,7 +62,10 @@ class Ticket:
     """One request's place: queued, then admitted (holding a slot), then released.
 
     ``key`` orders the queued tickets of all classes into one serve order
-    (:mod:`llm_backoff_shim.decide.queues`); ``returning``: queued in its class's returning lane.
+    (:mod:`llm_backoff_shim.decide.queues`); ``returning``: queued in its class's returning lane;
+    ``places``: the queue places it stands for in a wait estimate (1, or more for a request
+    that costs several slots' share of a cost budget: :meth:`TokenBudget.places
+    <llm_backoff_shim.decide.token_budget.TokenBudget.places>`).
     """
 
     id: int
@@ -75,6 +78,7 @@ class Ticket:
     rejection: Rejection | None = None
     key: tuple[int, ...] = ()
     returning: bool = False
+    places: int = 1
 
     @property
     def cls(self) -> str:

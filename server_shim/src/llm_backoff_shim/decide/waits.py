@@ -10,6 +10,12 @@ arrival would otherwise make queued requests late that were promised the whole e
 the slots reserved for higher classes (:class:`~llm_backoff_shim.decide.scheduler.ReservedShares`:
 a class may not use them unless they are lent, which the estimate does not count on).
 
+With a cost budget (:mod:`llm_backoff_shim.decide.token_budget`), ``ahead`` and ``in_class``
+count queue places, not requests: a queued request that costs ``k`` slots' share of the budget
+stands for ``k`` places (:attr:`~llm_backoff_shim.decide.tickets.Ticket.places`), and a request
+waits for as many slots to free as it stands for. The requests in flight still free one slot
+each at their expected end: the estimate keeps when each was admitted, not what each costs.
+
 What a request needs once admitted (:func:`service_needed`): the whole service, or the first token of
 a stream if so configured or if its budget is for the answer to begin. A caller whose remaining budget
 cannot cover its wait plus that need would only make the engine do work its own deadline cuts.
@@ -25,9 +31,10 @@ from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, ReservedShares
 from llm_backoff_shim.decide.tickets import Ticket
 
-#: ``wait(cls, ahead, in_class)``: seconds until a request of ``cls`` with ``ahead`` requests
-#: served before it, ``in_class`` of them of its own class, gets a slot.
-WaitFn = Callable[[str, int, int], float]
+#: ``wait(cls, ahead, in_class, places)``: seconds until a request of ``cls`` standing for
+#: ``places`` queue places, with ``ahead`` places served before it, ``in_class`` of them of its
+#: own class, gets a slot.
+WaitFn = Callable[[str, int, int, int], float]
 
 
 class QueueWaits:
@@ -56,15 +63,19 @@ class QueueWaits:
         self._reserves: ReservedShares | None = scheduler if isinstance(scheduler, ReservedShares) else None
         self._lanes_at: dict[tuple[str, int], tuple[int, int]] = {}  # see lanes
 
-    def at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str]) -> float:
-        """Expected wait of a request of ``cls`` with ``ahead`` served before it under strict
-        priority, ``in_class`` of them of its own class, and the promised returns of
-        ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`)."""
+    def at(
+        self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1
+    ) -> float:
+        """Expected wait of a request of ``cls`` with ``ahead`` places served before it under
+        strict priority, ``in_class`` of them of its own class, and the promised returns of
+        ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`);
+        ``places``: the places it stands for itself (module docstring)."""
         est = self._estimator
         slots, share = self.lanes(cls, self._limit.limit)
-        wait = est.expected_wait(ahead, slots, 0, promised_by=promised_by, admitted=self._admitted)
+        extra = places - 1
+        wait = est.expected_wait(ahead + extra, slots, 0, promised_by=promised_by, admitted=self._admitted)
         if share > 0:
-            wait = min(wait, est.expected_wait(in_class, share, 0))
+            wait = min(wait, est.expected_wait(in_class + extra, share, 0))
         return wait
 
     def walk(self, *, soonest: bool = False) -> WaitFn:
@@ -81,19 +92,19 @@ class QueueWaits:
         est, limit, free = self._estimator, self._limit.limit, 1 if soonest else 0
         tables: dict[str, tuple[Callable[[int], float], Callable[[int], float] | None]] = {}
 
-        def wait(cls: str, ahead: int, in_class: int) -> float:
+        def wait(cls: str, ahead: int, in_class: int, places: int) -> float:
             table = tables.get(cls)
             if table is None:
                 slots, share = self.lanes(cls, limit)
                 by_share = est.slot_times(share) if share > 0 else None
                 table = tables[cls] = (est.slot_times(slots, self._admitted), by_share)
             at, by_share = table
-            needed = ahead + 1 - free
+            needed = ahead + places - free
             if needed <= 0:
                 return 0.0
             seconds = at(needed)
             if by_share is not None:
-                mine = in_class + 1 - free
+                mine = in_class + places - free
                 seconds = min(seconds, by_share(mine) if mine > 0 else 0.0)
             return seconds
 

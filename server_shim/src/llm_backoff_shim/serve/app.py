@@ -36,6 +36,7 @@ from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
 from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
+from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
@@ -108,6 +109,7 @@ def build_decisions(settings: ShimSettings, clock: Clock, limit: ConcurrencyLimi
         scheduler=SharedSlots(ClassShares(reserved=settings.reserved_share, minimum=settings.min_share)),
         returning_first=settings.returning_first,
         returning_share=settings.returning_share,
+        token_budget=None if (tokens := settings.max_inflight_tokens) is None else TokenBudget(tokens),
     )
     return Decisions(limit, controller)
 
@@ -223,6 +225,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         access_log=access_log,
         routes=routes,
         forwarding=forwarding,
+        default_max_tokens=settings.default_max_tokens,
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
 

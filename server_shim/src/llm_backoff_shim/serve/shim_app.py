@@ -71,13 +71,17 @@ class ShimRuntime:
 def state_document(controller: AdmissionController) -> dict[str, Any]:
     """``GET /shim/state``: the limit, the service-time estimate, in-flight and queued per class."""
     c = controller
-    return {
+    document: dict[str, Any] = {
         "limit": c.limit,
         "service_time_s": c.estimator.service_time,
         # Queued requests turned away after the estimate moved (admission's safety net).
         "overtaken": c.overtaken_total,
         "classes": {cls: {"in_flight": c.in_flight(cls), "queued": c.queued(cls)} for cls in c.classes},
     }
+    if c.token_budget is not None:
+        document["max_inflight_tokens"] = c.token_budget
+        document["in_flight_tokens"] = c.in_flight_tokens()
+    return document
 
 
 async def health(request: Request) -> Response:

@@ -146,6 +146,17 @@ def listen_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}"
 
 
+def _cost_mode(settings: ShimSettings) -> str:
+    """How admission counts, as the start-up line says it after max_concurrency."""
+    budget = settings.max_inflight_tokens
+    if budget is None:
+        return " (requests counted, no cost budget)"
+    return (
+        f" and max_inflight_tokens {budget} (cost budget: prompt + max_tokens, "
+        f"{settings.default_max_tokens} when a request names none)"
+    )
+
+
 def startup_line(settings: ShimSettings, *, path: str, metrics_url: str, upstream: str) -> str:
     """The start-up line: ``upstream`` is :func:`probe_upstream`'s result."""
     address = listen_url(settings.host, settings.port)
@@ -159,7 +170,7 @@ def startup_line(settings: ShimSettings, *, path: str, metrics_url: str, upstrea
     differ = " ".join(f"{name}={value}" for name, value in changed.items()) or "none"
     return (
         f"listening on {address} ({path} path); upstream {settings.upstream_base} {upstream}; "
-        f"max_concurrency {settings.max_concurrency}; queue places/wait: {queues} "
+        f"max_concurrency {settings.max_concurrency}{_cost_mode(settings)}; queue places/wait: {queues} "
         f"({settings.max_queue} places in all); metrics on {metrics_url}; "
         f"settings not at their default: {differ}"
     )

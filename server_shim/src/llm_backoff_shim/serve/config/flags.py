@@ -24,7 +24,7 @@ from llm_backoff_shim.serve.config.values import CLASS_ALIASES, ENV_PREFIX, env_
 COMMON: dict[str, tuple[str, ...]] = {
     "upstream": ("upstream",),
     "listen address": ("host", "port"),
-    "concurrency": ("max_concurrency",),
+    "concurrency": ("max_concurrency", "max_inflight_tokens"),
     "queue": ("max_queue", "class_max_queue"),
     "queue wait": ("max_queue_wait", "class_max_queue_wait"),
     "classes": ("classes", "default_class", "reserved_share", "min_share"),
@@ -44,7 +44,13 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "listen address": ("host", "port", "http_path", "trusted_proxies"),
     "client limits": ("max_body_bytes", "body_read_timeout", "header_read_timeout", "max_header_bytes"),
-    "concurrency": ("max_concurrency", "adaptive_concurrency", "min_concurrency"),
+    "concurrency": (
+        "max_concurrency",
+        "max_inflight_tokens",
+        "default_max_tokens",
+        "adaptive_concurrency",
+        "min_concurrency",
+    ),
     "engine metrics": (
         "engine_metrics",
         "engine_metrics_path",

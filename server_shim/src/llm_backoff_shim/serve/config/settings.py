@@ -71,6 +71,21 @@ class ShimSettings(BaseSettings):
     max_concurrency: int = Field(
         default=8, ge=1, le=100_000, description="most generation requests in flight upstream at once"
     )
+    max_inflight_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000_000,
+        description="most KV-cache tokens the generation requests in flight may hold together, each "
+        "counted as its prompt (estimated: UTF-8 bytes / 4) plus its max_tokens; a request costing more "
+        "is admitted alone (none: the request count cap alone; docs/shim.md, cost budget)",
+    )
+    default_max_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=10_000_000,
+        description="output tokens a request that sends no max_tokens/max_completion_tokens counts "
+        "for under --max-inflight-tokens",
+    )
     max_queue: int = Field(
         default=20,
         ge=0,

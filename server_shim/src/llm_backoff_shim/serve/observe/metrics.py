@@ -70,7 +70,20 @@ class _LiveState(Collector):
             "Queued requests turned away with queue_timeout because the estimate moved after they queued",
         )
         overtaken.add_metric([], c.overtaken_total)
-        return [in_flight, depth, drain, slo, limit, overtaken]
+        metrics: list[Metric] = [in_flight, depth, drain, slo, limit, overtaken]
+        budget = c.token_budget
+        if budget is not None:
+            tokens = GaugeMetricFamily(
+                PREFIX + "in_flight_tokens",
+                "Cost of the requests holding a slot: estimated prompt plus max_tokens, in tokens",
+            )
+            tokens.add_metric([], c.in_flight_tokens())
+            cap = GaugeMetricFamily(
+                PREFIX + "max_inflight_tokens", "Cost budget of the requests in flight, in tokens"
+            )
+            cap.add_metric([], budget)
+            metrics += [tokens, cap]
+        return metrics
 
 
 class ShimMetrics:

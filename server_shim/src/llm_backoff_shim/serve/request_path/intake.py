@@ -3,7 +3,8 @@
 :class:`Intake` runs them in one order, written once: :meth:`Intake.head` on the request's
 head (path, operator route, API key, then for a generation request its class, tenant and
 budget headers and content type, then the declared size), :meth:`Intake.body` on the body
-read (a JSON object, and what it asks for: a stream, ``max_tokens``). The proxy's full path
+read (a JSON object, and what it asks for: a stream, ``max_tokens``, and with a cost budget
+its cost, :mod:`llm_backoff_shim.decide.cost`). The proxy's full path
 and its refusal from the head (``Proxy.refuse_from_head``) both start from :meth:`Intake.head`,
 so they cannot disagree on what passes.
 
@@ -31,11 +32,12 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.cost import request_cost, requested_max_tokens
 from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
@@ -220,17 +222,6 @@ def parse_budget_scope(value: str | None) -> bool:
     return scope
 
 
-def requested_max_tokens(body: Mapping[str, object]) -> int | None:
-    """The most output tokens a request body asks for (``max_completion_tokens``, else
-    ``max_tokens``), or None when it names no positive whole number. The engine validates
-    the body; this only reads what the admission decision may use."""
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
-
-
 #: Larger claimed retry counts are read as this: the number only matters as ">= 1".
 MAX_RETRY_COUNT = 1000
 
@@ -280,12 +271,15 @@ class Intake:
         controller: AdmissionController,
         max_body_bytes: int,
         body_timeout: float | None = None,
+        default_max_tokens: int = 512,
     ) -> None:
         self.routes = routes
         self.api_keys = api_keys
         self.hooks = hooks
         self.controller = controller
         self.max_body_bytes = max_body_bytes
+        # Requests are priced only for a cost budget: without one, nothing reads the cost.
+        self.default_max_tokens = default_max_tokens if controller.token_budget is not None else None
         # One shared timer for every request's body timeout (coarse_timers says why).
         self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
 
@@ -328,11 +322,13 @@ class Intake:
         body = await read_body(receive, limit=self.max_body_bytes, time_limit=self.body_timers, task=task)
         return replace(body, shape=head.route.shape) if isinstance(body, Refusal) else body
 
-    @staticmethod
-    def body(head: Head, body: bytes) -> tuple[AdmissionRequest | None, dict[str, Any] | None] | Refusal:
+    def body(
+        self, head: Head, body: bytes
+    ) -> tuple[AdmissionRequest | None, dict[str, Any] | None] | Refusal:
         """The checks on a generation request's body read whole: a JSON object where the route
-        takes one, and what it asks for (a stream, ``max_tokens``) into its admission request.
-        Returns the admission request and the parsed body (None for other requests)."""
+        takes one, and what it asks for (a stream, ``max_tokens``, its cost under a cost budget)
+        into its admission request. Returns the admission request and the parsed body (None for
+        other requests)."""
         request = head.request
         if request is None or not head.route.json_body:
             return request, None
@@ -340,7 +336,11 @@ class Intake:
         if isinstance(data, Refusal):
             return replace(data, shape=head.route.shape)
         stream, most = asks_for_stream(data), requested_max_tokens(data)
-        if stream or most is not None:
+        default = self.default_max_tokens
+        if default is not None:
+            cost = request_cost(data, default).tokens
+            request = replace(request, stream=stream, max_tokens=most, cost=cost)
+        elif stream or most is not None:
             request = replace(request, stream=stream, max_tokens=most)
         return request, data
 

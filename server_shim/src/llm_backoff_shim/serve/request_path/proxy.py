@@ -104,6 +104,7 @@ class Proxy:
         access_log: AccessLog | None = None,
         routes: RouteTable | None = None,
         forwarding: Forwarding | None = None,
+        default_max_tokens: int = 512,
     ) -> None:
         self.access_log = access_log
         self.routes = routes if routes is not None else _DEFAULT_ROUTES
@@ -125,6 +126,7 @@ class Proxy:
             controller=admission.controller,
             max_body_bytes=max_body_bytes,
             body_timeout=body_timeout,
+            default_max_tokens=default_max_tokens,
         )
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
         self.on_first_byte = on_first_byte

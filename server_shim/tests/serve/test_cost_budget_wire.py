@@ -1,0 +1,110 @@
+"""End-to-end: the cost budget (``--max-inflight-tokens``) of a real shim on loopback before the
+simulator. A burst of long prompts waits in the shim while chat is still admitted up to the
+budget; with the request cap alone, the whole burst goes to the engine.
+
+The simulator answers slowly (one token a second), so every request admitted stays in flight
+while the test reads the shim's state; the test then hangs up. Counts only, no latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from llm_backoff_shim.decide.cost import request_cost
+from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.server import SimConfig, create_sim_app
+
+BUDGET = 3000
+CHAT = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 40}]}
+LONG = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 8000}]}
+CHAT_COST = request_cost(CHAT, 512).tokens  # 10 + 4 + 50
+LONG_COST = request_cost(LONG, 512).tokens  # 2000 + 4 + 50
+CHATS, LONGS = 20, 4
+
+
+@pytest.fixture
+def slow_sim() -> Iterator[ServerThread]:
+    # One token a second: nothing admitted finishes while the test looks.
+    server = ServerThread(
+        create_sim_app(SimConfig(ttft=0.01, itl=1.0, output_tokens=50, seed=1, max_num_seqs=64))
+    ).start()
+    yield server
+    server.stop()
+
+
+State = dict[str, Any]
+
+
+async def _until(client: httpx.AsyncClient, url: str, done: Callable[[State], bool]) -> State:
+    """Poll ``/shim/state`` until ``done``; the bound only stops a broken test."""
+    for _ in range(2000):
+        state: dict[str, Any] = (await client.get(url + "/shim/state")).json()
+        if done(state):
+            return state
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"shim state never settled: {state}")
+
+
+def _counts(state: dict[str, Any], cls: str) -> tuple[int, int]:
+    entry = state["classes"][cls]
+    return entry["in_flight"], entry["queued"]
+
+
+async def _burst_then_chat(shim_url: str) -> tuple[dict[str, Any], str]:
+    """Send the long prompts (batch), then chat (interactive) once the burst has settled; return the
+    shim's state once every request is in flight or queued, and its /metrics text."""
+
+    async def post(body: dict[str, Any], cls: str) -> None:
+        await client.post(shim_url + "/v1/chat/completions", json=body, headers={"x-request-class": cls})
+
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
+        tasks = [asyncio.create_task(post(LONG, "batch")) for _ in range(LONGS)]
+        await _until(client, shim_url, lambda s: sum(_counts(s, "batch")) == LONGS)
+        tasks += [asyncio.create_task(post(CHAT, "interactive")) for _ in range(CHATS)]
+        state = await _until(client, shim_url, lambda s: sum(_counts(s, "interactive")) == CHATS)
+        metrics = (await client.get(shim_url + "/metrics")).text
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return state, metrics
+
+
+def _gauge(metrics: str, name: str) -> float:
+    found = re.search(rf"^llm_backoff_shim_{name} (\S+)$", metrics, re.MULTILINE)
+    assert found is not None, name
+    return float(found.group(1))
+
+
+def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
+    slow_sim: ServerThread, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(slow_sim.url, max_concurrency=32, max_queue=30, max_inflight_tokens=BUDGET)
+    state, metrics = asyncio.run(_burst_then_chat(shim.url))
+    # One long prompt fits; the other three wait in the shim, whose slots are mostly free.
+    assert _counts(state, "batch") == (1, LONGS - 1)
+    # Chat is admitted as long as the budget allows beside it, and no further.
+    admitted = (BUDGET - LONG_COST) // CHAT_COST
+    assert 0 < admitted < CHATS
+    assert _counts(state, "interactive") == (admitted, CHATS - admitted)
+    in_flight_tokens = LONG_COST + admitted * CHAT_COST
+    assert (state["in_flight_tokens"], state["max_inflight_tokens"]) == (in_flight_tokens, BUDGET)
+    assert _gauge(metrics, "in_flight_tokens") == in_flight_tokens
+    assert _gauge(metrics, "max_inflight_tokens") == BUDGET
+    received = httpx.get(slow_sim.url + "/sim/stats", timeout=5).json()["requests_received"]
+    assert received == 1 + admitted  # what the engine was sent: within the budget
+
+
+def test_with_the_request_cap_alone_the_whole_burst_reaches_the_engine(
+    slow_sim: ServerThread, make_shim: Callable[..., Any]
+) -> None:
+    shim = make_shim(slow_sim.url, max_concurrency=32, max_queue=30)
+    state, metrics = asyncio.run(_burst_then_chat(shim.url))
+    assert (_counts(state, "batch"), _counts(state, "interactive")) == ((LONGS, 0), (CHATS, 0))
+    assert "in_flight_tokens" not in state
+    assert "llm_backoff_shim_in_flight_tokens" not in metrics
