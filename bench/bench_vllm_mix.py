@@ -19,12 +19,13 @@ and the shims on CPU 0, and plays one seeded trace (``real_vllm.mix``) against e
 - the oracle: the simulator's engine model with the flags fitted to this vLLM
   (``--engine-flags``, from ``bench/real_vllm/probe.py``) and an earliest-deadline-first
   scheduler that knows every call's cost (``real_vllm.mix.oracle``), on the same trace.
-  The engine's capacity on the mix (the "1x") is that model's too, unless
-  ``--capacity-calls-per-s`` states it.
+  The engine's capacity on the mix (the "1x") is measured on vLLM first (8 closed-loop
+  workers, ``real_vllm.capacity``), beside the model's, for chat alone, long prompts alone
+  and the mix; ``--capacity-calls-per-s`` states it instead.
 
 Per arm: useful tokens (and of the oracle's), chat calls within budget, chat TTFT p99
 (calls that never saw a first token count as past any budget) over the run and over the
-burst (chat calls arriving in the 20 s after it), long-prompt calls served, engine work
+burst (chat calls arriving in the 10 s after it), long-prompt calls served, engine work
 wasted (answer tokens vLLM generated that no completed call received; prompt tokens it
 prefilled for calls that were not served), and the engine's busy share (mean running
 sequences over 8, sampled). Writes ``docs/img/real-vllm-mix.{png,json,md}``.
@@ -57,15 +58,16 @@ from llm_backoff_shim.lab.procs import ChildServer, ServerStartError, cli_comman
 from llm_backoff_shim.lab.scenario import Arrival, Scenario, Setup
 from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
+from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, vllm_server
 from real_vllm.measures import idle_slot_share, wasted_share
-from real_vllm.mix import Budgets, Mix, MixCall, capacity, mix_trace, oracle, p99
+from real_vllm.mix import Budgets, Mix, MixCall, MixWorkload, capacity, mix_trace, oracle, p99
 
 LOAD_CPU = 0
 ENGINE_CPU = 1
 SLOTS = 8
 MAX_MODEL_LEN = 4096
-BURST_WINDOW = 20.0
+BURST_WINDOW = 10.0
 
 #: The simulator's flags fitted to this vLLM by bench/real_vllm/probe.py (docs/real-vllm.md).
 FITTED_ENGINE_FLAGS = (
@@ -77,7 +79,7 @@ COUNT_FLAGS = (
     "--max-concurrency 12 --max-queue 108 --max-queue-wait 0.75 --interactive-max-queue 5 "
     "--batch-max-queue 103 --batch-max-queue-wait 30 --retry-after-max 5"
 )
-COST_FLAGS = COUNT_FLAGS + " --max-inflight-tokens 6000"
+COST_FLAGS = COUNT_FLAGS + " --max-inflight-tokens 5000"
 
 
 @dataclass(frozen=True)
@@ -360,7 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=FITTED_ENGINE_FLAGS,
         help="the sim's flags of the oracle (default %(default)s)",
     )
-    add("--capacity-calls-per-s", type=float, help="the 1x of the load, stated instead of the model's")
+    add("--capacity-calls-per-s", type=float, help="the 1x of the load, stated instead of measured")
+    add(
+        "--capacity-seconds",
+        type=float,
+        default=10.0,
+        help="closed-loop window per capacity measurement on vLLM (chat, long, the mix); 0: the model's",
+    )
     add("--engine-url", help="a running vLLM (--max-num-seqs 8 --max-model-len 4096) instead of starting one")
     add("--out", type=Path, default=Path("docs/img"))
     add("--name", default="real-vllm-mix")
@@ -392,6 +400,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, {LOAD_CPU})
     rows: list[Row] = []
     results: list[RunResult] = []
+    measured: dict[str, dict[str, float]] = {}
     try:
         with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
             if args.engine_url:
@@ -409,7 +418,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                 url = engine.url
             model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
             mix = Mix(tokens_per_word=tokens_per_word(url, model))
-            calls_per_s, tokens_per_s = capacity(params, mix)
+            for only in ("chat", "long", None):
+                name = only or "mix"
+                model_calls, model_tokens = capacity(params, mix, only=only)
+                workload = MixWorkload(mix, only)
+                real = (
+                    full_load_tokens_per_s(url, model, workload, slots=SLOTS, seconds=args.capacity_seconds)  # type: ignore[arg-type]
+                    if args.capacity_seconds > 0
+                    else math.nan
+                )
+                measured[name] = {"real_tokens_per_s": real, "model_tokens_per_s": model_tokens,
+                                  "real_calls_per_s": real / workload.mean_answer_tokens(),
+                                  "model_calls_per_s": model_calls}  # fmt: skip
+                print(
+                    f"all {SLOTS} slots busy, {name}: vLLM {real:.0f} answer tokens/s, the engine model "
+                    f"{model_tokens:.0f} ({real / model_tokens:.2f})",
+                    flush=True,
+                )
+            calls_per_s, tokens_per_s = (
+                measured["mix"]["model_calls_per_s"],
+                measured["mix"]["model_tokens_per_s"],
+            )
+            if args.capacity_seconds > 0:
+                calls_per_s = measured["mix"]["real_calls_per_s"]
+                tokens_per_s = measured["mix"]["real_tokens_per_s"]
             if args.capacity_calls_per_s:
                 calls_per_s = args.capacity_calls_per_s
             rate = args.rate_factor * calls_per_s
@@ -478,7 +510,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / f"{args.name}{suffix}.md").write_text(head + "\n\n" + table + "\n")
     (args.out / f"{args.name}{suffix}.json").write_text(
         json.dumps(
-            {"head": head, "rows": [dataclasses.asdict(r) for r in rows], "oracle": oracle_row},
+            {
+                "head": head,
+                "rows": [dataclasses.asdict(r) for r in rows],
+                "oracle": oracle_row,
+                "capacity": measured,
+            },
             indent=1,
             default=str,
         )

@@ -91,6 +91,32 @@ class Mix:
     def kind(self, rng: random.Random) -> Kind:
         return "long" if rng.random() < self.long_share else "chat"
 
+    def mean_answer_tokens(self) -> float:
+        share = self.long_share
+        return (1 - share) * CHAT_ANSWER_TOKENS.mean() + share * LONG_ANSWER_TOKENS.mean()
+
+
+@dataclass(frozen=True)
+class MixWorkload:
+    """The mix as :mod:`real_vllm.capacity`'s closed loop draws it (a ``Workload``'s ``draw``);
+    ``only``: chat calls only, or long-prompt calls only."""
+
+    mix: Mix
+    only: Kind | None = None
+    ignore_eos: bool = True
+
+    def draw(self, rng: random.Random) -> tuple[str, int]:
+        kind = self.only or self.mix.kind(rng)
+        call = self.mix.draw(0, 0.0, kind, rng)
+        return call.prompt(rng), call.max_tokens
+
+    def mean_answer_tokens(self) -> float:
+        if self.only == "chat":
+            return CHAT_ANSWER_TOKENS.mean()
+        if self.only == "long":
+            return LONG_ANSWER_TOKENS.mean()
+        return self.mix.mean_answer_tokens()
+
 
 def mix_trace(
     mix: Mix, seed: int, *, rate: float, duration: float, burst: int = 0, burst_at: float = 0.0
@@ -120,8 +146,11 @@ class Outcome:
         self.served[kind] = self.served.get(kind, 0) + 1
 
 
-def capacity(params: EngineParams, mix: Mix, *, seconds: float = 600.0, seed: int = 0) -> tuple[float, float]:
-    """Calls/s and answer tokens/s with every slot busy on mix calls (closed loop, virtual time)."""
+def capacity(
+    params: EngineParams, mix: Mix, *, seconds: float = 600.0, seed: int = 0, only: Kind | None = None
+) -> tuple[float, float]:
+    """Calls/s and answer tokens/s with every slot busy on mix calls (closed loop, virtual time);
+    ``only``: on chat calls only, or long-prompt calls only."""
     now = [0.0]
     engine = SimEngine(params, clock=lambda: now[0])
     rng = random.Random(seed)
@@ -130,7 +159,7 @@ def capacity(params: EngineParams, mix: Mix, *, seconds: float = 600.0, seed: in
 
     def add() -> None:
         nonlocal n
-        call = mix.draw(n, now[0], mix.kind(rng), rng)
+        call = mix.draw(n, now[0], only or mix.kind(rng), rng)
         engine.add(str(n), max_tokens=call.max_tokens, prompt_tokens=call.prompt_tokens)
         n += 1
 
