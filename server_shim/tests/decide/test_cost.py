@@ -44,6 +44,17 @@ def test_completion_prompts_count_text_token_ids_and_batches() -> None:
     assert estimate_prompt_tokens({}) == 0
 
 
+def test_anthropic_responses_and_embedding_bodies_count_their_text_too() -> None:
+    anthropic = {"system": "s" * 8, "messages": [{"role": "user", "content": "u" * 8}], "max_tokens": 10}
+    assert request_cost(anthropic, 512) == RequestCost(2 + 2 + MESSAGE_OVERHEAD, 10)
+    responses = {"instructions": "i" * 4, "input": "q" * 40, "max_output_tokens": 7}
+    assert request_cost(responses, 512) == RequestCost(1 + 10, 7)
+    items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "t" * 12}]}]}
+    assert estimate_prompt_tokens(items) == 3 + MESSAGE_OVERHEAD
+    assert estimate_prompt_tokens({"input": ["abcd", "abcdefgh"]}) == 3
+    assert estimate_prompt_tokens({"input": [3, 4, 5, 6]}) == 4
+
+
 def test_the_cost_is_prompt_plus_the_answers_limit_or_the_default() -> None:
     chat = {"messages": [{"role": "user", "content": "q" * 400}]}
     assert request_cost(chat, 512) == RequestCost(100 + MESSAGE_OVERHEAD, 512)

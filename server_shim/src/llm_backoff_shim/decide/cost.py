@@ -13,9 +13,13 @@ UTF-8 bytes of the text divided by :data:`BYTES_PER_TOKEN` (4), rounded up, plus
 BPE tokenizers of today's models average 3.5 to 4.5 bytes per token on English text and
 fewer on code, digits and most other languages (more tokens than estimated). Token-id
 prompts count exactly. Text is read from a chat message's ``content`` (a string, or the
-``text`` of its parts) and a completion's ``prompt`` (a string, token ids, or a list of
-either); images, audio and tool definitions are not counted. A body this cannot read
-(the engine will refuse it) costs what it asked for in output alone.
+``text`` of its parts), a completion's ``prompt`` and an embedding's or a Responses call's
+``input`` (a string, token ids, or a list of either, or of messages), and the Anthropic
+``system`` and Responses ``instructions``; images, audio and tool definitions are not
+counted. A body this cannot read (the engine will refuse it) costs what it asked for in
+output alone. The answer's limit is ``max_completion_tokens``, ``max_tokens`` or
+``max_output_tokens`` (Responses), whichever comes first; a body without one (an
+embedding's too) counts the default.
 
 Pure: no I/O, no clock. The shim's intake computes it once per request from the body it
 already parsed; calibrate and the benchmarks import it to price their own mixes.
@@ -87,17 +91,34 @@ def _content_tokens(content: object) -> int:
     return 0
 
 
+def _messages_tokens(messages: list[object]) -> int:
+    """Chat messages (or Responses input items): their text, and the template's overhead each."""
+    total = 0
+    for message in messages:
+        if isinstance(message, Mapping):
+            total += _content_tokens(message.get("content")) + MESSAGE_OVERHEAD
+        elif isinstance(message, str):
+            total += text_tokens(message)
+        elif isinstance(message, list) and _is_token_ids(message):
+            total += len(message)
+    return total
+
+
 def estimate_prompt_tokens(body: Mapping[str, object]) -> int:
-    """Estimated prompt tokens of a chat (``messages``) or completion (``prompt``) body (module
-    docstring); 0 for a body with neither."""
+    """Estimated prompt tokens of a generation body: chat or Anthropic ``messages`` (and
+    ``system``), a completion's ``prompt``, an embedding's or Responses call's ``input`` (and
+    ``instructions``), module docstring; 0 for a body with none of them."""
+    total = _content_tokens(body.get("system")) + _content_tokens(body.get("instructions"))
     messages = body.get("messages")
     if isinstance(messages, list):
-        total = 0
-        for message in messages:
-            if isinstance(message, Mapping):
-                total += _content_tokens(message.get("content")) + MESSAGE_OVERHEAD
-        return total
-    return _prompt_tokens(body.get("prompt"))
+        total += _messages_tokens(messages)
+    total += _prompt_tokens(body.get("prompt"))
+    given = body.get("input")
+    if isinstance(given, list) and not _is_token_ids(given):
+        total += _messages_tokens(given)
+    else:
+        total += _prompt_tokens(given)
+    return total
 
 
 def requested_max_tokens(body: Mapping[str, object]) -> int | None:
@@ -113,8 +134,13 @@ def requested_max_tokens(body: Mapping[str, object]) -> int | None:
 
 def request_cost(body: Mapping[str, object], default_max_tokens: int) -> RequestCost:
     """The cost of a generation request's body: estimated prompt tokens, and its
-    ``max_completion_tokens``/``max_tokens`` or else ``default_max_tokens`` (module docstring)."""
+    ``max_completion_tokens``/``max_tokens``/``max_output_tokens`` or else
+    ``default_max_tokens`` (module docstring)."""
     if default_max_tokens < 0 or not math.isfinite(default_max_tokens):
         raise ValueError("default_max_tokens must be >= 0")
     most = requested_max_tokens(body)
+    if most is None:
+        value = body.get("max_output_tokens")
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            most = value
     return RequestCost(estimate_prompt_tokens(body), default_max_tokens if most is None else most)
