@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from llm_backoff_shim.lab.workload import WORDS
+
 PROMPT_LENGTHS = (50, 500, 1500, 2500)
 BATCHES = (1, 2, 4, 8)
 
@@ -51,8 +53,9 @@ class Stream:
 
 
 class Engine:
-    def __init__(self, url: str, model: str, vocab: int, seed: int) -> None:
+    def __init__(self, url: str, model: str, vocab: int, seed: int, *, chat: bool = False) -> None:
         self.client = httpx.AsyncClient(base_url=url, timeout=300)
+        self.chat = chat
         self.model = model
         self.vocab = vocab
         self.rng = random.Random(seed)
@@ -61,24 +64,27 @@ class Engine:
         # Ids above the special ones, random: no two prompts share a prefix.
         return [self.rng.randrange(10, self.vocab) for _ in range(tokens)]
 
+    def body(self, prompt_tokens: int, max_tokens: int) -> tuple[str, dict[str, object]]:
+        """The path and body of a streamed request; ``chat``: the load generator's own kind (a chat
+        message of words, ~1.35 tokens each with this model's tokenizer)."""
+        common = {"model": self.model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        if self.chat:
+            words = max(1, round(prompt_tokens / 1.35))
+            text = " ".join(self.rng.choice(WORDS) for _ in range(words))
+            return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
+        return "/v1/completions", {**common, "prompt": self.prompt(prompt_tokens), "temperature": 0}
+
     async def complete(self, prompt_tokens: int, max_tokens: int) -> Stream:
-        body = {
-            "model": self.model,
-            "prompt": self.prompt(prompt_tokens),
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "temperature": 0,
-        }
+        path, body = self.body(prompt_tokens, max_tokens)
         stream = Stream(time.perf_counter())
-        async with self.client.stream("POST", "/v1/completions", json=body) as response:
+        async with self.client.stream("POST", path, json=body) as response:
             response.raise_for_status()
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
                 choices = data.get("choices") or []
-                if choices and choices[0].get("text") is not None:
+                if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
                     stream.arrivals.append(time.perf_counter())
         return stream
 
@@ -113,15 +119,8 @@ async def chat_gaps_during_long(engine: Engine, tokens: int = 2500, chats: int =
     async def chat() -> None:
         body_stream = Stream(time.perf_counter())
         recorded.append(body_stream)
-        body = {
-            "model": engine.model,
-            "prompt": engine.prompt(20),
-            "max_tokens": 400,
-            "ignore_eos": True,
-            "stream": True,
-            "temperature": 0,
-        }
-        async with engine.client.stream("POST", "/v1/completions", json=body) as response:
+        path, body = engine.body(20, 400)
+        async with engine.client.stream("POST", path, json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     body_stream.arrivals.append(time.perf_counter())
@@ -144,7 +143,7 @@ async def chat_gaps_during_long(engine: Engine, tokens: int = 2500, chats: int =
 
 
 async def probe(args: argparse.Namespace) -> dict[str, object]:
-    engine = Engine(args.url, args.model, args.vocab, args.seed)
+    engine = Engine(args.url, args.model, args.vocab, args.seed, chat=args.chat)
     out: dict[str, object] = {"url": args.url}
     try:
         await engine.complete(20, 4)  # warm-up
@@ -206,6 +205,11 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model name (default: the first /v1/models lists)")
     parser.add_argument("--vocab", type=int, default=3000, help="token ids are drawn below this")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat completions with text prompts (the benchmarks' kind) instead of token-id completions",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
