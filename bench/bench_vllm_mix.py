@@ -42,8 +42,8 @@ import os
 import random
 import shlex
 import statistics
-import textwrap
 import sys
+import textwrap
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -296,8 +296,8 @@ def _s(value: float) -> str:
 def markdown(rows: Sequence[Row], oracle_row: dict[str, object]) -> str:
     lines = [
         "| arm | useful tokens | of the oracle's | chat within 5 s TTFT | chat TTFT p99, served | "
-        "chat never served | burst: chat within budget | burst: chat TTFT p99, served | long-prompt calls served | answer "
-        "tokens wasted | prompt tokens wasted | engine busy |",
+        "chat never served | burst: chat within budget | burst: chat TTFT p99, served | long-prompt calls "
+        "served | answer tokens wasted | prompt tokens wasted | engine busy |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
