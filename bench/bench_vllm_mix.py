@@ -379,12 +379,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--engine-url", help="a running vLLM (--max-num-seqs 8 --max-model-len 4096) instead of starting one")
     add("--out", type=Path, default=Path("docs/img"))
+    add(
+        "--replay", type=Path, help="a run's JSON: the oracle again on its trace with --engine-flags, no vLLM"
+    )
     add("--name", default="real-vllm-mix")
     return p
 
 
+def oracle_row_of(trace: Sequence[MixCall], params: EngineParams, budgets: Budgets) -> dict[str, object]:
+    best = oracle(trace, params, budgets)
+    return {
+        "useful_tokens": best.useful_tokens,
+        "chat_served": best.served.get("chat", 0),
+        "chat_offered": best.offered.get("chat", 0),
+        "long_served": best.served.get("long", 0),
+        "long_offered": best.offered.get("long", 0),
+        "chat_ttft_p99": p99(best.chat_ttfts),
+        "chat_never": best.offered.get("chat", 0) - len(best.chat_ttfts),
+        "generated": best.generated,
+    }
+
+
+def replay(path: Path, engine_flags: str) -> int:
+    """The oracle again on a run's trace (its JSON), on another engine model; no vLLM."""
+    data = json.loads(path.read_text())
+    t = data["trace"]
+    mix = Mix(tokens_per_word=float(t["tokens_per_word"]))
+    trace = mix_trace(mix, int(t["seed"]), rate=float(t["rate"]), duration=float(t["duration"]),
+                      burst=int(t["burst"]), burst_at=float(t["duration"]) / 3)  # fmt: skip
+    params = engine_params(engine_flags)
+    row = oracle_row_of(trace, params, Budgets())
+    calls, tokens = capacity(params, mix)
+    print(
+        f"engine model [{engine_flags}]: capacity on the mix {calls:.2f} calls/s, "
+        f"{tokens:.0f} answer tokens/s"
+    )
+    print(f"oracle: {json.dumps(row)}")
+    for r in data["rows"]:
+        print(
+            f"  {r['label']}: {r['useful_tokens']} useful tokens, "
+            f"{r['useful_tokens'] / int(row['useful_tokens']):.2f} of it"
+        )  # type: ignore[call-overload]
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replay is not None:
+        return replay(args.replay, args.engine_flags)
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         print(f"bench_vllm_mix: unknown arms {', '.join(sorted(unknown))}", file=sys.stderr)
@@ -456,17 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             trace = mix_trace(
                 mix, args.seed, rate=rate, duration=duration, burst=burst, burst_at=duration / 3
             )
-            best = oracle(trace, params, budgets)
-            oracle_row: dict[str, object] = {
-                "useful_tokens": best.useful_tokens,
-                "chat_served": best.served.get("chat", 0),
-                "chat_offered": best.offered.get("chat", 0),
-                "long_served": best.served.get("long", 0),
-                "long_offered": best.offered.get("long", 0),
-                "chat_ttft_p99": p99(best.chat_ttfts),
-                "chat_never": best.offered.get("chat", 0) - len(best.chat_ttfts),
-                "generated": best.generated,
-            }
+            oracle_row = oracle_row_of(trace, params, budgets)
             longs = sum(c.kind == "long" for c in trace)
             print(
                 f"vLLM at {url}; tokenizer {mix.tokens_per_word:.2f} tokens per word; engine model "
@@ -474,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"answer tokens/s)\ntrace: {len(trace)} calls ({longs} long-prompt, {burst} of them in a "
                 f"burst at "
                 f"{duration / 3:.0f} s) at {rate:.2f}/s for {duration:.0f} s, seed {args.seed}\noracle: "
-                f"{best.useful_tokens} useful tokens, chat "
+                f"{oracle_row['useful_tokens']} useful tokens, chat "
                 f"{oracle_row['chat_served']}/{oracle_row['chat_offered']}, "
                 f"long {oracle_row['long_served']}/{oracle_row['long_offered']}",
                 flush=True,
@@ -492,7 +524,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for arm in arms:
                 row, result = run_arm(
-                    arm, scen, trace, args.seed, url, model, flags, calls_per_s, best.useful_tokens, budgets
+                    arm,
+                    scen,
+                    trace,
+                    args.seed,
+                    url,
+                    model,
+                    flags,
+                    calls_per_s,
+                    int(oracle_row["useful_tokens"]),
+                    budgets,  # type: ignore[call-overload]
                 )
                 rows.append(row)
                 results.append(result)
@@ -522,6 +563,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "rows": [dataclasses.asdict(r) for r in rows],
                 "oracle": oracle_row,
                 "capacity": measured,
+                "trace": {
+                    "seed": args.seed,
+                    "tokens_per_word": mix.tokens_per_word,
+                    "rate": rate,
+                    "duration": duration,
+                    "burst": burst,
+                    "engine_flags": args.engine_flags,
+                },
             },
             indent=1,
             default=str,
