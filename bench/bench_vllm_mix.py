@@ -135,6 +135,8 @@ def engine_params(flags: str) -> EngineParams:
         itl_batch_factor=config.itl_batch_factor,
         prefill_time_per_token=config.prefill_time_per_token,
         prefill_attention_time=config.prefill_attention_time,
+        admit_time=config.admit_time,
+        decode_attention_time=config.decode_attention_time,
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_tokens=config.kv_cache_tokens,
     )

@@ -14,6 +14,10 @@ Against any OpenAI-compatible engine that takes token-id prompts on ``/v1/comple
    tokens while it prefills, against their median gap (how the prefill shares the steps:
    ``--max-num-batched-tokens``, the chunk size).
 
+``--context-sweep`` instead: the gap between tokens with 8 sequences decoding after prompts of
+20-3000 tokens (attention reads every sequence's whole context at each step:
+``--decode-attention-time``).
+
 Each figure is the median of ``--repeats`` tries. Prompts are distinct token ids so no
 prefix cache can serve them.
 """
@@ -35,6 +39,7 @@ from llm_backoff_shim.lab.workload import WORDS
 
 PROMPT_LENGTHS = (50, 500, 1500, 2500)
 BATCHES = (1, 2, 4, 8)
+CONTEXTS = (20, 1000, 2000, 3000)
 
 
 @dataclass
@@ -106,8 +111,8 @@ async def ttft_beside_chats(engine: Engine, tokens: int, chats: int = 4) -> floa
     return probe.ttft
 
 
-async def decode_gap(engine: Engine, batch: int, tokens: int = 48) -> float:
-    streams = await asyncio.gather(*(engine.complete(20, tokens) for _ in range(batch)))
+async def decode_gap(engine: Engine, batch: int, tokens: int = 48, context: int = 20) -> float:
+    streams = await asyncio.gather(*(engine.complete(context, tokens) for _ in range(batch)))
     gaps = [g for s in streams for g in s.gaps()[4:]]  # past the first tokens, every stream decoding
     return statistics.median(gaps)
 
@@ -142,9 +147,29 @@ async def chat_gaps_during_long(engine: Engine, tokens: int = 2500, chats: int =
     }
 
 
+async def context_sweep(engine: Engine, repeats: int) -> dict[str, float]:
+    """The gap between tokens with 8 sequences decoding, each after a prompt of N tokens."""
+    gaps: dict[str, float] = {}
+    for context in CONTEXTS:
+        gaps[str(context)] = statistics.median(
+            [await decode_gap(engine, 8, 64, context) for _ in range(repeats)]
+        )
+        print(
+            f"  8 decoding after {context:4}-token prompts: {gaps[str(context)] * 1000:.1f} ms between tokens"
+        )
+    return gaps
+
+
 async def probe(args: argparse.Namespace) -> dict[str, object]:
     engine = Engine(args.url, args.model, args.vocab, args.seed, chat=args.chat)
     out: dict[str, object] = {"url": args.url}
+    if args.context_sweep:
+        try:
+            await engine.complete(20, 4)
+            out["decode_gap_8_by_context"] = await context_sweep(engine, args.repeats)
+        finally:
+            await engine.close()
+        return out
     try:
         await engine.complete(20, 4)  # warm-up
         alone: dict[int, float] = {}
@@ -211,11 +236,20 @@ def main() -> int:
         help="chat completions with text prompts (the benchmarks' kind) instead of token-id completions",
     )
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--context-sweep",
+        action="store_true",
+        help="instead: the gap between tokens of 8 sequences decoding after prompts of 20-3000 tokens",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     if args.model is None:
         args.model = httpx.get(args.url + "/v1/models").json()["data"][0]["id"]
     result = asyncio.run(probe(args))
+    if args.context_sweep:
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     result["fit"] = fit(result)
     print("fit: " + ", ".join(f"{k} {v:.6g}" for k, v in result["fit"].items()))  # type: ignore[attr-defined]
     if args.out is not None:

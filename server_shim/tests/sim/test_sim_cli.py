@@ -30,6 +30,8 @@ FLAGS = [
     "--output-tokens-max",
     "--prefill-time-per-token",
     "--prefill-attention-time",
+    "--admit-time",
+    "--decode-attention-time",
     "--max-num-batched-tokens",
     "--kv-cache-tokens",
     "--error-rate",

@@ -83,6 +83,8 @@ class SimRuntime:
                 tick_slack=TICK_SLACK,
                 prefill_time_per_token=config.prefill_time_per_token,
                 prefill_attention_time=config.prefill_attention_time,
+                admit_time=config.admit_time,
+                decode_attention_time=config.decode_attention_time,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 kv_cache_tokens=config.kv_cache_tokens,
             ),

@@ -221,6 +221,20 @@ def build_parser() -> argparse.ArgumentParser:
         "prefill grows with the square of the prompt, as on a real engine)",
     )
     p.add_argument(
+        "--admit-time",
+        type=float,
+        default=defaults.admit_time,
+        help="engine step seconds each request costs once, with its first prefill chunk: the server's "
+        "own work per request where it shares the engine's CPU (vLLM's CPU build); 0 for a GPU engine",
+    )
+    p.add_argument(
+        "--decode-attention-time",
+        type=float,
+        default=defaults.decode_attention_time,
+        help="decode step seconds per 1000 tokens in the decoding sequences' KV cache (attention reads "
+        "every context at each step: long contexts decode slower)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=defaults.max_num_batched_tokens,
@@ -294,6 +308,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_tokens_max=args.output_tokens_max,
         prefill_time_per_token=args.prefill_time_per_token,
         prefill_attention_time=args.prefill_attention_time,
+        admit_time=args.admit_time,
+        decode_attention_time=args.decode_attention_time,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         error_rate=args.error_rate,
