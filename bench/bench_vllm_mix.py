@@ -70,10 +70,13 @@ SLOTS = 8
 MAX_MODEL_LEN = 4096
 BURST_WINDOW = 10.0
 
-#: The simulator's flags fitted to this vLLM by bench/real_vllm/probe.py (docs/real-vllm.md).
+#: The simulator's flags fitted to this vLLM (docs/real-vllm.md): bench/real_vllm/probe.py's
+#: prefill and decode figures, then --admit-time and --decode-attention-time to this benchmark's
+#: own closed-loop capacities (chat, long prompts, the mix).
 FITTED_ENGINE_FLAGS = (
     "--max-num-seqs 8 --ttft 0.018 --itl 0.0056 --itl-batch-factor 0.01 --prefill-time-per-token 0.000025 "
-    "--prefill-attention-time 0.000085 --max-num-batched-tokens 2048 --kv-cache-tokens 131072"
+    "--prefill-attention-time 0.000085 --admit-time 0.06 --decode-attention-time 0.0004 "
+    "--max-num-batched-tokens 2048 --kv-cache-tokens 131072"
 )
 #: calibrate's recommendation on the chat-only benchmark (docs/benchmarks.md, today's run).
 COUNT_FLAGS = (
