@@ -131,7 +131,7 @@ class EngineShape:
             "--itl",
             repr(self.itl),
             "--itl-batch-factor",
-            repr(self.itl_batch_factor),
+            f"{self.itl_batch_factor:g}",
             "--output-tokens",
             str(self.output_tokens),
             "--output-tokens-sigma",
