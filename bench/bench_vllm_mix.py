@@ -75,7 +75,7 @@ BURST_WINDOW = 10.0
 #: own closed-loop capacities (chat, long prompts, the mix).
 FITTED_ENGINE_FLAGS = (
     "--max-num-seqs 8 --ttft 0.018 --itl 0.0056 --itl-batch-factor 0.01 --prefill-time-per-token 0.000025 "
-    "--prefill-attention-time 0.000085 --admit-time 0.06 --decode-attention-time 0.0004 "
+    "--prefill-attention-time 0.000085 --admit-time 0.06 --decode-attention-time 0.0005 "
     "--max-num-batched-tokens 2048 --kv-cache-tokens 131072"
 )
 #: calibrate's recommendation on the chat-only benchmark (docs/benchmarks.md, today's run).
