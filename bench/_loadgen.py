@@ -3,6 +3,7 @@
     python bench/_loadgen.py sse  --target 127.0.0.1:8080 --streams 64 --chunks 400 --rate 200 \
                                   --warmup 1 --window 5
     python bench/_loadgen.py http --target 127.0.0.1:8080 --conns 16 --warmup 1 --window 5
+    python bench/_loadgen.py sse  --target 127.0.0.1:8000 --streams 128 --max-tokens 200   # an engine
 
 ``sse``: every connection asks for a stream of ``--chunks`` SSE events at ``--rate``
 events/s, counts the events as they arrive, checks each stream is complete
@@ -33,11 +34,17 @@ import uvloop
 _PATH = b"/v1/chat/completions"
 
 
-def build_request(host: str, *, stream: bool, chunks: int = 0, rate: float = 0.0) -> bytes:
-    body = json.dumps(
-        {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": stream},
-        separators=(",", ":"),
-    ).encode()
+def build_request(
+    host: str, *, stream: bool, chunks: int = 0, rate: float = 0.0, max_tokens: int | None = None
+) -> bytes:
+    fields: dict[str, object] = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+    }
+    if max_tokens is not None:  # an engine (the simulator): the answer's length, exactly
+        fields.update(max_tokens=max_tokens, ignore_eos=True)
+    body = json.dumps(fields, separators=(",", ":")).encode()
     lines = [
         b"POST " + _PATH + b" HTTP/1.1",
         b"host: " + host.encode(),
@@ -167,7 +174,10 @@ def _percentile(sorted_values: list[int], q: float) -> float:
 async def run(args: argparse.Namespace) -> dict[str, object]:
     host, _, port_text = args.target.partition(":")
     port = int(port_text)
-    if args.mode == "sse":
+    if args.mode == "sse" and args.max_tokens is not None:
+        request = build_request(args.target, stream=True, max_tokens=args.max_tokens)
+        conns, expected = args.streams, 0
+    elif args.mode == "sse":
         request = build_request(args.target, stream=True, chunks=args.chunks, rate=args.rate)
         conns, expected = args.streams, args.chunks + 1
     else:
@@ -182,6 +192,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     await asyncio.sleep(args.warmup)
     tally.counting = True
     started = time.perf_counter()
+    cpu_started = time.process_time()
     print(json.dumps({"mark": "start"}), flush=True)
     await asyncio.sleep(args.window)
     tally.counting = False
@@ -189,6 +200,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     result: dict[str, object] = {
         "mark": "end",
         "elapsed": elapsed,
+        "cpu_s": time.process_time() - cpu_started,
         "completed": tally.completed,
         "errors": tally.errors,
         "error_kinds": tally.error_kinds,
@@ -212,6 +224,12 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=400)
     parser.add_argument("--rate", type=float, default=200.0, help="events per second per stream")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="sse against an engine: ask for this many tokens (ignore_eos) instead of x-bench-chunks",
+    )
     parser.add_argument("--conns", type=int, default=1)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--window", type=float, default=5.0)

@@ -73,6 +73,11 @@ def build_tokenizer(out: Path, vocab: int) -> int:
     return int(tok.get_vocab_size())
 
 
+#: Positions the model takes (its context, vLLM's largest ``--max-model-len``): room for the
+#: benchmark's long prompts of 1.5-3k tokens and their answers.
+CONTEXT = 4096
+
+
 def build_model(out: Path, vocab: int, seed: int) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,7 +90,7 @@ def build_model(out: Path, vocab: int, seed: int) -> None:
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=2048,
+        max_position_embeddings=CONTEXT,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=3,
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = build_tokenizer(out, args.vocab)
     build_model(out, vocab, args.seed)
     (out / "llm_backoff_model.json").write_text(
-        json.dumps({"vocab": vocab, "seed": args.seed, "hidden": 256, "layers": 4}) + "\n"
+        json.dumps({"vocab": vocab, "seed": args.seed, "hidden": 256, "layers": 4, "context": CONTEXT}) + "\n"
     )
     print(f"model in {out}: vocabulary {vocab}, hidden 256, 4 layers, random weights", file=sys.stderr)
     return 0

@@ -61,7 +61,9 @@ if ! "$PY" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&
     : >"$DIST/RECORD"
 fi
 
-if [ ! -f "$MODEL_DIR/config.json" ] || [ ! -f "$MODEL_DIR/tokenizer.json" ]; then
+# A model built before the context was 4096 (build_model.py CONTEXT) is rebuilt: same seed, same weights.
+if [ ! -f "$MODEL_DIR/config.json" ] || [ ! -f "$MODEL_DIR/tokenizer.json" ] \
+    || ! grep -q '"context": 4096' "$MODEL_DIR/llm_backoff_model.json" 2>/dev/null; then
     step "building the model in $MODEL_DIR"
     "$PY" "$HERE/build_model.py" "$MODEL_DIR"
 fi

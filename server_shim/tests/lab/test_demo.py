@@ -150,6 +150,8 @@ def test_bad_flags_exit_2_without_starting_anything(
     not_a_folder.write_text("x")
     assert demo.main(["--out", str(not_a_folder)]) == 2
     assert "is not a folder" in capsys.readouterr().err
+    assert demo.main(["--profile", "gpu-small", "--fixed-lengths", "--out", str(tmp_path)]) == 2
+    assert "do not go together" in capsys.readouterr().err
 
 
 def _children_of(pid: int) -> list[int]:

@@ -19,7 +19,14 @@ from llm_backoff_shim.lab.load_records import CallRecord, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.loadgen_engine import EngineProbe, metric_sum
 from llm_backoff_shim.lab.report import comparison, table
-from llm_backoff_shim.lab.scenario import DIRECT_PLAIN, SHIM_PLAIN, EngineShape, Scenario, arrivals
+from llm_backoff_shim.lab.scenario import (
+    DIRECT_PLAIN,
+    SHIM_PLAIN,
+    EngineShape,
+    Scenario,
+    arrivals,
+    profile_demo_scenario,
+)
 from llm_backoff_shim.lab.workload import WORDS, LengthDist, Workload, prompt_text
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
@@ -133,6 +140,28 @@ def test_capacity_follows_the_workloads_mean_answer() -> None:
     assert shape.capacity_for(fixed) == pytest.approx(8 / 1.2)
     assert shape.token_capacity_for(fixed) == pytest.approx(8 / 1.2 * 101)
     assert shape.capacity_for(None) == shape.capacity
+
+
+def test_a_gpu_profile_shape_is_timed_with_every_slot_busy() -> None:
+    shape = EngineShape.from_profile("gpu-small")
+    assert shape.slots == 128
+    assert shape.full_itl == pytest.approx(0.015 * (1 + 0.019 * 127))
+    fixed = Workload(prompt_words=LengthDist.fixed(10), output_tokens=LengthDist.fixed(101))
+    assert shape.service_time_for(fixed) == pytest.approx(0.03 + 17 * 0.0001 + 100 * shape.full_itl)
+    flags = shape.sim_flags()
+    assert flags[:2] == ["--profile", "gpu-small"]
+    assert flags[flags.index("--itl-batch-factor") + 1] == "0.019"
+    # The default shape's batch does not slow tokens: its timing holds at any load.
+    assert EngineShape().full_itl == EngineShape().itl
+
+
+def test_the_profile_demo_load_is_sized_to_the_engine() -> None:
+    shape = EngineShape.from_profile("gpu-large")
+    scenario = profile_demo_scenario(shape, quick=True)
+    assert scenario.burst == 3 * 256 + 16
+    assert scenario.deadline >= 3 * shape.service_time_for(scenario.workload)
+    assert scenario.deadline_of("batch") == pytest.approx(1.5 * scenario.deadline)
+    assert scenario.ttft_budget == 2.0
 
 
 # -- useful tokens and failures ------------------------------------------------------------

@@ -12,9 +12,11 @@ import openai
 import pytest
 
 from llm_backoff_shim.lab import procs
-from llm_backoff_shim.sim.server import main
+from llm_backoff_shim.sim.profiles import PROFILES
+from llm_backoff_shim.sim.server import config_from_args, main, parse_args
 
 FLAGS = [
+    "--profile",
     "--host",
     "--port",
     "--model",
@@ -27,6 +29,9 @@ FLAGS = [
     "--output-tokens-sigma",
     "--output-tokens-max",
     "--prefill-time-per-token",
+    "--prefill-attention-time",
+    "--admit-time",
+    "--decode-attention-time",
     "--max-num-batched-tokens",
     "--kv-cache-tokens",
     "--error-rate",
@@ -78,6 +83,37 @@ def test_unparsable_values_are_argparse_errors(capsys: pytest.CaptureFixture[str
         main(["--ttft", "fast"])
     assert info.value.code == 2
     assert "--ttft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_a_profile_sets_the_engine_and_a_given_flag_wins(name: str) -> None:
+    profile = PROFILES[name]
+    config = config_from_args(parse_args(["--profile", name]))
+    for key, value in profile.defaults.items():
+        assert getattr(config, key) == value
+    tuned = config_from_args(parse_args(["--max-num-seqs", "64", "--profile", name]))
+    assert tuned.max_num_seqs == 64
+    assert tuned.itl == profile.defaults["itl"]
+    assert config_from_args(parse_args([])).max_num_seqs == 8
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_a_profile_is_a_gpu_box(name: str) -> None:
+    """The issue's GPU box: 128-256 sequences and a few thousand tokens/s with all of them running."""
+    profile = PROFILES[name]
+    seqs = profile.defaults["max_num_seqs"]
+    assert isinstance(seqs, int)
+    assert 128 <= seqs <= 256
+    assert 2000 <= profile.decode_tokens_per_s(seqs) <= 8000
+    assert profile.decode_tokens_per_s(seqs) > 10 * profile.decode_tokens_per_s(1)
+    assert profile.defaults["kv_cache_tokens"] is not None
+
+
+def test_an_unknown_profile_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--profile", "tpu"])
+    assert info.value.code == 2
+    assert "--profile" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -288,6 +288,64 @@ def test_time_to_first_token_grows_with_the_prompt() -> None:
     assert firsts[1000] == pytest.approx(1.0 + 0.2)
 
 
+def test_attention_makes_prefill_grow_with_the_square_of_the_prompt() -> None:
+    """``prefill_attention_time``: P * per_token + attention * P**2 / 2000 in all, chunked or not."""
+    firsts = {}
+    for prompt, chunk in ((1000, 4096), (2000, 4096), (2000, 500)):
+        clock = ManualClock(0.0)
+        engine = make(
+            clock,
+            ttft=0.0,
+            prefill_time_per_token=0.0001,
+            prefill_attention_time=0.0001,
+            max_num_batched_tokens=chunk,
+        )
+        seq = engine.add("a", max_tokens=1, prompt_tokens=prompt)
+        run_until_idle(engine, clock)
+        assert seq.first_token_at is not None
+        firsts[prompt, chunk] = seq.first_token_at
+    # 1000 tokens: 0.1 s linear, and each token attends to the ones before it.
+    assert firsts[1000, 4096] == pytest.approx(0.1 + 0.0001 * 1000 * 999 / 2 / 1000)
+    assert firsts[2000, 4096] == pytest.approx(0.2 + 0.0001 * 2000 * 1999 / 2 / 1000)
+    assert firsts[2000, 4096] > 2 * firsts[1000, 4096]
+    # Chunks of 500: each attends to the context prefilled before it; the sum is the same.
+    assert firsts[2000, 500] == pytest.approx(firsts[2000, 4096])
+
+
+def test_admit_time_is_step_time_once_per_request_and_slows_its_neighbours() -> None:
+    clock = ManualClock(0.0)
+    engine = make(clock, max_num_seqs=2, ttft=0.0, itl=0.1, prefill_time_per_token=0.0, admit_time=0.05)
+    decoder = engine.add("decoder", max_tokens=10, prompt_tokens=10)
+    engine.step()
+    engine.step()
+    clock.now = 0.05  # its prefill step carried the admit time
+    engine.step()
+    assert decoder.first_token_at == pytest.approx(0.05)
+    newcomer = engine.add("new", max_tokens=2, prompt_tokens=10)
+    run_until_idle(engine, clock)
+    assert newcomer.first_token_at is not None
+    # The step under way (0.05-0.15), then its prefill step: one decode token plus the admit time.
+    assert newcomer.first_token_at == pytest.approx(0.15 + 0.1 + 0.05)
+    assert decoder.finished_at is not None
+    assert decoder.finished_at == pytest.approx(0.05 + 9 * 0.1 + 0.05)
+
+
+def test_decode_slows_with_the_context_the_batch_holds() -> None:
+    """``decode_attention_time``: each decode step reads every decoding sequence's KV cache."""
+    gaps = {}
+    for prompt in (0, 2000):
+        clock = ManualClock(0.0)
+        engine = make(clock, ttft=0.0, itl=0.01, prefill_time_per_token=0.0, decode_attention_time=0.002)
+        seq = engine.add("a", max_tokens=3, prompt_tokens=prompt)
+        run_until_idle(engine, clock)
+        assert seq.first_token_at is not None
+        assert seq.finished_at is not None
+        gaps[prompt] = (seq.finished_at - seq.first_token_at) / 2
+    assert gaps[0] == pytest.approx(0.01 + 0.002 * 1.5 / 1000)
+    # 2000 prompt tokens plus the 1-2 generated: 0.002 s per 1000 of them on top of itl.
+    assert gaps[2000] == pytest.approx(0.01 + 0.002 * 2001.5 / 1000)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_that_slow_the_decode_steps_it_shares() -> None:
     clock = ManualClock(0.0)
     engine = make(

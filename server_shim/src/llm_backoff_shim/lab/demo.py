@@ -57,8 +57,10 @@ from llm_backoff_shim.lab.scenario import (
     Setup,
     arrivals,
     demo_scenario,
+    profile_demo_scenario,
     varied_demo_scenario,
 )
+from llm_backoff_shim.sim.profiles import PROFILES
 
 PNG_NAME = "overload-demo.png"
 JSON_NAME = "overload-demo.json"
@@ -159,6 +161,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every call the same short prompt and 20-token answer on a 1.2 s engine (the load of "
         "earlier versions of the demo)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="the simulator as a GPU box (llm-backoff-shim sim --profile): its sequences and pace, "
+        "and a load sized to them (a burst of 3 x sequences + 16, then 2x capacity)",
     )
     p.add_argument(
         "--duration",
@@ -272,7 +281,13 @@ def main(argv: list[str]) -> int:
     if not os.access(args.out, os.W_OK):
         print(f"llm-backoff-shim demo: --out {args.out} is not writable", file=sys.stderr)
         return 2
-    if args.fixed_lengths:
+    if args.fixed_lengths and args.profile:
+        print("llm-backoff-shim demo: --fixed-lengths and --profile do not go together", file=sys.stderr)
+        return 2
+    if args.profile:
+        shape = EngineShape.from_profile(args.profile)
+        scenario = profile_demo_scenario(shape, quick=args.quick, duration=args.duration)
+    elif args.fixed_lengths:
         shape = EngineShape()
         scenario = demo_scenario(quick=args.quick, duration=args.duration)
     else:

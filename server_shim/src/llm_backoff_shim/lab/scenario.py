@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from llm_backoff_shim.lab.workload import Workload
+from llm_backoff_shim.sim.profiles import PROFILES
 
 RequestClass = Literal["interactive", "batch"]
 #: ``llm_backoff_presets``: ``wrap(client, request_class=cls)`` with no policy, so each class
@@ -44,7 +45,10 @@ class EngineShape:
 
     ``output_tokens`` is the length of an answer when the request sets no ``max_tokens``
     (fixed: the simulator runs with ``--output-tokens-sigma 0``); ``prefill_time_per_token``
-    the simulator's prefill cost (``--prefill-time-per-token``).
+    the simulator's prefill cost (``--prefill-time-per-token``). ``itl_batch_factor``: the
+    batch slows tokens down (``--itl-batch-factor``), and the service times below are those
+    with every slot busy. ``profile``: the simulator runs ``--profile NAME`` (its KV cache
+    and step size), the fields above given explicitly (:meth:`from_profile` reads them).
     """
 
     slots: int = 8
@@ -52,6 +56,27 @@ class EngineShape:
     itl: float = 0.05
     output_tokens: int = 20
     prefill_time_per_token: float = 0.0002
+    itl_batch_factor: float = 0.0
+    profile: str | None = None
+
+    @classmethod
+    def from_profile(cls, name: str, *, output_tokens: int = 64) -> EngineShape:
+        """The engine of ``llm-backoff-shim sim --profile NAME`` (``sim.profiles``)."""
+        d = PROFILES[name].defaults
+        return cls(
+            slots=int(d["max_num_seqs"]),  # type: ignore[call-overload]
+            ttft=float(d["ttft"]),  # type: ignore[arg-type]
+            itl=float(d["itl"]),  # type: ignore[arg-type]
+            output_tokens=output_tokens,
+            prefill_time_per_token=float(d["prefill_time_per_token"]),  # type: ignore[arg-type]
+            itl_batch_factor=float(d["itl_batch_factor"]),  # type: ignore[arg-type]
+            profile=name,
+        )
+
+    @property
+    def full_itl(self) -> float:
+        """Seconds between two tokens of a sequence with every slot busy."""
+        return self.itl * (1.0 + self.itl_batch_factor * (self.slots - 1))
 
     def __post_init__(self) -> None:
         if self.slots < 1 or self.output_tokens < 1:
@@ -63,9 +88,10 @@ class EngineShape:
     def service_time(self) -> float:
         """Seconds one request holds a slot: first token at ``ttft``, then one per ``itl``.
 
-        The batch does not slow tokens down (``itl_batch_factor`` 0), so this holds at any load.
+        With ``itl_batch_factor`` 0 (the default) the batch does not slow tokens down and this
+        holds at any load; otherwise it is the time with every slot busy (:attr:`full_itl`).
         """
-        return self.ttft + (self.output_tokens - 1) * self.itl
+        return self.ttft + (self.output_tokens - 1) * self.full_itl
 
     @property
     def capacity(self) -> float:
@@ -82,7 +108,7 @@ class EngineShape:
         return (
             self.ttft
             + prompt_tokens * self.prefill_time_per_token
-            + (workload.output_tokens.mean() - 1) * self.itl
+            + (workload.output_tokens.mean() - 1) * self.full_itl
         )
 
     def capacity_for(self, workload: Workload | None) -> float:
@@ -95,7 +121,9 @@ class EngineShape:
         return self.capacity_for(workload) * mean
 
     def sim_flags(self) -> list[str]:
+        profile = [] if self.profile is None else ["--profile", self.profile]
         return [
+            *profile,
             "--max-num-seqs",
             str(self.slots),
             "--ttft",
@@ -103,7 +131,7 @@ class EngineShape:
             "--itl",
             repr(self.itl),
             "--itl-batch-factor",
-            "0",
+            f"{self.itl_batch_factor:g}",
             "--output-tokens",
             str(self.output_tokens),
             "--output-tokens-sigma",
@@ -299,5 +327,28 @@ def varied_demo_scenario(*, quick: bool, duration: float | None = None) -> Scena
         deadline=8.0,
         ttft_budget=2.0,
         batch_deadline=12.0,
+        workload=workload,
+    )
+
+
+def profile_demo_scenario(shape: EngineShape, *, quick: bool, duration: float | None = None) -> Scenario:
+    """The demo's load on a GPU-like engine (``demo --profile``): the default one's shape, sized
+    to ``shape``'s slots and pace.
+
+    The burst is again larger than the shim's slots plus queue (3 x slots + 16); interactive
+    callers want a first token within 2 s and the answer within 3 times the mean request's
+    time at full batch (at least 8 s); batch callers have 1.5 times that. Arrivals at 2x
+    capacity for 8 s (3 s quick).
+    """
+    workload = Workload()
+    deadline = max(8.0, math.ceil(3 * shape.service_time_for(workload)))
+    return Scenario(
+        f"demo-{shape.profile or 'engine'}" + ("-quick" if quick else ""),
+        burst=3 * shape.slots + 16,
+        rate_factor=2.0,
+        duration=duration or (3.0 if quick else 8.0),
+        deadline=deadline,
+        ttft_budget=2.0,
+        batch_deadline=1.5 * deadline,
         workload=workload,
     )

@@ -24,8 +24,10 @@ class SimConfig(BaseModel):
       ``max_completion_tokens``/``max_tokens``, when smaller, cuts it short (finish_reason
       ``length``); with ``ignore_eos`` it is the exact length. Draws come from their own
       ``random.Random(seed)``, apart from the fault draws.
-    - Prefill costs ``prefill_time_per_token`` of engine step time per prompt token, in
-      chunks of ``max_num_batched_tokens`` shared with the decode tokens (``sim_engine``).
+    - Prefill costs ``prefill_time_per_token`` of engine step time per prompt token, plus
+      ``prefill_attention_time`` per token per 1000 tokens of context before it, in
+      chunks of ``max_num_batched_tokens`` shared with the decode tokens, and ``admit_time``
+      once per request with its first chunk (``sim_engine``).
     - ``kv_cache_tokens`` bounds the prompt + generated tokens of the running requests;
       when full, the youngest is preempted and recomputed later, as vLLM does. A request
       whose prompt + ``max_tokens`` exceeds it gets vLLM's 400 (context length).
@@ -62,6 +64,24 @@ class SimConfig(BaseModel):
     prefill_time_per_token: float = Field(
         default=0.0002, ge=0, le=10, description="engine step seconds per prompt token"
     )
+    prefill_attention_time: float = Field(
+        default=0.0,
+        ge=0,
+        le=10,
+        description="engine step seconds per prompt token per 1000 tokens of context before it",
+    )
+    admit_time: float = Field(
+        default=0.0,
+        ge=0,
+        le=60,
+        description="engine step seconds each request costs once, with its first prefill chunk",
+    )
+    decode_attention_time: float = Field(
+        default=0.0,
+        ge=0,
+        le=10,
+        description="decode step seconds per 1000 tokens in the decoding sequences' KV cache",
+    )
     max_num_batched_tokens: int = Field(
         default=2048, ge=1, le=10_000_000, description="tokens per engine step (decode + prefill chunk)"
     )
@@ -84,6 +104,9 @@ class SimConfig(BaseModel):
         "slow_first_byte_delay",
         "output_tokens_sigma",
         "prefill_time_per_token",
+        "prefill_attention_time",
+        "admit_time",
+        "decode_attention_time",
     )
     @classmethod
     def _finite(cls, value: float) -> float:

@@ -9,9 +9,18 @@ set). The running ones advance together in *engine steps*, as vLLM's scheduler d
 - A step carries one decode token for every sequence past its prefill, then prompt
   tokens of sequences still in prefill (chunked prefill, oldest first) up to
   ``max_num_batched_tokens`` tokens in all. It lasts
-  ``itl * (1 + itl_batch_factor * (decoding - 1))`` (0 without a decode) plus
-  ``prefill_time_per_token`` per prompt token in it: a long prompt arriving slows the
-  decode steps it shares, as it does on a real engine.
+  ``itl * (1 + itl_batch_factor * (decoding - 1))`` (0 without a decode), plus
+  ``decode_attention_time`` per 1000 tokens in the decoding sequences' KV cache (attention
+  reads every sequence's whole context at each step), plus
+  ``prefill_time_per_token`` per prompt token in it, plus ``prefill_attention_time`` per
+  prompt token for each 1000 tokens of its sequence's context before it (attention: a
+  prompt of ``P`` tokens costs ``P * prefill_time_per_token + prefill_attention_time *
+  P**2 / 2000`` in all, so prefill grows faster than the prompt, as measured on vLLM): a
+  long prompt arriving slows the decode steps it shares, as it does on a real engine. The
+  step that carries a request's first prefill chunk also lasts ``admit_time`` longer: the
+  server's own work per request (parsing, chat template, tokenizer and detokenizer set-up)
+  where it shares the engine's CPU, as vLLM's CPU build does (0 models a GPU engine, whose
+  server runs beside it).
 - A sequence emits its first token ``ttft`` after its prompt is prefilled: ``ttft`` is
   the fixed part of time to first token (scheduling, sampling, detokenising, the HTTP
   path) that holds the slot without costing the batch step time. Alone, with a prompt of
@@ -91,6 +100,9 @@ class EngineParams:
     max_num_queued_reqs: int | None = None
     tick_slack: float = 0.0
     prefill_time_per_token: float = 0.0
+    prefill_attention_time: float = 0.0
+    admit_time: float = 0.0
+    decode_attention_time: float = 0.0
     max_num_batched_tokens: int = 2048
     kv_cache_tokens: int | None = None
 
@@ -103,7 +115,16 @@ class EngineParams:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token each)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 2:
             raise ValueError("kv_cache_tokens must be >= 2 or None")
-        for name in ("ttft", "itl", "itl_batch_factor", "tick_slack", "prefill_time_per_token"):
+        for name in (
+            "ttft",
+            "itl",
+            "itl_batch_factor",
+            "tick_slack",
+            "prefill_time_per_token",
+            "prefill_attention_time",
+            "admit_time",
+            "decode_attention_time",
+        ):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -138,6 +159,8 @@ class Sequence:
     next step starts from."""
     preemptions: int = 0
     order: int = 0
+    admit_paid: bool = False
+    """Whether a step has carried its ``admit_time`` (once per request, with its first prefill chunk)."""
 
     @property
     def done(self) -> bool:
@@ -318,6 +341,7 @@ class SimEngine:
                 seq.available_at = step.end
                 touched.append(seq)
             for seq, tokens in step.prefill:
+                seq.admit_paid = True
                 seq.prefilled += tokens
                 seq.kv_tokens += tokens
                 self.stats.prefill_tokens += tokens
@@ -423,12 +447,19 @@ class SimEngine:
         if not decode and not prefill:
             return
         params = self.params
-        duration = params.prefill_time_per_token * sum(n for _, n in prefill)
+        duration = sum(self.prefill_cost(seq.prefilled, n) for seq, n in prefill)
+        duration += params.admit_time * sum(not seq.admit_paid for seq, _ in prefill)
         if decode:
             duration += params.itl * (1.0 + params.itl_batch_factor * (len(decode) - 1))
+            duration += params.decode_attention_time * sum(seq.kv_tokens for seq in decode) / 1000
         ready = min(seq.available_at for seq in (*decode, *(s for s, _ in prefill)))
         start = min(now, max(self._free_at, ready))
         self._step = _Step(start, start + duration, decode, prefill)
+
+    def prefill_cost(self, context: int, tokens: int) -> float:
+        """Step seconds to prefill ``tokens`` prompt tokens after ``context`` already in the cache."""
+        attention = self.params.prefill_attention_time * tokens * (context + (tokens - 1) / 2) / 1000
+        return self.params.prefill_time_per_token * tokens + attention
 
     def _preempt_youngest(self) -> Sequence:
         victim = max(self._running.values(), key=lambda seq: seq.order)

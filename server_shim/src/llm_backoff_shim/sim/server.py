@@ -1,6 +1,7 @@
 """``llm-backoff-shim sim``: a vLLM-like OpenAI-compatible server for tests, the demo and benchmarks.
 
     llm-backoff-shim sim --port 8000 --max-num-seqs 8 --ttft 0.2 --itl 0.025 --output-tokens 40
+    llm-backoff-shim sim --port 8000 --profile gpu-small      # a GPU box (``sim.profiles``)
 
 The work follows each request as on vLLM: prefill time grows with the prompt (estimated
 at 1.3 tokens per word), the answer is ``max_tokens`` long with ``ignore_eos`` and
@@ -30,7 +31,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import uvicorn
 from pydantic import ValidationError
@@ -43,6 +44,7 @@ from .anthropic_api import MessagesEndpoint
 from .config import SimConfig
 from .endpoints import GenerationEndpoint
 from .metrics import CONTENT_TYPE
+from .profiles import PROFILES
 from .runtime import SimRuntime
 
 __all__ = ["SimConfig", "create_sim_app", "main"]
@@ -143,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         "fault injection). No GPU, no model: answers are filler tokens on a realistic schedule.",
         formatter_class=_DefaultsOnceFormatter,
     )
+    p.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="engine defaults of a GPU box (flags given here win): "
+        + "; ".join(f"{name}: {PROFILES[name].summary}" for name in sorted(PROFILES))
+        + " (default: none, the flags' own defaults)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--model", default=defaults.model, help="model name listed by /v1/models")
@@ -204,6 +214,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine step seconds per prompt token prefilled (slows the decode steps it shares)",
     )
     p.add_argument(
+        "--prefill-attention-time",
+        type=float,
+        default=defaults.prefill_attention_time,
+        help="engine step seconds per prompt token per 1000 tokens of context before it (attention: "
+        "prefill grows with the square of the prompt, as on a real engine)",
+    )
+    p.add_argument(
+        "--admit-time",
+        type=float,
+        default=defaults.admit_time,
+        help="engine step seconds each request costs once, with its first prefill chunk: the server's "
+        "own work per request where it shares the engine's CPU (vLLM's CPU build); 0 for a GPU engine",
+    )
+    p.add_argument(
+        "--decode-attention-time",
+        type=float,
+        default=defaults.decode_attention_time,
+        help="decode step seconds per 1000 tokens in the decoding sequences' KV cache (attention reads "
+        "every context at each step: long contexts decode slower)",
+    )
+    p.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=defaults.max_num_batched_tokens,
@@ -254,6 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse the command line; a ``--profile``'s values become the defaults the other flags override."""
+    parser = build_parser()
+    known, _ = parser.parse_known_args(argv)
+    if known.profile is not None:
+        parser.set_defaults(**PROFILES[known.profile].defaults)
+    return parser.parse_args(argv)
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """Build the validated config; raises ``pydantic.ValidationError``."""
     return SimConfig(
@@ -267,6 +307,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         output_tokens_sigma=args.output_tokens_sigma,
         output_tokens_max=args.output_tokens_max,
         prefill_time_per_token=args.prefill_time_per_token,
+        prefill_attention_time=args.prefill_attention_time,
+        admit_time=args.admit_time,
+        decode_attention_time=args.decode_attention_time,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         error_rate=args.error_rate,
@@ -289,8 +332,7 @@ def format_validation_error(exc: ValidationError) -> str:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``llm-backoff-shim sim``; returns the process exit code (2 on bad flags)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     try:
         config = config_from_args(args)
     except ValidationError as exc:
