@@ -46,11 +46,13 @@ import os
 import random
 import statistics
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _procs import cpu_seconds
 from bench_vllm import scenario as vllm_scenario
@@ -58,6 +60,7 @@ from fleet_measures import (
     conservation,
     oracle_jobs,
     refused_with_room,
+    requeued_after_wait,
     split_trace,
     spread,
     visits,
@@ -206,6 +209,14 @@ class Cell:
     load_average: float
     elapsed: float
     errors: dict[str, int] = field(default_factory=dict)
+    #: Replicas whose work the cell counts: the fleet's, or the thirds one replica ran in turn.
+    replicas: int = 1
+    #: Load-balancer attempts a replica queued, then refused, that went on to another replica;
+    #: of those, how many were served there; p50 / max of their time in the fleet.
+    requeued: int = 0
+    requeued_served: int = 0
+    requeued_span_p50: float | None = None
+    requeued_span_max: float | None = None
 
     @property
     def within_budget(self) -> int:
@@ -223,7 +234,7 @@ class Cell:
             notes.append(f"load generator at {loadgen[1]:.2f} cores (p90)")
         machine = self.cpu.get("machine")
         if machine and machine[1] > MACHINE_LIMIT:
-            notes.append(f"machine at {machine[1]:.2f} cores (p90)")
+            notes.append(f"machine at {machine[1]:.2f} cores (p90): the parts waited for a CPU")
         return notes
 
 
@@ -235,17 +246,20 @@ def single_replica(
         yield shim.url, [sim.url], [shim.url], [sim, shim]
 
 
-def run_cell(
-    target: str,
-    arm: Arm,
-    scen: Scenario,
-    calls: Sequence[Arrival],
-    shape: EngineShape,
-    flags: Sequence[str],
-    seed: int,
-) -> tuple[RunResult, Cell]:
+@dataclass
+class Driven:
+    """One load run on fresh servers: the records, the shims' access logs, the CPU of the parts."""
+
+    result: RunResult
+    logs: list[str]
+    cpu: dict[str, tuple[float, float]]
+    load: float
+
+
+def drive(
+    target: str, arm: Arm, scen: Scenario, calls: Sequence[Arrival], shape: EngineShape, flags: Sequence[str]
+) -> Driven:
     replicas = 1 if target == "single" else REPLICAS
-    scen = dataclasses.replace(scen, start_deadline=arm.start_deadline)
     capacity = replicas * shape.capacity_for(scen.workload)
     token_capacity = replicas * shape.token_capacity_for(scen.workload)
     with contextlib.ExitStack() as stack:
@@ -288,13 +302,75 @@ def run_cell(
             result = run_load(run)
         line.done()
         texts = [read() for read in logs]
+    return Driven(result, texts, watch.summary(), load)
+
+
+def side_by_side(runs: Sequence[Driven]) -> RunResult:
+    """Runs of separate replicas on parts of one trace, as one result: their calls together, their
+    engines' counts summed (no samples: the parts ran one after another)."""
+    first = runs[0].result
+    engines = [r.result.engine_stats for r in runs]
+    stats: dict[str, Any] = {
+        key: sum(int(e.get(key, 0)) for e in engines) for key in ("tokens_generated", "aborted_tokens")
+    }
+    stats["engines"] = engines
+    return RunResult(
+        first.setup,
+        first.scenario,
+        sum(r.result.capacity for r in runs),
+        [c for r in runs for c in r.result.calls],
+        [],
+        stats,
+        max(r.result.elapsed for r in runs),
+        sum(r.result.token_capacity or 0.0 for r in runs),
+    )
+
+
+def run_cell(
+    target: str,
+    arm: Arm,
+    scen: Scenario,
+    traces: Sequence[Sequence[Arrival]],
+    shape: EngineShape,
+    flags: Sequence[str],
+    seed: int,
+) -> tuple[RunResult, Cell]:
+    """``traces``: the fleet's trace; for one replica, each part of it it runs alone, in turn."""
+    replicas = 1 if target == "single" else REPLICAS
+    scen = dataclasses.replace(scen, start_deadline=arm.start_deadline)
+    runs = [drive(target, arm, scen, calls, shape, flags) for calls in traces]
+    result = runs[0].result if len(runs) == 1 else side_by_side(runs)
     figs = figures(result)
-    seen = [v for i, text in enumerate(texts) for v in visits(i, json_records(text))]
-    room = refused_with_room(seen, replicas, shape.slots) if seen else None
-    hints = sorted(v.retry_after for v in seen if v.outcome == "rejected" and v.retry_after is not None)
+    refused = with_room = 0
+    tries: dict[int, int] = {}
+    hints: list[float] = []
+    again = requeued_after_wait([])
+    for run in runs:
+        seen = [v for i, text in enumerate(run.logs) for v in visits(i, json_records(text))]
+        room = refused_with_room(seen, replicas, shape.slots)
+        refused, with_room = refused + room.refused, with_room + room.with_room
+        for k, n in room.tries.items():
+            tries[k] = tries.get(k, 0) + n
+        hints += [v.retry_after for v in seen if v.outcome == "rejected" and v.retry_after is not None]
+        more = requeued_after_wait(seen)
+        again = dataclasses.replace(
+            again,
+            count=again.count + more.count,
+            served=again.served + more.served,
+            spans=sorted(again.spans + more.spans),
+        )
+    hints.sort()
     stats = result.engine_stats
     per_engine = [int(e.get("tokens_generated", 0)) for e in stats.get("engines", [stats])]
-    oracle = schedule(oracle_jobs(calls, shape, scen), replicas * shape.slots)
+    oracle = sum(
+        schedule(oracle_jobs(calls, shape, scen), replicas * shape.slots).useful_tokens for calls in traces
+    )
+    idle = [idle_slot_share(r.result, replicas * shape.slots) for r in runs]
+    cpu = {
+        part: (max(r.cpu[part][0] for r in runs), max(r.cpu[part][1] for r in runs))
+        for part in runs[0].cpu
+        if all(part in r.cpu for r in runs)
+    }
     cell = Cell(
         target=target,
         arm=arm.name,
@@ -306,7 +382,7 @@ def run_cell(
         batch_ok=figs.batch_ok,
         useful_tokens=figs.useful_tokens,
         ceiling=figs.useful_ceiling or 0.0,
-        oracle_useful=oracle.useful_tokens,
+        oracle_useful=oracle,
         rejections=figs.rejections,
         refusal_p50=figs.rejection_p50,
         refusal_p99=figs.rejection_p99,
@@ -316,16 +392,21 @@ def run_cell(
         attempts_per_success=figs.attempts_per_success,
         tokens_generated=figs.tokens_generated,
         wasted_share=figs.wasted_fraction,
-        idle_share=idle_slot_share(result, replicas * shape.slots),
+        idle_share=None if None in idle else statistics.fmean(i for i in idle if i is not None),
         engine_tokens=per_engine,
-        refused_calls=None if room is None else room.refused,
-        refused_with_room=None if room is None else room.with_room,
-        tries={} if room is None else room.tries,
+        refused_calls=refused,
+        refused_with_room=with_room,
+        tries=dict(sorted(tries.items())),
         hints_p50=hints[len(hints) // 2] if hints else None,
-        cpu=watch.summary(),
-        load_average=load,
+        cpu=cpu,
+        load_average=min(r.load for r in runs),
         elapsed=result.elapsed,
         errors=figs.errors,
+        replicas=replicas if target != "single" else len(traces),
+        requeued=again.count,
+        requeued_served=again.served,
+        requeued_span_p50=again.spans[len(again.spans) // 2] if again.spans else None,
+        requeued_span_max=again.spans[-1] if again.spans else None,
     )
     print("  " + cell_line(cell), flush=True)
     return result, cell
@@ -357,6 +438,11 @@ def cell_line(c: Cell) -> str:
         else f", {c.refused_with_room}/{c.refused_calls} refused with a replica free"
     )
     flags = f"  ** {'; '.join(c.flagged)}" if c.flagged else ""
+    if c.requeued:
+        room += (
+            f", {c.requeued} sent on after a queue wait ({c.requeued_served} then served; in the fleet "
+            f"p50 {_s(c.requeued_span_p50)}, max {_s(c.requeued_span_max)})"
+        )
     return (
         f"useful {c.useful_tokens} tokens ({_pct(c.useful_fraction)} of the ceiling, oracle "
         f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}), interactive "
@@ -384,11 +470,12 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
             c = find(cells, target, arm)
             if c is None:
                 continue
-            conserved = (
-                None
-                if single is None or target == "single"
-                else conservation(c.useful_tokens, single.useful_tokens, REPLICAS)
-            )
+            conserved = oracle_conserved = None
+            if single is not None and target != "single":
+                conserved = conservation(c.useful_tokens, single.useful_tokens / single.replicas, REPLICAS)
+                oracle_conserved = conservation(
+                    c.oracle_useful, single.oracle_useful / single.replicas, REPLICAS
+                )
             plain = find(cells, target, "plain")
             vs_plain = (
                 None
@@ -401,7 +488,7 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
                     TARGET_LABELS[target],
                     ARMS[arm].setup.label,
                     f"{c.useful_tokens / 1000:.1f}k ({_pct(c.useful_fraction)})",
-                    "-" if conserved is None else f"{conserved:.3f}",
+                    "-" if conserved is None else f"{conserved:.3f} (oracle {_ratio(oracle_conserved)})",
                     "-" if vs_plain is None else f"{vs_plain:.2f}",
                     f"{c.interactive_within_budget}/{c.interactive_calls}",
                     f"{c.batch_ok}/{c.batch_calls}",
@@ -410,6 +497,7 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
                     _pct(c.wasted_share),
                     _pct(c.idle_share),
                     room,
+                    f"{c.requeued} ({c.requeued_served})",
                     f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}",
                     f"{_p90(c, 'load generator'):.2f} / {_p90(c, 'machine'):.2f}",
                 ]
@@ -430,6 +518,7 @@ HEADER = [
     "engine tokens wasted",
     "slot-time idle, caller waiting",
     "refused with a replica free",
+    "sent on after a queue wait (then served)",
     "EDF oracle (of ceiling)",
     "cores p90: loadgen / machine",
 ]
@@ -463,10 +552,10 @@ def save_plot(
     fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
     colours = {"single": "tab:grey", "nginx": "tab:green", "haproxy": "tab:blue"}
     panels = (
-        ("useful tokens per replica", lambda c: c.useful_tokens / (1 if c.target == "single" else REPLICAS)),
+        ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
         (
             "calls within budget per replica",
-            lambda c: c.within_budget / (1 if c.target == "single" else REPLICAS),
+            lambda c: c.within_budget / c.replicas,
         ),
         ("refusal p99 (s)", lambda c: c.refusal_p99 or 0.0),
         ("engine tokens wasted", lambda c: c.wasted_share),
@@ -517,7 +606,7 @@ def save_plot(
     cpu.set_title(f"cores used, p90 of 1 s samples ({ARMS[arms[-1]].setup.label})", fontsize=10)
     cpu.axhline(2.0, color="black", linewidth=0.5)
     cpu.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 190), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -551,6 +640,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)",
     )
     add("--targets", default=",".join(TARGETS), help="comma-separated, of %(default)s")
+    add(
+        "--single-parts",
+        type=int,
+        default=REPLICAS,
+        choices=range(1, REPLICAS + 1),
+        help="one replica alone runs this many of the trace's thirds, in turn, and they count "
+        "together as 'one replica' x that many (default %(default)s: the whole trace, the same calls "
+        "as the fleet; 1: a random third, a third of the time)",
+    )
     add("--out", type=Path, default=Path("docs/img"), help="folder for the PNG, JSON and Markdown")
     return p
 
@@ -573,12 +671,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = shim_flags(shape, base)
     per_replica = shape.capacity_for(base.workload)
     fleet_calls = arrivals(base, REPLICAS * per_replica, random.Random(args.seed))
-    single_calls = split_trace(fleet_calls, REPLICAS, random.Random(args.seed + 1))[0]
+    thirds = split_trace(fleet_calls, REPLICAS, random.Random(args.seed + 1))[: args.single_parts]
+    single_calls = [c for part in thirds for c in part]
     print(
         f"engine: simulator, {SLOTS} slots, ttft {shape.ttft:g} s, itl {shape.itl:g} s "
         f"({shape.token_capacity_for(base.workload):.0f} answer tokens/s, {per_replica:.2f} calls/s each)\n"
         f"fleet load: {base.describe(REPLICAS * per_replica)}\n"
-        f"{len(fleet_calls)} calls to the fleet, {len(single_calls)} to one replica (a random third); "
+        f"{len(fleet_calls)} calls to the fleet; one replica alone runs {len(thirds)} random third(s) "
+        f"of them in turn ({', '.join(str(len(t)) for t in thirds)} calls); "
         f"shim flags: {' '.join(flags)}",
         flush=True,
     )
@@ -590,8 +690,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for arm_name in arms:
                 arm = ARMS[arm_name]
                 for target in targets:
-                    calls = single_calls if target == "single" else fleet_calls
-                    result, cell = run_cell(target, arm, base, calls, shape, flags, args.seed)
+                    traces = thirds if target == "single" else [fleet_calls]
+                    result, cell = run_cell(target, arm, base, traces, shape, flags, args.seed)
                     cells.append(cell)
                     if target != "single" and arm_name == arms[-1]:
                         timeline.append((TARGET_LABELS[target], result))
@@ -610,7 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + head + "\n" + text_table(rows))
     flagged = [f"{TARGET_LABELS[c.target]} / {c.arm}: {'; '.join(c.flagged)}" for c in cells if c.flagged]
     if flagged:
-        print("\nflagged (latencies include the load generator's own lag):\n  " + "\n  ".join(flagged))
+        print("\nflagged (latencies include time spent waiting for a CPU):\n  " + "\n  ".join(flagged))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"fleet{'-quick' if args.quick else ''}-seed{args.seed}"
     png = save_plot(cells, timeline, args.out / f"{stem}.png", head)

@@ -201,6 +201,41 @@ def refused_with_room(
     return RefusalsWithRoom(refused, with_room, dict(sorted(tries.items())))
 
 
+#: A refusal answered later than this came after a wait in the shim's queue, not at arrival.
+QUEUED_REFUSAL = 0.5
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """Load-balancer attempts sent on to another replica after a replica had queued them and
+    then refused them (a wait of more than :data:`QUEUED_REFUSAL` s): how many, how many of
+    those were then served, and each one's time in the fleet (first arrival to last answer)."""
+
+    count: int
+    served: int
+    spans: list[float]
+
+
+def requeued_after_wait(all_visits: Sequence[Visit]) -> Requeued:
+    """Among the request ids visiting several replicas, those whose visit before the last was a
+    refusal after a queue wait (the load balancer tried again after the shim's wait ran out)."""
+    by_id: dict[str, list[Visit]] = {}
+    for v in all_visits:
+        if v.request_id:
+            by_id.setdefault(v.request_id, []).append(v)
+    count = served = 0
+    spans = []
+    for group in by_id.values():
+        group.sort(key=lambda v: v.arrival)
+        waited = [v for v in group[:-1] if v.outcome == "rejected" and v.end - v.arrival > QUEUED_REFUSAL]
+        if not waited:
+            continue
+        count += 1
+        served += group[-1].outcome != "rejected"
+        spans.append(group[-1].end - group[0].arrival)
+    return Requeued(count, served, sorted(spans))
+
+
 def spread(values: Sequence[float]) -> float | None:
     """Largest over smallest of ``values`` (1.0 when even); None without a positive smallest."""
     if not values or min(values) <= 0:
@@ -212,11 +247,13 @@ __all__ = [
     "ADMITTED",
     "Occupancy",
     "RefusalsWithRoom",
+    "Requeued",
     "Visit",
     "conservation",
     "oracle_jobs",
     "prompt_tokens",
     "refused_with_room",
+    "requeued_after_wait",
     "split_trace",
     "spread",
     "visits",

@@ -18,6 +18,7 @@ from fleet_measures import (
     oracle_jobs,
     prompt_tokens,
     refused_with_room,
+    requeued_after_wait,
     split_trace,
     spread,
     visits,
@@ -145,3 +146,13 @@ def test_spread_is_largest_over_smallest() -> None:
     assert spread([5, 5]) == 1.0
     assert spread([]) is None
     assert spread([0, 3]) is None
+
+
+def test_an_attempt_sent_on_after_a_queue_wait_is_counted_with_its_time_in_the_fleet() -> None:
+    waited = Visit(0, 1.0, 6.0, None, "rejected", "queue_timeout", 1.0, "a-1")  # queued 5 s, refused
+    served = busy(1, 6.01, 8.0, "a-1")
+    fast = [refusal(0, 2.0, "b-1"), busy(1, 2.01, 3.0, "b-1")]  # refused at once, served next door
+    alone = [Visit(2, 1.0, 6.0, None, "rejected", "queue_timeout", 1.0, "c-1")]  # not sent on
+    found = requeued_after_wait([waited, served, *fast, *alone])
+    assert (found.count, found.served) == (1, 1)
+    assert found.spans == [pytest.approx(7.0)]
