@@ -1,8 +1,8 @@
 """Work conserved across replicas: three simulated engines, a shim each, behind nginx and HAProxy.
 
-    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py            # ~4 min
+    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py            # ~7 min
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # another trace
-    .venv/bin/python bench/bench_fleet.py --quick                                      # ~2 min
+    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --quick    # ~3 min
 
 One seeded trace of the real-engine benchmark's mix (``bench_vllm.scenario``: Poisson arrivals
 at ``--rate-factor`` x the fleet's capacity, answers lognormal with median 64 tokens and
@@ -10,7 +10,9 @@ at ``--rate-factor`` x the fleet's capacity, answers lognormal with median 64 to
 per call), measured side by side in one run, each arm on fresh servers:
 
 - **one replica**: one simulator and its shim, no load balancer, facing a random third of the
-  fleet's calls (``fleet_measures.split_trace``): the per-replica load;
+  fleet's calls (``fleet_measures.split_trace``): the per-replica load. It runs each of the
+  three thirds in turn, on fresh servers, and the three count together, so the reference is
+  the very calls the fleet gets (``--single-parts 1``: one third, and x3);
 - **nginx** / **HAProxy**: ``--replicas`` simulators, a shim each, and the load balancer
   running the shipped configuration (``server_shim/deploy/``, through
   :class:`llm_backoff_shim.lab.fleet.Fleet`; HAProxy's shims refuse with 503), facing the
