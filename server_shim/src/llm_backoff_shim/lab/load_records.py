@@ -122,6 +122,9 @@ class Sample:
     engine_waiting: int | None
     proxy_queued: int | None
     proxy_in_flight: int | None
+    #: In a fleet, each replica's (engine running, engine waiting, shim queued, shim in flight),
+    #: in replica order (None where unread); the fields above are their sums. Empty otherwise.
+    replicas: tuple[tuple[int | None, int | None, int | None, int | None], ...] = ()
 
 
 @dataclass

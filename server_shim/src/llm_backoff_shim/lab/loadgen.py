@@ -33,7 +33,7 @@ import openai
 from llm_backoff_shim.lab.attempt_capture import CountingTransport, bind_call, describe_error, http_library
 from llm_backoff_shim.lab.callers import build_clients
 from llm_backoff_shim.lab.load_records import CallRecord, Progress, RunResult, Sample
-from llm_backoff_shim.lab.loadgen_engine import EngineProbe
+from llm_backoff_shim.lab.loadgen_engine import EngineProbe, FleetProbe
 from llm_backoff_shim.lab.scenario import Arrival, RequestClass, Scenario, Setup
 
 SAMPLE_EVERY = 0.2
@@ -47,6 +47,11 @@ class LoadRun:
     sampled for its queue (``/sim/stats``, else ``/metrics``) and its token counters are
     read around the run. ``model`` is what every call asks for. ``token_capacity``
     (answer tokens/s at full load) is passed through to the result.
+
+    A fleet (several engines, each with a shim, behind one load balancer at ``target_url``):
+    ``engine_urls`` and ``shim_urls`` name them all, in replica order (``engine_url`` and
+    ``shim_url`` are then ignored). Samples and token counts are summed over the replicas,
+    and each sample keeps every replica's own figures (:attr:`Sample.replicas`).
     """
 
     def __init__(
@@ -63,6 +68,8 @@ class LoadRun:
         progress: Callable[[Progress], None] | None = None,
         start_deadline: bool = True,
         token_capacity: float | None = None,
+        engine_urls: Sequence[str] = (),
+        shim_urls: Sequence[str] = (),
     ) -> None:
         self.setup = setup
         self.token_capacity = token_capacity
@@ -71,6 +78,10 @@ class LoadRun:
         self.target_url = target_url
         self.engine_url = engine_url
         self.shim_url = shim_url
+        self.engine_urls = list(engine_urls)
+        self.shim_urls = list(shim_urls) if shim_urls else ([shim_url] if shim_url is not None else [])
+        if self.engine_urls:
+            self.engine_url = self.engine_urls[0]
         self.capacity = capacity
         self.model = model
         self._progress = progress
@@ -90,7 +101,11 @@ class LoadRun:
         limits = http.Limits(max_connections=None, max_keepalive_connections=64)
         transport = CountingTransport(http.AsyncHTTPTransport(limits=limits), self.clock, http.ByteStream)
         async with http.AsyncClient(timeout=5.0) as client, http.AsyncClient(transport=transport) as shared:
-            probe = EngineProbe(client, self.engine_url)
+            probe: EngineProbe | FleetProbe = (
+                FleetProbe(client, self.engine_urls)
+                if self.engine_urls
+                else EngineProbe(client, self.engine_url)
+            )
             await self._warm_up(shared)
             await probe.reset()
             clients = build_clients(
@@ -207,20 +222,28 @@ class LoadRun:
             async for _ in stream:
                 pass
 
-    async def _sample(self, probe: EngineProbe) -> None:
+    async def _sample(self, probe: EngineProbe | FleetProbe) -> None:
+        sample_shims = bool(self.shim_urls) and self.setup.route == "shim"
         while True:
             started = self.clock()
             running, waiting = await probe.occupancy()
+            shims: list[tuple[int | None, int | None]] = []
+            if sample_shims:
+                states = await asyncio.gather(
+                    *(probe.get_json(url + "/shim/state") for url in self.shim_urls)
+                )
+                shims = [_shim_load(state) for state in states]
             queued = in_flight = None
-            if self.shim_url is not None and self.setup.route == "shim":
-                state = await probe.get_json(self.shim_url + "/shim/state")
-                if state is not None:
-                    classes = state.get("classes", {}).values()
-                    queued = sum(int(c.get("queued", 0)) for c in classes)
-                    in_flight = sum(int(c.get("in_flight", 0)) for c in classes)
+            if shims and all(q is not None for q, _f in shims):
+                queued = sum(q or 0 for q, _f in shims)
+                in_flight = sum(f or 0 for _q, f in shims)
+            replicas: tuple[tuple[int | None, int | None, int | None, int | None], ...] = ()
+            if isinstance(probe, FleetProbe):
+                shim_of = shims or [(None, None)] * len(probe.last)
+                replicas = tuple((r, w, q, f) for (r, w), (q, f) in zip(probe.last, shim_of, strict=False))
             # Stamped when the answers are in: under a burst the poll itself can wait
             # a while for the event loop, and the state it reports is the later one.
-            self.samples.append(Sample(self.clock(), running, waiting, queued, in_flight))
+            self.samples.append(Sample(self.clock(), running, waiting, queued, in_flight, replicas))
             await asyncio.sleep(max(0.0, SAMPLE_EVERY - (self.clock() - started)))
 
     async def _report(self) -> None:
@@ -244,6 +267,14 @@ class LoadRun:
             engine_waiting=None if last is None else last.engine_waiting,
             proxy_queued=None if last is None else last.proxy_queued,
         )
+
+
+def _shim_load(state: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    """(queued, in flight) over every class of a shim's ``/shim/state``; None, None if unread."""
+    if state is None:
+        return None, None
+    classes = state.get("classes", {}).values()
+    return sum(int(c.get("queued", 0)) for c in classes), sum(int(c.get("in_flight", 0)) for c in classes)
 
 
 async def _within(call: Coroutine[Any, Any, None], seconds: float) -> None:

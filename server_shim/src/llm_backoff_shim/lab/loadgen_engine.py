@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 RUNNING = "vllm:num_requests_running"
@@ -128,3 +129,49 @@ class EngineProbe:
             "aborted_tokens": max(0, generated - delivered),
             "preemptions": preempted,
         }
+
+
+#: Numeric fields of the simulator's ``/sim/stats`` that add up across engines.
+_SUMMED = ("tokens_generated", "aborted_tokens", "preemptions", "running", "waiting")
+
+
+class FleetProbe:
+    """Several engines behind one address (a fleet), read as one: occupancy and token counts
+    summed over :class:`EngineProbe` s; :attr:`last` keeps each engine's (running, waiting)
+    of the latest :meth:`occupancy`, in the order of ``engine_urls``."""
+
+    def __init__(self, client: Any, engine_urls: Sequence[str]) -> None:
+        if not engine_urls:
+            raise ValueError("a fleet probe needs at least one engine")
+        self.probes = [EngineProbe(client, url) for url in engine_urls]
+        self.last: list[tuple[int | None, int | None]] = []
+
+    async def get_json(self, url: str) -> dict[str, Any] | None:
+        return await self.probes[0].get_json(url)
+
+    async def reset(self) -> None:
+        await asyncio.gather(*(p.reset() for p in self.probes))
+
+    async def occupancy(self) -> tuple[int | None, int | None]:
+        """Running and waiting summed over the engines; None where any engine's is unknown."""
+        self.last = list(await asyncio.gather(*(p.occupancy() for p in self.probes)))
+        running = [r for r, _w in self.last]
+        waiting = [w for _r, w in self.last]
+        return (
+            None if None in running else sum(r for r in running if r is not None),
+            None if None in waiting else sum(w for w in waiting if w is not None),
+        )
+
+    async def settled_stats(self, delivered: int, timeout: float = 5.0) -> dict[str, Any]:
+        """The engines' accounting summed (:meth:`EngineProbe.settled_stats`); for engines other
+        than the simulator, what no completed call received counts as wasted, over all of them."""
+        each = await asyncio.gather(*(p.settled_stats(0, timeout) for p in self.probes))
+        total: dict[str, Any] = {
+            key: sum(int(stats.get(key) or 0) for stats in each)
+            for key in _SUMMED
+            if any(key in s for s in each)
+        }
+        if any(p.is_sim is False for p in self.probes):
+            total["aborted_tokens"] = max(0, int(total.get("tokens_generated", 0)) - delivered)
+        total["engines"] = list(each)
+        return total

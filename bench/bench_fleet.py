@@ -1,0 +1,731 @@
+"""Work conserved across replicas: three simulated engines, a shim each, behind nginx and HAProxy.
+
+    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py            # ~7 min
+    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # another trace
+    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --quick    # ~3 min
+
+One seeded trace of the real-engine benchmark's mix (``bench_vllm.scenario``: Poisson arrivals
+at ``--rate-factor`` x the fleet's capacity, answers lognormal with median 64 tokens and
+``ignore_eos``, prompts of 5-200 words, 70 % interactive with a 5 s TTFT budget, 20 s deadline
+per call), measured side by side in one run, each arm on fresh servers:
+
+- **one replica**: one simulator and its shim, no load balancer, facing a random third of the
+  fleet's calls (``fleet_measures.split_trace``): the per-replica load. It runs each of the
+  three thirds in turn, on fresh servers, and the three count together, so the reference is
+  the very calls the fleet gets (``--single-parts 1``: one third, and x3);
+- **nginx** / **HAProxy**: ``--replicas`` simulators, a shim each, and the load balancer
+  running the shipped configuration (``server_shim/deploy/``, through
+  :class:`llm_backoff_shim.lab.fleet.Fleet`; HAProxy's shims refuse with 503), facing the
+  whole trace.
+
+Arms (the same clients as bench_vllm.py): plain openai (``AsyncOpenAI``, 2 retries, the call's
+deadline as timeout) and the SDK's presets (``wrap(client, request_class=cls)``); ``--setups``
+adds ``budgets`` (``RetryPolicy(deadline=..., start_deadline=5)`` for interactive callers).
+
+The simulator is the demo's engine (8 slots, 0.1 s to a first token) at ``--itl`` s per token
+per sequence, sized so that the shims, the load balancer and this load generator stay well
+inside 2 cores; the CPU each part used is sampled every second and printed per cell, and a
+cell whose load generator or machine ran near its limit is flagged. Shim flags: the demo's
+sizing for this engine and these callers (``demo.shim_flags``, what calibrate recommends).
+
+Prints progress and a table; writes ``fleet[-quick]-seedN.{png,json,md}`` into ``--out``.
+Figures: useful tokens (calls served within budget; interactive: first token within 5 s) of
+the ceiling (the engines' answer tokens/s at full load x (arrival window + deadline)); **work
+conserved** = useful tokens of the fleet / (replicas x one replica's); calls within budget;
+refusal latency (client side, over refused attempts: through a load balancer, after every
+replica it tried refused); engine tokens wasted (generated for callers who had left); slot-time
+idle while a caller waited; calls refused while a replica had a free slot (the shims' access
+logs); and the earliest-deadline oracle (``oracle_bound.py``) on the same trace, all slots pooled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from _procs import cpu_seconds
+from bench_vllm import scenario as vllm_scenario
+from fleet_measures import (
+    conservation,
+    oracle_jobs,
+    refused_with_room,
+    requeued_after_wait,
+    split_trace,
+    spread,
+    visits,
+)
+from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
+from llm_backoff_shim.lab.figures import figures
+from llm_backoff_shim.lab.fleet import Fleet
+from llm_backoff_shim.lab.fleet_configs import lb_binary
+from llm_backoff_shim.lab.load_records import RunResult
+from llm_backoff_shim.lab.loadgen import LoadRun, run_load
+from llm_backoff_shim.lab.procs import (
+    ChildServer,
+    ServerStartError,
+    shim_server,
+    sigterm_as_interrupt,
+    sim_server,
+)
+from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
+from llm_backoff_shim.serve.observe.access_log import json_records
+from oracle_bound import schedule
+from real_vllm.measures import idle_slot_share
+
+REPLICAS = 3
+SLOTS = 8
+#: The shims' access logs, for the refusals a replica with room could have taken.
+LOG_FLAGS = ("--log-level", "info", "--log-format", "json")
+#: A cell whose load generator used more of a core than this (1 s samples, p90), or a machine
+#: busier than this many cores, is flagged: its latencies include the load generator's own lag.
+LOADGEN_LIMIT = 0.7
+MACHINE_LIMIT = 1.8
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    setup: Setup
+    start_deadline: bool
+
+
+ARMS = {
+    "plain": Arm("plain", Setup("plain openai", "shim", "plain"), False),
+    "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets"), False),
+    "budgets": Arm("budgets", Setup("llm_backoff + budgets", "shim", "llm_backoff"), True),
+}
+TARGETS = ("single", "nginx", "haproxy")
+TARGET_LABELS = {"single": "one replica", "nginx": "nginx fleet", "haproxy": "HAProxy fleet"}
+
+
+# -- CPU of the parts -----------------------------------------------------------------------------
+
+
+def _own_cpu() -> float:
+    """This process's user + system CPU (all threads, not its children)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _machine_busy() -> float:
+    """CPU-seconds the whole machine has been busy (``/proc/stat``; 0 where unreadable)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    ticks = [int(f) for f in fields]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuWatch:
+    """Samples, every second, the CPU of each part (a list of process ids, each with its
+    descendants), this load generator and the whole machine, in cores (1.0: one core busy)."""
+
+    def __init__(self, parts: dict[str, list[int]], every: float = 1.0) -> None:
+        self.parts = parts
+        self.every = every
+        self.series: dict[str, list[float]] = {name: [] for name in [*parts, "load generator", "machine"]}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+
+    def _read(self) -> dict[str, float]:
+        now = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in self.parts.items()}
+        now["load generator"] = _own_cpu()
+        now["machine"] = _machine_busy()
+        return now
+
+    def _run(self) -> None:
+        last, t0 = self._read(), time.monotonic()
+        while not self._stop.wait(self.every):
+            now, t1 = self._read(), time.monotonic()
+            for name, value in now.items():
+                self.series[name].append(max(0.0, value - last[name]) / (t1 - t0))
+            last, t0 = now, t1
+
+    def __enter__(self) -> CpuWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict[str, tuple[float, float]]:
+        """Per part: (mean, p90) cores over the samples."""
+        out = {}
+        for name, values in self.series.items():
+            if values:
+                ordered = sorted(values)
+                out[name] = (statistics.fmean(values), ordered[int(0.9 * (len(ordered) - 1))])
+        return out
+
+
+# -- one cell ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One arm on one target: the headline figures, as numbers (None: not applicable)."""
+
+    target: str
+    arm: str
+    seed: int
+    calls: int
+    interactive_calls: int
+    interactive_within_budget: int
+    batch_calls: int
+    batch_ok: int
+    useful_tokens: int
+    ceiling: float
+    oracle_useful: int
+    rejections: int
+    refusal_p50: float | None
+    refusal_p99: float | None
+    failed: int
+    failed_fast_share: float | None
+    failure_p90: float | None
+    attempts_per_success: float | None
+    tokens_generated: int
+    wasted_share: float
+    idle_share: float | None
+    engine_tokens: list[int]
+    refused_calls: int | None
+    refused_with_room: int | None
+    tries: dict[int, int]
+    hints_p50: float | None
+    cpu: dict[str, tuple[float, float]]
+    load_average: float
+    elapsed: float
+    errors: dict[str, int] = field(default_factory=dict)
+    #: Replicas whose work the cell counts: the fleet's, or the thirds one replica ran in turn.
+    replicas: int = 1
+    #: Load-balancer attempts a replica queued, then refused, that went on to another replica;
+    #: of those, how many were served there; p50 / max of their time in the fleet.
+    requeued: int = 0
+    requeued_served: int = 0
+    requeued_span_p50: float | None = None
+    requeued_span_max: float | None = None
+
+    @property
+    def within_budget(self) -> int:
+        return self.interactive_within_budget + self.batch_ok
+
+    @property
+    def useful_fraction(self) -> float:
+        return self.useful_tokens / self.ceiling if self.ceiling else 0.0
+
+    @property
+    def flagged(self) -> list[str]:
+        notes = []
+        loadgen = self.cpu.get("load generator")
+        if loadgen and loadgen[1] > LOADGEN_LIMIT:
+            notes.append(f"load generator at {loadgen[1]:.2f} cores (p90)")
+        machine = self.cpu.get("machine")
+        if machine and machine[1] > MACHINE_LIMIT:
+            notes.append(f"machine at {machine[1]:.2f} cores (p90): the parts waited for a CPU")
+        return notes
+
+
+@contextlib.contextmanager
+def single_replica(
+    shape: EngineShape, flags: Sequence[str]
+) -> Iterator[tuple[str, list[str], list[str], list[ChildServer]]]:
+    with sim_server(shape.sim_flags()) as sim, shim_server(sim, flags) as shim:
+        yield shim.url, [sim.url], [shim.url], [sim, shim]
+
+
+@dataclass
+class Driven:
+    """One load run on fresh servers: the records, the shims' access logs, the CPU of the parts."""
+
+    result: RunResult
+    logs: list[str]
+    cpu: dict[str, tuple[float, float]]
+    load: float
+
+
+def drive(
+    target: str, arm: Arm, scen: Scenario, calls: Sequence[Arrival], shape: EngineShape, flags: Sequence[str]
+) -> Driven:
+    replicas = 1 if target == "single" else REPLICAS
+    capacity = replicas * shape.capacity_for(scen.workload)
+    token_capacity = replicas * shape.token_capacity_for(scen.workload)
+    with contextlib.ExitStack() as stack:
+        if target == "single":
+            url, engines, shims, servers = stack.enter_context(single_replica(shape, [*flags, *LOG_FLAGS]))
+            parts = {
+                "engines": [s.pid for s in servers[:1] if s.pid],
+                "shims": [s.pid for s in servers[1:] if s.pid],
+            }
+            logs = [lambda: servers[1].log_tail(50_000_000)]
+        else:
+            fleet = stack.enter_context(
+                Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS])
+            )
+            url, engines, shims = fleet.url, fleet.engine_urls, fleet.shim_urls
+            parts = {
+                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid],
+                "shims": [r.shim.pid for r in fleet.replicas if r.shim.pid],
+                "load balancer": [fleet.lb.pid] if fleet.lb is not None and fleet.lb.pid else [],
+            }
+            logs = [(lambda i=i: fleet.shim_log(i, 50_000_000)) for i in range(replicas)]
+        load = os.getloadavg()[0]
+        label = f"{TARGET_LABELS[target]} / {arm.setup.label}"
+        print(f"- {label}: {len(calls)} calls (machine load {load:.1f})", flush=True)
+        line = ProgressLine(sys.stderr, label)
+        run = LoadRun(
+            arm.setup,
+            scen,
+            calls,
+            target_url=url,
+            engine_url=engines[0],
+            engine_urls=engines,
+            shim_urls=shims,
+            capacity=capacity,
+            progress=line,
+            start_deadline=arm.start_deadline,
+            token_capacity=token_capacity,
+        )
+        with CpuWatch(parts) as watch:
+            result = run_load(run)
+        line.done()
+        texts = [read() for read in logs]
+    return Driven(result, texts, watch.summary(), load)
+
+
+def side_by_side(runs: Sequence[Driven]) -> RunResult:
+    """Runs of separate replicas on parts of one trace, as one result: their calls together, their
+    engines' counts summed (no samples: the parts ran one after another)."""
+    first = runs[0].result
+    engines = [r.result.engine_stats for r in runs]
+    stats: dict[str, Any] = {
+        key: sum(int(e.get(key, 0)) for e in engines) for key in ("tokens_generated", "aborted_tokens")
+    }
+    stats["engines"] = engines
+    return RunResult(
+        first.setup,
+        first.scenario,
+        sum(r.result.capacity for r in runs),
+        [c for r in runs for c in r.result.calls],
+        [],
+        stats,
+        max(r.result.elapsed for r in runs),
+        sum(r.result.token_capacity or 0.0 for r in runs),
+    )
+
+
+def run_cell(
+    target: str,
+    arm: Arm,
+    scen: Scenario,
+    traces: Sequence[Sequence[Arrival]],
+    shape: EngineShape,
+    flags: Sequence[str],
+    seed: int,
+) -> tuple[RunResult, Cell]:
+    """``traces``: the fleet's trace; for one replica, each part of it it runs alone, in turn."""
+    replicas = 1 if target == "single" else REPLICAS
+    scen = dataclasses.replace(scen, start_deadline=arm.start_deadline)
+    runs = [drive(target, arm, scen, calls, shape, flags) for calls in traces]
+    result = runs[0].result if len(runs) == 1 else side_by_side(runs)
+    figs = figures(result)
+    refused = with_room = 0
+    tries: dict[int, int] = {}
+    hints: list[float] = []
+    again = requeued_after_wait([])
+    for run in runs:
+        seen = [v for i, text in enumerate(run.logs) for v in visits(i, json_records(text))]
+        room = refused_with_room(seen, replicas, shape.slots)
+        refused, with_room = refused + room.refused, with_room + room.with_room
+        for k, n in room.tries.items():
+            tries[k] = tries.get(k, 0) + n
+        hints += [v.retry_after for v in seen if v.outcome == "rejected" and v.retry_after is not None]
+        more = requeued_after_wait(seen)
+        again = dataclasses.replace(
+            again,
+            count=again.count + more.count,
+            served=again.served + more.served,
+            spans=sorted(again.spans + more.spans),
+        )
+    hints.sort()
+    stats = result.engine_stats
+    per_engine = [int(e.get("tokens_generated", 0)) for e in stats.get("engines", [stats])]
+    oracle = sum(
+        schedule(oracle_jobs(calls, shape, scen), replicas * shape.slots).useful_tokens for calls in traces
+    )
+    idle = [idle_slot_share(r.result, replicas * shape.slots) for r in runs]
+    cpu = {
+        part: (max(r.cpu[part][0] for r in runs), max(r.cpu[part][1] for r in runs))
+        for part in runs[0].cpu
+        if all(part in r.cpu for r in runs)
+    }
+    cell = Cell(
+        target=target,
+        arm=arm.name,
+        seed=seed,
+        calls=figs.calls,
+        interactive_calls=figs.interactive_calls,
+        interactive_within_budget=figs.interactive_within_budget,
+        batch_calls=figs.batch_calls,
+        batch_ok=figs.batch_ok,
+        useful_tokens=figs.useful_tokens,
+        ceiling=figs.useful_ceiling or 0.0,
+        oracle_useful=oracle,
+        rejections=figs.rejections,
+        refusal_p50=figs.rejection_p50,
+        refusal_p99=figs.rejection_p99,
+        failed=figs.calls - figs.ok,
+        failed_fast_share=figs.failed_fast_share,
+        failure_p90=figs.failure_p90,
+        attempts_per_success=figs.attempts_per_success,
+        tokens_generated=figs.tokens_generated,
+        wasted_share=figs.wasted_fraction,
+        idle_share=None if None in idle else statistics.fmean(i for i in idle if i is not None),
+        engine_tokens=per_engine,
+        refused_calls=refused,
+        refused_with_room=with_room,
+        tries=dict(sorted(tries.items())),
+        hints_p50=hints[len(hints) // 2] if hints else None,
+        cpu=cpu,
+        load_average=min(r.load for r in runs),
+        elapsed=result.elapsed,
+        errors=figs.errors,
+        replicas=replicas if target != "single" else len(traces),
+        requeued=again.count,
+        requeued_served=again.served,
+        requeued_span_p50=again.spans[len(again.spans) // 2] if again.spans else None,
+        requeued_span_max=again.spans[-1] if again.spans else None,
+    )
+    print("  " + cell_line(cell), flush=True)
+    return result, cell
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}" if value >= 0.1 or value == 0 else f"{value:.1%}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def cpu_text(cpu: dict[str, tuple[float, float]]) -> str:
+    return ", ".join(f"{name} {mean:.2f} (p90 {p90:.2f})" for name, (mean, p90) in cpu.items())
+
+
+def cell_line(c: Cell) -> str:
+    room = (
+        ""
+        if c.refused_calls is None
+        else f", {c.refused_with_room}/{c.refused_calls} refused with a replica free"
+    )
+    flags = f"  ** {'; '.join(c.flagged)}" if c.flagged else ""
+    if c.requeued:
+        room += (
+            f", {c.requeued} sent on after a queue wait ({c.requeued_served} then served; in the fleet "
+            f"p50 {_s(c.requeued_span_p50)}, max {_s(c.requeued_span_max)})"
+        )
+    return (
+        f"useful {c.useful_tokens} tokens ({_pct(c.useful_fraction)} of the ceiling, oracle "
+        f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}), interactive "
+        f"{c.interactive_within_budget}/{c.interactive_calls} within budget, batch "
+        f"{c.batch_ok}/{c.batch_calls}, refusal p50/p99 "
+        f"{_s(c.refusal_p50)}/{_s(c.refusal_p99)}, wasted {_pct(c.wasted_share)}, idle {_pct(c.idle_share)}"
+        f"{room}; engine tokens {c.engine_tokens} (max/min {_ratio(spread(c.engine_tokens))}, "
+        f"{c.elapsed:.0f} s)\n  cores: {cpu_text(c.cpu)}{flags}"
+    )
+
+
+def _p90(c: Cell, part: str) -> float:
+    return c.cpu.get(part, (0.0, 0.0))[1]
+
+
+def find(cells: Sequence[Cell], target: str, arm: str) -> Cell | None:
+    return next((c for c in cells if c.target == target and c.arm == arm), None)
+
+
+def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str]) -> list[list[str]]:
+    rows = []
+    for arm in arms:
+        single = find(cells, "single", arm)
+        for target in targets:
+            c = find(cells, target, arm)
+            if c is None:
+                continue
+            conserved = oracle_conserved = None
+            if single is not None and target != "single":
+                conserved = conservation(c.useful_tokens, single.useful_tokens / single.replicas, REPLICAS)
+                oracle_conserved = conservation(
+                    c.oracle_useful, single.oracle_useful / single.replicas, REPLICAS
+                )
+            plain = find(cells, target, "plain")
+            vs_plain = (
+                None
+                if plain is None or arm == "plain" or not plain.useful_tokens
+                else c.useful_tokens / plain.useful_tokens
+            )
+            room = "-" if c.refused_calls is None else f"{c.refused_with_room}/{c.refused_calls}"
+            rows.append(
+                [
+                    TARGET_LABELS[target],
+                    ARMS[arm].setup.label,
+                    f"{c.useful_tokens / 1000:.1f}k ({_pct(c.useful_fraction)})",
+                    "-" if conserved is None else f"{conserved:.3f} (oracle {_ratio(oracle_conserved)})",
+                    "-" if vs_plain is None else f"{vs_plain:.2f}",
+                    f"{c.interactive_within_budget}/{c.interactive_calls}",
+                    f"{c.batch_ok}/{c.batch_calls}",
+                    f"{_s(c.refusal_p50)} / {_s(c.refusal_p99)}",
+                    _pct(c.failed_fast_share),
+                    _pct(c.wasted_share),
+                    _pct(c.idle_share),
+                    room,
+                    f"{c.requeued} ({c.requeued_served})",
+                    f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}",
+                    f"{_p90(c, 'load generator'):.2f} / {_p90(c, 'machine'):.2f}",
+                ]
+            )
+    return rows
+
+
+HEADER = [
+    "target",
+    "callers",
+    "useful tokens (of ceiling)",
+    "fleet / 3x one replica",
+    "vs plain openai",
+    "interactive within 5 s",
+    "batch served",
+    "refusal p50 / p99",
+    "failures known < 1 s",
+    "engine tokens wasted",
+    "slot-time idle, caller waiting",
+    "refused with a replica free",
+    "sent on after a queue wait (then served)",
+    "EDF oracle (of ceiling)",
+    "cores p90: loadgen / machine",
+]
+
+
+def markdown(rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def text_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
+    out = []
+    for row in [HEADER, *rows]:
+        out.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
+    return "\n".join(out)
+
+
+def save_plot(
+    cells: Sequence[Cell], timeline: Sequence[tuple[str, RunResult]], path: Path, title: str
+) -> Path:
+    from llm_backoff_shim.lab.extra import require_plotting
+
+    require_plotting(f"the plot {path.name}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(dict.fromkeys(c.arm for c in cells))
+    fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
+    colours = {"single": "tab:grey", "nginx": "tab:green", "haproxy": "tab:blue"}
+    panels = (
+        ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
+        (
+            "calls within budget per replica",
+            lambda c: c.within_budget / c.replicas,
+        ),
+        ("refusal p99 (s)", lambda c: c.refusal_p99 or 0.0),
+        ("engine tokens wasted", lambda c: c.wasted_share),
+    )
+    width = 0.8 / len(TARGETS)
+    for ax, (name, value) in zip(axes.flat, panels, strict=False):
+        for j, target in enumerate(TARGETS):
+            xs, ys = [], []
+            for i, arm in enumerate(arms):
+                c = find(cells, target, arm)
+                if c is not None:
+                    xs.append(i + (j - 1) * width)
+                    ys.append(value(c))
+            ax.bar(xs, ys, width, color=colours[target], label=TARGET_LABELS[target])
+        ax.set_xticks(range(len(arms)))
+        ax.set_xticklabels([ARMS[a].setup.label for a in arms], fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    busy = axes.flat[4]
+    for label, result in timeline:
+        samples = [s for s in result.samples if s.replicas]
+        for r in range(REPLICAS):
+            busy.plot(
+                [s.t for s in samples],
+                [s.replicas[r][0] or 0 for s in samples],
+                linewidth=0.8,
+                label=f"{label}, engine {r + 1}",
+            )
+    busy.set_title("requests running in each engine (presets)", fontsize=10)
+    busy.set_xlabel("s")
+    busy.legend(fontsize=6)
+    cpu = axes.flat[5]
+    names = ["load generator", "shims", "engines", "load balancer", "machine"]
+    for k, target in enumerate(TARGETS):
+        c = next((c for c in cells if c.target == target and c.arm == arms[-1]), None)
+        if c is None:
+            continue
+        cpu.bar(
+            [i + (k - 1) * width for i in range(len(names))],
+            [c.cpu.get(n, (0.0, 0.0))[1] for n in names],
+            width,
+            color=colours[target],
+            label=TARGET_LABELS[target],
+        )
+    cpu.set_xticks(range(len(names)))
+    cpu.set_xticklabels(names, fontsize=8)
+    cpu.set_title(f"cores used, p90 of 1 s samples ({ARMS[arms[-1]].setup.label})", fontsize=10)
+    cpu.axhline(2.0, color="black", linewidth=0.5)
+    cpu.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(title, 190), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = p.add_argument
+    add("--quick", action="store_true", help="8 s of arrivals instead of 20")
+    add("--seed", type=int, default=1)
+    add("--duration", type=float, help="seconds of arrivals (default 20, 8 with --quick)")
+    add(
+        "--rate-factor",
+        type=float,
+        default=2.0,
+        help="arrival rate / the fleet's capacity (default %(default)s)",
+    )
+    add(
+        "--itl",
+        type=float,
+        default=0.02,
+        help="the simulator's seconds per token per sequence (default %(default)s)",
+    )
+    add(
+        "--setups",
+        default="plain,presets",
+        help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)",
+    )
+    add("--targets", default=",".join(TARGETS), help="comma-separated, of %(default)s")
+    add(
+        "--single-parts",
+        type=int,
+        default=REPLICAS,
+        choices=range(1, REPLICAS + 1),
+        help="one replica alone runs this many of the trace's thirds, in turn, and they count "
+        "together as 'one replica' x that many (default %(default)s: the whole trace, the same calls "
+        "as the fleet; 1: a random third, a third of the time)",
+    )
+    add("--out", type=Path, default=Path("docs/img"), help="folder for the PNG, JSON and Markdown")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    arms = args.setups.split(",")
+    targets = args.targets.split(",")
+    unknown = (set(arms) - set(ARMS)) | (set(targets) - set(TARGETS))
+    if unknown:
+        print(f"bench_fleet: unknown {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    for target in targets:
+        if target != "single" and lb_binary(target) is None:
+            print(f"bench_fleet: {target} is not installed (apt-get install {target})", file=sys.stderr)
+            return 2
+    duration = args.duration or (8.0 if args.quick else 20.0)
+    base = vllm_scenario(duration, args.rate_factor)
+    shape = EngineShape(slots=SLOTS, ttft=0.1, itl=args.itl, output_tokens=64)
+    flags = shim_flags(shape, base)
+    per_replica = shape.capacity_for(base.workload)
+    fleet_calls = arrivals(base, REPLICAS * per_replica, random.Random(args.seed))
+    thirds = split_trace(fleet_calls, REPLICAS, random.Random(args.seed + 1))[: args.single_parts]
+    single_calls = [c for part in thirds for c in part]
+    print(
+        f"engine: simulator, {SLOTS} slots, ttft {shape.ttft:g} s, itl {shape.itl:g} s "
+        f"({shape.token_capacity_for(base.workload):.0f} answer tokens/s, {per_replica:.2f} calls/s each)\n"
+        f"fleet load: {base.describe(REPLICAS * per_replica)}\n"
+        f"{len(fleet_calls)} calls to the fleet; one replica alone runs {len(thirds)} random third(s) "
+        f"of them in turn ({', '.join(str(len(t)) for t in thirds)} calls); "
+        f"shim flags: {' '.join(flags)}",
+        flush=True,
+    )
+    cells: list[Cell] = []
+    timeline: list[tuple[str, RunResult]] = []
+    started = time.monotonic()
+    try:
+        with sigterm_as_interrupt():
+            for arm_name in arms:
+                arm = ARMS[arm_name]
+                for target in targets:
+                    traces = thirds if target == "single" else [fleet_calls]
+                    result, cell = run_cell(target, arm, base, traces, shape, flags, args.seed)
+                    cells.append(cell)
+                    if target != "single" and arm_name == arms[-1]:
+                        timeline.append((TARGET_LABELS[target], result))
+    except KeyboardInterrupt:
+        print("\ninterrupted; servers stopped", file=sys.stderr)
+        return 130
+    except ServerStartError as exc:
+        print(f"bench_fleet: {exc}", file=sys.stderr)
+        return 1
+    rows = ratio_rows(cells, arms, targets)
+    head = (
+        f"{REPLICAS} simulated engines ({SLOTS} slots, itl {shape.itl:g} s), a shim each; "
+        f"{base.describe(REPLICAS * per_replica)}; seed {args.seed}; {len(fleet_calls)} calls "
+        f"(one replica: {len(single_calls)})"
+    )
+    print("\n" + head + "\n" + text_table(rows))
+    flagged = [f"{TARGET_LABELS[c.target]} / {c.arm}: {'; '.join(c.flagged)}" for c in cells if c.flagged]
+    if flagged:
+        print("\nflagged (latencies include time spent waiting for a CPU):\n  " + "\n  ".join(flagged))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"fleet{'-quick' if args.quick else ''}-seed{args.seed}"
+    png = save_plot(cells, timeline, args.out / f"{stem}.png", head)
+    (args.out / f"{stem}.json").write_text(
+        json.dumps(
+            {"head": head, "shim_flags": flags, "cells": [dataclasses.asdict(c) for c in cells]}, indent=1
+        )
+        + "\n"
+    )
+    (args.out / f"{stem}.md").write_text(head + "\n\n" + markdown(rows) + "\n")
+    print(f"\nplot: {png}\nMarkdown: {args.out / f'{stem}.md'}\ntotal {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
