@@ -100,14 +100,19 @@ def test_n_calls_are_admitted_and_the_next_is_refused_at_once(fleet: Fleet, lb: 
             response = client.post("/v1/chat/completions", json=body(seconds), headers={"x-request-id": rid})
             return response, time.time()
 
-        slow = [pool.submit(call, f"slow{i}", 2.0) for i in range(3)]
+        # Calls long enough that all three still run when the fourth is sent, even on a loaded
+        # machine where the three start seconds apart.
+        slow = [pool.submit(call, f"slow{i}", 5.0) for i in range(3)]
         deadline = time.monotonic() + 10
-        while sum(len(fleet.access_records(i)) for i in range(3)) == 0 and time.monotonic() < deadline:
+        all_busy = False
+        while not all_busy and sum(len(fleet.access_records(i)) for i in range(3)) == 0:
             # Admitted calls log at their end; wait instead until each shim holds its slot.
             busy = [httpx.get(f"{u}/metrics", timeout=2).text for u in fleet.shim_urls]
-            if all(_in_flight(text) == 1 for text in busy):
+            all_busy = all(_in_flight(text) == 1 for text in busy)
+            if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
+        assert all_busy, "the three calls never held the three slots at once"
         sent = time.time()
         refused, refused_at = call("extra", 2.0)
         answers = [f.result() for f in slow]

@@ -59,6 +59,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
             rec["batch_max_queue_wait"],
         )
         assert settings.retry_after_max == rec["retry_after_max"]
+        assert settings.max_inflight_tokens == rec["max_inflight_tokens"]
         assert (
             settings.model_copy(
                 update={
@@ -69,6 +70,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
                     "class_max_queue": {},
                     "class_max_queue_wait": {},
                     "retry_after_max": ShimSettings().retry_after_max,
+                    "max_inflight_tokens": None,
                 }
             )
             == ShimSettings()
