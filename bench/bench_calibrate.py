@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import random
@@ -58,9 +59,9 @@ def run_calibrate(url: str, seed: int, step_seconds: float, out: Path) -> dict[s
         "--upstream", url, "--ttft-slo", str(TTFT_SLO), "--tpot-slo", str(TPOT_SLO), "--max-level", "64",
         "--step-seconds", str(step_seconds), "--seed", str(seed), "--out", str(out), "--json",
     ]  # fmt: skip
-    stdout, stderr = _Capture(), _Capture()
-    status = calibrate.main(argv, stdout=stdout, stderr=stderr)  # type: ignore[arg-type]
-    result: dict[str, Any] = json.loads(stdout.text) if stdout.text.strip() else {}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    status = calibrate.main(argv, stdout=stdout, stderr=stderr)
+    result: dict[str, Any] = json.loads(stdout.getvalue()) if stdout.getvalue().strip() else {}
     result["status"] = status
     return result
 
@@ -78,18 +79,6 @@ def run_before(before: Path, url: str, seed: int, step_seconds: float, out: Path
     result: dict[str, Any] = json.loads(proc.stdout) if proc.stdout.strip() else {}
     result["status"] = proc.returncode
     return result
-
-
-class _Capture:
-    def __init__(self) -> None:
-        self.text = ""
-
-    def write(self, text: str) -> int:
-        self.text += text
-        return len(text)
-
-    def flush(self) -> None:
-        pass
 
 
 async def reference_sweep(url: str, rounds: int, step_seconds: float) -> dict[int, list[StepStats]]:

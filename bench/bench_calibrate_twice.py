@@ -23,6 +23,7 @@ Engines:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
@@ -49,26 +50,14 @@ def engine(name: str, scale: float) -> tuple[list[str], list[str]]:
     return sim, flags
 
 
-class _Capture:
-    def __init__(self) -> None:
-        self.text = ""
-
-    def write(self, text: str) -> int:
-        self.text += text
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
 def run_once(url: str, flags: list[str], seed: int, out: Path) -> dict[str, Any]:
-    stdout, stderr = _Capture(), _Capture()
+    stdout, stderr = io.StringIO(), io.StringIO()
     argv = ["--upstream", url, *flags, "--seed", str(seed), "--out", str(out), "--json"]
     began = time.monotonic()
-    status = calibrate.main(argv, stdout=stdout, stderr=stderr)  # type: ignore[arg-type]
+    status = calibrate.main(argv, stdout=stdout, stderr=stderr)
     seconds = time.monotonic() - began
-    print(stderr.text, end="", flush=True)
-    result: dict[str, Any] = json.loads(stdout.text) if stdout.text.strip() else {}
+    print(stderr.getvalue(), end="", flush=True)
+    result: dict[str, Any] = json.loads(stdout.getvalue()) if stdout.getvalue().strip() else {}
     rec = result.get("recommendation") or {}
     return {
         "seed": seed,

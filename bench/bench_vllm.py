@@ -55,7 +55,13 @@ from llm_backoff_shim.lab.demo import ProgressLine
 from llm_backoff_shim.lab.figures import figures
 from llm_backoff_shim.lab.load_records import RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
-from llm_backoff_shim.lab.procs import ChildServer, ServerStartError, cli_command, sigterm_as_interrupt
+from llm_backoff_shim.lab.procs import (
+    ChildServer,
+    ServerStartError,
+    cli_command,
+    shim_server,
+    sigterm_as_interrupt,
+)
 from llm_backoff_shim.lab.scenario import Scenario, Setup, arrivals
 from llm_backoff_shim.lab.workload import Workload
 from real_vllm import plot
@@ -217,7 +223,7 @@ def run_cell(
     with contextlib.ExitStack() as stack:
         front: ChildServer | None = None
         if config.setup.route == "shim":
-            front = stack.enter_context(shim_for(engine_url, calib.flags))
+            front = stack.enter_context(shim_server(engine_url, calib.flags))
         load = os.getloadavg()[0]
         print(
             f"- seed {seed}, {config.setup.label}: {len(calls)} calls (machine load {load:.1f})", flush=True
@@ -258,24 +264,6 @@ def run_cell(
         print(f"  interactive failures: {shown}", flush=True)
     return result, cell
 
-
-def shim_for(upstream_url: str, flags: Sequence[str]) -> ChildServer:
-    """``llm-backoff-shim serve`` in front of ``upstream_url`` with ``flags``."""
-    return ChildServer(
-        "shim",
-        lambda port: cli_command(
-            "serve",
-            "--upstream",
-            upstream_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *flags,
-        ),
-    )
 
 
 def _pct(value: float | None) -> str:

@@ -55,7 +55,13 @@ from llm_backoff_shim.lab.demo import ProgressLine
 from llm_backoff_shim.lab.load_records import CallRecord, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.loadgen_engine import metric_sum
-from llm_backoff_shim.lab.procs import ChildServer, ServerStartError, cli_command, sigterm_as_interrupt
+from llm_backoff_shim.lab.procs import (
+    ChildServer,
+    ServerStartError,
+    cli_command,
+    shim_server,
+    sigterm_as_interrupt,
+)
 from llm_backoff_shim.lab.scenario import Arrival, Scenario, Setup
 from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
@@ -213,23 +219,6 @@ def row_of(
     )
 
 
-def shim_for(upstream_url: str, flags: Sequence[str]) -> ChildServer:
-    return ChildServer(
-        "shim",
-        lambda port: cli_command(
-            "serve",
-            "--upstream",
-            upstream_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *flags,
-        ),
-    )
-
 
 def run_arm(
     arm: Arm,
@@ -246,7 +235,7 @@ def run_arm(
     with contextlib.ExitStack() as stack:
         front: ChildServer | None = None
         if arm.flags is not None:
-            front = stack.enter_context(shim_for(url, shlex.split(flags[arm.flags])))
+            front = stack.enter_context(shim_server(url, shlex.split(flags[arm.flags])))
         load = os.getloadavg()[0]
         shown = "" if arm.flags is None else f" [{flags[arm.flags]}]"
         print(f"- {arm.setup.label}{shown}: {len(trace)} calls (machine load {load:.1f})", flush=True)
