@@ -25,6 +25,13 @@ Without that, a fresh arrival would be queued on the strength of the queue alone
 overtaken by the returners, to be told ``queue_timeout`` after its whole wait; with it, it is
 told at once, and its hint comes after the last promise. A promise the caller cannot keep is
 not remembered: it will not come back.
+
+Behind a load balancer that asks every replica before it refuses, a call refused by the fleet
+is placed on every replica's timeline but comes back once, to one of them
+(:mod:`llm_backoff_shim.decide.fleet_size`). Given the fleet's size, the timeline counts each
+promise as ``1 / replicas`` of a return (rounded to the nearest whole return), and a caller
+back redeems ``replicas`` of them; the spacing of places is the caller's
+(:func:`~llm_backoff_shim.decide.retry_after.retry_after` spaces them at the fleet's drain rate).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import bisect
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from llm_backoff_shim.decide.fleet_size import FleetSize
+
 Clock = Callable[[], float]
 
 
@@ -40,12 +49,14 @@ class PromiseTimeline:
     """Places taken on the one timeline, and the promised returns per class (module docstring).
 
     A promise counts until ``grace`` seconds after it fell due: a caller comes back a little
-    after its hint (whole seconds rounded up, a client's jitter).
+    after its hint (whole seconds rounded up, a client's jitter). ``fleet``: how many replicas
+    each promise is shared by (module docstring); none, one.
     """
 
-    def __init__(self, clock: Clock, grace: float) -> None:
+    def __init__(self, clock: Clock, grace: float, fleet: FleetSize | None = None) -> None:
         self._clock = clock
         self._grace = grace
+        self.fleet = fleet
         # Every place taken, any class, kept promise or not, ascending; dropped once past. A new
         # place goes into the first gap of one step at or after its earliest slot.
         self._places: list[float] = []
@@ -56,6 +67,18 @@ class PromiseTimeline:
         # Promised return times per class, ascending (each at least one step from any other
         # place, and none beyond the clamp), dropped once due: at most max / step entries.
         self._promises: dict[str, deque[float]] = {}
+
+    @property
+    def replicas(self) -> int:
+        """The replicas each promise is shared by (1 without a fleet)."""
+        return 1 if self.fleet is None else self.fleet.replicas
+
+    def _returns(self, promises: int) -> int:
+        """The returns ``promises`` stand for: each a ``1 / replicas`` share, to the nearest whole."""
+        if self.fleet is None:
+            return promises
+        n = self.fleet.replicas
+        return (2 * promises + n) // (2 * n)
 
     def __len__(self) -> int:
         """Places on the timeline (those behind now are pruned on the next :meth:`first_gap`)."""
@@ -102,7 +125,7 @@ class PromiseTimeline:
                 continue
             self._forget_due(promises, self._clock())
             count += bisect.bisect_right(promises, end) - bisect.bisect_right(promises, start)
-        return count
+        return self._returns(count)
 
     def outstanding(self, cls: str) -> int:
         """Promises of ``cls`` not yet due, or due less than the grace ago (class docstring)."""
@@ -110,7 +133,7 @@ class PromiseTimeline:
         if not promises:
             return 0
         self._forget_due(promises, self._clock())
-        return len(promises)
+        return self._returns(len(promises))
 
     def redeem(self, cls: str) -> None:
         """A caller of ``cls`` told to come back has come back: its promise is kept no longer.
@@ -126,12 +149,15 @@ class PromiseTimeline:
             return
         now = self._clock()
         self._forget_due(promises, now)
-        if not promises:
-            return
-        i = bisect.bisect_left(promises, now)
-        if i == len(promises) or (i > 0 and now - promises[i - 1] <= promises[i] - now):
-            i -= 1
-        del promises[i]
+        # In a fleet every replica holds this caller's promise and it came back to this one:
+        # its share of each replica's promises, ``replicas`` shares, goes from here.
+        for _ in range(self.replicas):
+            if not promises:
+                return
+            i = bisect.bisect_left(promises, now)
+            if i == len(promises) or (i > 0 and now - promises[i - 1] <= promises[i] - now):
+                i -= 1
+            del promises[i]
 
     def _forget_due(self, promises: deque[float], now: float) -> None:
         while promises and promises[0] <= now - self._grace:

@@ -83,7 +83,9 @@ def retry_after(estimator: DrainEstimator, ask: HintRequest) -> float:
     now = est.now()
     cfg = est.config
     timeline = est.promises
-    rate = est.capacity_rate(ask.slots)
+    # In a fleet every replica places each caller the fleet refuses, so each spaces its places
+    # at the fleet's drain rate (promises.py, fleet_size.py); alone, at its own.
+    rate = est.capacity_rate(ask.slots) * timeline.replicas
     step = 1.0 / rate
     # Nobody may come back before the minimum, so the burst's slots start there:
     # with a fast drain the k-th caller hears min + (k - 1) / rate, not min for all.

@@ -32,6 +32,7 @@ from llm_backoff_shim.decide.adaptive_limit import GradientConfig, GradientLimit
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.decide.fleet_size import FleetSize
 from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
@@ -42,6 +43,7 @@ from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
 from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
+from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
 from llm_backoff_shim.serve.policy.quota import TenantQuotas
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolicies
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
@@ -208,6 +210,13 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
             max_head_bytes=settings.max_header_bytes,
             on_event=metrics.bad_request,
         )
+    fleet_hints = None
+    if settings.fleet_retry_after and settings.redis_url is not None:
+        fleet = FleetSize(clock)
+        controller.estimator.promises.fleet = fleet
+        fleet_hints = FleetHints.from_url(
+            settings.redis_url, fleet=fleet, clock=clock, minimum=settings.retry_after_min
+        )
     access_log = AccessLog(settings.log_format, clock=clock) if settings.access_log else None
     routes = RouteTable(settings.allow_operator_route)
     forwarding = Forwarding(settings.trusted_proxies)
@@ -226,6 +235,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         routes=routes,
         forwarding=forwarding,
         default_max_tokens=settings.default_max_tokens,
+        fleet_hints=fleet_hints,
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
 
@@ -242,6 +252,8 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
                 await ops.stop()
             await policy.stop()
             await upstream.close()
+            if fleet_hints is not None:
+                await fleet_hints.close()
 
     app = shim_app(
         runtime, ready_path=settings.ready_path, operator_routes_here=ops is None, lifespan=lifespan

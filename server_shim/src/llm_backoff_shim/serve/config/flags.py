@@ -70,7 +70,13 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "class_priority",
     ),
     "queue-time SLO": ("ttft_slo", "slo_yellow_fraction", "slo_trend_window"),
-    "rejections": ("reject_status", "retry_after_min", "retry_after_max", "initial_service_time"),
+    "rejections": (
+        "reject_status",
+        "retry_after_min",
+        "retry_after_max",
+        "initial_service_time",
+        "fleet_retry_after",
+    ),
     "tenants": (
         "tenants_file",
         "tenant_header",

@@ -184,6 +184,14 @@ class ShimSettings(BaseSettings):
         pattern=r"^(redis|rediss|unix)://",
         description="keep tenant buckets in this Redis so several shims enforce one quota",
     )
+    fleet_retry_after: bool = Field(
+        default=False,
+        description=(
+            "behind a load balancer that asks every replica before it refuses: answer a call the "
+            "whole fleet refuses with the soonest replica's Retry-After (the replicas share each "
+            "call's hints, by X-Request-Id, in --redis-url)"
+        ),
+    )
     engine_metrics: bool = Field(
         default=False,
         description="scrape the upstream's /metrics and admit nothing new while the engine is saturated",
@@ -443,6 +451,8 @@ class ShimSettings(BaseSettings):
                 f"retry_after_max ({self.retry_after_max}) must be >= "
                 f"retry_after_min ({self.retry_after_min})"
             )
+        if self.fleet_retry_after and self.redis_url is None:
+            raise ValueError("fleet_retry_after needs redis_url: the replicas share each call's hints there")
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError("metrics_port must differ from port")
         if self.default_class not in self.classes:

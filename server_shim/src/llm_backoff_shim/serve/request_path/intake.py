@@ -182,13 +182,9 @@ def parse_json_object(body: bytes) -> dict[str, Any] | Refusal:
         return client_error("request body is not UTF-8", code="invalid_json")
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
-        return client_error(
-            f"request body is not valid JSON{where}", code="invalid_json"
-        )
+        return client_error(f"request body is not valid JSON{where}", code="invalid_json")
     if not isinstance(data, dict):
-        return client_error(
-            "request body must be a JSON object", code="invalid_json"
-        )
+        return client_error("request body must be a JSON object", code="invalid_json")
     return data
 
 

@@ -41,6 +41,7 @@ from llm_backoff_shim.http.interface import (
 )
 from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
 from llm_backoff_shim.serve.request_path.auth import ApiKeys
 from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
@@ -105,8 +106,11 @@ class Proxy:
         routes: RouteTable | None = None,
         forwarding: Forwarding | None = None,
         default_max_tokens: int = 512,
+        fleet_hints: FleetHints | None = None,
     ) -> None:
         self.access_log = access_log
+        # The fleet's Retry-After for an admission refusal (fleet_hints.py); none: this replica's.
+        self.fleet_hints = fleet_hints
         self.routes = routes if routes is not None else _DEFAULT_ROUTES
         # Who the client is, said to the upstream by the shim (headers.py says why).
         self.forwarding = forwarding if forwarding is not None else Forwarding()
@@ -247,7 +251,8 @@ class Proxy:
         method: str = scope["method"]
         path: str = scope["path"]
         controller = self.controller
-        if not controller.saturated() or method != "POST":
+        # A fleet's hint needs a round trip to Redis: the usual (asynchronous) path answers it.
+        if not controller.saturated() or method != "POST" or self.fleet_hints is not None:
             return None
         headers: RawHeaders = scope["headers"]
         head = self.intake.head(method, path, headers)
@@ -398,6 +403,10 @@ class Proxy:
             queued_at = self.clock()
             decision = await self.admission.acquire(request)
             if isinstance(decision, Rejection):
+                if self.fleet_hints is not None:
+                    rid = request_id_of(forward.headers)
+                    soonest = await self.fleet_hints.soonest(rid, decision.retry_after)
+                    decision = replace(decision, retry_after=soonest)
                 exchange.reject(decision)
                 exchange.queue_time = self.clock() - queued_at
                 response = rejection_response(decision, self.reject_status)
