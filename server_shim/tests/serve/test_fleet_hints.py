@@ -152,7 +152,9 @@ def test_two_shims_answer_one_calls_refusals_with_the_soonest_wait(
             assert again_slow == pytest.approx(then_fast, abs=0.1)  # asked last, it answers the fast one's
             assert int(other.headers["retry-after-ms"]) / 1000 > 8.0  # another call: the slow replica's own
             for shim in (fast, slow):
-                assert shim.runtime.controller.estimator.promises.replicas == 2
+                # Both learnt the fleet from the call (each was asked after the other once).
+                assert httpx.get(f"{shim.url}/shim/state").json()["fleet_replicas"] == 2
+                assert "llm_backoff_shim_fleet_replicas 2.0" in httpx.get(f"{shim.url}/metrics").text
             assert [f.result().status_code for f in held] == [200, 200]
         for shim in (fast, slow):  # every slot came back
             waiter(lambda s=shim: s.runtime.controller.in_flight() == 0, what="slots back")

@@ -81,6 +81,8 @@ def state_document(controller: AdmissionController) -> dict[str, Any]:
     if c.token_budget is not None:
         document["max_inflight_tokens"] = c.token_budget
         document["in_flight_tokens"] = c.in_flight_tokens()
+    if c.estimator.promises.fleet is not None:
+        document["fleet_replicas"] = c.estimator.promises.replicas
     return document
 
 

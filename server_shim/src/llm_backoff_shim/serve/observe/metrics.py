@@ -83,6 +83,13 @@ class _LiveState(Collector):
             )
             cap.add_metric([], budget)
             metrics += [tokens, cap]
+        if c.estimator.promises.fleet is not None:
+            fleet = GaugeMetricFamily(
+                PREFIX + "fleet_replicas",
+                "Most replicas seen refusing one call in the last minute (--fleet-retry-after)",
+            )
+            fleet.add_metric([], c.estimator.promises.replicas)
+            metrics.append(fleet)
         return metrics
 
 
