@@ -107,7 +107,9 @@ ARMS = {
     "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets"), False),
     "budgets": Arm("budgets", Setup("llm_backoff + budgets", "shim", "llm_backoff"), True),
 }
-TARGETS = ("single", "nginx", "haproxy", "nginx+hints", "haproxy+hints")
+TARGETS = (
+    "single", "nginx", "haproxy", "nginx+hints", "haproxy+hints", "nginx+nostart", "haproxy+nostart",
+)  # fmt: skip
 DEFAULT_TARGETS = TARGETS[:3]
 TARGET_LABELS = {
     "single": "one replica",
@@ -115,13 +117,20 @@ TARGET_LABELS = {
     "haproxy": "HAProxy fleet",
     "nginx+hints": "nginx fleet, shared hints",
     "haproxy+hints": "HAProxy fleet, shared hints",
+    "nginx+nostart": "nginx fleet, budgets from each shim's arrival",
+    "haproxy+nostart": "HAProxy fleet, budgets from each shim's arrival",
+}
+#: What a fleet target's suffix adds to every shim's flags.
+TARGET_OPTIONS = {
+    "hints": ("--fleet-retry-after",),  # and --redis-url
+    "nostart": ("--request-start-header", "false"),
 }
 
 
-#: A fleet target's load balancer, and whether its shims share hints (``--fleet-retry-after``).
-def lb_of(target: str) -> tuple[str, bool]:
-    lb, _, hints = target.partition("+")
-    return lb, hints == "hints"
+def lb_of(target: str) -> tuple[str, str]:
+    """A fleet target's load balancer and its option (``''``: the recipe as shipped)."""
+    lb, _, option = target.partition("+")
+    return lb, option
 
 
 # -- CPU of the parts -----------------------------------------------------------------------------
@@ -295,8 +304,10 @@ def drive(
             }
             logs = [lambda: servers[1].log_tail(50_000_000)]
         else:
-            lb, shared = lb_of(target)
-            hint_flags = ["--fleet-retry-after", "--redis-url", redis_url or ""] if shared else []
+            lb, option = lb_of(target)
+            hint_flags = [*TARGET_OPTIONS.get(option, ())]
+            if option == "hints":
+                hint_flags += ["--redis-url", redis_url or ""]
             own_sims = []
             if slow != 1.0:
                 shapes = [dataclasses.replace(shape, itl=shape.itl * slow), *[shape] * (replicas - 1)]
@@ -595,6 +606,8 @@ def save_plot(
         "haproxy": "tab:blue",
         "nginx+hints": "tab:olive",
         "haproxy+hints": "tab:cyan",
+        "nginx+nostart": "tab:orange",
+        "haproxy+nostart": "tab:purple",
     }
     panels = (
         ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
@@ -688,7 +701,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--targets",
         default=",".join(DEFAULT_TARGETS),
         help=f"comma-separated, of {', '.join(TARGETS)} (default %(default)s); '+hints': the shims "
-        "share each call's hints (--fleet-retry-after) in --redis-url",
+        "share each call's hints (--fleet-retry-after) in --redis-url; '+nostart': the shims count "
+        "budgets from their own arrival (--request-start-header false: the stamp ignored)",
     )
     add(
         "--slow-replica",
@@ -725,7 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench_fleet: unknown {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
     for target in targets:
-        lb, shared = lb_of(target)
+        lb, option = lb_of(target)
+        shared = option == "hints"
         if target != "single" and lb_binary(lb) is None:
             print(f"bench_fleet: {lb} is not installed (apt-get install {lb})", file=sys.stderr)
             return 2

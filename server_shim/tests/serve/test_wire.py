@@ -8,7 +8,7 @@ import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.request_path.intake import parse_budget
+from llm_backoff_shim.serve.request_path.intake import parse_budget, parse_request_start, waited_since
 from llm_backoff_shim.serve.request_path.proxy import is_generation
 from llm_backoff_shim.serve.request_path.rejection import client_error, rejection_response, retry_after_header
 
@@ -126,6 +126,24 @@ def test_parse_budget() -> None:
     for bad in ("-1", "nan", "inf", "soon"):
         with pytest.raises(ValueError):  # noqa: PT011 - float() and our own check differ in message
             parse_budget(bad)
+
+
+def test_parse_request_start_reads_each_load_balancers_form() -> None:
+    assert parse_request_start("t=1733352000.123") == pytest.approx(1733352000.123)  # nginx $msec
+    assert parse_request_start("t=1733352000123") == pytest.approx(1733352000.123)  # HAProxy, ms
+    assert parse_request_start("t=1733352000123456") == pytest.approx(1733352000.123456)  # microseconds
+    assert parse_request_start(" 1733352000 ") == 1733352000.0  # no t=
+    for ignored in (None, "", "t=", "soon", "t=-5", "t=0", "t=nan", "t=inf", "t=1e400"):
+        assert parse_request_start(ignored) is None
+
+
+def test_waited_since_counts_only_a_plausible_stamp() -> None:
+    now = 1_000_000.0
+    assert waited_since(None, now) == 0.0
+    assert waited_since(now - 4.5, now) == 4.5
+    assert waited_since(now + 0.5, now) == 0.0  # a little ahead: the clocks differ
+    assert waited_since(now + 5.0, now) == 0.0  # far ahead: not a stamp of this call
+    assert waited_since(now - 7200.0, now) == 0.0  # hours old: not a call in progress
 
 
 def test_generation_endpoints() -> None:

@@ -236,6 +236,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         forwarding=forwarding,
         default_max_tokens=settings.default_max_tokens,
         fleet_hints=fleet_hints,
+        request_start=settings.request_start_header,
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
 

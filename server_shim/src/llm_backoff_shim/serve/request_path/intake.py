@@ -24,6 +24,12 @@ Choices, where the protocol leaves room:
 - Only POSTs to the route table's ``engine`` routes are admission-controlled; their
   ``x-request-class``, ``x-request-timeout-ms`` and ``x-request-timeout-scope`` are
   validated (400 when malformed) only there.
+- A budget (``x-request-timeout-ms``) counts from when the load balancer first saw the call,
+  its ``X-Request-Start`` stamp, when there is one: a call one replica queued and refused
+  that the load balancer then sends to another replica arrives there with what is left of
+  its budget, not all of it (without it, such calls queued again for a whole wait, and
+  callers were refused later than they could use: docs/deploy.md, "A fleet"). Unreadable or
+  implausible stamps are ignored; a caller can only shorten its own budget with one.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -203,6 +210,47 @@ def parse_budget(value: str | None) -> float | None:
     return millis / 1000.0
 
 
+def parse_request_start(value: str | None) -> float | None:
+    """``X-Request-Start`` -> when a load balancer first saw the call, in seconds since the
+    epoch; None when absent or unreadable (the header is a proxy's note, not the caller's
+    request: it is ignored, never refused). ``t=`` is optional; the number is read as
+    seconds (nginx's ``$msec``: ``1733352000.123``), milliseconds (HAProxy's
+    ``date(0,ms)``, New Relic's form) or microseconds (Apache's ``%t``) by its size."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text[:2] in ("t=", "T="):
+        text = text[2:]
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    if not math.isfinite(number) or number <= 0:
+        return None
+    if number > 1e14:
+        return number / 1e6
+    if number > 1e11:
+        return number / 1e3
+    return number
+
+
+#: How far an ``X-Request-Start`` may lie ahead of this host's clock (the two hosts' clocks
+#: differ a little) and how far behind it (older is no load balancer's stamp of a call in
+#: progress) and still count; outside, the call is taken as arriving now.
+REQUEST_START_AHEAD = 1.0
+REQUEST_START_BEHIND = 3600.0
+
+
+def waited_since(start: float | None, now: float) -> float:
+    """Seconds a call stamped ``start`` (``X-Request-Start``) has already waited at ``now``."""
+    if start is None:
+        return 0.0
+    waited = now - start
+    if waited < -REQUEST_START_AHEAD or waited > REQUEST_START_BEHIND:
+        return 0.0
+    return max(0.0, waited)
+
+
 #: ``x-request-timeout-scope`` values: the budget ends when the answer begins, or at its end.
 BUDGET_SCOPES = {"start": True, "end": False}
 
@@ -268,8 +316,13 @@ class Intake:
         max_body_bytes: int,
         body_timeout: float | None = None,
         default_max_tokens: int = 512,
+        request_start: bool = True,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.routes = routes
+        # Count a caller's budget from the load balancer's X-Request-Start (module docstring).
+        self.request_start = request_start
+        self.wall = wall
         self.api_keys = api_keys
         self.hooks = hooks
         self.controller = controller
@@ -358,6 +411,10 @@ class Intake:
             return client_error(
                 f"invalid {name} header: {exc}", param=name, code="invalid_header", reason="invalid_header"
             )
+        if budget is not None and self.request_start:
+            start = parse_request_start(_text_header(headers, b"x-request-start"))
+            if start is not None:
+                budget = max(0.0, budget - waited_since(start, self.wall()))
         retry = parse_retry_count(_text_header(headers, b"x-stainless-retry-count"))
         return AdmissionRequest(
             cls=cls,

@@ -107,6 +107,7 @@ class Proxy:
         forwarding: Forwarding | None = None,
         default_max_tokens: int = 512,
         fleet_hints: FleetHints | None = None,
+        request_start: bool = True,
     ) -> None:
         self.access_log = access_log
         # The fleet's Retry-After for an admission refusal (fleet_hints.py); none: this replica's.
@@ -131,6 +132,7 @@ class Proxy:
             max_body_bytes=max_body_bytes,
             body_timeout=body_timeout,
             default_max_tokens=default_max_tokens,
+            request_start=request_start,
         )
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
         self.on_first_byte = on_first_byte
