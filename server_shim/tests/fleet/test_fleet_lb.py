@@ -275,7 +275,9 @@ def fleet_shared_hints(lb: str) -> Iterator[Fleet]:
         if os.environ.get("CI"):
             pytest.fail("LLM_BACKOFF_TEST_REDIS_URL is not set, and CI must run this test (scripts/test.sh)")
         pytest.skip("LLM_BACKOFF_TEST_REDIS_URL not set")
-    flags = (*ONE_SLOT, "--retry-after-min", "0.05", "--fleet-retry-after", "--redis-url", REDIS_URL)
+    # socket_timeout: a loaded test machine must not fall back to each replica's own hint.
+    url = f"{REDIS_URL}?socket_timeout=5"
+    flags = (*ONE_SLOT, "--retry-after-min", "0.05", "--fleet-retry-after", "--redis-url", url)
     with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=flags) as started:
         yield started
 

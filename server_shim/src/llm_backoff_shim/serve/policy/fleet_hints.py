@@ -16,11 +16,11 @@ record is a hash of replica id to the return time in Redis milliseconds, expirin
 seconds after the last refusal (a call's tries follow each other within milliseconds). It also
 answers how many replicas the record holds, from which :class:`FleetSize` learns the fleet.
 
-Redis is on the refusal path, so it may cost little: each call is given ``timeout`` seconds
-(100 ms), and after a failure the replica answers with its own hint (the documented answer
-without the fleet) for ``pause`` seconds before asking Redis again, so a Redis that hangs
-costs one refusal in ``pause`` a delay, not every one. A call without a request id is answered
-alone.
+Redis is on the refusal path, so it may cost little: each call is given :data:`TIMEOUT`
+(250 ms; ``?socket_timeout=`` in ``--redis-url`` overrides it, as for the quotas), and after a
+failure the replica answers with its own hint (the documented answer without the fleet) for
+``pause`` seconds before asking Redis again, so a Redis that hangs costs one refusal in
+``pause`` a delay, not every one. A call without a request id is answered alone.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from llm_backoff_shim.decide.fleet_size import FleetSize
 
 log = logging.getLogger("llm_backoff_shim.fleet")
 
-#: Seconds a call to Redis may take on the refusal path before the replica answers alone.
-TIMEOUT = 0.1
+#: Seconds a call to Redis may take on the refusal path before the replica answers alone: a
+#: loopback round trip takes well under a millisecond, but the shim's own event loop reads the
+#: reply, and on a loaded 2-core machine 100 ms was exceeded (the fallback then answered alone).
+TIMEOUT = 0.25
 #: Seconds the replica answers alone after Redis failed, before it asks Redis again.
 PAUSE = 1.0
 #: Milliseconds a call's record outlives its last refusal.
