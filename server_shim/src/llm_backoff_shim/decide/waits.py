@@ -63,7 +63,9 @@ class QueueWaits:
         self._reserves: ReservedShares | None = scheduler if isinstance(scheduler, ReservedShares) else None
         self._lanes_at: dict[tuple[str, int], tuple[int, int]] = {}  # see lanes
 
-    def at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1) -> float:
+    def at(
+        self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1
+    ) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` places served before it under
         strict priority, ``in_class`` of them of its own class, and the promised returns of
         ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`);
