@@ -90,7 +90,7 @@ COUNT_FLAGS = (
     "--max-concurrency 12 --max-queue 108 --max-queue-wait 0.75 --interactive-max-queue 5 "
     "--batch-max-queue 103 --batch-max-queue-wait 30 --retry-after-max 5"
 )
-COST_FLAGS = COUNT_FLAGS + " --max-inflight-tokens 5000"
+COST_FLAGS = COUNT_FLAGS + " --max-inflight-tokens 3500"
 
 
 @dataclass(frozen=True)
@@ -275,11 +275,13 @@ def run_arm(
     capacity_calls: float,
     oracle_tokens: int,
     budgets: Budgets,
+    pythons: dict[str, str],
 ) -> tuple[Row, RunResult]:
     with contextlib.ExitStack() as stack:
         front: ChildServer | None = None
         if arm.flags is not None:
-            front = stack.enter_context(shim_server(url, shlex.split(flags[arm.flags])))
+            python = pythons.get(arm.flags)
+            front = stack.enter_context(shim_server(url, shlex.split(flags[arm.flags]), python))
         load = os.getloadavg()[0]
         shown = "" if arm.flags is None else f" [{flags[arm.flags]}]"
         print(f"- {arm.setup.label}{shown}: {len(trace)} calls (machine load {load:.1f})", flush=True)
@@ -410,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the presets-cost2 arm's shim flags: a second cost cap in the same run (default %(default)s)",
     )
     add("--cost2-label", default=None, help="the presets-cost2 arm's label in the table")
+    add(
+        "--cost2-python",
+        default=None,
+        help="the interpreter of the presets-cost2 arm's shim: another install of it (another build)",
+    )
     add(
         "--engine-flags",
         default=FITTED_ENGINE_FLAGS,
@@ -584,8 +591,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     model,
                     flags,
                     calls_per_s,
-                    int(oracle_row["useful_tokens"]),
-                    budgets,  # type: ignore[call-overload]
+                    int(oracle_row["useful_tokens"]),  # type: ignore[call-overload]
+                    budgets,
+                    {"cost2": args.cost2_python} if args.cost2_python else {},
                 )
                 rows.append(row)
                 results.append(result)
