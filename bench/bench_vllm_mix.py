@@ -90,7 +90,7 @@ COUNT_FLAGS = (
     "--max-concurrency 12 --max-queue 108 --max-queue-wait 0.75 --interactive-max-queue 5 "
     "--batch-max-queue 103 --batch-max-queue-wait 30 --retry-after-max 5"
 )
-COST_FLAGS = COUNT_FLAGS + " --max-inflight-tokens 3500"
+COST_FLAGS = COUNT_FLAGS + " --max-inflight-tokens 5000"
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,9 @@ def diagnose(result: RunResult) -> dict[str, object]:
                 statistics.fmean(s.proxy_in_flight_by_class.get(cls, 0) for s in samples), 2
             )
         out["shim_queued_mean"] = round(statistics.fmean(s.proxy_queued or 0 for s in samples), 2)
+        held = [sum(s.proxy_in_flight_by_class.values()) for s in samples]
+        out["shim_in_flight_max"] = max(held)
+        out["shim_at_its_max_share"] = round(sum(h >= max(held) for h in held) / len(held), 3)
         out["engine_running_mean"] = round(statistics.fmean(s.engine_running or 0 for s in samples), 2)
         out["engine_waiting_mean"] = round(statistics.fmean(s.engine_waiting or 0 for s in samples), 2)
     places = idle_places(result, SLOTS)
