@@ -265,7 +265,6 @@ def run_cell(
     return result, cell
 
 
-
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 

@@ -15,7 +15,8 @@ and the shims on CPU 0, and plays one seeded trace (``real_vllm.mix``) against e
   through the shim with ``--count-flags``, the request-count cap sized for chat as
   calibrate recommends it), ``presets-count`` (the SDK's presets through that same shim)
   and ``presets-cost`` (the SDK's presets through the shim with ``--cost-flags``, the
-  cost-aware cap);
+  cost-aware cap); ``presets-cost2`` is the same with ``--cost2-flags``, to set two cost
+  caps side by side on one trace;
 - the oracle: the simulator's engine model with the flags fitted to this vLLM
   (``--engine-flags``, from ``bench/real_vllm/probe.py``) and an earliest-deadline-first
   scheduler that knows every call's cost (``real_vllm.mix.oracle``), on the same trace.
@@ -67,7 +68,7 @@ from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, vllm_server
-from real_vllm.measures import idle_slot_share, wasted_share
+from real_vllm.measures import idle_places, idle_slot_share, wasted_share
 from real_vllm.mix import Budgets, Mix, MixCall, MixWorkload, capacity, mix_trace, oracle, p99
 
 LOAD_CPU = 0
@@ -110,6 +111,11 @@ ARMS = {
     "presets-cost": Arm(
         "presets-cost", Setup("llm_backoff presets, shim (cost cap)", "shim", "llm_backoff_presets"), "cost"
     ),
+    "presets-cost2": Arm(
+        "presets-cost2",
+        Setup("llm_backoff presets, shim (cost cap, second flags)", "shim", "llm_backoff_presets"),
+        "cost2",
+    ),
 }
 
 
@@ -133,6 +139,8 @@ class Row:
     engine_busy: float | None
     idle_caller_waiting: float | None
     load: float
+    #: Why the engine idles (:func:`diagnose`).
+    diagnostics: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 def engine_params(flags: str) -> EngineParams:
@@ -219,6 +227,45 @@ def row_of(
     )
 
 
+def diagnose(result: RunResult) -> dict[str, object]:
+    """What an arm's shim held and refused: answer tokens asked for (``max_tokens``) beside
+    those received, the shim's cost in flight (mean and share of samples within a chat's cost
+    of the budget), requests in flight per class, and the refusals per class and code."""
+    served = [r for r in result.calls if r.ok]
+    asked = sum(r.max_tokens or 0 for r in served)
+    got = sum(r.tokens for r in served)
+    samples = [s for s in result.samples if s.proxy_in_flight_by_class]
+    tokens = [s.proxy_in_flight_tokens for s in samples if s.proxy_in_flight_tokens is not None]
+    refusals: dict[str, int] = {}
+    for r in result.calls:
+        for a in r.attempts:
+            if a.status is not None and a.status >= 400:
+                key = f"{r.cls}:{a.code or a.status}"
+                refusals[key] = refusals.get(key, 0) + 1
+    out: dict[str, object] = {
+        "answer_tokens_asked": asked,
+        "answer_tokens_received": got,
+        "refusals": refusals,
+    }
+    if samples:
+        for cls in ("interactive", "batch"):
+            out[f"in_flight_{cls}_mean"] = round(
+                statistics.fmean(s.proxy_in_flight_by_class.get(cls, 0) for s in samples), 2
+            )
+        out["shim_queued_mean"] = round(statistics.fmean(s.proxy_queued or 0 for s in samples), 2)
+        held = [sum(s.proxy_in_flight_by_class.values()) for s in samples]
+        out["shim_in_flight_max"] = max(held)
+        out["shim_at_its_max_share"] = round(sum(h >= max(held) for h in held) / len(held), 3)
+        out["engine_running_mean"] = round(statistics.fmean(s.engine_running or 0 for s in samples), 2)
+        out["engine_waiting_mean"] = round(statistics.fmean(s.engine_waiting or 0 for s in samples), 2)
+    places = idle_places(result, SLOTS)
+    if places is not None:
+        out["idle_while_caller"] = {k: round(v, 3) for k, v in places.items()}
+    if tokens:
+        out["in_flight_tokens_mean"] = round(statistics.fmean(tokens))
+        out["in_flight_tokens_p90"] = sorted(tokens)[int(0.9 * (len(tokens) - 1))]
+    return out
+
 
 def run_arm(
     arm: Arm,
@@ -231,11 +278,13 @@ def run_arm(
     capacity_calls: float,
     oracle_tokens: int,
     budgets: Budgets,
+    pythons: dict[str, str],
 ) -> tuple[Row, RunResult]:
     with contextlib.ExitStack() as stack:
         front: ChildServer | None = None
         if arm.flags is not None:
-            front = stack.enter_context(shim_server(url, shlex.split(flags[arm.flags])))
+            python = pythons.get(arm.flags)
+            front = stack.enter_context(shim_server(url, shlex.split(flags[arm.flags]), python))
         load = os.getloadavg()[0]
         shown = "" if arm.flags is None else f" [{flags[arm.flags]}]"
         print(f"- {arm.setup.label}{shown}: {len(trace)} calls (machine load {load:.1f})", flush=True)
@@ -264,6 +313,7 @@ def run_arm(
     row = row_of(
         arm, result, trace, oracle_tokens, budgets,
         wasted_prompt_tokens=max(0, int(prefilled) - served_prompts), load=load,
+        diagnostics=diagnose(result),
     )  # fmt: skip
     print(
         f"  useful {row.useful_tokens} tokens ({row.of_oracle:.2f} of the oracle's), chat "
@@ -273,7 +323,7 @@ def run_arm(
         f"{row.burst_chat_in_budget}/{row.burst_chat_calls}, p99 {row.burst_chat_ttft_p99:.2f} s), long "
         f"{row.long_served}/{row.long_calls}, engine busy {_pct(row.engine_busy)}, answer tokens wasted "
         f"{_pct(row.wasted_answer_share)}, prompt tokens wasted {row.wasted_prompt_tokens} "
-        f"({result.elapsed:.0f} s)",
+        f"({result.elapsed:.0f} s)\n  diagnostics {json.dumps(row.diagnostics)}",
         flush=True,
     )
     return row, result
@@ -360,6 +410,17 @@ def build_parser() -> argparse.ArgumentParser:
     add("--count-flags", default=COUNT_FLAGS, help="the count-cap shim's flags (default %(default)s)")
     add("--cost-flags", default=COST_FLAGS, help="the cost-cap shim's flags (default %(default)s)")
     add(
+        "--cost2-flags",
+        default=COST_FLAGS,
+        help="the presets-cost2 arm's shim flags: a second cost cap in the same run (default %(default)s)",
+    )
+    add("--cost2-label", default=None, help="the presets-cost2 arm's label in the table")
+    add(
+        "--cost2-python",
+        default=None,
+        help="the interpreter of the presets-cost2 arm's shim: another install of it (another build)",
+    )
+    add(
         "--engine-flags",
         default=FITTED_ENGINE_FLAGS,
         help="the sim's flags of the oracle (default %(default)s)",
@@ -430,14 +491,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     burst = args.burst if args.burst is not None else (4 if args.quick else 8)
     budgets = Budgets()
     params = engine_params(args.engine_flags)
-    flags = {"count": args.count_flags, "cost": args.cost_flags}
-    if any(a.flags == "cost" for a in arms) and "--max-inflight-tokens" in args.cost_flags:
+    flags = {"count": args.count_flags, "cost": args.cost_flags, "cost2": args.cost2_flags}
+    if args.cost2_label:
+        arms = [
+            dataclasses.replace(a, setup=dataclasses.replace(a.setup, label=args.cost2_label))
+            if a.name == "presets-cost2"
+            else a
+            for a in arms
+        ]
+    if any(a.flags in ("cost", "cost2") for a in arms) and "--max-inflight-tokens" in args.cost_flags:
         probe = cli_command("serve", "--help")
         import subprocess
 
         if "--max-inflight-tokens" not in subprocess.run(probe, capture_output=True, text=True).stdout:
             print("bench_vllm_mix: this shim has no --max-inflight-tokens; skipping presets-cost", flush=True)
-            arms = [a for a in arms if a.flags != "cost"]
+            arms = [a for a in arms if a.flags not in ("cost", "cost2")]
     started = time.monotonic()
     pinned = LOAD_CPU in os.sched_getaffinity(0) and len(os.sched_getaffinity(0)) >= 2
     if pinned:
@@ -526,8 +594,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     model,
                     flags,
                     calls_per_s,
-                    int(oracle_row["useful_tokens"]),
-                    budgets,  # type: ignore[call-overload]
+                    int(oracle_row["useful_tokens"]),  # type: ignore[call-overload]
+                    budgets,
+                    {"cost2": args.cost2_python} if args.cost2_python else {},
                 )
                 rows.append(row)
                 results.append(result)

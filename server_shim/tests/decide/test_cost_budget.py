@@ -98,10 +98,35 @@ def test_a_higher_class_is_served_past_a_lower_class_head_that_does_not_fit(make
     long_prompt = ticket(c.submit(req(800, "batch")))
     chat = ticket(c.submit(req(200, "interactive")))
     assert (long_prompt.state, chat.state) == (TicketState.QUEUED, TicketState.ADMITTED)
-    # A second long prompt queues behind the first; chat keeps flowing while the budget allows.
+    # A second long prompt queues behind the first; chat keeps flowing: it counts its own
+    # class's cost (200 + 500 + 200), not the long prompt's, up to the count cap of 4.
     ticket(c.submit(req(800, "batch")))
-    assert ticket(c.submit(req(100, "interactive"))).state is TicketState.ADMITTED
-    assert ticket(c.submit(req(100, "interactive"))).state is TicketState.QUEUED  # 1100 > 1000
+    assert ticket(c.submit(req(500, "interactive"))).state is TicketState.ADMITTED
+    assert ticket(c.submit(req(200, "interactive"))).state is TicketState.ADMITTED
+    assert c.in_flight_tokens() == 1600  # the whole budget and more: chat past batch's share
+    assert (c.in_flight_tokens("interactive"), c.in_flight_tokens("batch")) == (900, 700)
+
+
+def test_a_class_counts_its_own_cost_and_the_higher_classes_not_the_lower(make: MakeController) -> None:
+    c, _ = make(limit=8, token_budget=1000)
+    chats = [ticket(c.submit(req(300))) for _ in range(3)]
+    # Batch counts everything in flight: 900 + 300 > 1000.
+    batch = ticket(c.submit(req(300, "batch")))
+    assert batch.state is TicketState.QUEUED
+    # Chat counts its own: 900 + 200 > 1000 too, so it queues (first the chat queue, then batch).
+    late_chat = ticket(c.submit(req(200)))
+    assert late_chat.state is TicketState.QUEUED
+    # 600 + 200 for chat; batch then counts 800 + 300 > 1000 and waits.
+    assert c.release(chats[0], Outcome.COMPLETED).admitted == [late_chat]
+    assert c.release(chats[1], Outcome.COMPLETED).admitted == [batch]  # 500 + 300 in all
+    assert c.in_flight_tokens() == 800
+
+
+def test_chat_alone_is_held_to_the_budget(make: MakeController) -> None:
+    c, _ = make(token_budget=1000)
+    first = ticket(c.submit(req(600)))
+    second = ticket(c.submit(req(600)))
+    assert (first.state, second.state) == (TicketState.ADMITTED, TicketState.QUEUED)
 
 
 def test_a_blocked_class_with_requests_in_flight_lets_the_others_go_even_under_its_minimum_share(
@@ -122,8 +147,9 @@ def test_a_blocked_class_with_requests_in_flight_lets_the_others_go_even_under_i
     assert late_chat.state is TicketState.QUEUED
     assert c.release(chats[0], Outcome.COMPLETED).admitted == []
     assert c.release(chats[1], Outcome.COMPLETED).admitted == []
-    assert c.release(chats[2], Outcome.COMPLETED).admitted == [second]  # 200 + 800
-    assert c.release(chats[3], Outcome.COMPLETED).admitted == [late_chat]  # 100 + 800 + 100
+    # 200 + 800 for batch; the chat behind it counts chat's own cost (200 + 100).
+    assert c.release(chats[2], Outcome.COMPLETED).admitted == [second, late_chat]
+    assert c.in_flight_tokens() == 1100
 
 
 @pytest.mark.parametrize("outcome", list(Outcome))

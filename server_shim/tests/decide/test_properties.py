@@ -6,8 +6,9 @@
   waiting, first come first served within a class (whatever placement does across
   classes), every admitted request released
   exactly once, every ticket ends in exactly one final state; with a cost budget (drawn, or
-  none), the cost in flight is the admitted requests' and stays within it unless one request
-  runs alone, and comes back to zero whatever the mix of outcomes;
+  none), the cost in flight is the admitted requests' (in all and per class), each class's
+  own stays within the budget unless one of its requests runs alone, and it comes back to
+  zero whatever the mix of outcomes;
 - the request-target check: whatever the encoding tricks, an accepted path stays
   under ``/v1/`` even for an upstream that decodes once more;
 - the Retry-After the shim writes is read back by the SDK as the same estimate.
@@ -165,9 +166,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         running = [t for t in self.tickets if t.state is TicketState.ADMITTED]
         assert c.in_flight_tokens() == sum(t.request.cost for t in running)
         tokens = self.settings.max_inflight_tokens
-        if tokens is not None and sum(t.request.cost > 0 for t in running) > 1:
-            # Over the budget only alone: beside requests that cost nothing at most.
-            assert c.in_flight_tokens() <= tokens, "over the cost budget with more than one in flight"
+        for cls in CLASSES:
+            mine = [t for t in running if t.cls == cls]
+            assert c.in_flight_tokens(cls) == sum(t.request.cost for t in mine)
+            if tokens is not None and sum(t.request.cost > 0 for t in mine) > 1:
+                # A class's own cost over the budget only alone: beside requests that cost
+                # nothing at most (each admission counts its class's and the higher classes').
+                assert c.in_flight_tokens(cls) <= tokens, f"{cls} over the cost budget, not alone"
         # Nobody admitted after its queue deadline.
         for t in self.tickets:
             if t.admitted_at is not None:

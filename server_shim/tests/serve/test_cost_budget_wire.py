@@ -1,6 +1,7 @@
 """End-to-end: the cost budget (``--max-inflight-tokens``) of a real shim on loopback before the
-simulator. A burst of long prompts waits in the shim while chat is still admitted up to the
-budget; with the request cap alone, the whole burst goes to the engine.
+simulator. A burst of long prompts waits in the shim while chat is still admitted, counting its
+own cost against the budget (not batch's), up to the budget; with the request cap alone, the
+whole burst goes to the engine.
 
 The simulator answers slowly (one token a second), so every request admitted stays in flight
 while the test reads the shim's state; the test then hangs up. Counts only, no latency.
@@ -25,7 +26,7 @@ CHAT = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content":
 LONG = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 8000}]}
 CHAT_COST = request_cost(CHAT, 512).tokens  # 10 + 4 + 50
 LONG_COST = request_cost(LONG, 512).tokens  # 2000 + 4 + 50
-CHATS, LONGS = 20, 4
+CHATS, LONGS = 60, 4
 
 
 @pytest.fixture
@@ -92,12 +93,13 @@ def _gauge(metrics: str, name: str) -> float:
 def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
-    shim = make_shim(slow_sim.url, max_concurrency=32, max_queue=30, max_inflight_tokens=BUDGET)
+    shim = make_shim(slow_sim.url, max_concurrency=80, max_queue=40, max_inflight_tokens=BUDGET)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     # One long prompt fits; the other three wait in the shim, whose slots are mostly free.
     assert _counts(state, "batch") == (1, LONGS - 1)
-    # Chat is admitted as long as the budget allows beside it, and no further.
-    admitted = (BUDGET - LONG_COST) // CHAT_COST
+    # Chat, the higher class, counts its own cost: admitted while chat's fits the budget, beside
+    # the long prompt's, and no further.
+    admitted = BUDGET // CHAT_COST
     assert 0 < admitted < CHATS
     assert _counts(state, "interactive") == (admitted, CHATS - admitted)
     in_flight_tokens = LONG_COST + admitted * CHAT_COST
@@ -110,7 +112,7 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
 def test_with_the_request_cap_alone_the_whole_burst_reaches_the_engine(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
-    shim = make_shim(slow_sim.url, max_concurrency=32, max_queue=30)
+    shim = make_shim(slow_sim.url, max_concurrency=80, max_queue=40)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     assert received == LONGS + CHATS
     assert (_counts(state, "batch"), _counts(state, "interactive")) == ((LONGS, 0), (CHATS, 0))

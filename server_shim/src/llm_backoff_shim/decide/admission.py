@@ -34,7 +34,18 @@ drops at the pump a queued request whose wait or budget ran out, or whose remain
 longer covers the service it needs: the engine would only do work its own deadline cuts.
 
 With a cost budget, the class the scheduler picks is served only when its queue head fits the
-budget (:meth:`TokenBudget.fits`); nothing behind a head that does not fit in its class passes
+budget (:meth:`TokenBudget.fits`) beside the cost its own class and the classes above it hold
+in flight: the lowest class (batch) counts everything in flight, the highest (interactive)
+only its own. Long prompts of a lower class then wait while the budget is taken, by anyone,
+and never hold it against chat: a chat is refused a slot only by chat's own cost (or the
+count cap), so it keeps the engine's free sequences filled while long prompts queue. Measured
+on the real vLLM with chat beside long prompts (docs/benchmarks.md, 'Long prompts beside
+chat'): with every class counting all the cost, two long prompts in flight held the budget,
+chat queued and was refused at the shim while the engine ran 5 of its 8 sequences. The
+price: the cost in flight may pass the budget by what the higher classes hold (at most the
+budget each), so the budget bounds what the lowest class may add, not the engine's KV cache
+(the engine's own saturation gate, ``--max-kv-cache``, watches that).
+Nothing behind a head that does not fit in its class passes
 it: first come, first served holds within a class at admission as in placement, so a cheap
 request does not pass a queued expensive one, which would otherwise wait for as long as
 cheap ones keep the budget full (starved, not just late). What the other classes may do
@@ -118,6 +129,10 @@ class AdmissionController:
         self._returning_first = returning_first
         self._limit = limit
         self._budget = token_budget
+        # The classes whose cost a request of each class counts against the budget: its own
+        # and those above it (module docstring); the lowest class counts every class's.
+        self._at_or_above = {c: self._classes[: i + 1] for i, c in enumerate(self._classes)}
+        self._lowest = self._classes[-1]
         self._estimator = estimator
         self._clock = clock
         self._scheduler: ClassScheduler = scheduler or StrictPriority()
@@ -159,10 +174,11 @@ class AdmissionController:
         """The cost budget in KV-cache tokens; None without one (the count cap alone)."""
         return None if self._budget is None else self._budget.tokens
 
-    def in_flight_tokens(self) -> int:
-        """Cost of the requests holding a slot, in KV-cache tokens (0 without a cost budget
-        unless the requests were priced anyway)."""
-        return self._held.tokens
+    def in_flight_tokens(self, cls: str | None = None) -> int:
+        """Cost of the requests holding a slot (of ``cls``, or of every class), in KV-cache
+        tokens (0 without a cost budget unless the requests were priced anyway)."""
+        held = self._held
+        return held.tokens if cls is None else held.tokens_per_class[cls]
 
     @property
     def estimator(self) -> DrainEstimator:
@@ -501,10 +517,15 @@ class AdmissionController:
         return dispatch
 
     def _fits(self, request: AdmissionRequest) -> bool:
-        """Whether ``request``'s cost fits the cost budget beside what is in flight (always,
-        without a budget)."""
+        """Whether ``request``'s cost fits the cost budget beside what its own class and the
+        classes above it hold in flight (always, without a budget; module docstring)."""
         budget = self._budget
-        return budget is None or budget.fits(self._held.tokens, request.cost)
+        if budget is None:
+            return True
+        held = self._held
+        cls = request.cls
+        in_flight = held.tokens if cls == self._lowest else held.tokens_of(self._at_or_above[cls])
+        return budget.fits(in_flight, request.cost)
 
     def _places(self, request: AdmissionRequest) -> int:
         """Queue places ``request`` stands for in a wait estimate (:meth:`TokenBudget.places`)."""

@@ -21,7 +21,7 @@ from llm_backoff_shim.decide.tickets import Ticket, TicketState
 class HeldSlots:
     """Slots taken by admitted tickets (module docstring)."""
 
-    __slots__ = ("admitted", "per_class", "tokens", "total")
+    __slots__ = ("admitted", "per_class", "tokens", "tokens_per_class", "total")
 
     def __init__(self, classes: Sequence[str]) -> None:
         self.per_class: dict[str, int] = dict.fromkeys(classes, 0)
@@ -29,8 +29,9 @@ class HeldSlots:
         self.total = 0
         #: Admission times of the tickets holding a slot, ascending.
         self.admitted: list[float] = []
-        #: Cost of the requests holding a slot, in KV-cache tokens.
+        #: Cost of the requests holding a slot, in KV-cache tokens, in all and per class.
         self.tokens = 0
+        self.tokens_per_class: dict[str, int] = dict.fromkeys(classes, 0)
 
     def take(self, ticket: Ticket, now: float) -> None:
         """Admit ``ticket`` at ``now``: it holds a slot until :meth:`give_back`."""
@@ -39,6 +40,7 @@ class HeldSlots:
         self.per_class[ticket.cls] += 1
         self.total += 1
         self.tokens += ticket.request.cost
+        self.tokens_per_class[ticket.cls] += ticket.request.cost
         bisect.insort(self.admitted, now)
 
     def give_back(self, ticket: Ticket) -> None:
@@ -46,6 +48,12 @@ class HeldSlots:
         self.per_class[ticket.cls] -= 1
         self.total -= 1
         self.tokens -= ticket.request.cost
+        self.tokens_per_class[ticket.cls] -= ticket.request.cost
         assert ticket.admitted_at is not None
         # Only the times matter, so any entry equal to this ticket's is the one to drop.
         del self.admitted[bisect.bisect_left(self.admitted, ticket.admitted_at)]
+
+    def tokens_of(self, classes: Sequence[str]) -> int:
+        """Cost held by the requests of ``classes``."""
+        per_class = self.tokens_per_class
+        return sum(per_class[c] for c in classes)

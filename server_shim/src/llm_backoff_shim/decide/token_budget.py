@@ -3,10 +3,12 @@
 Beside the concurrency limit (:mod:`llm_backoff_shim.decide.limit`), which counts requests,
 a :class:`TokenBudget` weighs each request by its cost (:mod:`llm_backoff_shim.decide.cost`:
 prompt tokens plus ``max_tokens``). With a budget, a request is admitted only while the count
-cap holds AND the cost in flight plus its own stays within the budget; the admission
-controller asks :meth:`TokenBudget.fits` beside the limit and keeps the cost in flight with
-the slots (:class:`~llm_backoff_shim.decide.slots.HeldSlots`), so every ticket outcome gives
-its cost back with its slot.
+cap holds AND the cost in flight it is weighed against plus its own stays within the budget;
+the admission controller asks :meth:`TokenBudget.fits` beside the limit with the cost its
+request's class and the classes above it hold (:mod:`llm_backoff_shim.decide.admission` says
+why), and keeps the cost in flight, per class, with the slots
+(:class:`~llm_backoff_shim.decide.slots.HeldSlots`), so every ticket outcome gives its cost
+back with its slot.
 
 A request costing more than the whole budget is admitted alone: once nothing else holds any
 of the budget, it fits (and while it runs, nothing else does). It is not refused: the shim

@@ -125,6 +125,11 @@ class Sample:
     #: In a fleet, each replica's (engine running, engine waiting, shim queued, shim in flight),
     #: in replica order (None where unread); the fields above are their sums. Empty otherwise.
     replicas: tuple[tuple[int | None, int | None, int | None, int | None], ...] = ()
+    #: A shim with a cost budget: the cost it holds in flight (``/shim/state``'s
+    #: ``in_flight_tokens``, summed over shims); None without one.
+    proxy_in_flight_tokens: int | None = None
+    #: Requests in flight per class at the shim(s); empty when unread.
+    proxy_in_flight_by_class: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

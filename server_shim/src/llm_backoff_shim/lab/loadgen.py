@@ -228,6 +228,7 @@ class LoadRun:
             started = self.clock()
             running, waiting = await probe.occupancy()
             shims: list[tuple[int | None, int | None]] = []
+            states: list[dict[str, Any] | None] = []
             if sample_shims:
                 states = await asyncio.gather(
                     *(probe.get_json(url + "/shim/state") for url in self.shim_urls)
@@ -243,7 +244,10 @@ class LoadRun:
                 replicas = tuple((r, w, q, f) for (r, w), (q, f) in zip(probe.last, shim_of, strict=False))
             # Stamped when the answers are in: under a burst the poll itself can wait
             # a while for the event loop, and the state it reports is the later one.
-            self.samples.append(Sample(self.clock(), running, waiting, queued, in_flight, replicas))
+            tokens, by_class = _shim_cost(states)
+            self.samples.append(
+                Sample(self.clock(), running, waiting, queued, in_flight, replicas, tokens, by_class)
+            )
             await asyncio.sleep(max(0.0, SAMPLE_EVERY - (self.clock() - started)))
 
     async def _report(self) -> None:
@@ -275,6 +279,21 @@ def _shim_load(state: dict[str, Any] | None) -> tuple[int | None, int | None]:
         return None, None
     classes = state.get("classes", {}).values()
     return sum(int(c.get("queued", 0)) for c in classes), sum(int(c.get("in_flight", 0)) for c in classes)
+
+
+def _shim_cost(states: Sequence[dict[str, Any] | None]) -> tuple[int | None, dict[str, int]]:
+    """The cost in flight (None unless every shim reports one) and the requests in flight per
+    class, summed over the shims' ``/shim/state``."""
+    tokens: int | None = 0 if states else None
+    by_class: dict[str, int] = {}
+    for state in states:
+        if state is None:
+            return None, {}
+        held = state.get("in_flight_tokens")
+        tokens = None if held is None or tokens is None else tokens + int(held)
+        for cls, c in state.get("classes", {}).items():
+            by_class[cls] = by_class.get(cls, 0) + int(c.get("in_flight", 0))
+    return tokens, by_class
 
 
 async def _within(call: Coroutine[Any, Any, None], seconds: float) -> None:

@@ -65,9 +65,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return bound
 
 
-def cli_command(subcommand: str, *args: str) -> list[str]:
-    """``python -m llm_backoff_shim.cli <subcommand> ...`` with this very interpreter."""
-    return [sys.executable, "-m", "llm_backoff_shim.cli", subcommand, *args]
+def cli_command(subcommand: str, *args: str, python: str | None = None) -> list[str]:
+    """``python -m llm_backoff_shim.cli <subcommand> ...`` with this very interpreter, or with
+    ``python`` (another install of the shim, to set two builds side by side)."""
+    return [python or sys.executable, "-m", "llm_backoff_shim.cli", subcommand, *args]
 
 
 def is_healthy(url: str) -> bool:
@@ -244,8 +245,11 @@ def sim_server(sim_flags: Sequence[str]) -> ChildServer:
     )
 
 
-def shim_server(upstream: ChildServer | str, shim_flags: Sequence[str]) -> ChildServer:
-    """A shim in front of ``upstream`` (a server, whose URL is read when the shim is launched, or a URL)."""
+def shim_server(
+    upstream: ChildServer | str, shim_flags: Sequence[str], python: str | None = None
+) -> ChildServer:
+    """A shim in front of ``upstream`` (a server, whose URL is read when the shim is launched, or a
+    URL); ``python``: the interpreter whose install of the shim runs (:func:`cli_command`)."""
     return ChildServer(
         "shim",
         lambda port: cli_command(
@@ -259,6 +263,7 @@ def shim_server(upstream: ChildServer | str, shim_flags: Sequence[str]) -> Child
             "--log-level",
             "warning",
             *shim_flags,
+            python=python,
         ),
     )
 

@@ -76,7 +76,8 @@ class ShimSettings(BaseSettings):
         ge=1,
         le=1_000_000_000,
         description="most KV-cache tokens the generation requests in flight may hold together, each "
-        "counted as its prompt (estimated: UTF-8 bytes / 4) plus its max_tokens; a request costing more "
+        "counted as its prompt (estimated: UTF-8 bytes / 4) plus its max_tokens; a request counts what its "
+        "own class and the higher classes hold (batch: everything, interactive: its own); one costing more "
         "is admitted alone (none: the request count cap alone; docs/shim.md, cost budget)",
     )
     default_max_tokens: int = Field(
