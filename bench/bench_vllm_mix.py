@@ -138,6 +138,11 @@ class Row:
     wasted_prompt_tokens: int | None
     engine_busy: float | None
     idle_caller_waiting: float | None
+    #: While calls arrived: mean running sequences over the slots, and the share of samples
+    #: with any sequence running (the engine stepping: with long prompts a step is a prefill
+    #: chunk beside fewer sequences, so fewer running does not mean an idle engine).
+    busy_while_arriving: float | None
+    stepping_while_arriving: float | None
     load: float
     #: Why the engine idles (:func:`diagnose`).
     diagnostics: dict[str, object] = dataclasses.field(default_factory=dict)
@@ -206,6 +211,10 @@ def row_of(
 
     useful = sum(r.tokens for r in chats if chat_ok(r)) + sum(r.tokens for r in longs if r.ok)
     running = [s.engine_running for s in result.samples if s.engine_running is not None]
+    last_arrival = max((c.at for c in calls), default=0.0)
+    arriving = [
+        s.engine_running for s in result.samples if s.engine_running is not None and s.t <= last_arrival
+    ]
     return Row(
         arm=arm.name,
         label=arm.setup.label,
@@ -223,6 +232,8 @@ def row_of(
         wasted_answer_share=wasted_share(result),
         engine_busy=statistics.fmean(running) / SLOTS if running else None,
         idle_caller_waiting=idle_slot_share(result, SLOTS),
+        busy_while_arriving=statistics.fmean(arriving) / SLOTS if arriving else None,
+        stepping_while_arriving=sum(n > 0 for n in arriving) / len(arriving) if arriving else None,
         **extra,  # type: ignore[arg-type]
     )
 
@@ -321,8 +332,9 @@ def run_arm(
         f"{row.chat_ttft_p99:.2f} s, "
         f"{row.chat_no_first_token} never served; burst "
         f"{row.burst_chat_in_budget}/{row.burst_chat_calls}, p99 {row.burst_chat_ttft_p99:.2f} s), long "
-        f"{row.long_served}/{row.long_calls}, engine busy {_pct(row.engine_busy)}, answer tokens wasted "
-        f"{_pct(row.wasted_answer_share)}, prompt tokens wasted {row.wasted_prompt_tokens} "
+        f"{row.long_served}/{row.long_calls}, engine busy {_pct(row.engine_busy)} (while calls arrived "
+        f"{_pct(row.busy_while_arriving)}, stepping {_pct(row.stepping_while_arriving)}), answer tokens "
+        f"wasted {_pct(row.wasted_answer_share)}, prompt tokens wasted {row.wasted_prompt_tokens} "
         f"({result.elapsed:.0f} s)\n  diagnostics {json.dumps(row.diagnostics)}",
         flush=True,
     )
@@ -341,8 +353,9 @@ def markdown(rows: Sequence[Row], oracle_row: dict[str, object]) -> str:
     lines = [
         "| arm | useful tokens | of the oracle's | chat within 5 s TTFT | chat TTFT p99, served | "
         "chat never served | burst: chat within budget | burst: chat TTFT p99, served | long-prompt calls "
-        "served | answer tokens wasted | prompt tokens wasted | engine busy |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "served | answer tokens wasted | prompt tokens wasted | engine busy | while calls arrived: busy, "
+        "stepping |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
@@ -351,14 +364,15 @@ def markdown(rows: Sequence[Row], oracle_row: dict[str, object]) -> str:
             f"| {_s(r.chat_ttft_p99)} | {r.chat_no_first_token} | "
             f"{r.burst_chat_in_budget}/{r.burst_chat_calls} | "
             f"{_s(r.burst_chat_ttft_p99)} | {r.long_served}/{r.long_calls} | {_pct(r.wasted_answer_share)} | "
-            f"{r.wasted_prompt_tokens / 1000:.1f}k | {_pct(r.engine_busy)} |"
+            f"{r.wasted_prompt_tokens / 1000:.1f}k | {_pct(r.engine_busy)} | "
+            f"{_pct(r.busy_while_arriving)}, {_pct(r.stepping_while_arriving)} |"
         )
     o = oracle_row
     lines.append(
         f"| oracle (EDF on the fitted engine model) | {int(o['useful_tokens']) / 1000:.1f}k | 1.00 | "  # type: ignore[call-overload]
         f"{o['chat_served']}/{o['chat_offered']} | {_s(float(o['chat_ttft_p99']))} | "
         f"{o['chat_never']} | | | "  # type: ignore[arg-type]
-        f"{o['long_served']}/{o['long_offered']} | | | |"
+        f"{o['long_served']}/{o['long_offered']} | | | | |"
     )
     return "\n".join(lines)
 
