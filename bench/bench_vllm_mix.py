@@ -24,12 +24,14 @@ and the shims on CPU 0, and plays one seeded trace (``real_vllm.mix``) against e
   workers, ``real_vllm.capacity``), beside the model's, for chat alone, long prompts alone
   and the mix; ``--capacity-calls-per-s`` states it instead.
 
-Per arm: useful tokens (and of the oracle's), chat calls within budget, chat TTFT p99
-(calls that never saw a first token count as past any budget) over the run and over the
-burst (chat calls arriving in the 10 s after it), long-prompt calls served, engine work
-wasted (answer tokens vLLM generated that no completed call received; prompt tokens it
-prefilled for calls that were not served), and the engine's busy share (mean running
-sequences over 8, sampled). Writes ``docs/img/real-vllm-mix.{png,json,md}``.
+Per arm: useful tokens (and of the oracle's), chat calls within budget, chat TTFT p99 of
+the chats served (those that never saw a first token are counted apart, "never served") over
+the run and over the burst (chat calls arriving in the 10 s after it, with how many of them
+were served within budget), long-prompt calls served, engine work wasted (answer tokens vLLM
+generated that no completed call received; prompt tokens it prefilled for calls that were
+not served), and the engine's busy share (mean running sequences over 8, sampled) over the
+whole run and while calls arrived, with the share of those samples in which the engine ran
+any sequence. Writes ``docs/img/real-vllm-mix.{png,json,md}``.
 """
 
 from __future__ import annotations
