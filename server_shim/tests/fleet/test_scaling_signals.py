@@ -235,7 +235,14 @@ def rule_queries() -> list[Query]:
     for group in groups:
         for rule in group["rules"]:
             if "record" in rule:
-                out.append(Query(f"rule {rule['record']}", rule["record"]))
+                record = rule["record"]
+                if "queue_depth" in record:
+                    # A level the callers hold by re-sending: in one evaluation a queue can be
+                    # caught between a call's end and its caller's next one (seen on a loaded
+                    # CI machine: 2 read as 0). The median of what the rule recorded over the
+                    # rate window is the level the load was designed to hold.
+                    record = f"quantile_over_time(0.5, {record}[{RATE_INTERVAL}])"
+                out.append(Query(f"rule {rule['record']}", record))
             else:
                 out.append(Query(f"alert {rule['alert']}", rule["expr"]))
     return out
@@ -341,11 +348,21 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
         for i, queued in enumerate(QUEUED):
             assert queued - 1 <= got[i] <= queued, (name, got)
 
-    def time_to_drain(values: dict[str, float]) -> None:
+    def time_to_drain(values: dict[str, float], dips: int = 0) -> None:
+        """Each replica's queue over its drain rate; ``dips``: how far below its level a queue
+        may be caught in the one evaluation a recorded series was taken from (a caller between
+        two calls; the median over a window, as for the queue depths, is no help here: the
+        drain rate's average was still rising over the window)."""
         got = per_replica(values)
         for i, queued in enumerate(QUEUED):
-            near(got[i], queued / seen.drain[i], RATE_REL, f"{name} replica {i}")
-        assert got[0] > got[1] > got[2] > 0
+            low, high = max(0, queued - dips) / seen.drain[i], queued / seen.drain[i]
+            assert low * (1 - RATE_REL) <= got[i] <= high * (1 + RATE_REL), (
+                f"{name} replica {i}",
+                got,
+                low,
+                high,
+            )
+        assert got[0] > got[2] if dips else got[0] > got[1] > got[2] > 0, got
 
     if name == "keda queue-depth" or name == "rule job:llm_backoff_shim_queue_depth:sum":
         assert total_queued - 2 <= only(samples) <= total_queued, (name, samples)
@@ -406,13 +423,18 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
         got = by(samples, "class")
         near(got["interactive"], sum(seen.drain), RATE_REL, name)  # the fleet's, not one replica's
         assert got["batch"] == 0
-    elif (
-        name.startswith("grafana Time to drain by replica")
-        or name == "rule instance:llm_backoff_shim_time_to_drain_seconds"
-    ):
+    elif name.startswith("grafana Time to drain by replica"):
         time_to_drain(by(samples, "instance"))
+    elif name == "rule instance:llm_backoff_shim_time_to_drain_seconds":
+        time_to_drain(by(samples, "instance"), dips=2)
     elif name == "rule job:llm_backoff_shim_time_to_drain_seconds:max":
-        near(only(samples), QUEUED[0] / seen.drain[0], RATE_REL, name)
+        # The longest of the three: replica 0's (queue 4), even caught two below its level.
+        got = only(samples)
+        assert (
+            (QUEUED[0] - 2) / seen.drain[0] * (1 - RATE_REL)
+            <= got
+            <= QUEUED[0] / seen.drain[0] * (1 + RATE_REL)
+        )
     elif name == "rule job:llm_backoff_shim_replicas:count":
         assert only(samples) == 3
     elif name == "rule job:llm_backoff_shim_queue_depth_per_replica:avg":
