@@ -27,7 +27,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -36,7 +36,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_backoff_shim.lab.fleet import Fleet
-from llm_backoff_shim.lab.fleet_configs import lb_binary
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,15 +49,8 @@ ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", *JSON_LOGS)
 REFUSAL_STATUS = {"nginx": 429, "haproxy": 503}
 
 
-def need(lb: str) -> None:
-    if lb_binary(lb) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{lb} is not installed, and CI must run this test (scripts/test.sh installs it)")
-        pytest.skip(f"{lb} is not installed (apt-get install {lb})")
-
-
 @pytest.fixture(params=["nginx", "haproxy"])
-def lb(request: pytest.FixtureRequest) -> str:
+def lb(request: pytest.FixtureRequest, need: Callable[[str], None]) -> str:
     name: str = request.param
     need(name)
     return name
@@ -331,7 +323,7 @@ def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, 
     assert any(places[-1] > 2 * places[0] for _, places, _ in rows), rows
 
 
-def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after() -> None:
+def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after(need: Callable[[str], None]) -> None:
     """HAProxy's recipe refuses with 503: both clients retry it after the hint, as for a 429."""
     lb = "haproxy"
     need(lb)

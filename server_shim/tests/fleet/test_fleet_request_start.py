@@ -10,16 +10,14 @@ one call per load balancer, loopback only.
 from __future__ import annotations
 
 import http.server
-import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
 
 from llm_backoff_shim.lab.fleet import Fleet
-from llm_backoff_shim.lab.fleet_configs import lb_binary
 from llm_backoff_shim.serve.request_path.intake import parse_request_start
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,13 +47,6 @@ class Busy(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def need(lb: str) -> None:
-    if lb_binary(lb) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{lb} is not installed, and CI must run this test (scripts/test.sh installs it)")
-        pytest.skip(f"{lb} is not installed (apt-get install {lb})")
-
-
 @pytest.fixture
 def engines() -> Iterator[tuple[list[str], list[str | None]]]:
     seen: list[str | None] = []
@@ -71,7 +62,7 @@ def engines() -> Iterator[tuple[list[str], list[str | None]]]:
 
 @pytest.mark.parametrize("lb", ["nginx", "haproxy"])
 def test_every_try_of_a_call_carries_the_load_balancers_first_stamp(
-    lb: str, engines: tuple[list[str], list[str | None]]
+    lb: str, engines: tuple[list[str], list[str | None]], need: Callable[[str], None]
 ) -> None:
     need(lb)
     urls, seen = engines

@@ -18,7 +18,6 @@ asserted: the machine is shared. Bounded: about 15 s per load balancer, loopback
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +28,6 @@ import httpx
 import pytest
 
 from llm_backoff_shim.lab.fleet import Fleet
-from llm_backoff_shim.lab.fleet_configs import lb_binary
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -41,15 +39,8 @@ SHIM_FLAGS = ("--max-concurrency", "2", "--max-queue", "4", "--log-level", "info
 TOKENS = 30  # 0.3 s a call
 
 
-def need(lb: str) -> None:
-    if lb_binary(lb) is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"{lb} is not installed, and CI must run this test (scripts/test.sh installs it)")
-        pytest.skip(f"{lb} is not installed (apt-get install {lb})")
-
-
 @pytest.fixture(params=["nginx", "haproxy"])
-def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
+def fleet(request: pytest.FixtureRequest, need: Callable[[str], None]) -> Iterator[Fleet]:
     lb: str = request.param
     need(lb)
     with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=SHIM_FLAGS) as started:

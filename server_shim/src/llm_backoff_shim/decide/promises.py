@@ -74,10 +74,9 @@ class PromiseTimeline:
         return 1 if self.fleet is None else self.fleet.replicas
 
     def _returns(self, promises: int) -> int:
-        """The returns ``promises`` stand for: each a ``1 / replicas`` share, to the nearest whole."""
-        if self.fleet is None:
-            return promises
-        n = self.fleet.replicas
+        """The returns ``promises`` stand for: each a ``1 / replicas`` share, to the nearest whole
+        (all of them for one replica)."""
+        n = self.replicas
         return (2 * promises + n) // (2 * n)
 
     def __len__(self) -> int:
