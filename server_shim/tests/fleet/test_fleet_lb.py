@@ -316,9 +316,12 @@ def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, 
     for delivered, places, _ in rows:
         print(f"  delivered {delivered:.3f}   places {[round(p, 3) for p in places]}")
     for delivered, places, since in rows:
-        assert len(places) == 3, places  # every replica refused it and recorded its place
+        # Every replica asked recorded its place: all three behind nginx; HAProxy's redispatch
+        # may ask one twice and another not at all (6-12 % of refusals, docs/deploy.md).
+        assert len(places) == 3 or (lb == "haproxy" and len(places) == 2), places
         # The soonest place, told at most ``since`` before the record was read (whole ms).
         assert places[0] - 0.002 <= delivered <= places[0] + since + 0.002, (delivered, places, since)
+    assert any(len(places) == 3 for _, places, _ in rows), rows
     # The replicas' places differed: a last replica's answer would often have been later.
     assert any(places[-1] > 2 * places[0] for _, places, _ in rows), rows
 
