@@ -17,9 +17,12 @@ from hypothesis import strategies as st
 
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots, share_slots
+from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
+from llm_backoff_shim.decide.limit import FixedLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.decide.waits import QueueWaits
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
@@ -32,14 +35,33 @@ Reserving = Callable[..., tuple[AdmissionController, ManualClock]]
 
 @pytest.fixture(scope="module")
 def make(make_controller: MakeController) -> Make:
-    """A controller over ``limit`` slots with an interactive reservation and a batch minimum share."""
+    """A controller over ``limit`` slots with an interactive reservation and a batch minimum share
+    taken at once (``due_after=0``: the share's own mechanics; its timing has its own tests)."""
 
     def build(
         limit: int, *, reserved: float = 0.25, minimum: float = 0.0, queue: int = 100
     ) -> tuple[AdmissionController, SharedSlots]:
-        scheduler = SharedSlots(ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}))
+        shares = ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}, due_after=0.0)
+        scheduler = SharedSlots(shares)
         controller, _ = make_controller(limit, max_queue=queue, start=10.0, scheduler=scheduler)
         return controller, scheduler
+
+    return build
+
+
+Timed = Callable[..., tuple[AdmissionController, ManualClock]]
+
+
+@pytest.fixture(scope="module")
+def timed(make_controller: MakeController) -> Timed:
+    """A controller with the shipped ``due_after`` and a batch minimum share, and its clock; batch
+    waits up to 20 s in its queue, interactive 1 s."""
+
+    def build(limit: int, *, minimum: float = 0.25, **shares: Any) -> tuple[AdmissionController, ManualClock]:
+        scheduler = SharedSlots(ClassShares(minimum={"batch": minimum}, **shares))
+        return make_controller(
+            limit, max_waits={"interactive": 1.0, "batch": 20.0}, start=10.0, scheduler=scheduler
+        )
 
     return build
 
@@ -63,6 +85,8 @@ def test_shares_are_validated() -> None:
         ClassShares(reserved={"interactive": 1.5})
     with pytest.raises(ValueError, match="more than 1"):
         ClassShares(reserved={"interactive": 0.7, "batch": 0.5})
+    with pytest.raises(ValueError, match="due_after"):
+        ClassShares(due_after=1.5)
 
 
 def test_a_batch_flood_leaves_the_reserved_slots_to_interactive(make: Make) -> None:
@@ -123,6 +147,67 @@ def test_minimum_share_keeps_batch_moving_under_an_interactive_flood(make: Make)
     assert second_batch.state is TicketState.QUEUED
 
 
+def test_minimum_share_is_due_once_the_batch_head_has_spent_half_its_wait(timed: Timed) -> None:
+    c, clock = timed(4)
+    holders = [submit(c, "interactive") for _ in range(4)]
+    batch = submit(c, "batch")
+    # A peak of interactive traffic shorter than half batch's 20 s wait passes it.
+    for _ in range(9):
+        clock.advance(1.0)
+        fresh = submit(c, "interactive")
+        assert c.release(holders.pop(0), Outcome.COMPLETED).admitted == [fresh]
+        holders.append(fresh)
+        assert batch.state is TicketState.QUEUED
+    assert c.head_waited("batch") == pytest.approx(0.45)
+    clock.advance(1.0)
+    assert c.head_waited("batch") == pytest.approx(0.5)
+    fresh = submit(c, "interactive")
+    # Half its wait spent: the next free slot is batch's, whatever interactive has queued.
+    assert c.release(holders.pop(0), Outcome.COMPLETED).admitted == [batch]
+    assert fresh.state is TicketState.QUEUED
+
+
+def test_the_share_counts_from_a_callers_budget_when_it_ends_first(timed: Timed) -> None:
+    c, clock = timed(2)
+    holders = [submit(c, "interactive") for _ in range(2)]
+    decision = c.submit(AdmissionRequest("batch", budget=4.0))
+    assert isinstance(decision, Ticket)
+    clock.advance(1.9)
+    flood = [submit(c, "interactive") for _ in range(3)]  # interactive waits up to 1 s
+    assert c.release(holders[0], Outcome.COMPLETED).admitted == [flood[0]]
+    clock.advance(0.1)  # half of its 4 s budget, not of batch's 20 s queue wait
+    assert c.release(holders[1], Outcome.COMPLETED).admitted == [decision]
+
+
+def test_due_after_zero_takes_the_share_at_once(timed: Timed) -> None:
+    c, _ = timed(2, due_after=0.0)
+    holders = [submit(c, "interactive") for _ in range(2)]
+    batch = submit(c, "batch")
+    submit(c, "interactive")
+    assert c.release(holders[0], Outcome.COMPLETED).admitted == [batch]
+
+
+@pytest.mark.parametrize("delay", [0.0, 7.0])
+def test_the_wait_estimate_counts_the_share_from_when_it_is_due(delay: float) -> None:
+    """A batch request far back in the serve order waits for its share, which serves it
+    ``share_due_in`` later than a share taken at once; interactive's wait does not change."""
+    clock = ManualClock(0.0)
+    scheduler = SharedSlots(ClassShares(minimum={"batch": 0.25}))
+
+    def build(due_in: float | None) -> QueueWaits:
+        estimator = DrainEstimator(EstimatorConfig(), clock)
+        due = None if due_in is None else (lambda cls: due_in)
+        return QueueWaits(("interactive", "batch"), scheduler, estimator, FixedLimit(4), [], share_due_in=due)
+
+    at_once, deferred = build(None), build(delay)
+    by_share = at_once.at("batch", 400, 0, ())
+    assert by_share < at_once.at("interactive", 400, 0, ())  # the share is what bounds it
+    assert deferred.at("batch", 400, 0, ()) == pytest.approx(by_share + delay)
+    assert deferred.at("interactive", 400, 0, ()) == at_once.at("interactive", 400, 0, ())
+    walked, walked_at_once = deferred.walk()("batch", 400, 0, 1), at_once.walk()("batch", 400, 0, 1)
+    assert walked == pytest.approx(walked_at_once + delay)
+
+
 def test_minimum_share_applies_even_when_the_reservation_covers_every_slot(make: Make) -> None:
     c, _ = make(1, reserved=1.0, minimum=0.1)
     assert submit(c, "batch").state is TicketState.ADMITTED
@@ -160,26 +245,36 @@ def test_a_class_hold_stops_batch_beyond_its_minimum_share(make: Make) -> None:
     limit=st.integers(1, 12),
     reserved=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
     minimum=st.sampled_from([0.0, 0.1, 0.3]),
+    due_after=st.sampled_from([0.0, 0.5]),
 )
 def test_random_traffic_keeps_the_shares(
-    make: Make, seed: int, limit: int, reserved: float, minimum: float
+    make_controller: MakeController, seed: int, limit: int, reserved: float, minimum: float, due_after: float
 ) -> None:
     """Batch never exceeds max(its minimum, limit - reserved) unless it got there before, and
-    whenever a decision is made, a waiting class below its minimum share is not left waiting."""
+    whenever a decision is made, a waiting class below its minimum share whose head has spent
+    ``due_after`` of its wait is not left waiting."""
     rng = random.Random(seed)
-    c, scheduler = make(limit, reserved=reserved, minimum=minimum, queue=1000)
+    shares = ClassShares(reserved={"interactive": reserved}, minimum={"batch": minimum}, due_after=due_after)
+    scheduler = SharedSlots(shares)
+    c, clock = make_controller(
+        limit, max_queue=1000, max_waits={"interactive": 2.0, "batch": 10.0}, scheduler=scheduler
+    )
     r = min(scheduler.reserved_slots("interactive", limit), limit - 1)
     m = scheduler.minimum_slots("batch", limit)
     admitted: list[Ticket] = []
     for _ in range(300):
+        clock.advance(rng.choice([0.0, 0.0, 0.1, 0.5]))
         if admitted and rng.random() < 0.45:
             ticket = admitted.pop(rng.randrange(len(admitted)))
             dispatch = c.release(ticket, Outcome.COMPLETED)
         else:
-            ticket = submit(c, rng.choice(["interactive", "batch"]))
+            decision = c.submit(AdmissionRequest(rng.choice(["interactive", "batch"])))
+            moved = c.take_moved()  # queued requests a submit admitted (time passed)
+            if moved is not None:
+                admitted.extend(moved.admitted)
             dispatch = c.reschedule()
-            if ticket.state is TicketState.ADMITTED:
-                admitted.append(ticket)
+            if isinstance(decision, Ticket) and decision.state is TicketState.ADMITTED:
+                admitted.append(decision)
         admitted.extend(dispatch.admitted)
         assert c.in_flight() <= limit
         assert c.in_flight("batch") <= max(m, limit - r)
@@ -187,7 +282,7 @@ def test_random_traffic_keeps_the_shares(
             # A free slot left idle must be one that batch may not use.
             assert c.queued("interactive") == 0
             if c.queued("batch"):
-                assert c.in_flight("batch") >= m
+                assert c.in_flight("batch") >= m or c.head_waited("batch") < due_after
                 assert limit - c.in_flight() - 1 < r - c.in_flight("interactive")
     while admitted:
         admitted.extend(c.release(admitted.pop(), Outcome.COMPLETED).admitted)

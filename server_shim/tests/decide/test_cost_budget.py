@@ -132,9 +132,10 @@ def test_chat_alone_is_held_to_the_budget(make: MakeController) -> None:
 def test_a_blocked_class_with_requests_in_flight_lets_the_others_go_even_under_its_minimum_share(
     make: MakeController,
 ) -> None:
-    # Batch is guaranteed 4 of 8 slots: with one long prompt running it is under its share, and
-    # the scheduler picks its head first; that head does not fit, so chat goes meanwhile.
-    c, _ = make(limit=8, token_budget=1000, scheduler=SharedSlots(ClassShares(minimum={"batch": 0.5})))
+    # Batch is guaranteed 4 of 8 slots, at once: with one long prompt running it is under its
+    # share, and the scheduler picks its head first; that head does not fit, so chat goes meanwhile.
+    shares = ClassShares(minimum={"batch": 0.5}, due_after=0.0)
+    c, _ = make(limit=8, token_budget=1000, scheduler=SharedSlots(shares))
     running = ticket(c.submit(req(500, "batch")))
     second = ticket(c.submit(req(800, "batch")))
     chats = [ticket(c.submit(req(100))) for _ in range(5)]

@@ -80,7 +80,7 @@ from llm_backoff_shim.decide.placement import Placement
 from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.refusals import Refusals
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
-from llm_backoff_shim.decide.scheduler import ClassScheduler, StrictPriority
+from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, StrictPriority
 from llm_backoff_shim.decide.slots import HeldSlots
 from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.decide.token_budget import TokenBudget
@@ -145,7 +145,11 @@ class AdmissionController:
             returning_share=returning_share,
             returning_first=returning_first,
         )
-        waits = QueueWaits(self._classes, self._scheduler, estimator, limit, self._held.admitted)
+        shares = self._scheduler
+        self._due_after = shares.due_after if isinstance(shares, MinimumShares) else 0.0
+        waits = QueueWaits(
+            self._classes, shares, estimator, limit, self._held.admitted, share_due_in=self._share_due_in
+        )
         self._placement = Placement(self._queues, waits, estimator, promise_slack=promise_slack)
         places_of = None if token_budget is None else self._places
         self._refusals = Refusals(self._queues, waits, estimator, limit, places_of)
@@ -233,6 +237,29 @@ class AdmissionController:
         else:
             return None
         return self._estimator.run_time(request.max_tokens)
+
+    def head_waited(self, cls: str) -> float:
+        """Share of its queue wait (arrival to deadline) the head of ``cls``'s queue has spent:
+        0 for an empty queue, 1 at its deadline."""
+        queue = self._queues.lists[cls]
+        if not queue:
+            return 0.0
+        head = queue[0]
+        window = head.deadline - head.arrived
+        return 1.0 if window <= 0 else (self._clock() - head.arrived) / window
+
+    def _share_due_in(self, cls: str) -> float:
+        """Seconds before ``cls``'s minimum share is due to serve its queue (:class:`QueueWaits`):
+        when its head will have spent the scheduler's ``due_after`` of its wait; for an empty
+        queue (a newcomer being placed), that share of the class's ``max_queue_wait``."""
+        due_after = self._due_after
+        if due_after <= 0:
+            return 0.0
+        queue = self._queues.lists[cls]
+        if not queue:
+            return due_after * self._policies[cls].max_queue_wait
+        head = queue[0]
+        return max(0.0, head.arrived + due_after * (head.deadline - head.arrived) - self._clock())
 
     def queued_returning(self, cls: str) -> int:
         """Queued requests of ``cls`` that said they are retries (and count as returning)."""

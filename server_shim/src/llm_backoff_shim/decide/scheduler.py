@@ -29,9 +29,13 @@ class ClassScheduler(Protocol):
 
 @runtime_checkable
 class MinimumShares(Protocol):
-    """A scheduler that guarantees a class some slots whatever higher classes want."""
+    """A scheduler that guarantees a class some slots whatever higher classes want, once the
+    head of its queue has spent ``due_after`` of its queue wait (0: at once)."""
 
     def minimum_slots(self, cls: str, limit: int) -> int: ...
+
+    @property
+    def due_after(self) -> float: ...
 
 
 @runtime_checkable

@@ -47,6 +47,11 @@ class AdmissionView(Protocol):
 
     def next_run(self, cls: str) -> float | None: ...
 
+    def head_waited(self, cls: str) -> float:
+        """Share of its queue wait (arrival to deadline) the head of ``cls``'s queue has spent:
+        0 for an empty queue, 1 at its deadline."""
+        ...
+
 
 class AdmissionGate(Protocol):
     """A pre-admission check; return a refusal, its code and Retry-After its own, to turn the

@@ -3,12 +3,14 @@
 A wait is counted on the slots the request's class can have, at the drain rate of
 :class:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator`, and bounded by the class's
 guaranteed minimum share (:class:`~llm_backoff_shim.decide.scheduler.MinimumShares`), which
-serves its class in FIFO order whatever higher classes want. Left out of those slots: a lower
-class's guaranteed share, which is taken whenever that class has work queued, whatever waits
-above it (always left out, not only while that class has queued requests: a lower-class
-arrival would otherwise make queued requests late that were promised the whole engine); and
-the slots reserved for higher classes (:class:`~llm_backoff_shim.decide.scheduler.ReservedShares`:
-a class may not use them unless they are lent, which the estimate does not count on).
+serves its class in FIFO order whatever higher classes want once the class's queue head has
+spent its share of its wait (``due_after``): the bound counts from then (``share_due_in``).
+Left out of those slots: a lower class's guaranteed share, which may be taken whenever that
+class has work queued, whatever waits above it (always left out, not only while that class
+has queued requests: a lower-class arrival would otherwise make queued requests late that
+were promised the whole engine); and the slots reserved for higher classes
+(:class:`~llm_backoff_shim.decide.scheduler.ReservedShares`: a class may not use them unless
+they are lent, which the estimate does not count on).
 
 With a cost budget (:mod:`llm_backoff_shim.decide.token_budget`), ``ahead`` and ``in_class``
 count queue places, not requests: a queued request that costs ``k`` slots' share of the budget
@@ -51,6 +53,7 @@ class QueueWaits:
         estimator: DrainEstimator,
         limit: ConcurrencyLimit,
         admitted: list[float],
+        share_due_in: Callable[[str], float] | None = None,
     ) -> None:
         self._classes = tuple(classes)
         self._rank = {name: i for i, name in enumerate(self._classes)}
@@ -62,6 +65,8 @@ class QueueWaits:
         self._shares: MinimumShares | None = scheduler if isinstance(scheduler, MinimumShares) else None
         self._reserves: ReservedShares | None = scheduler if isinstance(scheduler, ReservedShares) else None
         self._lanes_at: dict[tuple[str, int], tuple[int, int]] = {}  # see lanes
+        # Seconds before a class's minimum share is due to serve its queue (0: at once).
+        self._share_due_in = share_due_in
 
     def at(
         self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1
@@ -75,8 +80,12 @@ class QueueWaits:
         extra = places - 1
         wait = est.expected_wait(ahead + extra, slots, 0, promised_by=promised_by, admitted=self._admitted)
         if share > 0:
-            wait = min(wait, est.expected_wait(in_class + extra, share, 0))
+            wait = min(wait, self._share_delay(cls) + est.expected_wait(in_class + extra, share, 0))
         return wait
+
+    def _share_delay(self, cls: str) -> float:
+        due_in = self._share_due_in
+        return 0.0 if due_in is None else due_in(cls)
 
     def walk(self, *, soonest: bool = False) -> WaitFn:
         """:meth:`at` without promises, for one walk of the queue (placing a newcomer ahead of
@@ -90,22 +99,23 @@ class QueueWaits:
         already waited it overstates the wait; the recheck judges on this bound instead.
         """
         est, limit, free = self._estimator, self._limit.limit, 1 if soonest else 0
-        tables: dict[str, tuple[Callable[[int], float], Callable[[int], float] | None]] = {}
+        tables: dict[str, tuple[Callable[[int], float], Callable[[int], float] | None, float]] = {}
 
         def wait(cls: str, ahead: int, in_class: int, places: int) -> float:
             table = tables.get(cls)
             if table is None:
                 slots, share = self.lanes(cls, limit)
                 by_share = est.slot_times(share) if share > 0 else None
-                table = tables[cls] = (est.slot_times(slots, self._admitted), by_share)
-            at, by_share = table
+                delay = self._share_delay(cls) if share > 0 else 0.0
+                table = tables[cls] = (est.slot_times(slots, self._admitted), by_share, delay)
+            at, by_share, delay = table
             needed = ahead + places - free
             if needed <= 0:
                 return 0.0
             seconds = at(needed)
             if by_share is not None:
                 mine = in_class + places - free
-                seconds = min(seconds, by_share(mine) if mine > 0 else 0.0)
+                seconds = min(seconds, delay + (by_share(mine) if mine > 0 else 0.0))
             return seconds
 
         return wait
