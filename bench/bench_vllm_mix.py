@@ -166,6 +166,20 @@ def engine_params(flags: str) -> EngineParams:
     )
 
 
+def at_speed(params: EngineParams, speed: float) -> EngineParams:
+    """``params`` with every time divided by ``speed``: the same engine shape, ``speed`` times
+    as fast (the fitted model at the speed vLLM measured in this run, for the second oracle)."""
+    return dataclasses.replace(
+        params,
+        ttft=params.ttft / speed,
+        itl=params.itl / speed,
+        prefill_time_per_token=params.prefill_time_per_token / speed,
+        prefill_attention_time=params.prefill_attention_time / speed,
+        admit_time=params.admit_time / speed,
+        decode_attention_time=params.decode_attention_time / speed,
+    )
+
+
 def prompt_tokens_total(url: str) -> float:
     """vLLM's count of prompt tokens it has prefilled (``vllm:prompt_tokens_total``)."""
     return metric_sum(httpx.get(url + "/metrics", timeout=10).text, "vllm:prompt_tokens_total") or 0.0
@@ -351,7 +365,15 @@ def _s(value: float) -> str:
     return "never" if math.isinf(value) else f"{value:.2f} s"
 
 
-def markdown(rows: Sequence[Row], oracle_row: dict[str, object]) -> str:
+def _num(row: dict[str, object], key: str) -> float:
+    value = row[key]
+    assert isinstance(value, int | float), (key, value)
+    return float(value)
+
+
+def markdown(
+    rows: Sequence[Row], oracle_row: dict[str, object], fast_row: dict[str, object] | None = None
+) -> str:
     lines = [
         "| arm | useful tokens | of the oracle's | chat within 5 s TTFT | chat TTFT p99, served | "
         "chat never served | burst: chat within budget | burst: chat TTFT p99, served | long-prompt calls "
@@ -369,13 +391,19 @@ def markdown(rows: Sequence[Row], oracle_row: dict[str, object]) -> str:
             f"{r.wasted_prompt_tokens / 1000:.1f}k | {_pct(r.engine_busy)} | "
             f"{_pct(r.busy_while_arriving)}, {_pct(r.stepping_while_arriving)} |"
         )
-    o = oracle_row
-    lines.append(
-        f"| oracle (EDF on the fitted engine model) | {int(o['useful_tokens']) / 1000:.1f}k | 1.00 | "  # type: ignore[call-overload]
-        f"{o['chat_served']}/{o['chat_offered']} | {_s(float(o['chat_ttft_p99']))} | "
-        f"{o['chat_never']} | | | "  # type: ignore[arg-type]
-        f"{o['long_served']}/{o['long_offered']} | | | | |"
-    )
+    base = _num(oracle_row, "useful_tokens")
+    oracles = [("oracle (EDF on the fitted engine model)", oracle_row)]
+    if fast_row is not None:
+        label = f"oracle, the model at vLLM's measured speed (x{_num(fast_row, 'speed'):.2f})"
+        oracles.append((label, fast_row))
+    for label, o in oracles:
+        useful = _num(o, "useful_tokens")
+        lines.append(
+            f"| {label} | {useful / 1000:.1f}k | {useful / base:.2f} | "
+            f"{o['chat_served']}/{o['chat_offered']} | {_s(_num(o, 'chat_ttft_p99'))} | "
+            f"{o['chat_never']} | | | "
+            f"{o['long_served']}/{o['long_offered']} | | | | |"
+        )
     return "\n".join(lines)
 
 
@@ -489,8 +517,8 @@ def replay(path: Path, engine_flags: str) -> int:
     for r in data["rows"]:
         print(
             f"  {r['label']}: {r['useful_tokens']} useful tokens, "
-            f"{r['useful_tokens'] / int(row['useful_tokens']):.2f} of it"
-        )  # type: ignore[call-overload]
+            f"{r['useful_tokens'] / _num(row, 'useful_tokens'):.2f} of it"
+        )
     return 0
 
 
@@ -577,6 +605,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mix, args.seed, rate=rate, duration=duration, burst=burst, burst_at=duration / 3
             )
             oracle_row = oracle_row_of(trace, params, budgets)
+            # The fitted model is not this run's vLLM (the shared machine's speed moves from run
+            # to run): the oracle again on the model at the speed vLLM showed on the mix here.
+            fast_row: dict[str, object] | None = None
+            if args.capacity_seconds > 0 or args.capacity_calls_per_s:
+                speed = calls_per_s / measured["mix"]["model_calls_per_s"]
+                fast_row = {**oracle_row_of(trace, at_speed(params, speed), budgets), "speed": speed}
             longs = sum(c.kind == "long" for c in trace)
             print(
                 f"vLLM at {url}; tokenizer {mix.tokens_per_word:.2f} tokens per word; engine model "
@@ -586,7 +620,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{duration / 3:.0f} s) at {rate:.2f}/s for {duration:.0f} s, seed {args.seed}\noracle: "
                 f"{oracle_row['useful_tokens']} useful tokens, chat "
                 f"{oracle_row['chat_served']}/{oracle_row['chat_offered']}, "
-                f"long {oracle_row['long_served']}/{oracle_row['long_offered']}",
+                f"long {oracle_row['long_served']}/{oracle_row['long_offered']}"
+                + (
+                    ""
+                    if fast_row is None
+                    else f"; at vLLM's speed (x{_num(fast_row, 'speed'):.2f}, calls/s measured over "
+                    f"the model's): {fast_row['useful_tokens']} useful tokens, chat "
+                    f"{fast_row['chat_served']}/{fast_row['chat_offered']}, "
+                    f"long {fast_row['long_served']}/{fast_row['long_offered']}"
+                ),
                 flush=True,
             )
             scen = Scenario(
@@ -622,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ServerStartError, RuntimeError) as exc:
         print(f"bench_vllm_mix: {exc}", file=sys.stderr)
         return 1
-    table = markdown(rows, oracle_row)
+    table = markdown(rows, oracle_row, fast_row)
     head = (
         f"real vLLM (CPU, 8 slots, max-model-len {MAX_MODEL_LEN}); the mix at {args.rate_factor:g}x "
         f"({rate:.2f} calls/s for {duration:.0f} s, burst of {burst} long prompts at {duration / 3:.0f} s), "
@@ -641,6 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "head": head,
                 "rows": [dataclasses.asdict(r) for r in rows],
                 "oracle": oracle_row,
+                "oracle_at_vllm_speed": fast_row,
                 "capacity": measured,
                 "trace": {
                     "seed": args.seed,
