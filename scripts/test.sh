@@ -108,17 +108,17 @@ step() {  # step NAME CMD...: run one suite into its log; record its status and 
 lane_a() {  # each lane draws child servers' ports from its own block (conftest.py)
   export LLM_BACKOFF_TEST_PORT_LANE=0
   step main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
-  # shellcheck disable=SC2086
-  step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
-}
-lane_b() {  # about as long as lane_a (main + public ~ 400 s, these ~ 380 s on 2 cores)
-  export LLM_BACKOFF_TEST_PORT_LANE=1
-  step shim-floors env LLM_BACKOFF_XDIST=3 bash scripts/test-shim-floors.sh
   step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
   step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
   step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
 }
-echo "== pytest: two lanes (main, public | shim-floors, openai2, sdk-floors)"
+lane_b() {
+  export LLM_BACKOFF_TEST_PORT_LANE=1
+  # shellcheck disable=SC2086
+  step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
+  step shim-floors env LLM_BACKOFF_XDIST=3 bash scripts/test-shim-floors.sh
+}
+echo "== pytest: two lanes (main, openai2, sdk-floors | public, shim-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
