@@ -71,13 +71,15 @@ class MixCall:
 
 @dataclass(frozen=True)
 class Mix:
-    """The mix's shape; ``tokens_per_word``: the engine's tokenizer on the load generator's words."""
+    """The mix's shape; ``tokens_per_word``: the engine's tokenizer on the load generator's words.
+    ``long_prompts`` False: the second kind (batch) has chat's lengths, short chat beside batch."""
 
     long_share: float = 0.2
     tokens_per_word: float = 1.45
+    long_prompts: bool = True
 
     def draw(self, index: int, at: float, kind: Kind, rng: random.Random, *, burst: bool = False) -> MixCall:
-        if kind == "chat":
+        if kind == "chat" or not self.long_prompts:
             words = CHAT_PROMPT_WORDS.draw(rng)
             tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
             answer = CHAT_ANSWER_TOKENS.draw(rng)
@@ -92,7 +94,7 @@ class Mix:
         return "long" if rng.random() < self.long_share else "chat"
 
     def mean_answer_tokens(self) -> float:
-        share = self.long_share
+        share = self.long_share if self.long_prompts else 0.0
         return (1 - share) * CHAT_ANSWER_TOKENS.mean() + share * LONG_ANSWER_TOKENS.mean()
 
 
@@ -113,15 +115,25 @@ class MixWorkload:
     def mean_answer_tokens(self) -> float:
         if self.only == "chat":
             return CHAT_ANSWER_TOKENS.mean()
-        if self.only == "long":
+        if self.only == "long" and self.mix.long_prompts:
             return LONG_ANSWER_TOKENS.mean()
+        if self.only == "long":
+            return CHAT_ANSWER_TOKENS.mean()
         return self.mix.mean_answer_tokens()
 
 
 def mix_trace(
-    mix: Mix, seed: int, *, rate: float, duration: float, burst: int = 0, burst_at: float = 0.0
+    mix: Mix,
+    seed: int,
+    *,
+    rate: float,
+    duration: float,
+    burst: int = 0,
+    burst_at: float = 0.0,
+    burst_kind: Kind | None = "long",
 ) -> list[MixCall]:
-    """Poisson arrivals at ``rate`` /s for ``duration`` s; ``burst`` long-prompt calls at ``burst_at``."""
+    """Poisson arrivals at ``rate`` /s for ``duration`` s; ``burst`` calls at ``burst_at``, each of
+    ``burst_kind`` (None: drawn in the mix's proportion)."""
     rng = random.Random(seed)
     lengths = random.Random(rng.getrandbits(64))
     times: list[tuple[float, Kind, bool]] = []
@@ -129,7 +141,7 @@ def mix_trace(
     while t < duration:
         times.append((t, mix.kind(rng), False))
         t += rng.expovariate(rate)
-    times += [(burst_at, "long", True)] * burst
+    times += [(burst_at, burst_kind or mix.kind(rng), True) for _ in range(burst)]
     times.sort(key=lambda x: x[0])
     return [mix.draw(i, at, kind, lengths, burst=b) for i, (at, kind, b) in enumerate(times)]
 

@@ -22,6 +22,7 @@ from llm_backoff_shim.lab.report import comparison, table
 from llm_backoff_shim.lab.scenario import (
     DIRECT_PLAIN,
     SHIM_PLAIN,
+    Arrival,
     EngineShape,
     Scenario,
     arrivals,
@@ -359,3 +360,22 @@ def test_presets_callers_get_each_classes_sdk_preset() -> None:
     fast = build_clients(shorter, scenario, "http://127.0.0.1:9", http_client)
     assert _engine_of(fast["interactive"]).policy == RetryPolicy.interactive(max_retry_after=1.0)
     assert _engine_of(fast["batch"]).policy == RetryPolicy.batch()
+
+
+def test_a_caller_with_an_answer_length_stops_reading_there_whatever_max_tokens_says() -> None:
+    """Clients that send ``max_tokens: 4096`` or none are played with answers of a drawn length:
+    the caller closes its stream at that length and the engine drops the rest."""
+    scenario = Scenario("t", burst=2, rate_factor=0, duration=0, deadline=10.0, ttft_budget=10.0)
+    calls = [
+        Arrival(0, 0.0, "interactive", "a short question", 4096, True, 7),
+        Arrival(1, 0.0, "batch", "another question", None, True, 5),
+    ]
+    config = SimConfig(max_num_seqs=4, ttft=0.01, itl=0.002, output_tokens=400, itl_batch_factor=0)
+    with ServerThread(create_sim_app(config)) as sim:
+        run = LoadRun(DIRECT_PLAIN, scenario, calls, target_url=sim.url, engine_url=sim.url, capacity=1.0)
+        result = asyncio.run(run.run())
+    assert [c.outcome for c in result.calls] == ["ok", "ok"]
+    assert [c.tokens for c in result.calls] == [7, 5]
+    assert [c.max_tokens for c in result.calls] == [4096, None]
+    # The engine stopped each answer when its caller left, long before 400 (or 4096) tokens.
+    assert result.engine_stats["tokens_generated"] < 2 * 400

@@ -197,6 +197,8 @@ class LoadRun:
                     record.streamed += 1
                     if record.first_token is None:
                         record.first_token = self.clock()
+                    if arrival.answer_tokens is not None and record.streamed >= arrival.answer_tokens:
+                        break  # the answer is complete: closing the stream aborts the rest
                 if chunk.usage is not None:
                     record.tokens = chunk.usage.completion_tokens
                     record.prompt_tokens = chunk.usage.prompt_tokens

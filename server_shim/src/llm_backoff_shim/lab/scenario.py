@@ -225,6 +225,9 @@ class Arrival:
 
     ``prompt`` None: the load generator sends a short fixed prompt naming the call.
     ``max_tokens`` None: no limit is sent. ``ignore_eos``: send vLLM's ``ignore_eos``.
+    ``answer_tokens``: the caller closes its stream once this many content chunks came (an
+    answer of that length, whatever ``max_tokens`` says: how a client that sends a high
+    ``max_tokens``, or none, is played with answers of a chosen length); None: read to the end.
     """
 
     index: int
@@ -233,6 +236,7 @@ class Arrival:
     prompt: str | None = None
     max_tokens: int | None = None
     ignore_eos: bool = False
+    answer_tokens: int | None = None
 
 
 def arrivals(scenario: Scenario, capacity: float, rng: random.Random) -> list[Arrival]:
