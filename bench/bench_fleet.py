@@ -4,7 +4,7 @@
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # another trace
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --quick    # ~3 min
 
-One seeded trace of the real-engine benchmark's mix (``bench_vllm.scenario``: Poisson arrivals
+One seeded trace of the real-engine benchmark's mix (``real_vllm.mix.chat_scenario``: Poisson arrivals
 at ``--rate-factor`` x the fleet's capacity, answers lognormal with median 64 tokens and
 ``ignore_eos``, prompts of 5-200 words, 70 % interactive with a 5 s TTFT budget, 20 s deadline
 per call), measured side by side in one run, each arm on fresh servers:
@@ -18,7 +18,7 @@ per call), measured side by side in one run, each arm on fresh servers:
   :class:`llm_backoff_shim.lab.fleet.Fleet`; HAProxy's shims refuse with 503), facing the
   whole trace.
 
-Arms (the same clients as bench_vllm.py): plain openai (``AsyncOpenAI``, 2 retries, the call's
+Arms (the same clients as the scoreboard): plain openai (``AsyncOpenAI``, 2 retries, the call's
 deadline as timeout) and the SDK's presets (``wrap(client, request_class=cls)``); ``--setups``
 adds ``budgets`` (``RetryPolicy(deadline=..., start_deadline=5)`` for interactive callers).
 
@@ -57,7 +57,6 @@ from pathlib import Path
 from typing import Any
 
 from _procs import cpu_seconds
-from bench_vllm import scenario as vllm_scenario
 from fleet_measures import (
     conservation,
     oracle_jobs,
@@ -84,6 +83,7 @@ from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup,
 from llm_backoff_shim.serve.observe.access_log import json_records
 from oracle_bound import schedule
 from real_vllm.measures import idle_slot_share
+from real_vllm.mix import chat_scenario
 
 REPLICAS = 3
 SLOTS = 8
@@ -748,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"bench_fleet: {target} needs --redis-url", file=sys.stderr)
             return 2
     duration = args.duration or (8.0 if args.quick else 20.0)
-    base = vllm_scenario(duration, args.rate_factor)
+    base = chat_scenario(duration, args.rate_factor)
     shape = EngineShape(slots=SLOTS, ttft=0.1, itl=args.itl, output_tokens=64)
     flags = shim_flags(shape, base)
     per_replica = shape.capacity_for(base.workload)

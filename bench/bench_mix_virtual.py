@@ -3,10 +3,10 @@
     .venv/bin/python bench/bench_mix_virtual.py                       # a few seconds
     .venv/bin/python bench/bench_mix_virtual.py --budgets 2500,3500,5000 --seeds 5
 
-``bench_vllm_mix.py`` on the 2-core machine moves by tens of percent from run to run with
-the other jobs beside it; this plays the same question without a clock: the shim's real
-admission decisions (``lab/mix_model.py``, built from ``bench_vllm_mix.COUNT_FLAGS`` and a
-cost budget) in front of the simulator's engine model with ``bench_vllm_mix.FITTED_ENGINE_FLAGS``,
+The real-vLLM mix (``scoreboard.py --scenarios mix``) on the 2-core machine moves by tens of
+percent from run to run with the other jobs beside it; this plays the same question without a
+clock: the shim's real admission decisions (``lab/mix_model.py``, built from :data:`COUNT_FLAGS` and a
+cost budget) in front of the simulator's engine model with ``scoreboard.FITTED_ENGINE_FLAGS``,
 the mix of ``lab/workload.py``'s ``CHAT_AND_LONG`` (80 % chat with a 5 s TTFT budget, 20 %
 long prompts, batch) at 2x the model's capacity for 30 s and 8 long prompts at once at 10 s.
 Callers make one attempt (no retries): a refused chat is lost, a long prompt refused after
@@ -24,9 +24,16 @@ import statistics
 import sys
 from collections.abc import Sequence
 
-import bench_vllm_mix as real
+import scoreboard as real
 from llm_backoff_shim.lab.mix_model import MixResult, capacity, mix_arrivals, run_mix
 from llm_backoff_shim.lab.workload import CHAT_AND_LONG
+
+#: The request-count cap the cost budgets are set beside: calibrate's chat-only recommendation
+#: on the real vLLM of an earlier run (its figures in git history).
+COUNT_FLAGS = (
+    "--max-concurrency 12 --max-queue 108 --max-queue-wait 0.75 --interactive-max-queue 5 "
+    "--batch-max-queue 103 --batch-max-queue-wait 30 --retry-after-max 5"
+)
 
 DURATION = 30.0
 BURST = (10.0, 8)
@@ -54,9 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rate = 2 * capacity(engine, CHAT_AND_LONG)
     long_part = CHAT_AND_LONG.part("long")
     print(f"engine model [{real.FITTED_ENGINE_FLAGS}]; the mix at {rate:.2f} calls/s (2x) for {DURATION:g} s")
-    arms = {"count cap": shlex.split(real.COUNT_FLAGS)}
+    arms = {"count cap": shlex.split(COUNT_FLAGS)}
     for budget in args.budgets.split(","):
-        arms[f"cost cap {budget}"] = [*shlex.split(real.COUNT_FLAGS), "--max-inflight-tokens", budget]
+        arms[f"cost cap {budget}"] = [*shlex.split(COUNT_FLAGS), "--max-inflight-tokens", budget]
     for arm, flags in arms.items():
         rows = []
         for seed in range(1, args.seeds + 1):

@@ -22,10 +22,9 @@ bound the trade-off between the comparison's interactive and batch targets.
 
 ``main`` prints, for the virtual-time model's version of the real-vLLM comparison, the bound
 beside what the shim and its callers achieve (plain-openai-like callers, the SDK's presets,
-stated budgets); ``--bench-vllm-tokens-per-s`` prints the bound on ``bench_vllm.py``'s own trace:
+stated budgets); the real engine's own bound, on its own traces, is ``bench/scoreboard.py``'s oracle:
 
     cd bench && ../.venv/bin/python oracle_bound.py --seeds 7
-    cd bench && ../.venv/bin/python oracle_bound.py --seeds 3 --durations 30 --bench-vllm-tokens-per-s 1000
 
 Greedy EDF is not optimal under overload (no polynomial scheduler is, for the weighted
 problem), but it never idles a slot while a servable request waits and never serves a
@@ -48,8 +47,7 @@ import llm_backoff_shim.lab.overload_model as overload_model
 from llm_backoff import RetryPolicy
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.lab.overload_model import OutputLengths, OverloadModel
-from llm_backoff_shim.lab.scenario import EngineShape, RequestClass, Scenario, arrivals
-from llm_backoff_shim.lab.workload import Workload
+from llm_backoff_shim.lab.scenario import EngineShape, RequestClass, Scenario
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.testing import ManualClock
@@ -215,34 +213,6 @@ def model_jobs(
     return jobs
 
 
-def bench_vllm_jobs(
-    seed: int, duration: float, rate_factor: float, tokens_per_s: float
-) -> tuple[list[Job], float]:
-    """The trace ``bench/bench_vllm.py`` drives for ``seed`` at ``tokens_per_s`` with every slot
-    busy (its ``--capacity-tokens-per-s``), and that capacity times the arrival window plus the
-    batch deadline. Each sequence then makes ``tokens_per_s / 8`` tokens per second; the first
-    token comes 50 ms after the start (prefill of a few hundred tokens on the CPU build)."""
-    from bench_vllm import SLOTS, scenario
-
-    base = scenario(duration, rate_factor)
-    workload = base.workload or Workload()
-    capacity = tokens_per_s / workload.output_tokens.mean()
-    itl = SLOTS / tokens_per_s
-    jobs = [
-        job(
-            a.at,
-            a.max_tokens or 1,
-            a.cls,
-            ttft=0.05,
-            itl=itl,
-            deadline=base.deadline_of(a.cls),
-            ttft_budget=base.ttft_budget if a.cls == "interactive" else None,
-        )
-        for a in arrivals(base, capacity, random.Random(seed))
-    ]
-    return jobs, tokens_per_s * (base.duration + base.deadline_of("batch"))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=5)
@@ -254,31 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="--max-concurrency 8 --max-queue 24 --max-queue-wait 1.93",
         help="the shim's flags for the achieved column (calibrate's on the real vLLM)",
     )
-    p.add_argument(
-        "--bench-vllm-tokens-per-s",
-        type=float,
-        help="instead: the bound on bench_vllm.py's own trace (seeds 1..N, the first of --durations) "
-        "at this --capacity-tokens-per-s",
-    )
     args = p.parse_args(argv)
-    if args.bench_vllm_tokens_per_s:
-        duration = float(args.durations.split(",")[0])
-        print(
-            "| seed | calls | oracle | useful tokens | of capacity | interactive in budget | batch served |"
-        )
-        print("|---|---:|---|---:|---:|---:|---:|")
-        for seed in range(1, args.seeds + 1):
-            jobs, ceiling = bench_vllm_jobs(seed, duration, args.rate_factor, args.bench_vllm_tokens_per_s)
-            for oracle, first in (("EDF", ()), ("interactive first", ("interactive",))):
-                res = schedule(jobs, 8, classes_first=first)
-                batch = res.served_by_class.get("batch", 0) / max(1, res.offered_by_class.get("batch", 0))
-                served = res.served_by_class.get("interactive", 0)
-                offered = res.offered_by_class.get("interactive", 0)
-                print(
-                    f"| {seed} | {len(jobs)} | {oracle} | {res.useful_tokens / 1000:.1f}k | "
-                    f"{res.useful_tokens / ceiling:.2f} | {served}/{offered} | {batch:.0%} |"
-                )
-        return 0
     # The real vLLM's shape as the benchmark measured it: 8 slots, ~1000 answer tokens/s
     # together (itl 8 ms per sequence), a first token ~50 ms after admission.
     shape = EngineShape(slots=8, ttft=0.05, itl=0.008, output_tokens=64)

@@ -11,13 +11,6 @@
   running in the engine, then as queued in the shim, else as between attempts: asleep on a
   hint, or on its way), which says whether the shim's admission or the callers' promises
   left the slot empty;
-- **useful tokens of full-load capacity**: useful tokens over the answer tokens/s of the
-  engine with every slot busy (:mod:`.capacity`) times (arrival window + batch deadline);
-  beside the report's ratio to calibrate's tokens/s at its knee;
-- **engine tokens wasted**: the answer tokens vLLM generated over the run
-  (``vllm:generation_tokens_total``) that no completed call received, as a share of
-  all it generated (callers who left mid-answer, or whose deadline cut them);
-- **interactive p90 time to failure**: over the interactive calls that failed;
 - **engine pace**: the answer tokens vLLM generated in the run over its busy slot-time (the
   sampled ``vllm:num_requests_running`` summed over time), times the slots: the answer
   tokens/s it would make with every slot busy at the pace it had in this run. A shared
@@ -31,11 +24,9 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import statistics
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from llm_backoff_shim.lab.figures import Figures, percentile
+from llm_backoff_shim.lab.figures import percentile
 from llm_backoff_shim.lab.load_records import RunResult, Sample
 
 #: A gap between samples longer than this counts only this long (a stalled sampler is no evidence).
@@ -123,21 +114,6 @@ def engine_pace(result: RunResult, slots: int) -> float | None:
     return float(generated) * slots / busy if busy > 0 else None
 
 
-def wasted_share(result: RunResult) -> float | None:
-    generated = result.engine_stats.get("tokens_generated")
-    wasted = result.engine_stats.get("aborted_tokens")
-    if not generated or wasted is None:
-        return None
-    return float(wasted) / float(generated)
-
-
-def interactive_failure_p90(result: RunResult) -> float | None:
-    times = [
-        c.duration for c in result.calls if c.cls == "interactive" and not c.ok and c.duration is not None
-    ]
-    return percentile(times, 90)
-
-
 #: A refusal answered later than this came after a wait in the shim's queue, not at arrival.
 QUEUED_REFUSAL = 0.5
 
@@ -162,162 +138,3 @@ def interactive_failure_paths(result: RunResult) -> dict[str, tuple[int, float |
             path = "at once"
         paths.setdefault(path, []).append(call.duration)
     return {path: (len(times), percentile(times, 90)) for path, times in sorted(paths.items())}
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One configuration on one seed: the headline figures, as numbers (None: not applicable)."""
-
-    label: str
-    seed: int
-    calls: int
-    interactive_calls: int
-    interactive_within_budget: int
-    interactive_ttft_p50: float | None
-    batch_served: float | None
-    useful_tokens: int
-    useful_fraction: float | None
-    useful_of_full_load: float | None
-    engine_tokens_per_s: float | None
-    useful_of_pace: float | None
-    failed: int
-    failed_fast_share: float | None
-    failure_p90: float | None
-    interactive_failure_p90: float | None
-    wasted_share: float | None
-    idle_share: float | None
-    tokens_generated: int
-    load_average: float
-    idle_places: dict[str, float] | None = None
-
-    @classmethod
-    def of(
-        cls, result: RunResult, figs: Figures, *, seed: int, slots: int, load: float, full_tokens_per_s: float
-    ) -> Cell:
-        scenario = result.scenario
-        span = scenario.duration + scenario.deadline_of("batch")
-        full_ceiling = full_tokens_per_s * span
-        pace = engine_pace(result, slots)
-        return cls(
-            label=result.setup.label,
-            seed=seed,
-            calls=figs.calls,
-            interactive_calls=figs.interactive_calls,
-            interactive_within_budget=figs.interactive_within_budget,
-            interactive_ttft_p50=figs.ttft_p50,
-            batch_served=figs.batch_served,
-            useful_tokens=figs.useful_tokens,
-            useful_fraction=figs.useful_fraction,
-            useful_of_full_load=figs.useful_tokens / full_ceiling if full_ceiling > 0 else None,
-            engine_tokens_per_s=pace,
-            useful_of_pace=None if pace is None else figs.useful_tokens / (pace * span),
-            failed=figs.calls - figs.ok,
-            failed_fast_share=figs.failed_fast_share,
-            failure_p90=figs.failure_p90,
-            interactive_failure_p90=interactive_failure_p90(result),
-            wasted_share=wasted_share(result),
-            idle_share=idle_slot_share(result, slots),
-            tokens_generated=int(result.engine_stats.get("tokens_generated", 0)),
-            load_average=load,
-            idle_places=idle_places(result, slots),
-        )
-
-
-def median(values: Iterable[float | int | None]) -> float | None:
-    present = [float(v) for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-#: (attribute of Cell, column title, how to show one value)
-COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("interactive_within_budget", "interactive within 5 s TTFT", "count"),
-    ("batch_served", "batch served", "share"),
-    ("useful_tokens", "useful tokens", "tokens"),
-    ("useful_fraction", "of calibrate's capacity", "share"),
-    ("useful_of_full_load", "of full-load capacity", "share"),
-    ("engine_tokens_per_s", "engine pace, tokens/s", "rate"),
-    ("useful_of_pace", "of the run's pace", "share"),
-    ("failed_fast_share", "failures < 1 s", "share"),
-    ("failure_p90", "p90 time to failure", "seconds"),
-    ("interactive_failure_p90", "interactive p90 to failure", "seconds"),
-    ("wasted_share", "engine tokens wasted", "share"),
-    ("idle_share", "slot-time idle, caller waiting", "share"),
-    ("interactive_ttft_p50", "interactive TTFT p50", "seconds"),
-)
-
-
-def show(value: float | None, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "share":
-        return f"{value:.0%}" if value >= 0.1 or value == 0 else f"{value:.1%}"
-    if kind == "seconds":
-        return f"{value:.2f} s"
-    if kind == "rate":
-        return f"{value:.0f}"
-    if kind == "tokens":
-        return f"{value / 1000:.1f}k"
-    return f"{value:.0f}"
-
-
-def summary_rows(labels: Sequence[str], cells: Sequence[Cell]) -> list[list[str]]:
-    """Per configuration: the median over seeds of each column, the seeds' values after it."""
-    rows = []
-    for label in labels:
-        mine = sorted((c for c in cells if c.label == label), key=lambda c: c.seed)
-        row = [label]
-        for attr, _title, kind in COLUMNS:
-            values = [getattr(c, attr) for c in mine]
-            shown = [show(v, kind) for v in values]
-            if attr == "interactive_within_budget":
-                shown = [f"{text}/{c.interactive_calls}" for text, c in zip(shown, mine, strict=True)]
-            each = " / ".join(shown)
-            row.append(
-                show(median(values), kind) + (f" ({each})" if len(values) > 1 or kind == "count" else "")
-            )
-        rows.append(row)
-    return rows
-
-
-def markdown_table(labels: Sequence[str], cells: Sequence[Cell]) -> str:
-    header = ["configuration", *[title for _a, title, _k in COLUMNS]]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in summary_rows(labels, cells)]
-    return "\n".join(lines)
-
-
-def idle_rows(labels: Sequence[str], cells: Sequence[Cell]) -> list[list[str]]:
-    """Per configuration with the shim's state sampled: the median share of slot-time idle
-    while its callers were in each of :data:`IDLE_PLACES`, the seeds' values after it."""
-    rows = []
-    for label in labels:
-        mine = sorted((c for c in cells if c.label == label and c.idle_places), key=lambda c: c.seed)
-        if not mine:
-            continue
-        row = [label]
-        for place in IDLE_PLACES:
-            values = [(c.idle_places or {})[place] for c in mine]
-            each = " / ".join(show(v, "share") for v in values)
-            row.append(show(median(values), "share") + (f" ({each})" if len(values) > 1 else ""))
-        rows.append(row)
-    return rows
-
-
-def idle_markdown(labels: Sequence[str], cells: Sequence[Cell]) -> str:
-    """Where the callers were while a slot stood idle, as a Markdown table ("" if nowhere known)."""
-    rows = idle_rows(labels, cells)
-    if not rows:
-        return ""
-    header = ["slot-time idle, caller waiting, while the caller was", *IDLE_PLACES]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def text_table(labels: Sequence[str], cells: Sequence[Cell]) -> str:
-    """The figures of :func:`markdown_table` for a terminal: a block per configuration."""
-    width = max(len(title) for _a, title, _k in COLUMNS) + 2
-    out = []
-    for row in summary_rows(labels, cells):
-        out.append(row[0])
-        out += [f"  {title:<{width}}{value}" for (_a, title, _k), value in zip(COLUMNS, row[1:], strict=True)]
-    return "\n".join(out)

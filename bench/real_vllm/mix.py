@@ -29,7 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llm_backoff_shim.lab.workload import LengthDist, prompt_text
+from llm_backoff_shim.lab.scenario import Scenario
+from llm_backoff_shim.lab.workload import LengthDist, Workload, prompt_text
 from llm_backoff_shim.sim.engine import EngineParams, SeqState, Sequence, SimEngine
 
 Kind = Literal["chat", "long"]
@@ -263,3 +264,20 @@ def p99(values: list[float]) -> float:
         return math.nan
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def chat_scenario(duration: float, rate_factor: float) -> Scenario:
+    """Short chat beside batch as the load generator's :class:`Scenario` (the fleet benchmark's
+    and the virtual-time bound's load): Poisson at ``rate_factor`` x capacity for ``duration``
+    s, 70 % interactive with a 5 s time-to-first-token budget, 20 s deadline, the default
+    workload's lengths (prompts lognormal around 40 words, answers around 64 tokens)."""
+    return Scenario(
+        "real-vllm",
+        burst=0,
+        rate_factor=rate_factor,
+        duration=duration,
+        deadline=20.0,
+        ttft_budget=5.0,
+        interactive_share=0.7,
+        workload=Workload(),
+    )

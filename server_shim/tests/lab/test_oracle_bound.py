@@ -12,7 +12,7 @@ import pytest
 
 def load_oracle() -> ModuleType:
     bench = Path(__file__).resolve().parents[3] / "bench"
-    sys.path.insert(0, str(bench))  # its own imports (bench_vllm) live beside it
+    sys.path.insert(0, str(bench))  # its own imports live beside it
     spec = importlib.util.spec_from_file_location("oracle_bound", bench / "oracle_bound.py")
     assert spec is not None
     assert spec.loader is not None
