@@ -75,6 +75,7 @@ from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, ready, vllm_server
+from real_vllm.measures import idle_slot_share, interactive_failure_paths
 from real_vllm.mix import Budgets, Mix, MixCall, MixWorkload, capacity, mix_trace, oracle
 
 LOAD_CPU = 0
@@ -165,6 +166,7 @@ class Row:
     oracle_useful: int = 0
     oracle_chat: int = 0
     oracle_batch: int = 0
+    diagnostics: dict[str, object] = dataclasses.field(default_factory=dict)
 
 
 def engine_params(flags: str) -> EngineParams:
@@ -277,6 +279,27 @@ def wasted(result: RunResult) -> float | None:
     return max(0.0, float(generated) - delivered) / float(generated)
 
 
+def diagnose(result: RunResult) -> dict[str, object]:
+    """Where chat was lost: how the interactive calls that failed ended (with their p90 time),
+    refusals per class and code over every attempt, idle slot-time while a caller waited."""
+    refusals: dict[str, int] = {}
+    for r in result.calls:
+        for a in r.attempts:
+            if a.status is not None and a.status >= 400:
+                key = f"{r.cls}:{a.code or a.status}"
+                refusals[key] = refusals.get(key, 0) + 1
+    late = sum(1 for r in result.calls if r.cls == "interactive" and r.ok and not r.within_budget)
+    paths = {
+        k: [n, None if p is None else round(p, 2)] for k, (n, p) in interactive_failure_paths(result).items()
+    }
+    return {
+        "interactive_failed": paths,
+        "interactive_served_late": late,
+        "refusals": refusals,
+        "idle_caller_waiting": idle_slot_share(result, SLOTS),
+    }
+
+
 def row_of(spec: ScenarioSpec, seed: int, arm: Arm, result: RunResult, load: float) -> Row:
     b = spec.budgets
     chats = [r for r in result.calls if r.cls == "interactive"]
@@ -345,12 +368,14 @@ def run_arm(
         result = run_load(run)
         line.done()
     row = row_of(spec, seed, arm, result, load)
+    row.diagnostics = diagnose(result)
     print(
         f"  {arm.setup.label}: useful {row.useful_tokens}, chat {row.chat_in_budget}/{row.chat_calls} "
         f"within budget, batch {row.batch_served}/{row.batch_calls}, refusal p90 "
         f"{_s(row.refusal_p90)}, wasted {_pct(row.wasted)} (load {load:.1f}, {result.elapsed:.0f} s)",
         flush=True,
     )
+    print(f"    {json.dumps(row.diagnostics)}", flush=True)
     return row
 
 
