@@ -4,7 +4,10 @@ own cost against the budget (not batch's), up to the budget; with the request ca
 whole burst goes to the engine.
 
 The simulator answers slowly (one token a second), so every request admitted stays in flight
-while the test reads the shim's state; the test then hangs up. Counts only, no latency.
+while the test reads the shim's state; the test then hangs up. Counts only, no latency. No
+answer is learned in that time, so requests are priced cold (decide/pricing.py): prompts longer
+than a slot's share of the budget (3000 / 80) weigh their prompt, in the simulator's tokens as
+its ``/tokenize`` counts them.
 """
 
 from __future__ import annotations
@@ -17,15 +20,21 @@ from typing import Any
 import httpx
 import pytest
 
-from llm_backoff_shim.decide.cost import request_cost
+from llm_backoff_shim.decide.cost import SAMPLE_TEXT
+from llm_backoff_shim.decide.pricing import Pricing
+from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.protocol import estimate_tokens
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 
-BUDGET = 3000
-CHAT = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 40}]}
+BUDGET, SLOTS = 3000, 80
+CHAT = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 400}]}
 LONG = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 8000}]}
-CHAT_COST = request_cost(CHAT, 512).tokens  # 10 + 4 + 50
-LONG_COST = request_cost(LONG, 512).tokens  # 2000 + 4 + 50
+# The shim's price of each, once it has asked the simulator's /tokenize for its bytes per token.
+_PRICING = Pricing(TokenBudget(BUDGET), ("interactive", "batch"), lambda: 0.0, lambda: SLOTS)
+assert _PRICING.learn_ratio(SAMPLE_TEXT, estimate_tokens(SAMPLE_TEXT))
+CHAT_COST = _PRICING.price_body("interactive", CHAT)
+LONG_COST = _PRICING.price_body("batch", LONG)
 CHATS, LONGS = 60, 4
 
 
@@ -66,6 +75,8 @@ async def _burst_then_chat(shim_url: str, sim_url: str) -> tuple[State, str, int
         await client.post(shim_url + "/v1/chat/completions", json=body, headers={"x-request-class": cls})
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
+        # The shim asks the engine's tokenizer at start-up; priced in its tokens from then on.
+        await _until(client, shim_url, lambda s: s.get("prompt_bytes_per_token", 0) != 4)
         tasks = [asyncio.create_task(post(LONG, "batch")) for _ in range(LONGS)]
         await _until(client, shim_url, lambda s: sum(_counts(s, "batch")) == LONGS)
         tasks += [asyncio.create_task(post(CHAT, "interactive")) for _ in range(CHATS)]
@@ -93,7 +104,7 @@ def _gauge(metrics: str, name: str) -> float:
 def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
-    shim = make_shim(slow_sim.url, max_concurrency=80, max_queue=40, max_inflight_tokens=BUDGET)
+    shim = make_shim(slow_sim.url, max_concurrency=SLOTS, max_queue=40, max_inflight_tokens=BUDGET)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     # One long prompt fits; the other three wait in the shim, whose slots are mostly free.
     assert _counts(state, "batch") == (1, LONGS - 1)
@@ -112,7 +123,7 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
 def test_with_the_request_cap_alone_the_whole_burst_reaches_the_engine(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
-    shim = make_shim(slow_sim.url, max_concurrency=80, max_queue=40)
+    shim = make_shim(slow_sim.url, max_concurrency=SLOTS, max_queue=40)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     assert received == LONGS + CHATS
     assert (_counts(state, "batch"), _counts(state, "interactive")) == ((LONGS, 0), (CHATS, 0))
