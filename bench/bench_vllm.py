@@ -143,7 +143,7 @@ def calibrate_lengths(workload: Workload) -> tuple[str, str]:
     """The workload's own length specs when this calibrate reads them, else uniform ranges
     of about the same means (prompt words 5-200, answer tokens 16-160)."""
     specs = (str(workload.prompt_words), str(workload.output_tokens))
-    args = ["--upstream", "http://127.0.0.1:1", "--prompt-tokens", specs[0], "--output-tokens", specs[1]]
+    args = ["--upstream", "http://127.0.0.1:1", "--prompt-words", specs[0], "--output-tokens", specs[1]]
     try:
         calibrate.config_from_args(calibrate.build_parser().parse_args(args))
     except (Exception, SystemExit):
@@ -165,7 +165,7 @@ def run_calibrate(url: str, workload: Workload, *, quick: bool, slo: float) -> C
             "32",
             "--step-seconds",
             "5" if quick else "10",
-            "--prompt-tokens",
+            "--prompt-words",
             prompt,
             "--output-tokens",
             output,

@@ -131,7 +131,9 @@ def chat(c: AdmissionController, max_tokens: int | None) -> AdmissionRequest:
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     assert c.pricing is not None
-    return AdmissionRequest(cls="interactive", max_tokens=max_tokens, cost=c.pricing.price_body("interactive", body))
+    return AdmissionRequest(
+        cls="interactive", max_tokens=max_tokens, cost=c.pricing.price_body("interactive", body)
+    )
 
 
 @pytest.mark.parametrize("max_tokens", [4096, None])
@@ -146,7 +148,8 @@ def test_eight_chats_on_an_idle_engine_are_all_admitted_cold_and_learned(
         for t in tickets:
             assert isinstance(t, Ticket)
             c.release(t, Outcome.COMPLETED, answer_tokens=64)
-    assert c.pricing is not None and c.pricing.answers.learned("interactive") == 64
+    assert c.pricing is not None
+    assert c.pricing.answers.learned("interactive") == 64
 
 
 def test_only_completed_answers_teach_the_controller(make: MakeController) -> None:

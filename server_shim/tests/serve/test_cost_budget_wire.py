@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from llm_backoff_shim.decide.cost import SAMPLE_TEXT
@@ -129,3 +130,57 @@ def test_with_the_request_cap_alone_the_whole_burst_reaches_the_engine(
     assert (_counts(state, "batch"), _counts(state, "interactive")) == ((LONGS, 0), (CHATS, 0))
     assert "in_flight_tokens" not in state
     assert "llm_backoff_shim_in_flight_tokens" not in metrics
+
+
+async def _rounds(shim_url: str, stream: bool) -> tuple[list[int], State]:
+    """Four rounds of 8 concurrent chats on the idle engine, asking ``max_tokens: 4096`` and naming
+    none in turn; how many of each round got a 429, and the shim's state at the end."""
+    client = openai.AsyncOpenAI(base_url=shim_url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(max_tokens: int | None) -> bool:
+        extra: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
+        messages: list[Any] = [{"role": "user", "content": "Say hello to the team."}]
+        try:
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model="m", messages=messages, stream=True, **extra
+                )
+                async for _ in chunks:
+                    pass
+            else:
+                await client.chat.completions.create(model="m", messages=messages, **extra)
+        except openai.RateLimitError:
+            return False
+        return True
+
+    refused: list[int] = []
+    async with httpx.AsyncClient(timeout=30) as probe:
+        await _until(probe, shim_url, lambda s: s["prompt_bytes_per_token"] != 4)
+        for max_tokens in (4096, None, 4096, None):
+            served = await asyncio.gather(*(one(max_tokens) for _ in range(8)))
+            refused.append(served.count(False))
+            # The slots are given back just after the answers end: the next round finds them free.
+            state = await _until(probe, shim_url, lambda s: s["in_flight_tokens"] == 0)
+    await client.close()
+    return refused, state
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_eight_calls_asking_for_4096_tokens_or_none_on_an_idle_engine_are_all_admitted(
+    make_shim: Callable[..., Any], stream: bool
+) -> None:
+    # 8 sequences, answers of 20 tokens whatever max_tokens allows; a budget of 1600 (a chat-sized
+    # one, as calibrate measured on such an engine, docs/calibrate.md) beside 8 slots and no queue:
+    # a request that did not fit would be refused at once. Priced at max_tokens, one call of 4096
+    # would fill the budget alone and the other 7 get 429s (issue #36).
+    sim = ServerThread(
+        create_sim_app(SimConfig(ttft=0.01, itl=0.002, output_tokens=20, seed=1, max_num_seqs=8))
+    ).start()
+    try:
+        shim = make_shim(sim.url, max_concurrency=8, max_queue=0, max_inflight_tokens=1600)
+        refused, state = asyncio.run(_rounds(shim.url, stream))
+    finally:
+        sim.stop()
+    # Cold (a slot's share each), after 8 answers (still cold), after 16 and 24 (learned: 20).
+    assert refused == [0, 0, 0, 0]
+    assert state["answer_tokens"]["interactive"] == 20
