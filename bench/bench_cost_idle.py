@@ -9,8 +9,8 @@ shim with the real openai client (no retries):
 - one call alone and then 8 at once naming no ``max_tokens``.
 
 It prints, per case, how many of the 8 were refused (429) and how long the 8 took together
-against the one alone. An engine with 8 sequences runs the 8 together in about the time of
-one (a little more: each step is 10 % slower per extra sequence)::
+against the one alone, and the same 8 sent straight to the engine (what the engine does with
+them: each step is 10 % slower per extra sequence, so 8 together take about 1.6 times one)::
 
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_cost_idle.py
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_cost_idle.py --python OLD/bin/python
@@ -103,9 +103,13 @@ def main() -> None:
             "--log-level", "warning", "--access-log", "false", *flags, python=args.python))  # fmt: skip
         with shim:
             rows = asyncio.run(drive(shim.url))
-    print(f"{'calls':<16} {'one alone':>10} {'8 at once':>10} {'ratio':>6} {'429s':>5}")
-    for label, alone, together, refused in rows:
-        print(f"{label:<16} {alone:>9.2f}s {together:>9.2f}s {together / alone:>6.2f} {refused:>5}/8")
+        direct = asyncio.run(drive(sim.url))
+    print(f"{'calls':<16} {'one alone':>10} {'8 at once':>10} {'ratio':>6} {'429s':>5}  engine alone: ratio")
+    for (label, alone, together, refused), (_, one, eight, _) in zip(rows, direct, strict=True):
+        print(
+            f"{label:<16} {alone:>9.2f}s {together:>9.2f}s {together / alone:>6.2f} {refused:>5}/8"
+            f"  {eight / one:>6.2f}"
+        )
 
 
 if __name__ == "__main__":
