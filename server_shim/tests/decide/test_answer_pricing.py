@@ -51,6 +51,24 @@ def test_the_prior_stands_in_until_learned_and_max_tokens_caps_either() -> None:
     assert answers.expected("interactive", 16, prior=300) == 16
 
 
+def test_a_class_without_answers_of_its_own_is_priced_at_every_classs_answers() -> None:
+    clock = ManualClock(0.0)
+    answers = lengths(clock, min_answers=4)
+    for tokens in (100, 200, 300):
+        answers.observe("interactive", tokens)
+    assert answers.expected("batch", None, prior=7) == 7  # 3 answers in all: the prior
+    answers.observe("batch", 400)
+    # 4 in all: batch (1 of its own) is priced at every class's 90th percentile.
+    assert answers.learned("batch") is None
+    assert answers.learned_overall() == 400
+    assert answers.expected("batch", None, prior=7) == 400
+    assert answers.expected("interactive", None, prior=7) == 400  # 3 of its own: not yet
+    answers.observe("interactive", 50)
+    assert answers.expected("interactive", 4096, prior=7) == 300
+    clock.now = 4000.0  # all aged out
+    assert answers.learned_overall() is None
+
+
 def test_only_recent_answers_count_by_number_and_by_age() -> None:
     clock = ManualClock(0.0)
     answers = lengths(clock, window=4, min_answers=2, horizon=100.0)
@@ -104,7 +122,8 @@ def test_learned_a_request_costs_its_prompt_and_the_classes_answer_capped_by_max
     assert price.price("interactive", 20, 4096) == 84
     assert price.price("interactive", 20, None) == 84
     assert price.price("interactive", 20, 8) == 28
-    assert price.price("batch", 3000, 4096) == 3000  # batch has learned nothing yet
+    # Batch has learned nothing yet: what every class's answers say, not a share.
+    assert price.price("batch", 3000, 4096) == 3064
 
 
 def test_prompts_are_counted_at_the_engines_bytes_per_token() -> None:

@@ -17,10 +17,15 @@ the class's recent answers, capped by the request's own ``max_tokens``.
 - **Per class**: chat and batch jobs ask for different lengths.
 - **Recent**: the last :data:`WINDOW` answers of the class within :data:`HORIZON` seconds, so a
   change of traffic or model is followed within a few hundred answers.
-- **Cold start**: before :data:`MIN_ANSWERS` answers of a class have been seen, there is no
-  estimate (:meth:`learned` is None) and the caller prices by its prior (the cost budget: one
-  slot's share of it, :meth:`~llm_backoff_shim.decide.token_budget.TokenBudget.price`). The
-  client's ``max_tokens`` is never the prior: a request saying 4096 is not priced at 4096.
+- **Cold start**: before :data:`MIN_ANSWERS` answers of a class have been seen, the class is
+  priced at the same quantile of every class's recent answers together (a batch job's first
+  long prompts at what chat's answers say: what this engine answers, if not for this class),
+  and before as many answers of any class, by the caller's prior (the cost budget's: one
+  slot's share of it, :mod:`~llm_backoff_shim.decide.pricing`). The client's ``max_tokens`` is
+  never the prior: a request saying 4096 is not priced at 4096. Measured in virtual time
+  (``bench/bench_cost_budget.py``, a burst of 60 long prompts at once beside chat): a
+  class's first answers priced at the prior alone let the burst's prompts in unweighed by
+  their answers.
 
 Fed by the edge with the completion tokens of each answer relayed in full (from the answer's
 ``usage``, or by counting a stream's events: :mod:`llm_backoff_shim.serve.request_path.answer_meter`).
@@ -73,8 +78,9 @@ class AnswerLengths:
         self._horizon = horizon
         # Per class: (when, completion tokens), oldest first.
         self._answers: dict[str, deque[tuple[float, int]]] = {c: deque(maxlen=window) for c in classes}
-        # Per class: the estimate, until the next answer or an answer ages out.
-        self._cached: dict[str, int | None] = {}
+        # Per class (None: every class together): the estimate, until the next answer or an
+        # answer ages out.
+        self._cached: dict[str | None, int | None] = {}
 
     def observe(self, cls: str, completion_tokens: int) -> None:
         """One answer of ``cls`` relayed in full, ``completion_tokens`` long. Unknown classes and
@@ -84,6 +90,7 @@ class AnswerLengths:
             return
         answers.append((self._clock(), completion_tokens))
         self._cached.pop(cls, None)
+        self._cached.pop(None, None)
 
     def learned(self, cls: str) -> int | None:
         """The class's answer length at :data:`QUANTILE` of its recent answers (rounded up), or
@@ -91,23 +98,43 @@ class AnswerLengths:
         answers = self._answers.get(cls)
         if answers is None:
             return None
+        self._age(cls, answers)
+        if cls in self._cached:
+            return self._cached[cls]
+        estimate = self._quantile_of([tokens for _, tokens in answers])
+        self._cached[cls] = estimate
+        return estimate
+
+    def learned_overall(self) -> int | None:
+        """:meth:`learned` over every class's recent answers together."""
+        for cls, answers in self._answers.items():
+            self._age(cls, answers)
+        if None in self._cached:
+            return self._cached[None]
+        estimate = self._quantile_of([tokens for answers in self._answers.values() for _, tokens in answers])
+        self._cached[None] = estimate
+        return estimate
+
+    def expected(self, cls: str, max_tokens: int | None, prior: int) -> int:
+        """The answer tokens a request of ``cls`` is priced at: the class's learned length, else
+        every class's, else ``prior``; capped by the request's ``max_tokens`` (None: not capped)."""
+        learned = self.learned(cls)
+        if learned is None:
+            learned = self.learned_overall()
+        answer = prior if learned is None else learned
+        return answer if max_tokens is None else min(answer, max_tokens)
+
+    def _age(self, cls: str, answers: deque[tuple[float, int]]) -> None:
+        """Drop the answers of ``cls`` older than the horizon."""
         oldest = self._clock() - self._horizon
         if answers and answers[0][0] < oldest:
             while answers and answers[0][0] < oldest:
                 answers.popleft()
             self._cached.pop(cls, None)
-        if cls in self._cached:
-            return self._cached[cls]
-        estimate = None
-        if len(answers) >= self._min_answers:
-            ordered = sorted(tokens for _, tokens in answers)
-            estimate = ordered[max(0, math.ceil(self._quantile * len(ordered)) - 1)]
-        self._cached[cls] = estimate
-        return estimate
+            self._cached.pop(None, None)
 
-    def expected(self, cls: str, max_tokens: int | None, prior: int) -> int:
-        """The answer tokens a request of ``cls`` is priced at: the learned length, or ``prior``
-        before one is learned, capped by the request's ``max_tokens`` (None: not capped)."""
-        learned = self.learned(cls)
-        answer = prior if learned is None else learned
-        return answer if max_tokens is None else min(answer, max_tokens)
+    def _quantile_of(self, tokens: list[int]) -> int | None:
+        if len(tokens) < self._min_answers:
+            return None
+        tokens.sort()
+        return tokens[max(0, math.ceil(self._quantile * len(tokens)) - 1)]

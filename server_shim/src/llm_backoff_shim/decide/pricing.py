@@ -12,8 +12,10 @@
   quantile of the class's recent answers, capped by the request's ``max_tokens``
   (:class:`~llm_backoff_shim.decide.answer_length.AnswerLengths`, whose docstring says why).
   A request that names no ``max_tokens`` is priced the same, uncapped.
-- **Cold start**: until a class has answers enough to learn from, a request is priced at one
-  slot's share of the budget (the budget over the concurrency limit), or at its prompt when
+- **Cold start**: until a class has answers enough to learn from, it is priced at what every
+  class's answers together say (:class:`AnswerLengths`); until the shim has answers enough of
+  any class, a request is priced at one slot's share of the budget (the budget over the
+  concurrency limit), or at its prompt when
   that is larger, never at more than its prompt plus its ``max_tokens``. Before anything is
   known of the answers, the budget then admits as many ordinary requests as the count cap
   does (an idle engine's slots all fill) and weighs only prompts larger than a slot's share;
