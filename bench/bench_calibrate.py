@@ -72,7 +72,7 @@ def run_before(before: Path, url: str, seed: int, step_seconds: float, out: Path
     argv = [
         sys.executable, "-m", "llm_backoff_shim.cli", "calibrate", "--upstream", url,
         "--ttft-slo", str(TTFT_SLO), "--max-level", "64", "--step-seconds", str(step_seconds),
-        "--seed", str(seed), "--prompt-tokens", "5-200", "--output-tokens", "16-256",
+        "--seed", str(seed), "--prompt-words", "5-200", "--output-tokens", "16-256",
         "--out", str(out), "--json",
     ]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900, check=False)

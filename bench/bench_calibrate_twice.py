@@ -46,7 +46,7 @@ def engine(name: str, scale: float) -> tuple[list[str], list[str]]:
            "--max-num-batched-tokens", "2048", "--seed", "1"]  # fmt: skip
     flags = ["--ttft-slo", f"{4 * scale:g}", "--tpot-slo", f"{0.2 * scale:g}", "--max-level", "64",
              "--output-tokens", "lognormal:128:0.6:16-512", "--long-share", "0.2",
-             "--long-prompt-tokens", "1500-3000", "--max-seconds", "1800"]  # fmt: skip
+             "--long-prompt-words", "1500-3000", "--max-seconds", "1800"]  # fmt: skip
     return sim, flags
 
 

@@ -1,4 +1,4 @@
-"""A request's cost from its body (decide/cost.py) and the cost budget's own rules (token_budget.py)."""
+"""What a body says of a request's cost (decide/cost.py) and the cost budget's own rules (token_budget.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import pytest
 from llm_backoff_shim.decide.cost import (
     BYTES_PER_TOKEN,
     MESSAGE_OVERHEAD,
-    RequestCost,
+    SAMPLE_TEXT,
+    answer_limit,
+    bytes_per_token,
     estimate_prompt_tokens,
-    request_cost,
     text_tokens,
 )
 from llm_backoff_shim.decide.token_budget import TokenBudget
@@ -21,6 +22,23 @@ def test_text_counts_its_utf8_bytes_over_four_rounded_up() -> None:
     # Non-ASCII text counts its encoded bytes: "é" is 2 bytes, "日本" 6.
     assert text_tokens("é" * 4) == 2
     assert text_tokens("日本") == 2
+
+
+def test_text_counts_at_the_engines_ratio_once_known() -> None:
+    # A small-vocabulary model's 2.5 bytes a token: 10 bytes are 4 tokens, not 3.
+    assert text_tokens("abcdefghij", 2.5) == 4
+    body = {"messages": [{"role": "user", "content": "x" * 100}]}
+    assert estimate_prompt_tokens(body, 2.0) == 50 + MESSAGE_OVERHEAD
+    assert estimate_prompt_tokens({"prompt": "z" * 100}, 5.0) == 20
+
+
+def test_the_ratio_comes_from_the_engines_count_of_the_sample_and_must_be_plausible() -> None:
+    size = len(SAMPLE_TEXT.encode())
+    assert bytes_per_token(SAMPLE_TEXT, 100) == size / 100
+    # No count, a count of more tokens than bytes, or one token per 16+ bytes: not this text's.
+    for count in (0, -3, size + 1, size // 17):
+        assert bytes_per_token(SAMPLE_TEXT, count) is None
+    assert bytes_per_token(SAMPLE_TEXT, True) is None
 
 
 def test_chat_messages_count_their_text_and_a_template_overhead_each() -> None:
@@ -46,25 +64,24 @@ def test_completion_prompts_count_text_token_ids_and_batches() -> None:
 
 def test_anthropic_responses_and_embedding_bodies_count_their_text_too() -> None:
     anthropic = {"system": "s" * 8, "messages": [{"role": "user", "content": "u" * 8}], "max_tokens": 10}
-    assert request_cost(anthropic, 512) == RequestCost(2 + 2 + MESSAGE_OVERHEAD, 10)
+    assert (estimate_prompt_tokens(anthropic), answer_limit(anthropic)) == (2 + 2 + MESSAGE_OVERHEAD, 10)
     responses = {"instructions": "i" * 4, "input": "q" * 40, "max_output_tokens": 7}
-    assert request_cost(responses, 512) == RequestCost(1 + 10, 7)
+    assert (estimate_prompt_tokens(responses), answer_limit(responses)) == (1 + 10, 7)
     items = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "t" * 12}]}]}
     assert estimate_prompt_tokens(items) == 3 + MESSAGE_OVERHEAD
     assert estimate_prompt_tokens({"input": ["abcd", "abcdefgh"]}) == 3
     assert estimate_prompt_tokens({"input": [3, 4, 5, 6]}) == 4
 
 
-def test_the_cost_is_prompt_plus_the_answers_limit_or_the_default() -> None:
+def test_the_answers_limit_is_the_first_the_body_names() -> None:
     chat = {"messages": [{"role": "user", "content": "q" * 400}]}
-    assert request_cost(chat, 512) == RequestCost(100 + MESSAGE_OVERHEAD, 512)
-    assert request_cost({**chat, "max_tokens": 64}, 512).tokens == 104 + 64
+    assert answer_limit(chat) is None
+    assert answer_limit({**chat, "max_tokens": 64}) == 64
     # max_completion_tokens wins, as the engine reads it; a non-number is no limit.
-    assert request_cost({**chat, "max_tokens": 64, "max_completion_tokens": 32}, 512).max_tokens == 32
-    assert request_cost({**chat, "max_tokens": "64"}, 512).max_tokens == 512
-    assert request_cost({**chat, "max_tokens": True}, 512).max_tokens == 512
-    with pytest.raises(ValueError, match="default_max_tokens"):
-        request_cost(chat, -1)
+    assert answer_limit({**chat, "max_tokens": 64, "max_completion_tokens": 32}) == 32
+    assert answer_limit({**chat, "max_tokens": "64"}) is None
+    assert answer_limit({**chat, "max_tokens": True}) is None
+    assert answer_limit({**chat, "max_tokens": 0}) is None
 
 
 def test_the_budget_fits_within_it_or_alone() -> None:

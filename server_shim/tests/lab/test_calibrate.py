@@ -47,11 +47,23 @@ def test_lengths_are_the_workload_distributions_and_the_old_forms_still_parse() 
     assert config.prompt_words == DEFAULT_PROMPT_WORDS
     assert config.output_tokens == DEFAULT_OUTPUT_TOKENS
     args = calibrate.build_parser().parse_args(
-        ["--upstream", "http://h:1", "--prompt-tokens", "200", "--output-tokens", "16-256"]
+        ["--upstream", "http://h:1", "--prompt-words", "200", "--output-tokens", "16-256"]
     )
     config = calibrate.config_from_args(args)
     assert config.prompt_words == LengthDist.fixed(200)
     assert config.output_tokens == LengthDist.uniform(16, 256)
+
+
+@pytest.mark.parametrize(
+    ("retired", "instead"),
+    [("--prompt-tokens", "--prompt-words"), ("--long-prompt-tokens", "--long-prompt-words")],
+)
+def test_flags_named_for_tokens_that_counted_words_are_retired(retired: str, instead: str) -> None:
+    # They were aliases of the word counts: a "token" length was a word length, 1.3 to 2.5 times
+    # as many tokens depending on the model. Refused with the flag to use, never reinterpreted.
+    args = calibrate.build_parser().parse_args(["--upstream", "http://h:1", retired, "200"])
+    with pytest.raises(ValueError, match=f"{retired} is retired: it counted words.*{instead}"):
+        calibrate.config_from_args(args)
 
 
 def test_levels_double_up_to_the_maximum() -> None:
@@ -90,13 +102,12 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--api-key",
         "--max-level",
         "--steps",
-        "--prompt-tokens",
         "--output-tokens",
         "--step-seconds",
         "--step-requests",
         "--max-seconds",
         "--long-share",
-        "--long-prompt-tokens",
+        "--long-prompt-words",
         "--completions-per-slot",
         "--min-completions",
         "--out",
@@ -112,7 +123,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--ttft-slo", "nan"], "--ttft-slo"),
         (["--ttft-slo", "1", "--steps", "4,2"], "--steps: levels must be strictly increasing"),
         (["--ttft-slo", "1", "--max-level", "0"], "--max-level"),
-        (["--ttft-slo", "1", "--prompt-tokens", "0"], "--prompt-words: expected N, LOW-HIGH or lognormal"),
+        (["--ttft-slo", "1", "--prompt-words", "0"], "--prompt-words: expected N, LOW-HIGH or lognormal"),
         (["--ttft-slo", "1", "--tpot-slo", "0"], "--tpot-slo: must be a positive number"),
         (["--ttft-slo", "1", "--tpot-slo", "fast"], "--tpot-slo: expected seconds or 'none'"),
         (["--ttft-slo", "1", "--batch-queue-wait", "-1"], "--batch-queue-wait: must be a positive number"),
@@ -125,7 +136,7 @@ def test_help_lists_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         (["--ttft-slo", "1", "--step-requests", "0"], "--step-requests"),
         (["--ttft-slo", "1", "--step-seconds", "30", "--max-seconds", "10"], "--max-seconds 10 is too short"),
         (["--long-share", "1.5"], "--long-share: must be in [0, 1]"),
-        (["--long-prompt-tokens", "x"], "--long-prompt-tokens: expected N"),
+        (["--long-prompt-words", "x"], "--long-prompt-words: expected N"),
         (["--completions-per-slot", "0"], "--completions-per-slot"),
         (["--min-completions", "0"], "--min-completions"),
         (["--ttft-slo", "1", "--max-error-rate", "1"], "--max-error-rate"),
@@ -329,7 +340,7 @@ def test_an_unwritable_png_is_reported_and_the_result_still_printed(
     blocker.write_text("")
     status, out, err = run(
         ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "1", "--step-requests", "2",
-         "--output-tokens", "3", "--prompt-tokens", "5", "--out", str(blocker / "sub"), "--json"]
+         "--output-tokens", "3", "--prompt-words", "5", "--out", str(blocker / "sub"), "--json"]
     )  # fmt: skip
     assert status == 0
     assert f"cannot write {blocker / 'sub' / 'calibrate.png'}" in err
@@ -342,7 +353,7 @@ def test_completions_per_level_are_capped(sim: ServerThread, tmp_path: Path) -> 
     # Each level's window may count only 5 completions, whatever two per slot would ask.
     status, out, err = run(
         ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "1,2", "--step-requests", "5",
-         "--step-seconds", "0", "--repeats", "1", "--output-tokens", "3", "--prompt-tokens", "5",
+         "--step-seconds", "0", "--repeats", "1", "--output-tokens", "3", "--prompt-words", "5",
          "--out", str(tmp_path), "--json"]
     )  # fmt: skip
     assert status == 0, err
@@ -394,7 +405,7 @@ def test_a_level_that_does_not_fit_the_time_left_is_not_started(tmp_path: Path) 
     with sim_server(output_tokens=30, itl=0.01, ttft=0.0) as sim:
         status, out, err = run(
             ["--upstream", sim.url, "--ttft-slo", "5", "--steps", "4", "--step-seconds", "10",
-             "--max-seconds", "10.5", "--output-tokens", "30", "--prompt-tokens", "5", "--out", str(tmp_path),
+             "--max-seconds", "10.5", "--output-tokens", "30", "--prompt-words", "5", "--out", str(tmp_path),
              "--json"]
         )  # fmt: skip
         result = json.loads(out)
@@ -432,7 +443,7 @@ def test_slo_out_of_reach_stops_after_the_first_level(tmp_path: Path) -> None:
                 "0.5",
                 "--output-tokens",
                 "3",
-                "--prompt-tokens",
+                "--prompt-words",
                 "5",
                 "--out",
                 str(tmp_path),
@@ -510,7 +521,7 @@ def test_requests_on_the_wire(ignore_eos: bool, tmp_path: Path) -> None:
     auth: list[str] = []
     flags = ["--ttft-slo", "5", "--steps", "1", "--step-requests", "6", "--api-key", "sk-test", "--json",
              "--repeats", "1", "--step-seconds", "0",
-             "--prompt-tokens", "3-9", "--output-tokens", "4-6", "--out", str(tmp_path)]  # fmt: skip
+             "--prompt-words", "3-9", "--output-tokens", "4-6", "--out", str(tmp_path)]  # fmt: skip
     with ServerThread(recording_upstream(bodies, auth)) as server:
         status, out, _ = run(["--upstream", server.url, *flags, *([] if ignore_eos else ["--no-ignore-eos"])])
     assert status == 0
@@ -605,7 +616,7 @@ def test_an_engine_slower_than_the_step_is_measured_by_completions_with_the_mix(
             ["--upstream", sim.url, "--ttft-slo", "5", "--tpot-slo", "none", "--steps", "2,4,8",
              "--step-seconds", "0.1", "--completions-per-slot", "1", "--min-completions", "4",
              "--repeats", "2", "--prompt-words", "10", "--output-tokens", "20", "--long-share", "0.25",
-             "--long-prompt-tokens", "400-600", "--out", str(tmp_path), "--json"]
+             "--long-prompt-words", "400-600", "--out", str(tmp_path), "--json"]
         )  # fmt: skip
     assert status == 0, err
     result = json.loads(out)

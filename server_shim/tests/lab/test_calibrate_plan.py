@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from llm_backoff_shim.lab.calibrate_cost import budget_tokens, request_cost
+from llm_backoff_shim.lab.calibrate_cost import CostMeter, budget_tokens
 from llm_backoff_shim.lab.calibrate_plan import (
     COARSE,
     Sizing,
@@ -24,6 +24,7 @@ from llm_backoff_shim.lab.calibrate_plan import (
 )
 from llm_backoff_shim.lab.calibrate_samples import Sample, summarize, tokens_in
 from llm_backoff_shim.lab.knee import StepStats
+from llm_backoff_shim.testing import ManualClock
 
 # -- step sizing --------------------------------------------------------------------------
 
@@ -253,9 +254,18 @@ def test_failures_in_the_window_are_counted_and_nothing_succeeded_is_zero() -> N
 # -- the cost budget ---------------------------------------------------------------------------
 
 
-def test_a_request_costs_its_prompt_and_its_max_tokens() -> None:
-    assert request_cost(1800, 200) == 2000
-    assert request_cost(-1, 5) == 5
+def test_a_request_costs_its_prompt_and_the_answer_the_shim_would_price_not_its_max_tokens() -> None:
+    clock = ManualClock(0.0)
+    costs = CostMeter(clock, prior=100)
+    # Before answers are learned: the mix's mean answer.
+    assert costs.cost(1800) == 1900
+    assert costs.cost(-1) == 100
+    # Then the 90th percentile of the answers so far, whatever the request's own max_tokens:
+    # the shim prices a client asking for 4096, or naming none, at that (decide/pricing.py).
+    for tokens in range(10, 170, 10):  # 16 answers, 10 to 160
+        costs.observe(tokens)
+    assert costs.answer() == 150
+    assert costs.cost(1800) == 1950
 
 
 def test_the_budget_is_the_mean_cost_in_flight_rounded_up_to_64() -> None:

@@ -47,11 +47,10 @@ def test_flags_are_read_and_win_over_environment(monkeypatch: pytest.MonkeyPatch
 def test_the_cost_budget_is_off_by_default_and_read_from_every_source(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    assert (load_settings([]).max_inflight_tokens, load_settings([]).default_max_tokens) == (None, 512)
+    assert load_settings([]).max_inflight_tokens is None
     config = tmp_path / "shim.toml"
-    config.write_text("max_inflight_tokens = 12000\ndefault_max_tokens = 256\n", encoding="utf-8")
-    from_file = load_settings(["--config", str(config)])
-    assert (from_file.max_inflight_tokens, from_file.default_max_tokens) == (12000, 256)
+    config.write_text("max_inflight_tokens = 12000\n", encoding="utf-8")
+    assert load_settings(["--config", str(config)]).max_inflight_tokens == 12000
     monkeypatch.setenv("LLM_BACKOFF_SHIM_MAX_INFLIGHT_TOKENS", "16000")
     assert load_settings(["--config", str(config)]).max_inflight_tokens == 16000
     assert load_settings(["--max-inflight-tokens", "20000"]).max_inflight_tokens == 20000

@@ -4,7 +4,10 @@ own cost against the budget (not batch's), up to the budget; with the request ca
 whole burst goes to the engine.
 
 The simulator answers slowly (one token a second), so every request admitted stays in flight
-while the test reads the shim's state; the test then hangs up. Counts only, no latency.
+while the test reads the shim's state; the test then hangs up. Counts only, no latency. No
+answer is learned in that time, so requests are priced cold (decide/pricing.py): prompts longer
+than a slot's share of the budget (3000 / 80) weigh their prompt, in the simulator's tokens as
+its ``/tokenize`` counts them.
 """
 
 from __future__ import annotations
@@ -15,17 +18,24 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
-from llm_backoff_shim.decide.cost import request_cost
+from llm_backoff_shim.decide.cost import SAMPLE_TEXT
+from llm_backoff_shim.decide.pricing import Pricing
+from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.protocol import estimate_tokens
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 
-BUDGET = 3000
-CHAT = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 40}]}
+BUDGET, SLOTS = 3000, 80
+CHAT = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 400}]}
 LONG = {"model": "m", "max_tokens": 50, "messages": [{"role": "user", "content": "w" * 8000}]}
-CHAT_COST = request_cost(CHAT, 512).tokens  # 10 + 4 + 50
-LONG_COST = request_cost(LONG, 512).tokens  # 2000 + 4 + 50
+# The shim's price of each, once it has asked the simulator's /tokenize for its bytes per token.
+_PRICING = Pricing(TokenBudget(BUDGET), ("interactive", "batch"), lambda: 0.0, lambda: SLOTS)
+assert _PRICING.learn_ratio(SAMPLE_TEXT, estimate_tokens(SAMPLE_TEXT))
+CHAT_COST = _PRICING.price_body("interactive", CHAT)
+LONG_COST = _PRICING.price_body("batch", LONG)
 CHATS, LONGS = 60, 4
 
 
@@ -66,6 +76,8 @@ async def _burst_then_chat(shim_url: str, sim_url: str) -> tuple[State, str, int
         await client.post(shim_url + "/v1/chat/completions", json=body, headers={"x-request-class": cls})
 
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
+        # The shim asks the engine's tokenizer at start-up; priced in its tokens from then on.
+        await _until(client, shim_url, lambda s: s.get("prompt_bytes_per_token", 0) != 4)
         tasks = [asyncio.create_task(post(LONG, "batch")) for _ in range(LONGS)]
         await _until(client, shim_url, lambda s: sum(_counts(s, "batch")) == LONGS)
         tasks += [asyncio.create_task(post(CHAT, "interactive")) for _ in range(CHATS)]
@@ -93,7 +105,7 @@ def _gauge(metrics: str, name: str) -> float:
 def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
-    shim = make_shim(slow_sim.url, max_concurrency=80, max_queue=40, max_inflight_tokens=BUDGET)
+    shim = make_shim(slow_sim.url, max_concurrency=SLOTS, max_queue=40, max_inflight_tokens=BUDGET)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     # One long prompt fits; the other three wait in the shim, whose slots are mostly free.
     assert _counts(state, "batch") == (1, LONGS - 1)
@@ -112,9 +124,63 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
 def test_with_the_request_cap_alone_the_whole_burst_reaches_the_engine(
     slow_sim: ServerThread, make_shim: Callable[..., Any]
 ) -> None:
-    shim = make_shim(slow_sim.url, max_concurrency=80, max_queue=40)
+    shim = make_shim(slow_sim.url, max_concurrency=SLOTS, max_queue=40)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
     assert received == LONGS + CHATS
     assert (_counts(state, "batch"), _counts(state, "interactive")) == ((LONGS, 0), (CHATS, 0))
     assert "in_flight_tokens" not in state
     assert "llm_backoff_shim_in_flight_tokens" not in metrics
+
+
+async def _rounds(shim_url: str, stream: bool) -> tuple[list[int], State]:
+    """Four rounds of 8 concurrent chats on the idle engine, asking ``max_tokens: 4096`` and naming
+    none in turn; how many of each round got a 429, and the shim's state at the end."""
+    client = openai.AsyncOpenAI(base_url=shim_url + "/v1", api_key="unused", max_retries=0)
+
+    async def one(max_tokens: int | None) -> bool:
+        extra: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
+        messages: list[Any] = [{"role": "user", "content": "Say hello to the team."}]
+        try:
+            if stream:
+                chunks = await client.chat.completions.create(
+                    model="m", messages=messages, stream=True, **extra
+                )
+                async for _ in chunks:
+                    pass
+            else:
+                await client.chat.completions.create(model="m", messages=messages, **extra)
+        except openai.RateLimitError:
+            return False
+        return True
+
+    refused: list[int] = []
+    async with httpx.AsyncClient(timeout=30) as probe:
+        await _until(probe, shim_url, lambda s: s["prompt_bytes_per_token"] != 4)
+        for max_tokens in (4096, None, 4096, None):
+            served = await asyncio.gather(*(one(max_tokens) for _ in range(8)))
+            refused.append(served.count(False))
+            # The slots are given back just after the answers end: the next round finds them free.
+            state = await _until(probe, shim_url, lambda s: s["in_flight_tokens"] == 0)
+    await client.close()
+    return refused, state
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_eight_calls_asking_for_4096_tokens_or_none_on_an_idle_engine_are_all_admitted(
+    make_shim: Callable[..., Any], stream: bool
+) -> None:
+    # 8 sequences, answers of 20 tokens whatever max_tokens allows; a budget of 1600 (a chat-sized
+    # one, as calibrate measured on such an engine, docs/calibrate.md) beside 8 slots and no queue:
+    # a request that did not fit would be refused at once. Priced at max_tokens, one call of 4096
+    # would fill the budget alone and the other 7 get 429s (issue #36).
+    sim = ServerThread(
+        create_sim_app(SimConfig(ttft=0.01, itl=0.002, output_tokens=20, seed=1, max_num_seqs=8))
+    ).start()
+    try:
+        shim = make_shim(sim.url, max_concurrency=8, max_queue=0, max_inflight_tokens=1600)
+        refused, state = asyncio.run(_rounds(shim.url, stream))
+    finally:
+        sim.stop()
+    # Cold (a slot's share each), after 8 answers (still cold), after 16 and 24 (learned: 20).
+    assert refused == [0, 0, 0, 0]
+    assert state["answer_tokens"]["interactive"] == 20

@@ -123,17 +123,26 @@ def test_under_a_cost_budget_the_body_prices_the_request(make_controller: MakeCo
         hooks=RequestHooks(),
         controller=controller,
         max_body_bytes=1000,
-        default_max_tokens=300,
     )
     head = intake.head("POST", CHAT, headers())
     assert isinstance(head, Head)
-    # 40 bytes of text: 10 tokens, 4 for the message; no max_tokens: the default 300.
+    # 40 bytes of text: 10 tokens, 4 for the message; no max_tokens and no answers learned yet:
+    # a slot's share of the budget (decide/pricing.py), never the absent max_tokens.
+    assert controller.pricing is not None
+    share = controller.pricing.share()
+    assert share > 14
     body = b'{"messages": [{"role": "user", "content": "' + b"w" * 40 + b'"}]}'
     checked = intake.body(head, body)
     assert not isinstance(checked, Refusal)
     request, _ = checked
     assert request is not None
-    assert (request.cost, request.max_tokens, request.stream) == (314, None, False)
+    assert (request.cost, request.max_tokens, request.stream) == (share, None, False)
+    # With max_tokens 5: its prompt and its whole answer, less than a share.
+    checked = intake.body(head, body[:-1] + b', "max_tokens": 5}')
+    assert not isinstance(checked, Refusal)
+    request, _ = checked
+    assert request is not None
+    assert (request.cost, request.max_tokens) == (14 + 5, 5)
 
 
 def test_without_a_cost_budget_the_body_is_not_priced(intake: Intake) -> None:

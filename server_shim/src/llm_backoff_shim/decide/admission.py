@@ -14,7 +14,8 @@ hands out into awaitables and calls back on completion, disconnect and timeout.
   callers;
 - a :class:`~llm_backoff_shim.decide.limit.ConcurrencyLimit` caps requests in flight, an
   optional :class:`~llm_backoff_shim.decide.token_budget.TokenBudget` caps their cost
-  (KV-cache tokens: prompt plus ``max_tokens``), and
+  (KV-cache tokens: prompt plus the answer expected, priced by
+  :class:`~llm_backoff_shim.decide.pricing.Pricing` from the answers seen), and
   :class:`~llm_backoff_shim.decide.slots.HeldSlots` counts them, their cost, and keeps when
   each was admitted;
 - a :class:`~llm_backoff_shim.decide.scheduler.ClassScheduler` picks the class whose head is
@@ -77,6 +78,7 @@ from dataclasses import replace
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.placement import Placement
+from llm_backoff_shim.decide.pricing import Pricing
 from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.refusals import Refusals
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, UnknownClassError
@@ -129,6 +131,11 @@ class AdmissionController:
         self._returning_first = returning_first
         self._limit = limit
         self._budget = token_budget
+        #: What the budget counts for a request, learned from the answers released (None
+        #: without a budget: nothing is priced).
+        self.pricing = (
+            None if token_budget is None else Pricing(token_budget, names, clock, lambda: self._limit.limit)
+        )
         # The classes whose cost a request of each class counts against the budget: its own
         # and those above it (module docstring); the lowest class counts every class's.
         self._at_or_above = {c: self._classes[: i + 1] for i, c in enumerate(self._classes)}
@@ -427,8 +434,10 @@ class AdmissionController:
         moved, self._moved = self._moved, None
         return moved
 
-    def release(self, ticket: Ticket, outcome: Outcome) -> Dispatch:
-        """Give back the slot of an ADMITTED ticket; returns who moved up."""
+    def release(self, ticket: Ticket, outcome: Outcome, answer_tokens: int | None = None) -> Dispatch:
+        """Give back the slot of an ADMITTED ticket; returns who moved up. ``answer_tokens``: the
+        completion tokens of its answer, when it was relayed in full and could be counted (the
+        cost budget learns answer lengths from them, :mod:`~llm_backoff_shim.decide.pricing`)."""
         if ticket.state is not TicketState.ADMITTED:
             raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not admitted")
         ticket.state = TicketState.RELEASED
@@ -436,6 +445,8 @@ class AdmissionController:
         assert ticket.admitted_at is not None
         service_time = self._clock() - ticket.admitted_at
         if outcome is Outcome.COMPLETED:
+            if answer_tokens is not None and self.pricing is not None:
+                self.pricing.observe(ticket.cls, answer_tokens)
             self._estimator.observe_completion(ticket.cls, service_time)
             if ticket.request.max_tokens is not None:
                 self._estimator.observe_tokens(ticket.request.max_tokens, service_time)

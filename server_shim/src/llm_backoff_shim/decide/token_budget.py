@@ -1,8 +1,9 @@
 """The cost budget: the most KV-cache tokens the requests in flight may hold together.
 
 Beside the concurrency limit (:mod:`llm_backoff_shim.decide.limit`), which counts requests,
-a :class:`TokenBudget` weighs each request by its cost (:mod:`llm_backoff_shim.decide.cost`:
-prompt tokens plus ``max_tokens``). With a budget, a request is admitted only while the count
+a :class:`TokenBudget` weighs each request by its cost (:mod:`llm_backoff_shim.decide.pricing`:
+prompt tokens plus the answer this engine's recent answers say it will hold, not its
+``max_tokens``). With a budget, a request is admitted only while the count
 cap holds AND the cost in flight it is weighed against plus its own stays within the budget;
 the admission controller asks :meth:`TokenBudget.fits` beside the limit with the cost its
 request's class and the classes above it hold (:mod:`llm_backoff_shim.decide.admission` says
@@ -10,12 +11,12 @@ why), and keeps the cost in flight, per class, with the slots
 (:class:`~llm_backoff_shim.decide.slots.HeldSlots`), so every ticket outcome gives its cost
 back with its slot.
 
-A request costing more than the whole budget is admitted alone: once nothing else holds any
-of the budget, it fits (and while it runs, nothing else does). It is not refused: the shim
-does not know the engine's context length (vLLM answers a request that can never fit with
-its own 400 at once), the prompt's size is an estimate, the answer's may be a default, and
-an operator may set the budget below the engine's KV capacity to keep chat's first tokens
-quick; a request the engine can serve should be served, if slowly.
+A request costing more than the whole budget is admitted once nothing else of its class or
+the classes above it holds any of the budget (and nothing of those classes is admitted beside
+it while it runs). It is not refused: the shim does not know the engine's context length
+(vLLM answers a request that can never fit with its own 400 at once), the prompt's size is an
+estimate, the answer's a learned one, and an operator may set the budget below the engine's KV
+capacity to keep chat's first tokens quick; a request the engine can serve is served.
 
 Queue-wait estimates weigh a queued request by its cost too (:meth:`TokenBudget.places`):
 the budget split evenly over the count cap's slots is one slot's share, and a request

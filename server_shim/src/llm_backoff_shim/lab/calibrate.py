@@ -9,7 +9,7 @@ it cuts to fit ``--max-seconds``. Then a closed loop of N workers (N = 1, 2, 4, 
 ``--max-level``, or a ``--steps`` list) runs the whole sweep; each worker sends a streaming
 chat completion (``stream_options.include_usage``, vLLM's ``ignore_eos``) whose prompt and
 answer lengths are drawn (seeded) from the mix (``--prompt-words``, ``--output-tokens``,
-``--long-share`` of ``--long-prompt-tokens``), and sends the next one when it ends. Each
+``--long-share`` of ``--long-prompt-words``), and sends the next one when it ends. Each
 level waits out its ramp-in, counts its completions in a steady window and reports TTFT,
 time per output token (TPOT), throughput and the cost in flight.
 
@@ -43,6 +43,7 @@ from typing import TextIO
 
 from .calibrate_plan import duration_text
 from .calibrate_ramp import (
+    DEFAULT_LONG_PROMPT_WORDS,
     DEFAULT_TPOT_SLO,
     DEFAULT_TTFT_SLO,
     PROG,
@@ -161,7 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--prompt-words",
-        "--prompt-tokens",
         dest="prompt_words",
         default=str(DEFAULT_PROMPT_WORDS),
         metavar="SPEC",
@@ -182,16 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="FRACTION",
         help="share of requests with a long prompt (retrieval, agents), drawn from "
-        "--long-prompt-tokens (default %(default)s: none)",
+        "--long-prompt-words (default %(default)s: none)",
     )
     add(
-        "--long-prompt-tokens",
         "--long-prompt-words",
         dest="long_prompt_words",
-        default="1500-3000",
+        default=str(DEFAULT_LONG_PROMPT_WORDS),
         metavar="SPEC",
         help="the long prompts' length in words, same forms as --prompt-words (default %(default)s)",
     )
+    # Retired: they counted words, not tokens (a word is 1.3 tokens on one model, 2.5 on another).
+    for retired in ("--prompt-tokens", "--long-prompt-tokens"):
+        add(retired, dest=retired[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
     add(
         "--completions-per-slot",
         type=int,
@@ -302,11 +304,21 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
     check(levels[-1] <= 100_000, "--steps: levels above 100000 are not supported")
     tpot_slo = seconds_or_none("--tpot-slo", args.tpot_slo)
     batch_queue_wait = seconds_or_none("--batch-queue-wait", args.batch_queue_wait)
+    for retired, words in (
+        ("prompt_tokens", "--prompt-words"),
+        ("long_prompt_tokens", "--long-prompt-words"),
+    ):
+        check(
+            getattr(args, retired) is None,
+            f"--{retired.replace('_', '-')} is retired: it counted words, not tokens, and a word is 1.3 "
+            f"tokens on one model and 2.5 on another; give the length in words with {words} (the "
+            "upstream's token counts are printed with the results)",
+        )
     lengths = {}
     for flag, text in (
         ("--prompt-words", args.prompt_words),
         ("--output-tokens", args.output_tokens),
-        ("--long-prompt-tokens", args.long_prompt_words),
+        ("--long-prompt-words", args.long_prompt_words),
     ):
         try:
             lengths[flag] = LengthDist.parse(text)
@@ -348,7 +360,7 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         prompt_words=lengths["--prompt-words"],
         output_tokens=lengths["--output-tokens"],
         long_share=args.long_share,
-        long_prompt_words=lengths["--long-prompt-tokens"],
+        long_prompt_words=lengths["--long-prompt-words"],
         step_seconds=args.step_seconds,
         step_requests=args.step_requests,
         completions_per_slot=args.completions_per_slot,

@@ -1,20 +1,52 @@
 """What a request costs the engine, and the in-flight cost budget calibrate recommends (pure).
 
-A request's cost is its prompt tokens plus its ``max_tokens``: what it can hold in the
-engine's KV cache at its end, known before it is sent. The shim's cost-aware cap
-(``serve --max-inflight-tokens``) admits a request while the cost in flight, this one
-included, stays within a budget; calibrate measures the budget as the cost the engine held
-in flight, on average over the steady windows, at the knee of the mix it was given.
+Calibrate prices its requests as the shim's cost cap prices them
+(:mod:`llm_backoff_shim.decide.pricing`), so the budget it recommends is in the shim's units:
+
+- the prompt in the engine's own tokens: the upstream's ``usage.prompt_tokens`` (while a
+  request runs, its words at the tokens per word the upstream has counted so far); the shim
+  counts prompts at the bytes per token the engine's ``/tokenize`` reports, the same units;
+- the answer at what this engine's recent answers were: the same estimator the shim uses
+  (:class:`~llm_backoff_shim.decide.answer_length.AnswerLengths`, 90th percentile of the
+  answers seen so far in the run), **not capped by the request's own** ``max_tokens``. The
+  shim prices a request asking for more than that (4096, or none) at that quantile, so the
+  budget is made of requests priced as such a client's: with K in flight (the knee) it holds
+  K such requests of the mix's prompts, and a client naming ``max_tokens: 4096`` or none is
+  never priced above the requests the budget was measured with.
+
+The recommended ``--max-inflight-tokens`` is the time-weighted mean cost in flight at the knee
+(:func:`budget_tokens`).
 """
 
 from __future__ import annotations
 
 import math
 
+from llm_backoff_shim.decide.answer_length import AnswerLengths, Clock
 
-def request_cost(prompt_tokens: int, max_tokens: int) -> int:
-    """The cost the shim's cap counts for one request: prompt tokens + ``max_tokens``."""
-    return max(0, prompt_tokens) + max(0, max_tokens)
+#: The class calibrate's requests are learned under (it sends one class).
+CLASS = "calibrate"
+
+
+class CostMeter:
+    """Prices calibrate's requests as the shim does (module docstring), learning the answers as
+    they end; ``prior``: the answer length assumed before enough have ended (the mix's mean)."""
+
+    def __init__(self, clock: Clock, prior: int) -> None:
+        self.answers = AnswerLengths((CLASS,), clock)
+        self.prior = max(0, prior)
+
+    def answer(self) -> int:
+        """The answer tokens a request is priced at now."""
+        return self.answers.expected(CLASS, None, self.prior)
+
+    def cost(self, prompt_tokens: int) -> int:
+        """A request's cost: its prompt tokens plus :meth:`answer`."""
+        return max(0, prompt_tokens) + self.answer()
+
+    def observe(self, completion_tokens: int) -> None:
+        """A request ended with ``completion_tokens`` of answer."""
+        self.answers.observe(CLASS, completion_tokens)
 
 
 def budget_tokens(mean_inflight_cost: float) -> int:

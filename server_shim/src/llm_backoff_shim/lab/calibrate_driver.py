@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 
-from .calibrate_cost import request_cost
+from .calibrate_cost import CostMeter
 from .calibrate_loop import Live
 from .calibrate_samples import Sample
 from .workload import prompt_text
@@ -67,6 +67,12 @@ class Driver:
     #: request's cost is estimated at this ratio until its own count arrives.
     words_sent: int = 0
     tokens_counted: int = 0
+    #: Prices requests as the shim's cost cap does (calibrate_cost.py); made from the mix.
+    costs: CostMeter | None = None
+
+    def __post_init__(self) -> None:
+        if self.costs is None:
+            self.costs = CostMeter(self.clock, round(self.config.output_tokens.mean()))
 
     def prompt_tokens(self, words: int) -> int:
         """The upstream's likely count for a prompt of ``words`` words."""
@@ -100,7 +106,11 @@ class Driver:
         prompt = prompt_text(words, self.rng)
         extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
         start = self.clock()
-        running = Live(worker, seq, start, request_cost(self.prompt_tokens(words), max_tokens))
+        costs = self.costs
+        assert costs is not None
+        # Priced when it starts, as the shim prices at admission (calibrate_cost.py).
+        answer = costs.answer()
+        running = Live(worker, seq, start, self.prompt_tokens(words) + answer)
         live[(worker, seq)] = running
         times = running.token_times
         usage: Any = None
@@ -133,6 +143,7 @@ class Driver:
         if prompt_tokens:
             self.words_sent += words
             self.tokens_counted += prompt_tokens
+        costs.observe(tokens)
         first = times[0] if times else None
         itl = None
         if first is not None and tokens >= 2 and times[-1] > first:
@@ -147,6 +158,6 @@ class Driver:
             itl=itl,
             output_tokens=tokens,
             prompt_tokens=prompt_tokens,
-            cost=request_cost(prompt_tokens or self.prompt_tokens(words), max_tokens),
+            cost=(prompt_tokens or self.prompt_tokens(words)) + answer,
             token_times=tuple(times),
         )

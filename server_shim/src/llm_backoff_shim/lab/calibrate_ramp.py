@@ -48,9 +48,11 @@ from .knee import (
 )
 from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
 
-#: Long prompts' length when ``--long-share`` is set without ``--long-prompt-tokens``: the
-#: retrieval-augmented and agent calls of a mixed load, 1500-3000 tokens.
-DEFAULT_LONG_PROMPT_WORDS = LengthDist.uniform(1500, 3000)
+#: Long prompts' length in words when ``--long-share`` is set without ``--long-prompt-words``:
+#: the retrieval-augmented and agent calls of a mixed load, 1,400-2,900 tokens at the 1.3 tokens
+#: a word of large vocabularies (2,750-5,500 at the 2.5 of small ones: the results print the
+#: upstream's count; use shorter prompts for a model of a 4,096-token context).
+DEFAULT_LONG_PROMPT_WORDS = LengthDist.uniform(1100, 2200)
 
 PROG = "llm-backoff-shim calibrate"
 DEFAULT_TTFT_SLO = 2.0

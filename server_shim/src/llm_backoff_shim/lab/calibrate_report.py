@@ -144,8 +144,9 @@ def render_text(outcome: Outcome) -> str:
             batch += f", and no caller is told to wait more than {rec.retry_after_max:g} s"
         if rec.max_inflight_tokens is not None:
             batch += (
-                f"; cost budget {rec.max_inflight_tokens} tokens in flight (prompt + max_tokens per "
-                f"request: the mean in-flight cost at the knee, {_median(steps, 'inflight_cost'):.0f})"
+                f"; cost budget {rec.max_inflight_tokens} tokens in flight (per request its prompt + "
+                f"the 90th percentile of the answers, as the shim counts: the mean in-flight cost at "
+                f"the knee, {_median(steps, 'inflight_cost'):.0f})"
             )
         lines += [
             "",

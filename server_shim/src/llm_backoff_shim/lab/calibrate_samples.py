@@ -90,7 +90,7 @@ def summarize(
       and started at this level, leaving out each worker's first request (its start is the
       burst that opens a level); with none such, of every request that ended in it.
     - ``inflight_cost``: the time-weighted mean of the in-flight requests' cost
-      (:func:`~llm_backoff_shim.lab.calibrate_cost.request_cost`) over the window.
+      (as the shim prices it, :mod:`~llm_backoff_shim.lab.calibrate_cost`) over the window.
     """
     low, high = window
     length = high - low

@@ -18,9 +18,11 @@ The callers are open-loop, one attempt each (no retries: a refused call is count
   work for it is then wasted);
 - a patient caller (long prompts, batch) waits for as long as the shim's queue keeps it.
 
-The shim prices each request from its real prompt text (:func:`~llm_backoff_shim.decide.cost.request_cost`);
-the engine counts the prompt as the simulator does (1.3 tokens a word), so the estimate's error
-is in the run. What is left out: the network, the processes' own delays, retries, and the
+The shim prices each request from its real prompt text, as it does on the wire
+(:class:`~llm_backoff_shim.decide.pricing.Pricing`: the prompt at the bytes per token the
+simulator's ``/tokenize`` counts for the shim's sample text, the answer as the answers relayed
+so far say); the engine counts the prompt as the simulator does (1.3 tokens a word), so the
+estimate's error is in the run. What is left out: the network, the processes' own delays, retries, and the
 shim's asyncio edge, which this replays step for step (a timer at each queued ticket's deadline,
 a recheck after each request queued, first bytes fed to the estimator).
 """
@@ -36,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.cost import request_cost
+from llm_backoff_shim.decide.cost import SAMPLE_TEXT
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.lab.workload import Mix, MixPart
@@ -50,14 +52,18 @@ from llm_backoff_shim.testing import ManualClock
 
 @dataclass(frozen=True)
 class MixArrival:
-    """One call: when it comes, what kind, its prompt as the engine counts it, its cost as the
-    shim estimates it, and its ``max_tokens`` (generated in full: ``ignore_eos``)."""
+    """One call: when it comes, what kind, its prompt as the engine counts it, its text, and its
+    ``max_tokens`` (generated in full: ``ignore_eos``)."""
 
     at: float
     part: MixPart
     prompt_tokens: int
-    cost: int
+    text: str
     max_tokens: int
+
+    def body(self) -> dict[str, object]:
+        """The call's request body, as the shim prices it."""
+        return {"messages": [{"role": "user", "content": self.text}], "max_tokens": self.max_tokens}
 
 
 def mix_arrivals(
@@ -67,7 +73,6 @@ def mix_arrivals(
     rng: random.Random,
     *,
     burst: tuple[float, int, MixPart] | None = None,
-    default_max_tokens: int = 512,
 ) -> list[MixArrival]:
     """Poisson arrivals of ``mix`` at ``rate`` calls/s for ``duration`` s, plus an optional
     ``burst``: (at, count, part) calls of that part arriving at once (the part need not be one
@@ -75,9 +80,7 @@ def mix_arrivals(
 
     def call(at: float, part: MixPart) -> MixArrival:
         text, max_tokens = part.workload.draw(rng)
-        body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
-        cost = request_cost(body, default_max_tokens).tokens
-        return MixArrival(at, part, estimate_tokens(text) + 4, cost, max_tokens)
+        return MixArrival(at, part, estimate_tokens(text) + 4, text, max_tokens)
 
     calls: list[MixArrival] = []
     now = 0.0
@@ -188,6 +191,10 @@ class MixModel:
         if shim_flags is not None:
             settings = load_settings(["--upstream", "http://127.0.0.1:9", *shim_flags])
             self.controller = build_controller(settings, self.clock)
+            pricing = self.controller.pricing
+            if pricing is not None:
+                # The shim's start-up question to the engine's /tokenize (prompt_units.py).
+                pricing.learn_ratio(SAMPLE_TEXT, estimate_tokens(SAMPLE_TEXT))
         self.duration = duration
         self.calls = [MixCall(a, f"r{index}") for index, a in enumerate(arrivals)]
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -252,7 +259,7 @@ class MixModel:
             stream=budget is not None,
             max_tokens=arrival.max_tokens,
             budget_to_start=budget is not None,
-            cost=arrival.cost,
+            cost=0 if c.pricing is None else c.pricing.price_body(arrival.part.cls, arrival.body()),
         )
         decision = c.submit(request)
         self._apply(c.take_moved())
@@ -322,7 +329,7 @@ class MixModel:
                 if call.outcome == "pending":
                     call.outcome = "completed"
                 if c is not None and call.ticket is not None and call.ticket.state is TicketState.ADMITTED:
-                    self._apply(c.release(call.ticket, Outcome.COMPLETED))
+                    self._apply(c.release(call.ticket, Outcome.COMPLETED, call.arrival.max_tokens))
 
 
 def run_mix(

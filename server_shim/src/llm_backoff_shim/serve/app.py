@@ -44,6 +44,7 @@ from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
 from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
 from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
+from llm_backoff_shim.serve.policy.prompt_units import PromptUnits
 from llm_backoff_shim.serve.policy.quota import TenantQuotas
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolicies
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
@@ -234,16 +235,23 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         access_log=access_log,
         routes=routes,
         forwarding=forwarding,
-        default_max_tokens=settings.default_max_tokens,
         fleet_hints=fleet_hints,
         request_start=settings.request_start_header,
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
+    # The cost budget counts prompts in the engine's tokens, learned from its tokenizer.
+    units = None
+    if controller.pricing is not None:
+        units = PromptUnits(
+            controller.pricing, url=settings.upstream_base + "/tokenize", session=lambda: upstream.session
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await upstream.open()
         policy.start()
+        if units is not None:
+            units.start()
         if ops is not None:
             await ops.start()
         try:
@@ -251,6 +259,8 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         finally:
             if ops is not None:
                 await ops.stop()
+            if units is not None:
+                await units.stop()
             await policy.stop()
             await upstream.close()
             if fleet_hints is not None:

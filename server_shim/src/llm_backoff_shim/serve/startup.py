@@ -152,8 +152,8 @@ def _cost_mode(settings: ShimSettings) -> str:
     if budget is None:
         return " (requests counted, no cost budget)"
     return (
-        f" and max_inflight_tokens {budget} (cost budget: prompt + max_tokens, "
-        f"{settings.default_max_tokens} when a request names none)"
+        f" and max_inflight_tokens {budget} (cost budget: prompt in the engine's tokens + the answer "
+        "its recent answers say, at most max_tokens)"
     )
 
 

@@ -123,6 +123,20 @@ def _completion_prompt_tokens(body: dict[str, Any]) -> int:
     )
 
 
+def tokenize_count(raw: bytes) -> int:
+    """Tokens of a ``POST /tokenize`` body (vLLM's: a ``prompt``, or chat ``messages``), counted as
+    a generation request's prompt is."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequestError(f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("The request body must be a JSON object.")
+    if "messages" in body:
+        return _chat_prompt_tokens(body)
+    return _completion_prompt_tokens(body)
+
+
 def parse_generation(kind: Kind, raw: bytes, *, default_model: str, output_tokens: int) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` or ``/v1/completions`` body.
 

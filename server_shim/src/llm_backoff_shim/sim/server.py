@@ -13,7 +13,9 @@ slower as the batch grows, prompts prefilled in chunks between the decode tokens
 
 Endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or
 not), ``POST /v1/messages`` (Anthropic's, streaming or not: sim_anthropic.py),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM
+``POST /tokenize`` (vLLM's: ``{"count", "max_model_len", "tokens"}`` for a ``prompt`` or
+``messages``, counted as prefill counts them), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus text, vLLM
 names + ``sim_*``), ``GET /sim/stats`` (JSON accounting) and ``POST /sim/reset`` (zero
 the accounting between benchmark runs: the ``sim_*`` and ``vllm:*_tokens_total`` counters
 restart from 0, which Prometheus reads as a counter reset; the latency histograms keep
@@ -45,6 +47,7 @@ from .config import SimConfig
 from .endpoints import GenerationEndpoint
 from .metrics import CONTENT_TYPE
 from .profiles import PROFILES
+from .protocol import BadRequestError, error_body, tokenize_count
 from .runtime import SimRuntime
 
 __all__ = ["SimConfig", "create_sim_app", "main"]
@@ -90,6 +93,17 @@ def create_sim_app(config: SimConfig, *, clock: Callable[[], float] = time.monot
     async def metrics(_: Request) -> Response:
         return Response(runtime.metrics.render(), media_type=CONTENT_TYPE)
 
+    async def tokenize(request: Request) -> Response:
+        try:
+            count = tokenize_count(await request.body())
+        except BadRequestError as exc:
+            return Response(
+                error_body(exc.message, "BadRequestError", 400, exc.param), 400, media_type="application/json"
+            )
+        # Filler ids: the simulator has no vocabulary, only counts.
+        limit = config.kv_cache_tokens
+        return JSONResponse({"count": count, "max_model_len": limit, "tokens": list(range(count))})
+
     async def stats(_: Request) -> Response:
         return JSONResponse(_stats_json(runtime))
 
@@ -110,6 +124,7 @@ def create_sim_app(config: SimConfig, *, clock: Callable[[], float] = time.monot
             Route("/v1/chat/completions", GenerationEndpoint(runtime, "chat")),
             Route("/v1/completions", GenerationEndpoint(runtime, "completion")),
             Route("/v1/messages", MessagesEndpoint(runtime)),
+            Route("/tokenize", tokenize, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

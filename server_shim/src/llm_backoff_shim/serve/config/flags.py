@@ -47,7 +47,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "concurrency": (
         "max_concurrency",
         "max_inflight_tokens",
-        "default_max_tokens",
         "adaptive_concurrency",
         "min_concurrency",
     ),

@@ -76,16 +76,11 @@ class ShimSettings(BaseSettings):
         ge=1,
         le=1_000_000_000,
         description="most KV-cache tokens the generation requests in flight may hold together, each "
-        "counted as its prompt (estimated: UTF-8 bytes / 4) plus its max_tokens; a request counts what its "
-        "own class and the higher classes hold (batch: everything, interactive: its own); one costing more "
-        "is admitted alone (none: the request count cap alone; docs/shim.md, cost budget)",
-    )
-    default_max_tokens: int = Field(
-        default=512,
-        ge=1,
-        le=10_000_000,
-        description="output tokens a request that sends no max_tokens/max_completion_tokens counts "
-        "for under --max-inflight-tokens",
+        "counted as its prompt (in the engine's tokens, from its /tokenize) plus the answer the class's "
+        "recent answers say (90th percentile, at most its max_tokens; before any, a slot's share of the "
+        "budget); a request counts what its own class and the higher classes hold (batch: everything, "
+        "interactive: its own); one costing more is admitted once those hold none (none: the request "
+        "count cap alone; docs/shim.md, cost budget)",
     )
     max_queue: int = Field(
         default=20,

@@ -39,6 +39,8 @@ class Exchange:
     upstream_start: float | None = None
     first_byte: float | None = None
     upstream_end: float | None = None
+    #: Completion tokens of an answer relayed in full, when counted (answer_meter.py).
+    answer_tokens: int | None = None
 
     def reject(self, rejection: Rejection, outcome: Outcome = Outcome.ABORTED) -> None:
         """Record that the shim turned the request away with ``rejection``."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.cost import request_cost, requested_max_tokens
+from llm_backoff_shim.decide.cost import requested_max_tokens
 from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
@@ -315,7 +315,6 @@ class Intake:
         controller: AdmissionController,
         max_body_bytes: int,
         body_timeout: float | None = None,
-        default_max_tokens: int = 512,
         request_start: bool = True,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -328,7 +327,7 @@ class Intake:
         self.controller = controller
         self.max_body_bytes = max_body_bytes
         # Requests are priced only for a cost budget: without one, nothing reads the cost.
-        self.default_max_tokens = default_max_tokens if controller.token_budget is not None else None
+        self.pricing = controller.pricing
         # One shared timer for every request's body timeout (coarse_timers says why).
         self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
 
@@ -385,9 +384,9 @@ class Intake:
         if isinstance(data, Refusal):
             return replace(data, shape=head.route.shape)
         stream, most = asks_for_stream(data), requested_max_tokens(data)
-        default = self.default_max_tokens
-        if default is not None:
-            cost = request_cost(data, default).tokens
+        pricing = self.pricing
+        if pricing is not None:
+            cost = pricing.price_body(request.cls, data)
             request = replace(request, stream=stream, max_tokens=most, cost=cost)
         elif stream or most is not None:
             request = replace(request, stream=stream, max_tokens=most)

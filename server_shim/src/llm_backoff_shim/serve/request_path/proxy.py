@@ -105,7 +105,6 @@ class Proxy:
         access_log: AccessLog | None = None,
         routes: RouteTable | None = None,
         forwarding: Forwarding | None = None,
-        default_max_tokens: int = 512,
         fleet_hints: FleetHints | None = None,
         request_start: bool = True,
     ) -> None:
@@ -131,7 +130,6 @@ class Proxy:
             controller=admission.controller,
             max_body_bytes=max_body_bytes,
             body_timeout=body_timeout,
-            default_max_tokens=default_max_tokens,
             request_start=request_start,
         )
         # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
@@ -143,6 +141,7 @@ class Proxy:
             # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
             outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
             on_first_body_byte=self._first_body_byte,
+            count_answers=admission.controller.pricing is not None,
         )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -426,7 +425,7 @@ class Proxy:
             await watch_disconnect(task, receive, work, gone)
         finally:
             if grant is not None:
-                self.admission.release(grant, exchange.outcome)
+                self.admission.release(grant, exchange.outcome, exchange.answer_tokens)
             await scope.finish(served=grant is not None, status=exchange.status)
             if exchange.metric == "rejected":
                 self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)

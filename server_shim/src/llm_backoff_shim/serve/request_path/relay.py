@@ -38,6 +38,7 @@ from llm_backoff_shim.http.interface import (
 )
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.policy.request_hooks import RequestScope
+from llm_backoff_shim.serve.request_path.answer_meter import AnswerMeter
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
     Clock,
@@ -83,8 +84,11 @@ class Relay:
         clock: Clock,
         outage: OutageClock,
         on_first_body_byte: Callable[[Grant], None],
+        count_answers: bool = False,
     ) -> None:
         self.upstream = upstream
+        # Count admitted answers' tokens (answer_meter.py): the cost budget learns from them.
+        self.count_answers = count_answers
         self.metrics = metrics
         self.clock = clock
         self.outage = outage
@@ -142,6 +146,7 @@ class Relay:
             started = True
             exchange.sent = response.status
             ended = False
+            meter = AnswerMeter() if grant is not None and self.count_answers else None
             try:
                 first = True
                 while True:
@@ -154,6 +159,8 @@ class Relay:
                             self.on_first_body_byte(grant)
                     if scope is not None:
                         scope.observe(chunk)
+                    if meter is not None:
+                        meter.feed(chunk)
                     # The upstream's last bytes often arrive with its end: finish in the same
                     # write instead of one more send (and syscall) per response.
                     ended = response.at_eof()
@@ -166,7 +173,7 @@ class Relay:
                         if write is None:
                             wire = None  # an answer with a length: the plain path to its end
                         else:
-                            await _splice(response, write, send, scope)
+                            await _splice(response, write, send, scope, meter)
                             ended = True
                             break
             except UpstreamError as exc:
@@ -179,6 +186,8 @@ class Relay:
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             classify(exchange, response.status)
+            if meter is not None and exchange.outcome is Outcome.COMPLETED:
+                exchange.answer_tokens = meter.tokens(response.event_stream)
         finally:
             # Back to the pool when the exchange ended cleanly; otherwise the connection is
             # closed, and the engine sees it drop and aborts the request.
@@ -233,7 +242,11 @@ def _stream_error(exc: UpstreamError) -> bytes:
 
 
 async def _splice(
-    response: UpstreamResponse, write: ChunkWriter, send: Send, scope: RequestScope | None
+    response: UpstreamResponse,
+    write: ChunkWriter,
+    send: Send,
+    scope: RequestScope | None,
+    meter: AnswerMeter | None = None,
 ) -> None:
     """Relay the rest of a chunked body with :meth:`UpstreamResponse.pipe` onto the client's wire.
 
@@ -248,6 +261,13 @@ async def _splice(
         def sink(chunk: bytes) -> bool:
             observe(chunk)
             return write(chunk)
+
+    if meter is not None:
+        feed, passed = meter.feed, sink
+
+        def sink(chunk: bytes) -> bool:
+            feed(chunk)
+            return passed(chunk)
 
     while not await response.pipe(sink):
         await send({"type": "http.response.body", "body": b"", "more_body": True})

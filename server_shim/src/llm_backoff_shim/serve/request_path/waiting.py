@@ -75,9 +75,10 @@ class AsyncAdmission:
             self._apply(self.controller.cancel(ticket))
             raise
 
-    def release(self, grant: Grant, outcome: Outcome) -> None:
+    def release(self, grant: Grant, outcome: Outcome, answer_tokens: int | None = None) -> None:
+        """Give back the grant's slot; ``answer_tokens`` as :meth:`AdmissionController.release`."""
         if grant.ticket.state is TicketState.ADMITTED:
-            self._apply(self.controller.release(grant.ticket, outcome))
+            self._apply(self.controller.release(grant.ticket, outcome, answer_tokens))
 
     def reschedule(self) -> None:
         """Let queued requests move after an outside change (engine recovered, SLO state, limit)."""
