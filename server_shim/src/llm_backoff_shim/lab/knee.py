@@ -77,11 +77,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-#: What bounded the knee: the level above missed the SLO, added no throughput, or was not measured.
-Limit = Literal["slo", "plateau", "max_level"]
+#: What bounded the knee: the level above missed the SLO, kept a queue inside the engine, added no
+#: throughput, or was not measured.
+Limit = Literal["slo", "engine_queue", "plateau", "max_level"]
 Confidence = Literal["high", "medium", "low"]
 
 #: Smallest ``--max-queue-wait`` recommended (the shim needs a positive wait).
@@ -135,6 +136,16 @@ class StepStats:
     inflight_cost: float = 0.0
     #: Seconds of steady window the throughput was counted over (0: not windowed).
     window: float = 0.0
+    #: The engine's own queue over the window: the median of its ``vllm:num_requests_waiting``
+    #: sampled in it (None: the upstream exposes no such metric).
+    engine_waiting: float | None = None
+    #: The median of its ``vllm:num_requests_running`` over the window (None: not exposed).
+    engine_running: float | None = None
+
+    @property
+    def engine_queued(self) -> bool:
+        """The engine kept requests waiting for a slot over this window (rule 1b)."""
+        return self.engine_waiting is not None and self.engine_waiting > 0
 
     @property
     def error_ratio(self) -> float:
@@ -195,10 +206,15 @@ class Verdict:
     working: bool = True
     #: The fewest successful requests any one measurement counted.
     fewest_requests: int = 0
+    #: Medians over the measurements of the engine's waiting and running requests (None: the
+    #: upstream exposes no such metrics); ``queued``: the engine kept a queue (rule 1b).
+    engine_waiting: float | None = None
+    engine_running: float | None = None
+    queued: bool = False
 
     @property
     def good(self) -> bool:
-        return self.within_slo and self.errors_ok
+        return self.within_slo and self.errors_ok and not self.queued
 
 
 @dataclass(frozen=True)
@@ -294,6 +310,10 @@ def _validate(step: StepStats) -> None:
         value = getattr(step, name)
         if not (math.isfinite(value) and value >= 0):
             raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
+    for name in ("engine_waiting", "engine_running"):
+        value = getattr(step, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
 
 
 def rate(step: StepStats) -> float:
@@ -304,6 +324,7 @@ def rate(step: StepStats) -> float:
 def _meets(step: StepStats, rule: KneeRule) -> bool:
     return (
         step.requests > 0
+        and not step.engine_queued
         and step.ttft_p99 <= rule.ttft_slo
         and (rule.tpot_slo is None or step.itl_p99 <= rule.tpot_slo)
         and step.error_ratio <= rule.max_error_ratio
@@ -325,7 +346,9 @@ def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdi
     within = (
         working and ttft <= rule.ttft_slo and (rule.tpot_slo is None or tpot <= rule.tpot_slo) and errors_ok
     )
-    disagreeing = sum(1 for s in steps if _meets(s, rule) != within)
+    waiting = _median_known([s.engine_waiting for s in steps])
+    queued = waiting is not None and waiting > 0
+    disagreeing = sum(1 for s in steps if _meets(s, rule) != (within and not queued))
     spread = (max(rates) - min(rates)) / median_rate if median_rate > 0 and len(rates) > 1 else 0.0
     return Verdict(
         level,
@@ -339,12 +362,40 @@ def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdi
         spread,
         working,
         min(s.requests for s in steps),
+        waiting,
+        _median_known([s.engine_running for s in steps]),
+        queued,
     )
 
 
+def _median_known(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(statistics.median(known)) if known else None
+
+
 def judge(runs: Runs, rule: KneeRule) -> tuple[Verdict, ...]:
-    """One verdict per measured level, by concurrency."""
-    return tuple(judge_level(level, runs[level], rule) for level in sorted(runs) if runs[level])
+    """One verdict per measured level, by concurrency.
+
+    When even the lowest level measured kept a queue inside the engine, the queue is not the
+    ramp's doing (another client's traffic, or levels that start past the engine's slots):
+    rule 1b is then waived and the SLOs alone judge, as for an engine without the metrics."""
+    verdicts = tuple(judge_level(level, runs[level], rule) for level in sorted(runs) if runs[level])
+    if verdicts and verdicts[0].queued:
+        waived = tuple(replace(v, queued=False) for v in verdicts)
+        return tuple(
+            replace(v, disagreeing=sum(1 for s in runs[v.concurrency] if _meets_slo(s, rule) != v.good))
+            for v in waived
+        )
+    return verdicts
+
+
+def _meets_slo(step: StepStats, rule: KneeRule) -> bool:
+    return _meets(replace(step, engine_waiting=None), rule)
+
+
+def queue_waived(verdicts: Sequence[Verdict]) -> bool:
+    """Rule 1b was waived: the lowest level measured already found the engine queueing."""
+    return bool(verdicts) and verdicts[0].engine_waiting is not None and verdicts[0].engine_waiting > 0
 
 
 def _rising(verdicts: Sequence[Verdict], index: int, gain: float) -> bool:
@@ -384,6 +435,11 @@ def find_knee(runs: Runs, rule: KneeRule) -> Knee:
     if above is None:
         limit = "max_level"
         reason = f"no knee up to concurrency {knee.concurrency}, the highest level measured"
+    elif above.queued:
+        limit = "engine_queue"
+        reason = f"concurrency {above.concurrency} {_queue_text(above)}"
+        if not (above.within_slo and above.errors_ok):
+            reason += f", and misses the SLO ({_miss(above, rule)})"
     elif not above.good:
         limit = "slo"
         reason = f"concurrency {above.concurrency} misses the SLO ({_miss(above, rule)})"
@@ -397,6 +453,21 @@ def find_knee(runs: Runs, rule: KneeRule) -> Knee:
     return Knee(knee.concurrency, limit, verdicts, reason, best)
 
 
+def _queue_text(v: Verdict) -> str:
+    running = "" if v.engine_running is None else f" beside {v.engine_running:g} running"
+    return (
+        f"kept {v.engine_waiting or 0:g} requests waiting inside the engine (median{running}), where the "
+        "shim's classes do not count"
+    )
+
+
+def engine_slots(v: Verdict) -> int | None:
+    """The engine's slots as a level that kept a queue shows them: its median running."""
+    if not v.queued or v.engine_running is None or v.engine_running < 1:
+        return None
+    return math.floor(v.engine_running)
+
+
 def _miss(v: Verdict, rule: KneeRule) -> str:
     parts = []
     if v.ttft_p99 > rule.ttft_slo:
@@ -405,6 +476,8 @@ def _miss(v: Verdict, rule: KneeRule) -> str:
         parts.append(f"TPOT p99 {v.tpot_p99 * 1000:.1f} ms > {rule.tpot_slo * 1000:g} ms")
     if not v.errors_ok:
         parts.append(f"errors over {rule.max_error_ratio:.0%}")
+    if v.queued and not parts:
+        parts.append(_queue_text(v))
     return ", ".join(parts) or "no request succeeded"
 
 
@@ -446,13 +519,21 @@ def next_level(runs: Runs, ramp: Sequence[int], rule: KneeRule, history: Sequenc
             return Plan(verdicts[0].concurrency, "repeat: the lowest level misses the SLO")
         return Plan(None, "no level meets the SLO")
     above = next((level for level in measured if level > knee.level), None)
-    if above is not None and knee.limit == "slo" and rule.refine > 0:
+    if above is not None and knee.limit in ("slo", "engine_queue") and rule.refine > 0:
         midpoint = (knee.level + above) // 2
+        why = f"refine between {knee.level} and {above}"
+        above_verdict = knee.verdict(above)
+        slots = engine_slots(above_verdict) if above_verdict is not None else None
+        if knee.limit == "engine_queue" and slots is not None:
+            # The level above ran ``slots`` at once and queued the rest: the engine's slots are
+            # the highest level that can run without a queue, measured next (none above the knee).
+            midpoint = slots if slots > knee.level else knee.level
+            why = f"refine: {above} ran {slots} at once inside the engine"
         # At most ``refine`` levels off the ramp between two ramp levels.
         floor = max((level for level in ramp if level <= knee.level), default=0)
         refined = sum(1 for level in measured if floor < level < above and level not in ramp)
         if knee.level < midpoint < above and midpoint not in runs and refined < rule.refine:
-            return Plan(midpoint, f"refine between {knee.level} and {above}")
+            return Plan(midpoint, why)
     for level in (knee.level, above):
         if level is not None and len(runs[level]) < rule.min_repeats:
             return Plan(level, "repeat next to the knee")
