@@ -233,7 +233,10 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     # no knee. The knee is the engine's slots, never above them.
     assert knee == max_num_seqs, seen
     per_level = {level["concurrency"]: level for level in result["levels"]}
-    best = max(level["output_tokens_per_s"] for level in result["levels"] if level["within_slo"])
+    # As much as any level within the SLO that did not queue inside the engine (8 workers may
+    # deliver more than 4: the next request waits in the engine, not in the client's turnaround).
+    eligible = [level for level in result["levels"] if level["within_slo"] and not level["queued"]]
+    best = max(level["output_tokens_per_s"] for level in eligible)
     assert per_level[knee]["output_tokens_per_s"] >= 0.9 * best, seen
     levels = sorted({s["concurrency"] for s in result["steps"]})
     assert levels == [2, 4, 8], seen  # the first level that queued in the engine ended the climb
@@ -258,7 +261,8 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     rec = result["recommendation"]
     assert rec["max_concurrency"] == knee
     assert rec["max_queue"] >= 1
-    assert 0 < rec["max_queue_wait"] <= 2
+    # The interactive wait: what the SDK's 5 s start budget leaves after the knee's p99 TTFT.
+    assert rec["max_queue_wait"] == pytest.approx(5 - per_level[knee]["ttft_p99"], abs=0.0101)
     # The printed command is what `serve` accepts, with the same values.
     argv = shlex.split(rec["command"])
     assert argv[:2] == ["llm-backoff-shim", "serve"]

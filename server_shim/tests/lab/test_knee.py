@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llm_backoff import RetryPolicy
 from llm_backoff_shim.lab.knee import (
     BATCH_QUEUE_WAIT,
     HELD_RETRY_AFTER_MAX,
+    INTERACTIVE_BUDGET,
     KneeInputError,
     KneeRule,
     StepStats,
@@ -372,7 +374,7 @@ def test_doubt_about_a_level_just_above_the_knee_does_not_lower_the_confidence()
 
 def test_the_cost_budget_is_recommended_beside_the_request_cap() -> None:
     step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
-    rec = recommend([step], 0.5, batch_wait=None, inflight_budget=4096)
+    rec = recommend([step], 0.5, batch_wait=None, inflight_budget=4096, interactive_budget=0.5)
     assert rec.max_inflight_tokens == 4096
     assert rec.serve_flags() == [
         "--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35",
@@ -383,24 +385,34 @@ def test_the_cost_budget_is_recommended_beside_the_request_cap() -> None:
         recommend([step], 0.5, inflight_budget=0)
 
 
-def test_recommendation_follows_the_slo_headroom_on_the_median_measurement() -> None:
+def test_the_interactive_wait_is_what_the_chat_callers_budget_leaves_on_the_median_measurement() -> None:
     def at(ttft_p99: float, throughput: float) -> StepStats:
         return StepStats(8, 100, 0, throughput, 0.1, ttft_p99, 0.02, 0.03, 0.4, 0.5)
 
-    rec = recommend([at(0.15, 20.0), at(0.9, 10.0), at(0.1, 30.0)], 0.5, batch_wait=None)
+    steps = [at(0.15, 20.0), at(0.9, 10.0), at(0.1, 30.0)]
+    rec = recommend(steps, 0.5, batch_wait=None, interactive_budget=0.5)
     assert rec.max_concurrency == 8
     assert rec.max_queue_wait == pytest.approx(0.35)
     assert rec.max_queue == 7  # 20 req/s drain 7 requests in 0.35 s
     assert rec.serve_flags() == ["--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35"]
     assert rec.retry_after_max is None  # batch not held: the shim's own cap
+    # By default the budget is the SDK's interactive preset's (5 s to start), not the SLO's
+    # headroom: a TTFT SLO of 0.5 s judges the engine; a chat caller still waits up to 4.85 s.
+    assert INTERACTIVE_BUDGET == RetryPolicy.interactive().start_deadline == 5.0
+    rec = recommend(steps, 0.5, batch_wait=None)
+    assert rec.max_queue_wait == pytest.approx(4.85)
+    assert rec.max_queue == 97  # 20 req/s drain 97 requests in 4.85 s
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(KneeInputError, match="interactive_budget"):
+            recommend(steps, 0.5, interactive_budget=bad)
 
 
 def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> None:
     step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
-    rec = recommend([step], 0.5)  # the default batch wait
+    rec = recommend([step], 0.5, interactive_budget=0.5)  # the default batch wait
     assert rec.batch_max_queue_wait == BATCH_QUEUE_WAIT
     assert rec.batch_max_queue == math.floor(20.0 * BATCH_QUEUE_WAIT)
-    held = recommend([step], 0.5, batch_wait=4.0)
+    held = recommend([step], 0.5, batch_wait=4.0, interactive_budget=0.5)
     assert (held.max_queue, held.batch_max_queue, held.total_queue) == (7, 80, 87)
     assert held.serve_flags() == [
         "--max-concurrency", "8", "--max-queue", "87", "--max-queue-wait", "0.35",
@@ -419,7 +431,7 @@ def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> N
 
 
 def test_recommendation_keeps_one_queue_slot_and_a_positive_wait_without_headroom() -> None:
-    rec = recommend([StepStats(3, 10, 0, 2.0, 0.5, 0.5, 0.02, 0.02, 1.0, 1.0)], 0.5)
+    rec = recommend([StepStats(3, 10, 0, 2.0, 0.5, 0.5, 0.02, 0.02, 1.0, 1.0)], 0.5, interactive_budget=0.5)
     assert rec.max_queue == 1
     assert rec.max_queue_wait == 0.01
     with pytest.raises(KneeInputError):

@@ -17,7 +17,7 @@ from llm_backoff_shim.serve.config.settings import ShimSettings
 
 from .calibrate_plan import duration_text
 from .extra import require_plotting
-from .knee import StepStats, Verdict, rate
+from .knee import INTERACTIVE_BUDGET, StepStats, Verdict, rate
 
 if TYPE_CHECKING:
     from .calibrate_ramp import Outcome
@@ -161,8 +161,9 @@ def render_text(outcome: Outcome) -> str:
             f"recommended: at most {rec.max_concurrency} in flight "
             f"({_median(steps, 'output_tokens_per_s'):.0f} tok/s, {_median(steps, 'throughput'):.2f} req/s, "
             f"p99 TTFT {v.ttft_p99:.3f} s there; the best level within the SLO did "
-            f"{knee.best_throughput:.0f}); a queue of {rec.max_queue} drains within "
-            f"{rec.max_queue_wait:g} s, the SLO headroom left{batch}",
+            f"{knee.best_throughput:.0f}); chat waits in the shim up to {rec.max_queue_wait:g} s, what "
+            f"the {INTERACTIVE_BUDGET:g} s chat callers give a call to start leaves after that TTFT, "
+            f"in a queue of {rec.max_queue} the engine drains in that time{batch}",
             f"confidence: {knee.confidence} ({outcome.confidence_reason})",
             "",
             f"  {command}",

@@ -80,6 +80,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from llm_backoff.policy import INTERACTIVE_START_DEADLINE
+
 #: What bounded the knee: the level above missed the SLO, kept a queue inside the engine, added no
 #: throughput, or was not measured.
 Limit = Literal["slo", "engine_queue", "plateau", "max_level"]
@@ -87,6 +89,10 @@ Confidence = Literal["high", "medium", "low"]
 
 #: Smallest ``--max-queue-wait`` recommended (the shim needs a positive wait).
 MIN_QUEUE_WAIT = 0.01
+#: Seconds an interactive (chat) caller gives a call to start: the SDK's
+#: ``RetryPolicy.interactive()`` start deadline, which it sends as ``x-request-timeout-ms``.
+#: The interactive queue's wait is what it leaves after the knee's p99 TTFT (module docstring).
+INTERACTIVE_BUDGET = INTERACTIVE_START_DEADLINE
 #: Seconds a batch request may wait in the shim for a slot (``batch_wait``, module docstring):
 #: long enough to ride out seconds of interactive overload, within the 20-60 s a batch caller
 #: commonly allows a call.
@@ -610,11 +616,13 @@ def recommend(
     batch_wait: float | None = BATCH_QUEUE_WAIT,
     *,
     inflight_budget: int | None = None,
+    interactive_budget: float = INTERACTIVE_BUDGET,
 ) -> Recommendation:
     """Shim settings for the knee level, from its measurements (see the module doc);
     ``batch_wait`` None: batch is not held (it shares the interactive queue's bounds);
     ``inflight_budget``: the cost budget measured at the knee, recommended as
-    ``--max-inflight-tokens`` beside the request cap."""
+    ``--max-inflight-tokens`` beside the request cap; ``interactive_budget``: the seconds chat
+    callers give a call to start (the interactive queue's wait is what it leaves)."""
     if not (math.isfinite(ttft_slo) and ttft_slo > 0):
         raise KneeInputError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
     if batch_wait is not None and not (math.isfinite(batch_wait) and batch_wait > 0):
@@ -626,7 +634,11 @@ def recommend(
     throughput = statistics.median(s.throughput for s in runs)
     if ttft > ttft_slo or throughput <= 0:
         raise KneeInputError(f"the step at concurrency {level} does not meet the SLO")
-    headroom = ttft_slo - ttft
+    if not (math.isfinite(interactive_budget) and interactive_budget > 0):
+        raise KneeInputError(
+            f"interactive_budget must be a positive number of seconds, got {interactive_budget!r}"
+        )
+    headroom = interactive_budget - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
     queue = max(1, math.floor(throughput * wait + 1e-9))
     if inflight_budget is not None and inflight_budget < 1:
