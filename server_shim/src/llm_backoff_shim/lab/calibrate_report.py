@@ -17,7 +17,7 @@ from llm_backoff_shim.serve.config.settings import ShimSettings
 
 from .calibrate_plan import duration_text
 from .extra import require_plotting
-from .knee import INTERACTIVE_BUDGET, StepStats, Verdict, rate
+from .knee import INTERACTIVE_BUDGET, StepStats, Verdict, queue_waived, rate
 
 if TYPE_CHECKING:
     from .calibrate_ramp import Outcome
@@ -138,6 +138,12 @@ def render_text(outcome: Outcome) -> str:
         "with the probe)",
         f"knee: {outcome.knee.reason}",
     ]
+    verdicts = outcome.knee.verdicts
+    if queue_waived(verdicts):
+        lines.append(
+            f"engine: requests waited inside it already at concurrency {verdicts[0].concurrency}, the "
+            "lowest level measured (another client's traffic?): its queue was held against no level"
+        )
     command = serve_command(outcome)
     rec = outcome.recommendation
     knee = outcome.knee
