@@ -7,7 +7,10 @@ Starts the simulator set up as one engine (``ENGINES``), runs ``llm-backoff-shim
 against it twice with different seeds (so the two runs draw different requests), and prints
 each run's recommended ``--max-concurrency`` and ``--max-inflight-tokens``, its confidence,
 its measurements and how long it took, and the larger of the two relative differences
-(the target: within 15 %). Writes the table as JSON into ``--out``.
+(the target: within 15 %). Both runs share one ``--out`` (``OUT/ENGINE``, its runs' file
+emptied first), so the second run's confidence is earned against the first, as calibrate's
+is (docs/calibrate.md, 'Across runs'); each run's own verdict is printed beside it. Writes
+the table as JSON into ``--out``.
 
 Engines:
 
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from llm_backoff_shim.lab import calibrate
+from llm_backoff_shim.lab.calibrate_history import HISTORY_NAME
 from llm_backoff_shim.lab.procs import sim_server
 
 
@@ -66,6 +70,7 @@ def run_once(url: str, flags: list[str], seed: int, out: Path) -> dict[str, Any]
         "max_inflight_tokens": rec.get("max_inflight_tokens"),
         "confidence": result.get("confidence"),
         "confidence_reason": result.get("confidence_reason"),
+        "confidence_within_run": result.get("confidence_within_run"),
         "measurements": len(result.get("steps", [])),
         "seconds": seconds,
         "plan": result.get("plan"),
@@ -90,18 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     sim_flags, flags = engine(args.engine, args.scale)
     seeds = [int(x) for x in args.seeds.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
+    shared = args.out / args.engine
+    (shared / HISTORY_NAME).unlink(missing_ok=True)  # these two runs, not an earlier bench's
     runs = []
     with sim_server(sim_flags) as sim:
         print(f"simulator: {' '.join(sim_flags)}\ncalibrate: {' '.join(flags)}", flush=True)
         for seed in seeds:
             print(f"--- calibrate, seed {seed}", flush=True)
-            runs.append(run_once(sim.url, flags, seed, args.out / f"{args.engine}-seed{seed}"))
-    print("\n| run | seed | --max-concurrency | --max-inflight-tokens | confidence | measurements | took |")
+            runs.append(run_once(sim.url, flags, seed, shared))
+    print(
+        "\n| run | seed | --max-concurrency | --max-inflight-tokens | confidence (within the run) "
+        "| measurements | took |"
+    )
     print("|---:|---:|---:|---:|---|---:|---:|")
     for i, r in enumerate(runs, 1):
         print(
             f"| {i} | {r['seed']} | {r['max_concurrency']} | {r['max_inflight_tokens']} | {r['confidence']} "
-            f"| {r['measurements']} | {r['seconds']:.0f} s |"
+            f"({r['confidence_within_run']}) | {r['measurements']} | {r['seconds']:.0f} s |"
         )
     if len(runs) == 2:
         a, b = runs

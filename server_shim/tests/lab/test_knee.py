@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -10,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llm_backoff import RetryPolicy
 from llm_backoff_shim.lab.knee import (
     BATCH_QUEUE_WAIT,
     HELD_RETRY_AFTER_MAX,
+    INTERACTIVE_BUDGET,
     KneeInputError,
     KneeRule,
     StepStats,
@@ -20,6 +23,7 @@ from llm_backoff_shim.lab.knee import (
     find_knee,
     judge,
     next_level,
+    queue_waived,
     recommend,
     with_confidence,
 )
@@ -39,20 +43,25 @@ def engine_step(
     rng: random.Random | None = None,
     noise: float = 0.0,
     spike_rate: float = 0.0,
+    gauges: bool = False,
+    turnover_gain: float = 0.0,
 ) -> StepStats:
     """A closed loop of ``c`` workers against an engine of ``slots`` that queues the rest.
 
     Each running request makes ``tokens`` tokens at ``itl * (1 + batch_slowdown * (running - 1))``
     each; with more workers than slots every request also waits for a slot. ``noise`` scales
     throughput and TTFT by ``1 + N(0, noise)``; ``spike_rate`` is the chance that a step's p99
-    TTFT is three times too high (a busy machine's pause).
+    TTFT is three times too high (a busy machine's pause). ``gauges``: the engine exports its
+    waiting and running requests (``c - slots`` and ``min(c, slots)``, as vLLM's ``/metrics``);
+    ``turnover_gain``: past the slots, a queued request takes a freed slot at once, without the
+    client's turnaround (issue #36: 8 % more tokens/s at 12 workers than at 8 on 8 sequences).
     """
     running = min(c, slots)
     tpot = itl * (1 + batch_slowdown * (running - 1))
     service = ttft + (tokens - 1) * tpot
     latency = service * max(1.0, c / slots)
     first = ttft + (latency - service)
-    throughput = c / latency
+    throughput = c / latency * (1 + turnover_gain if c > slots else 1.0)
     ttft_p99 = first * 1.5
     if rng is not None:
         throughput *= max(0.1, 1 + rng.gauss(0, noise))
@@ -72,6 +81,8 @@ def engine_step(
         latency_p99=latency * 1.3,
         output_tokens_per_s=throughput * tokens,
         mean_output_tokens=tokens,
+        engine_waiting=float(max(0, c - slots)) if gauges else None,
+        engine_running=float(running) if gauges else None,
     )
 
 
@@ -183,6 +194,85 @@ def test_climbing_stops_after_two_levels_that_add_nothing_or_one_that_misses() -
     assert not climbing(judge(single(flat[:2]), KneeRule(ttft_slo=0.01)), KneeRule(ttft_slo=0.01))
 
 
+# -- the engine's own queue (rule 1b) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("slots", [3, 5, 8, 12, 16])
+def test_a_level_that_keeps_a_queue_inside_the_engine_is_no_knee_even_when_it_adds_tokens(slots: int) -> None:
+    # Past the slots, requests wait inside the engine and deliver 8 % more tokens/s (no client
+    # turnaround between two requests), TTFT still far within the SLO: today's rule takes the
+    # extra 8 %, above the engine's slots; with the engine's gauges the knee is its slots.
+    rule = KneeRule(ttft_slo=100.0, tpot_slo=None)
+    blind, _ = run_plan(lambda c: engine_step(c, slots=slots, turnover_gain=0.08), DOUBLING, rule)
+    assert (find_knee(blind, rule).level or 0) > slots
+    runs, history = run_plan(
+        lambda c: engine_step(c, slots=slots, turnover_gain=0.08, gauges=True), DOUBLING, rule
+    )
+    knee = find_knee(runs, rule)
+    assert knee.level == slots
+    assert knee.limit == "engine_queue"
+    assert "waiting inside the engine" in knee.reason
+    above = min(c for c in runs if c > slots)
+    assert all(v.queued == (v.concurrency > slots) for v in knee.verdicts)
+    # The level above showed the slots (its median running): measured next, not bisected.
+    assert above <= 2 * slots
+    assert sum(len(r) for r in runs.values()) <= 12
+    assert with_confidence(knee, history, rule)[0].confidence == "high"
+
+
+def test_the_engine_queue_keeps_the_knee_within_the_slots_on_a_noisy_machine() -> None:
+    rule = KneeRule(ttft_slo=1.5, tpot_slo=0.1)
+    for slots in (3, 6, 8, 12):
+        for seed in range(40):
+            rng = random.Random(seed)
+            runs, _ = run_plan(
+                lambda c, rng=rng, slots=slots: engine_step(
+                    c, slots=slots, rng=rng, noise=0.08, spike_rate=0.1, gauges=True, turnover_gain=0.08
+                ),
+                DOUBLING,
+                rule,
+            )
+            knee = find_knee(runs, rule)
+            assert knee.level is not None, (slots, seed)
+            assert knee.level <= slots, (slots, seed, knee.reason)
+            true = {c: engine_step(c, slots=slots) for c in range(1, slots + 1)}
+            best = max(s.output_tokens_per_s for s in true.values() if s.ttft_p99 <= 1.5 and s.itl_p99 <= 0.1)
+            assert true[knee.level].output_tokens_per_s >= 0.9 * best, (slots, seed)
+            assert sum(len(r) for r in runs.values()) <= 24, (slots, seed)
+
+
+def test_a_queue_already_at_the_lowest_level_is_not_the_ramps_and_the_slos_alone_judge() -> None:
+    # Another client keeps the engine's queue busy: even one worker sees requests waiting.
+    rule = KneeRule(ttft_slo=100.0, tpot_slo=None)
+
+    def busy(c: int) -> StepStats:
+        step = engine_step(c, slots=8)
+        return dataclasses.replace(step, engine_waiting=3.0 + max(0, c - 8), engine_running=8.0)
+
+    runs, _ = run_plan(busy, DOUBLING, rule)
+    knee = find_knee(runs, rule)
+    assert knee.level == 8
+    assert knee.limit == "plateau"
+    assert queue_waived(knee.verdicts)
+    assert not any(v.queued for v in knee.verdicts)
+
+
+def test_a_measurement_whose_engine_queued_disagrees_with_a_level_that_did_not() -> None:
+    rule = KneeRule(ttft_slo=100.0, tpot_slo=None)
+    below = engine_step(4, slots=8, gauges=True)
+    calm = engine_step(8, slots=8, gauges=True)
+    blip = dataclasses.replace(calm, engine_waiting=1.0)
+    verdict = judge({4: [below], 8: [calm, calm, blip]}, rule)[1]
+    assert not verdict.queued  # the median measurement kept no queue
+    assert verdict.disagreeing == 1
+    verdict = judge({4: [below], 8: [blip, blip, calm]}, rule)[1]
+    assert verdict.queued
+    assert not verdict.good
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(KneeInputError, match="engine_waiting"):
+            judge({8: [dataclasses.replace(calm, engine_waiting=bad)]}, rule)
+
+
 # -- noise -------------------------------------------------------------------------------------
 
 
@@ -284,7 +374,7 @@ def test_doubt_about_a_level_just_above_the_knee_does_not_lower_the_confidence()
 
 def test_the_cost_budget_is_recommended_beside_the_request_cap() -> None:
     step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
-    rec = recommend([step], 0.5, batch_wait=None, inflight_budget=4096)
+    rec = recommend([step], 0.5, batch_wait=None, inflight_budget=4096, interactive_budget=0.5)
     assert rec.max_inflight_tokens == 4096
     assert rec.serve_flags() == [
         "--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35",
@@ -295,24 +385,34 @@ def test_the_cost_budget_is_recommended_beside_the_request_cap() -> None:
         recommend([step], 0.5, inflight_budget=0)
 
 
-def test_recommendation_follows_the_slo_headroom_on_the_median_measurement() -> None:
+def test_the_interactive_wait_is_what_the_chat_callers_budget_leaves_on_the_median_measurement() -> None:
     def at(ttft_p99: float, throughput: float) -> StepStats:
         return StepStats(8, 100, 0, throughput, 0.1, ttft_p99, 0.02, 0.03, 0.4, 0.5)
 
-    rec = recommend([at(0.15, 20.0), at(0.9, 10.0), at(0.1, 30.0)], 0.5, batch_wait=None)
+    steps = [at(0.15, 20.0), at(0.9, 10.0), at(0.1, 30.0)]
+    rec = recommend(steps, 0.5, batch_wait=None, interactive_budget=0.5)
     assert rec.max_concurrency == 8
     assert rec.max_queue_wait == pytest.approx(0.35)
     assert rec.max_queue == 7  # 20 req/s drain 7 requests in 0.35 s
     assert rec.serve_flags() == ["--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35"]
     assert rec.retry_after_max is None  # batch not held: the shim's own cap
+    # By default the budget is the SDK's interactive preset's (5 s to start), not the SLO's
+    # headroom: a TTFT SLO of 0.5 s judges the engine; a chat caller still waits up to 4.85 s.
+    assert INTERACTIVE_BUDGET == RetryPolicy.interactive().start_deadline == 5.0
+    rec = recommend(steps, 0.5, batch_wait=None)
+    assert rec.max_queue_wait == pytest.approx(4.85)
+    assert rec.max_queue == 97  # 20 req/s drain 97 requests in 4.85 s
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(KneeInputError, match="interactive_budget"):
+            recommend(steps, 0.5, interactive_budget=bad)
 
 
 def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> None:
     step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
-    rec = recommend([step], 0.5)  # the default batch wait
+    rec = recommend([step], 0.5, interactive_budget=0.5)  # the default batch wait
     assert rec.batch_max_queue_wait == BATCH_QUEUE_WAIT
     assert rec.batch_max_queue == math.floor(20.0 * BATCH_QUEUE_WAIT)
-    held = recommend([step], 0.5, batch_wait=4.0)
+    held = recommend([step], 0.5, batch_wait=4.0, interactive_budget=0.5)
     assert (held.max_queue, held.batch_max_queue, held.total_queue) == (7, 80, 87)
     assert held.serve_flags() == [
         "--max-concurrency", "8", "--max-queue", "87", "--max-queue-wait", "0.35",
@@ -331,7 +431,7 @@ def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> N
 
 
 def test_recommendation_keeps_one_queue_slot_and_a_positive_wait_without_headroom() -> None:
-    rec = recommend([StepStats(3, 10, 0, 2.0, 0.5, 0.5, 0.02, 0.02, 1.0, 1.0)], 0.5)
+    rec = recommend([StepStats(3, 10, 0, 2.0, 0.5, 0.5, 0.02, 0.02, 1.0, 1.0)], 0.5, interactive_budget=0.5)
     assert rec.max_queue == 1
     assert rec.max_queue_wait == 0.01
     with pytest.raises(KneeInputError):

@@ -36,11 +36,15 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
+from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
+from .calibrate_history import HISTORY_NAME, RunRecord, across_runs, append, load, previous
 from .calibrate_plan import duration_text
 from .calibrate_ramp import (
     DEFAULT_LONG_PROMPT_WORDS,
@@ -405,6 +409,7 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=err)
         return 130
+    _judge_across_runs(outcome, err)
     if outcome.steps:
         try:
             outcome.png = plot(outcome, config.out / PNG_NAME)
@@ -420,6 +425,39 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
     if not written:
         return 1
     return 0 if outcome.recommendation is not None else 1
+
+
+def _judge_across_runs(outcome: Outcome, err: TextIO) -> None:
+    """Set the confidence from this run and the previous one of the same setup in ``--out``
+    (:mod:`~llm_backoff_shim.lab.calibrate_history`), and keep this run there for the next."""
+    rec = outcome.recommendation
+    knee = outcome.knee
+    if rec is None or knee.level is None:
+        return
+    cfg = outcome.config
+    record = RunRecord(
+        at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        upstream=outcome.upstream,
+        model=outcome.model,
+        ttft_slo=cfg.ttft_slo,
+        tpot_slo=cfg.tpot_slo,
+        mix=cfg.describe_mix(),
+        max_concurrency=rec.max_concurrency,
+        max_queue=rec.max_queue,
+        max_queue_wait=rec.max_queue_wait,
+        knee_tokens_per_s=float(statistics.median(s.output_tokens_per_s for s in outcome.runs[knee.level])),
+    )
+    path = cfg.out / HISTORY_NAME
+    earlier = previous(load(path), record)
+    outcome.own_confidence = (knee.confidence, outcome.confidence_reason)
+    outcome.previous_run = earlier
+    level, why = across_runs(knee.confidence, outcome.confidence_reason, record, earlier, str(path))
+    outcome.knee = replace(knee, confidence=level)
+    outcome.confidence_reason = why
+    try:
+        append(path, record)
+    except OSError as exc:
+        print(f"{PROG}: cannot keep this run in {path} for the next one: {exc.strerror or exc}", file=err)
 
 
 def _write_config(outcome: Outcome, err: TextIO) -> bool:

@@ -18,10 +18,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
 import openai
 
 from .calibrate_cost import budget_tokens
 from .calibrate_driver import Driver, error_text, streaming_http_client
+from .calibrate_engine import INTERVAL, EngineGauges, metrics_fetch
+from .calibrate_history import RunRecord
 from .calibrate_loop import ClosedLoop, measure_level
 from .calibrate_plan import (
     Sizing,
@@ -37,6 +40,7 @@ from .calibrate_plan import (
 from .calibrate_samples import Sample, summarize
 from .knee import (
     BATCH_QUEUE_WAIT,
+    Confidence,
     Knee,
     KneeRule,
     Recommendation,
@@ -171,6 +175,11 @@ class Outcome:
     plan: SweepPlan | None = None
     probe: Sample | None = None
     seconds: float = 0.0
+    #: This run's own confidence and why, before it was judged across runs
+    #: (:mod:`~llm_backoff_shim.lab.calibrate_history`); None until then.
+    own_confidence: tuple[Confidence, str] | None = None
+    #: The previous run of the same setup in ``--out`` (None: the first).
+    previous_run: RunRecord | None = None
 
 
 def _progress_line(index: int, step: StepStats, seconds: float, first_error: str | None) -> str:
@@ -180,6 +189,9 @@ def _progress_line(index: int, step: StepStats, seconds: float, first_error: str
         f"{step.output_tokens_per_s:.0f} tok/s | TTFT p50 {step.ttft_p50:.3f} p99 {step.ttft_p99:.3f} s | "
         f"TPOT p99 {step.itl_p99 * 1000:.1f} ms | {step.mean_latency:.1f} s per request"
     )
+    if step.engine_waiting is not None:
+        running = "" if step.engine_running is None else f", {step.engine_running:g} running"
+        line += f" | engine: {step.engine_waiting:g} waiting{running} (medians)"
     return line + (f" | first error: {first_error}" if first_error else "")
 
 
@@ -266,7 +278,23 @@ async def run_ramp(
         )
         for line in plan_lines(plan, _probe_text(probe)):
             progress(line)
-        outcome = await _sweep(driver, config, plan, probe, run_deadline, progress)
+        async with aiohttp.ClientSession() as session:
+            metrics = f"{shim_upstream}/metrics"
+            gauges = EngineGauges(metrics_fetch(session, metrics, config.api_key), clock)
+            if await gauges.start():
+                progress(
+                    f"engine: reading vllm:num_requests_waiting and _running at {metrics} every "
+                    f"{INTERVAL:g} s; a level at which the engine keeps requests waiting is not a knee"
+                )
+            else:
+                progress(
+                    f"engine: no vllm:num_requests_waiting at {metrics}: the SLOs alone judge the levels "
+                    "(a knee may then keep requests waiting inside the engine, where classes do not count)"
+                )
+            try:
+                outcome = await _sweep(driver, config, plan, probe, run_deadline, progress, gauges)
+            finally:
+                await gauges.close()
     outcome.upstream, outcome.model, outcome.seconds = shim_upstream, model, clock() - began
     return outcome
 
@@ -278,6 +306,7 @@ async def _sweep(
     probe: Sample,
     run_deadline: float,
     progress: Callable[[str], None],
+    gauges: EngineGauges | None = None,
 ) -> Outcome:
     clock = driver.clock
     rule = replace(
@@ -329,6 +358,9 @@ async def _sweep(
                 level, measured.samples, level_start=measured.level_start, window=measured.window
             )
             low, high = measured.window
+            if gauges is not None:
+                waiting, running = gauges.window(low, high)
+                step = replace(step, engine_waiting=waiting, engine_running=running)
             error = next((s.error for s in measured.samples if s.error and low < s.end <= high), None)
             if error:
                 first_errors.setdefault(level, error)

@@ -17,7 +17,7 @@ from llm_backoff_shim.serve.config.settings import ShimSettings
 
 from .calibrate_plan import duration_text
 from .extra import require_plotting
-from .knee import StepStats, Verdict, rate
+from .knee import INTERACTIVE_BUDGET, StepStats, Verdict, queue_waived, rate
 
 if TYPE_CHECKING:
     from .calibrate_ramp import Outcome
@@ -82,15 +82,23 @@ def _notes(outcome: Outcome, v: Verdict) -> str:
         notes.append("KNEE")
     if not v.within_slo:
         notes.append("over SLO" if v.errors_ok else "errors")
+    if v.queued:
+        notes.append("engine queue")
     if v.disagreeing:
         notes.append(f"{v.disagreeing}/{v.runs} disagree")
     return ", ".join(notes) or "ok"
 
 
+def _waiting(v: Verdict) -> str:
+    """The engine's median queue at a level (``-``: the upstream exposes no such metric)."""
+    return "-" if v.engine_waiting is None else f"{v.engine_waiting:g}"
+
+
 def render_table(outcome: Outcome) -> str:
     header = (
         f"{'conc':>5} {'runs':>4} {'ok':>6} {'fail':>5} {'req/s':>7} {'tok/s':>8} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'in-flight cost':>14} {'spread':>6}  verdict"
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'in-flight cost':>14} {'waiting':>7} "
+        f"{'spread':>6}  verdict"
     )
     lines = [header]
     for v in outcome.knee.verdicts:
@@ -100,7 +108,8 @@ def render_table(outcome: Outcome) -> str:
             f"{sum(s.errors for s in steps):>5} {_median(steps, 'throughput'):>7.2f} "
             f"{_median(steps, 'output_tokens_per_s'):>8.0f} {_median(steps, 'ttft_p50'):>8.3f}s "
             f"{v.ttft_p99:>8.3f}s {_median(steps, 'itl_p50') * 1000:>7.1f}ms {v.tpot_p99 * 1000:>7.1f}ms "
-            f"{_median(steps, 'inflight_cost'):>14.0f} {v.spread:>6.0%}  {_notes(outcome, v)}"
+            f"{_median(steps, 'inflight_cost'):>14.0f} {_waiting(v):>7} {v.spread:>6.0%}  "
+            f"{_notes(outcome, v)}"
         )
     return "\n".join(lines)
 
@@ -129,6 +138,12 @@ def render_text(outcome: Outcome) -> str:
         "with the probe)",
         f"knee: {outcome.knee.reason}",
     ]
+    verdicts = outcome.knee.verdicts
+    if queue_waived(verdicts):
+        lines.append(
+            f"engine: requests waited inside it already at concurrency {verdicts[0].concurrency}, the "
+            "lowest level measured (another client's traffic?): its queue was held against no level"
+        )
     command = serve_command(outcome)
     rec = outcome.recommendation
     knee = outcome.knee
@@ -153,8 +168,9 @@ def render_text(outcome: Outcome) -> str:
             f"recommended: at most {rec.max_concurrency} in flight "
             f"({_median(steps, 'output_tokens_per_s'):.0f} tok/s, {_median(steps, 'throughput'):.2f} req/s, "
             f"p99 TTFT {v.ttft_p99:.3f} s there; the best level within the SLO did "
-            f"{knee.best_throughput:.0f}); a queue of {rec.max_queue} drains within "
-            f"{rec.max_queue_wait:g} s, the SLO headroom left{batch}",
+            f"{knee.best_throughput:.0f}); chat waits in the shim up to {rec.max_queue_wait:g} s, what "
+            f"the {INTERACTIVE_BUDGET:g} s chat callers give a call to start leaves after that TTFT, "
+            f"in a queue of {rec.max_queue} the engine drains in that time{batch}",
             f"confidence: {knee.confidence} ({outcome.confidence_reason})",
             "",
             f"  {command}",
@@ -237,6 +253,9 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
         "reason": knee.reason,
         "confidence": knee.confidence if knee.level is not None else None,
         "confidence_reason": outcome.confidence_reason,
+        "confidence_within_run": None if outcome.own_confidence is None else outcome.own_confidence[0],
+        "confidence_within_run_reason": None if outcome.own_confidence is None else outcome.own_confidence[1],
+        "previous_run": None if outcome.previous_run is None else asdict(outcome.previous_run),
         "recommendation": None if rec is None else {**asdict(rec), "command": serve_command(outcome)},
         "png": None if outcome.png is None else str(outcome.png),
     }

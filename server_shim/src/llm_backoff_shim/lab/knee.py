@@ -1,4 +1,4 @@
-# Over ~400 lines on purpose: one rule (judge, climb, repeat, say how sure, recommend) read as a whole;
+# Over ~600 lines on purpose: one rule (judge, climb, repeat, say how sure, recommend) read as a whole;
 # some 50 of its lines are the rule stated below.
 """Where to cap concurrency: the knee of a load ramp, judged by what LLM users feel (pure).
 
@@ -14,6 +14,19 @@ not the whole request's latency, which mostly follows how long the answer is. So
    is at most ``ttft_slo``, its p99 time per output token (TPOT: a request's mean gap
    between tokens after the first) at most ``tpot_slo`` (when set), and at most
    ``max_error_ratio`` of its requests failed.
+
+   1b. When the engine exports ``vllm:num_requests_waiting`` (the caller samples it over each
+   window: :class:`StepStats` ``engine_waiting``), a level is also judged by the engine's own
+   queue: one whose median measurement saw a median of more than 0 requests waiting inside
+   the engine is not a knee, whatever it gains. Past the engine's slots (``--max-num-seqs``) a closed loop
+   buys a few percent of tokens/s (a queued request takes a freed slot without the client's
+   turnaround) by making every request wait in the engine, where the shim's classes do not
+   count: on an 8-sequence vLLM, 12 workers did 8 % more tokens/s than 8 and moved TTFT p50
+   from 0.045 to 0.535 s (issue #36), and chat through the shim fared worse with that cap.
+   The shim's own queue turns a slot over almost as fast (it admits the next request at the
+   release, one loopback hop from the engine), and there interactive goes first.
+   Without the metrics the rule is the SLOs alone; when even the lowest level measured kept a
+   queue (another client's traffic), the queue is not the ramp's doing and is ignored.
 2. Its **throughput** is answer tokens per second (requests per second when the upstream
    counted no tokens): normalised by answer length, so a level that happened to draw
    longer answers is not mistaken for a faster one. The median of its measurements.
@@ -31,7 +44,9 @@ not the whole request's latency, which mostly follows how long the answer is. So
    ``max_repeats`` times each, until each has ``min_repeats`` measurements and one more
    round did not move the knee. Between the knee and a level above it that missed the
    SLO, the midpoint is measured too (at most ``refine`` levels between two levels of the
-   ramp), so a capacity between two doubling levels is found. Measurements of the knee or
+   ramp), so a capacity between two doubling levels is found; above a level that kept a queue
+   in the engine, the level its engine ran at once (median ``vllm:num_requests_running``: the
+   engine's slots) is measured instead of the midpoint. Measurements of the knee or
    the level above that disagree on the SLO, or whose throughputs spread by more than
    twice ``tolerance``, are repeated too (up to ``max_repeats``).
 6. **Confidence**: ``high`` when the knee held still over its last round, every
@@ -42,12 +57,24 @@ not the whole request's latency, which mostly follows how long the answer is. So
    too few requests; ``low`` when it was still moving, or rests on a single measurement.
    Disagreement or spread at a level above the knee within :data:`REPRODUCIBLE` (15 %) of
    it does not count: whichever of the two is the knee, the recommendation moves by less.
+   This is one run's own verdict: every repeat of a run can agree with itself while a second
+   run picks another level. ``calibrate`` earns the confidence it prints across runs
+   (:mod:`llm_backoff_shim.lab.calibrate_history`: ``high`` only when two runs agree within
+   :data:`REPRODUCIBLE`).
 
 The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
 
 - ``max_concurrency = K``;
-- ``max_queue_wait = S - TTFT_p99(K)`` (floored to 10 ms, at least 10 ms): a request
-  admitted after waiting that long still gets its first token within the SLO;
+- ``max_queue_wait = B - TTFT_p99(K)`` (floored to 10 ms, at least 10 ms), with ``B`` the
+  seconds a chat caller gives a call to start (``interactive_budget``, default
+  :data:`INTERACTIVE_BUDGET`, the SDK's ``RetryPolicy.interactive()`` start deadline, 5 s):
+  a request admitted after waiting that long still gets its first token within the caller's
+  budget. Not ``S - TTFT_p99(K)``: the SLO judges the engine (where the knee is); the queue
+  serves callers, and in the virtual-time model of the real-vLLM comparison (2.5x capacity,
+  70 % interactive, 5 s budget, ``bench/bench_interactive_queue.py``) the SDK's presets got
+  313 chat calls within budget with a 4.5 s wait against 288 at 0.9 s and 197 at 0.18 s
+  (the two SLO-headroom waits of issue #36), plain-openai-like callers 248, 238 and 214. An
+  SDK caller sends its budget (``x-request-timeout-ms``) and the shim caps its wait by it;
 - ``max_queue = floor(requests/s at K * max_queue_wait)``, at least 1: what the engine
   drains within that wait (a queue of zero would turn every momentary gap between a
   completion and the next admission into a 429). These two are the ``interactive``
@@ -77,15 +104,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-#: What bounded the knee: the level above missed the SLO, added no throughput, or was not measured.
-Limit = Literal["slo", "plateau", "max_level"]
+from llm_backoff.policy import INTERACTIVE_START_DEADLINE
+
+#: What bounded the knee: the level above missed the SLO, kept a queue inside the engine, added no
+#: throughput, or was not measured.
+Limit = Literal["slo", "engine_queue", "plateau", "max_level"]
 Confidence = Literal["high", "medium", "low"]
 
 #: Smallest ``--max-queue-wait`` recommended (the shim needs a positive wait).
 MIN_QUEUE_WAIT = 0.01
+#: Seconds an interactive (chat) caller gives a call to start: the SDK's
+#: ``RetryPolicy.interactive()`` start deadline, which it sends as ``x-request-timeout-ms``.
+#: The interactive queue's wait is what it leaves after the knee's p99 TTFT (module docstring).
+INTERACTIVE_BUDGET = INTERACTIVE_START_DEADLINE
 #: Seconds a batch request may wait in the shim for a slot (``batch_wait``, module docstring):
 #: long enough to ride out seconds of interactive overload, within the 20-60 s a batch caller
 #: commonly allows a call.
@@ -135,6 +169,16 @@ class StepStats:
     inflight_cost: float = 0.0
     #: Seconds of steady window the throughput was counted over (0: not windowed).
     window: float = 0.0
+    #: The engine's own queue over the window: the median of its ``vllm:num_requests_waiting``
+    #: sampled in it (None: the upstream exposes no such metric).
+    engine_waiting: float | None = None
+    #: The median of its ``vllm:num_requests_running`` over the window (None: not exposed).
+    engine_running: float | None = None
+
+    @property
+    def engine_queued(self) -> bool:
+        """The engine kept requests waiting for a slot over this window (rule 1b)."""
+        return self.engine_waiting is not None and self.engine_waiting > 0
 
     @property
     def error_ratio(self) -> float:
@@ -195,10 +239,15 @@ class Verdict:
     working: bool = True
     #: The fewest successful requests any one measurement counted.
     fewest_requests: int = 0
+    #: Medians over the measurements of the engine's waiting and running requests (None: the
+    #: upstream exposes no such metrics); ``queued``: the engine kept a queue (rule 1b).
+    engine_waiting: float | None = None
+    engine_running: float | None = None
+    queued: bool = False
 
     @property
     def good(self) -> bool:
-        return self.within_slo and self.errors_ok
+        return self.within_slo and self.errors_ok and not self.queued
 
 
 @dataclass(frozen=True)
@@ -294,6 +343,10 @@ def _validate(step: StepStats) -> None:
         value = getattr(step, name)
         if not (math.isfinite(value) and value >= 0):
             raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
+    for name in ("engine_waiting", "engine_running"):
+        value = getattr(step, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise KneeInputError(f"{name} at concurrency {step.concurrency} must be >= 0, got {value!r}")
 
 
 def rate(step: StepStats) -> float:
@@ -304,6 +357,7 @@ def rate(step: StepStats) -> float:
 def _meets(step: StepStats, rule: KneeRule) -> bool:
     return (
         step.requests > 0
+        and not step.engine_queued
         and step.ttft_p99 <= rule.ttft_slo
         and (rule.tpot_slo is None or step.itl_p99 <= rule.tpot_slo)
         and step.error_ratio <= rule.max_error_ratio
@@ -325,7 +379,9 @@ def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdi
     within = (
         working and ttft <= rule.ttft_slo and (rule.tpot_slo is None or tpot <= rule.tpot_slo) and errors_ok
     )
-    disagreeing = sum(1 for s in steps if _meets(s, rule) != within)
+    waiting = _median_known([s.engine_waiting for s in steps])
+    queued = waiting is not None and waiting > 0
+    disagreeing = sum(1 for s in steps if _meets(s, rule) != (within and not queued))
     spread = (max(rates) - min(rates)) / median_rate if median_rate > 0 and len(rates) > 1 else 0.0
     return Verdict(
         level,
@@ -339,12 +395,40 @@ def judge_level(level: int, steps: Sequence[StepStats], rule: KneeRule) -> Verdi
         spread,
         working,
         min(s.requests for s in steps),
+        waiting,
+        _median_known([s.engine_running for s in steps]),
+        queued,
     )
 
 
+def _median_known(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(statistics.median(known)) if known else None
+
+
 def judge(runs: Runs, rule: KneeRule) -> tuple[Verdict, ...]:
-    """One verdict per measured level, by concurrency."""
-    return tuple(judge_level(level, runs[level], rule) for level in sorted(runs) if runs[level])
+    """One verdict per measured level, by concurrency.
+
+    When even the lowest level measured kept a queue inside the engine, the queue is not the
+    ramp's doing (another client's traffic, or levels that start past the engine's slots):
+    rule 1b is then waived and the SLOs alone judge, as for an engine without the metrics."""
+    verdicts = tuple(judge_level(level, runs[level], rule) for level in sorted(runs) if runs[level])
+    if verdicts and verdicts[0].queued:
+        waived = tuple(replace(v, queued=False) for v in verdicts)
+        return tuple(
+            replace(v, disagreeing=sum(1 for s in runs[v.concurrency] if _meets_slo(s, rule) != v.good))
+            for v in waived
+        )
+    return verdicts
+
+
+def _meets_slo(step: StepStats, rule: KneeRule) -> bool:
+    return _meets(replace(step, engine_waiting=None), rule)
+
+
+def queue_waived(verdicts: Sequence[Verdict]) -> bool:
+    """Rule 1b was waived: the lowest level measured already found the engine queueing."""
+    return bool(verdicts) and verdicts[0].engine_waiting is not None and verdicts[0].engine_waiting > 0
 
 
 def _rising(verdicts: Sequence[Verdict], index: int, gain: float) -> bool:
@@ -384,6 +468,11 @@ def find_knee(runs: Runs, rule: KneeRule) -> Knee:
     if above is None:
         limit = "max_level"
         reason = f"no knee up to concurrency {knee.concurrency}, the highest level measured"
+    elif above.queued:
+        limit = "engine_queue"
+        reason = f"concurrency {above.concurrency} {_queue_text(above)}"
+        if not (above.within_slo and above.errors_ok):
+            reason += f", and misses the SLO ({_miss(above, rule)})"
     elif not above.good:
         limit = "slo"
         reason = f"concurrency {above.concurrency} misses the SLO ({_miss(above, rule)})"
@@ -397,6 +486,21 @@ def find_knee(runs: Runs, rule: KneeRule) -> Knee:
     return Knee(knee.concurrency, limit, verdicts, reason, best)
 
 
+def _queue_text(v: Verdict) -> str:
+    running = "" if v.engine_running is None else f" beside {v.engine_running:g} running"
+    return (
+        f"kept {v.engine_waiting or 0:g} requests waiting inside the engine (median{running}), where the "
+        "shim's classes do not count"
+    )
+
+
+def engine_slots(v: Verdict) -> int | None:
+    """The engine's slots as a level that kept a queue shows them: its median running."""
+    if not v.queued or v.engine_running is None or v.engine_running < 1:
+        return None
+    return math.floor(v.engine_running)
+
+
 def _miss(v: Verdict, rule: KneeRule) -> str:
     parts = []
     if v.ttft_p99 > rule.ttft_slo:
@@ -405,6 +509,8 @@ def _miss(v: Verdict, rule: KneeRule) -> str:
         parts.append(f"TPOT p99 {v.tpot_p99 * 1000:.1f} ms > {rule.tpot_slo * 1000:g} ms")
     if not v.errors_ok:
         parts.append(f"errors over {rule.max_error_ratio:.0%}")
+    if v.queued and not parts:
+        parts.append(_queue_text(v))
     return ", ".join(parts) or "no request succeeded"
 
 
@@ -446,13 +552,21 @@ def next_level(runs: Runs, ramp: Sequence[int], rule: KneeRule, history: Sequenc
             return Plan(verdicts[0].concurrency, "repeat: the lowest level misses the SLO")
         return Plan(None, "no level meets the SLO")
     above = next((level for level in measured if level > knee.level), None)
-    if above is not None and knee.limit == "slo" and rule.refine > 0:
+    if above is not None and knee.limit in ("slo", "engine_queue") and rule.refine > 0:
         midpoint = (knee.level + above) // 2
+        why = f"refine between {knee.level} and {above}"
+        above_verdict = knee.verdict(above)
+        slots = engine_slots(above_verdict) if above_verdict is not None else None
+        if knee.limit == "engine_queue" and slots is not None:
+            # The level above ran ``slots`` at once and queued the rest: the engine's slots are
+            # the highest level that can run without a queue, measured next (none above the knee).
+            midpoint = slots if slots > knee.level else knee.level
+            why = f"refine: {above} ran {slots} at once inside the engine"
         # At most ``refine`` levels off the ramp between two ramp levels.
         floor = max((level for level in ramp if level <= knee.level), default=0)
         refined = sum(1 for level in measured if floor < level < above and level not in ramp)
         if knee.level < midpoint < above and midpoint not in runs and refined < rule.refine:
-            return Plan(midpoint, f"refine between {knee.level} and {above}")
+            return Plan(midpoint, why)
     for level in (knee.level, above):
         if level is not None and len(runs[level]) < rule.min_repeats:
             return Plan(level, "repeat next to the knee")
@@ -529,11 +643,13 @@ def recommend(
     batch_wait: float | None = BATCH_QUEUE_WAIT,
     *,
     inflight_budget: int | None = None,
+    interactive_budget: float = INTERACTIVE_BUDGET,
 ) -> Recommendation:
     """Shim settings for the knee level, from its measurements (see the module doc);
     ``batch_wait`` None: batch is not held (it shares the interactive queue's bounds);
     ``inflight_budget``: the cost budget measured at the knee, recommended as
-    ``--max-inflight-tokens`` beside the request cap."""
+    ``--max-inflight-tokens`` beside the request cap; ``interactive_budget``: the seconds chat
+    callers give a call to start (the interactive queue's wait is what it leaves)."""
     if not (math.isfinite(ttft_slo) and ttft_slo > 0):
         raise KneeInputError(f"ttft_slo must be a positive number of seconds, got {ttft_slo!r}")
     if batch_wait is not None and not (math.isfinite(batch_wait) and batch_wait > 0):
@@ -545,7 +661,11 @@ def recommend(
     throughput = statistics.median(s.throughput for s in runs)
     if ttft > ttft_slo or throughput <= 0:
         raise KneeInputError(f"the step at concurrency {level} does not meet the SLO")
-    headroom = ttft_slo - ttft
+    if not (math.isfinite(interactive_budget) and interactive_budget > 0):
+        raise KneeInputError(
+            f"interactive_budget must be a positive number of seconds, got {interactive_budget!r}"
+        )
+    headroom = interactive_budget - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
     queue = max(1, math.floor(throughput * wait + 1e-9))
     if inflight_budget is not None and inflight_budget < 1:
