@@ -276,7 +276,7 @@ def _on_response(
         data = parse_error_body(body)
         parsed = parse_hint(response.headers, data, wall_clock=engine.wall_clock)
         hint = None if parsed is None else parsed.seconds
-        verdict = classify_status(state.policy, status, response.headers, data)
+        verdict = classify_status(state.policy, status, response.headers, data, hint=hint)
     decision = state.decide(verdict, attempt_started=started, status=status, hint=hint)
     _report(engine, state, decision, request, hint)
     return decision, body

@@ -6,11 +6,12 @@ ended and answers `Retry` (wait this long) or `GiveUp` (why). The checks, in ord
 1. the outcome is not retryable (see `classify`) -> give up;
 2. the server's hint exceeds ``max_retry_after``, or would begin the retry past
    ``max_retry_at`` after the call started -> give up at once;
-3. ``max_attempts`` reached, or ``max_connect_errors`` attempts in a row could not
-   connect (`classify.never_connected`; any attempt that reached the server restarts
-   that count) -> give up;
-4. the wait (see `backoff`) would end at or past the start deadline -> a shorter wait
-   that still begins in time when one is worth it (`RetryState._fit_to_start`), else
+3. ``max_attempts`` reached, or ``max_connect_errors`` attempts in a row found no one to
+   serve them (``Verdict.unreachable``: could not connect, or the server answered that its
+   upstream cannot be reached; any other outcome restarts that count) -> give up;
+4. the wait (see `backoff`; under ``max_connect_errors`` an unreachable answer's hint is not
+   waited for, as a refused connection has none) would end at or past the start deadline ->
+   a shorter wait that still begins in time when one is worth it (`RetryState._fit_to_start`), else
    give up; past the deadline -> give up now rather than sleep pointlessly and fail anyway;
 5. the retry budget (if any) refuses -> give up.
 
@@ -118,8 +119,8 @@ class RetryState:
         self._attempts: list[Attempt] = []
         self._previous_wait: float | None = None
         self._last_chance_taken = False
-        #: Attempts in a row, up to the last one, that could not connect.
-        self._connect_failures = 0
+        #: Attempts in a row, up to the last one, that no one could serve (``Verdict.unreachable``).
+        self._unreachable = 0
         self.final_reason: str | None = None
 
     @property
@@ -165,7 +166,7 @@ class RetryState:
     ) -> Decision:
         """Record the attempt that just ended and say what comes next."""
         now = self._clock()
-        self._connect_failures = self._connect_failures + 1 if verdict.connect_failed else 0
+        self._unreachable = self._unreachable + 1 if verdict.unreachable else 0
         decision = self._decide(verdict, hint, now)
         self._attempts.append(
             Attempt(
@@ -232,11 +233,19 @@ class RetryState:
         if number >= policy.max_attempts:
             return GiveUp(f"{verdict.reason}: max_attempts ({policy.max_attempts}) reached")
         cap = policy.max_connect_errors
-        if cap is not None and self._connect_failures >= cap:
-            return GiveUp(
-                f"{verdict.reason}: {self._connect_failures} attempts in a row could not connect, "
-                f"max_connect_errors ({cap}) reached"
-            )
+        if cap is not None:
+            if self._unreachable >= cap:
+                return GiveUp(
+                    f"{verdict.reason}: {self._unreachable} attempts in a row could not connect or "
+                    f"found the upstream unavailable, max_connect_errors ({cap}) reached"
+                )
+            if verdict.unreachable:
+                # Counted as a refused connection, so retried as one: after the computed backoff.
+                # The shim's hint is the outage's length so far (up to 30 s), for callers riding
+                # it out (max_connect_errors=None); a capped caller gives up within a few
+                # attempts anyway, and waiting it would make a dead engine behind a shim cost
+                # seconds where the dead engine alone costs a second.
+                hint = None
         wait = next_wait(policy, number - 1, hint, self._previous_wait, self._rng)
         # A retry is an answer not yet begun: the start deadline (<= deadline) binds first.
         if start is not None and elapsed + wait >= start:

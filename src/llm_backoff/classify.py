@@ -13,11 +13,16 @@ Statuses, in order of precedence:
 Exceptions: timeouts (connect, read, write, pool) are retried when
 ``retry_timeouts``; connection failures (refused, reset, closed without a response,
 proxy) when ``retry_connection_errors``. Anything else (bad URL, local protocol
-misuse, our own ``RateLimitTimeout``) is not retried. A verdict also says whether the
-attempt never reached the server (`never_connected`: refused, unreachable, DNS, TLS
-handshake, connect timeout), which ``max_connect_errors`` caps separately. httpx, httpx2 and openai
+misuse, our own ``RateLimitTimeout``) is not retried. httpx, httpx2 and openai
 exception types are recognised; a library that was never imported cannot have
 raised anything, so each is looked up in ``sys.modules`` instead of imported.
+
+A verdict also says whether no one could serve the attempt (``unreachable``), which
+``max_connect_errors`` caps separately: the attempt never reached the server
+(`never_connected`: refused, unreachable, DNS, TLS handshake, connect timeout), or the
+server answered that what stands behind it cannot be reached (`upstream_unreachable`: the
+shim's 503 ``upstream_unavailable``, a gateway's 502 or 504 without a hint). For the
+caller both mean the same: nobody can serve the call now.
 """
 
 from __future__ import annotations
@@ -38,8 +43,18 @@ class Verdict(NamedTuple):
 
     retryable: bool
     reason: str
-    connect_failed: bool = False
-    """The attempt never reached the server: no connection could be made (`never_connected`)."""
+    unreachable: bool = False
+    """No one could serve the attempt: no connection could be made (`never_connected`), or the
+    server answered that its upstream cannot be reached (`upstream_unreachable`)."""
+
+
+#: The error code of the shim's answer when its engine (or its tenant-quota store) cannot be
+#: reached: 503 with ``{"error": {"code": "upstream_unavailable", ...}}`` (docs/protocol.md).
+UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+
+#: A gateway's "the server behind me did not answer" (502 Bad Gateway, 504 Gateway Timeout):
+#: counted as unreachable only without a hint, since a hint is a server's plan to be back.
+GATEWAY_STATUSES = frozenset({502, 504})
 
 
 def parse_error_body(body: bytes | str | Mapping[str, object] | None) -> Mapping[str, object] | None:
@@ -69,26 +84,57 @@ def is_insufficient_quota(body: Mapping[str, object] | None) -> bool:
     return False
 
 
+def error_code(body: Mapping[str, object] | None) -> object:
+    """``error.code`` of an error body (OpenAI's and Anthropic's shapes), or a top-level ``code``
+    (the inner ``error`` object alone, which is what ``openai`` exposes as ``exc.body``)."""
+    if body is None:
+        return None
+    error = body.get("error")
+    if isinstance(error, Mapping) and "code" in error:
+        return error.get("code")
+    return body.get("code")
+
+
+def upstream_unreachable(status: int, body: Mapping[str, object] | None, hint: float | None) -> bool:
+    """True when the answer says that no one behind the server can serve the request now.
+
+    The shim's 503 ``upstream_unavailable`` (its engine, or its tenant-quota store, cannot be
+    reached), and a gateway's 502 or 504 that gives no hint (nginx, HAProxy, a cloud load
+    balancer that could not reach or hear from any server behind it). A 503 without that code
+    is a busy server, and a gateway's answer with a hint a server with a plan: not counted.
+    """
+    if status == 503:
+        return error_code(body) == UPSTREAM_UNAVAILABLE
+    return status in GATEWAY_STATUSES and hint is None
+
+
 def classify_status(
     policy: RetryPolicy,
     status: int,
     headers: Mapping[str, str],
     body: Mapping[str, object] | None = None,
+    *,
+    hint: float | None = None,
 ) -> Verdict:
+    """The verdict on an answer; ``hint`` is the server's hint read from it (`retry_after.parse_hint`)."""
     if status < 400:
         return Verdict(False, f"status {status}")
     if status in NEVER_RETRY_STATUSES:
         return Verdict(False, f"status {status} is never retried")
+    unreachable = upstream_unreachable(status, body, hint)
+    what = f"status {status}"
+    if unreachable:
+        what += " upstream_unavailable" if status == 503 else " without a hint"
     should_retry = (headers.get("x-should-retry") or "").strip().lower()
     if should_retry == "false":
-        return Verdict(False, f"status {status}, server sent x-should-retry: false")
+        return Verdict(False, f"{what}, server sent x-should-retry: false", unreachable)
     if status == 429 and is_insufficient_quota(body):
         return Verdict(False, "status 429 insufficient_quota (out of credit, not a rate limit)")
     if should_retry == "true":
-        return Verdict(True, f"status {status}, server sent x-should-retry: true")
+        return Verdict(True, f"{what}, server sent x-should-retry: true", unreachable)
     if status in policy.retry_statuses:
-        return Verdict(True, f"status {status}")
-    return Verdict(False, f"status {status} is not in retry_statuses")
+        return Verdict(True, what, unreachable)
+    return Verdict(False, f"{what} is not in retry_statuses", unreachable)
 
 
 def error_kind(exc: BaseException) -> ErrorKind | None:

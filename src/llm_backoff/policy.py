@@ -42,7 +42,9 @@ BATCH_DEADLINE = 600.0
 #: giving up. A server that refuses connections is down or the URL is wrong, and neither gets
 #: better in the seconds a caller waits; an overloaded server answers (429/503) and is waited
 #: out under the deadline. 3 is openai's own default (max_retries=2), so a dead server fails
-#: as fast wrapped as unwrapped (docs/sdk.md, "A server that is down").
+#: as fast wrapped as unwrapped (docs/sdk.md, "A server that is down"). An answer saying the
+#: server's own upstream cannot be reached (the shim's 503 ``upstream_unavailable``, a
+#: gateway's 502/504 without a hint) counts too: a dead engine behind a shim is a dead server.
 DEFAULT_MAX_CONNECT_ERRORS = 3
 
 #: Field names of other retry libraries (openai, urllib3, tenacity, backoff...) and what they are here.
@@ -141,8 +143,9 @@ class RetryPolicy(BaseModel):
         ge=1,
         description=(
             "attempts in a row that could not connect at all (refused, unreachable, DNS, TLS "
-            "handshake, connect timeout), the first included, after which the call gives up; "
-            "None: only max_attempts and the deadlines bound them"
+            "handshake, connect timeout) or were answered that the server's upstream cannot be "
+            "reached (503 upstream_unavailable, a 502/504 without a hint), the first included, "
+            "after which the call gives up; None: only max_attempts and the deadlines bound them"
         ),
     )
     last_chance: float = Field(
@@ -193,7 +196,8 @@ class RetryPolicy(BaseModel):
 
         Connection failures are not capped apart (``max_connect_errors=None``): a batch job
         rides out a server restart (a model server reloading its weights refuses connections
-        for a minute or more) within its deadline, at the price of a wrong URL failing each
+        for a minute or more; a shim in front of it answers 503 ``upstream_unavailable``, whose
+        hints are then waited out) within its deadline, at the price of a wrong URL failing each
         call only when the deadline passes (about 9 minutes; docs/sdk.md, "A server that is down").
         """
         values: dict[str, Any] = {

@@ -108,9 +108,10 @@ class retry_if_retryable(retry_base):  # noqa: N801 - tenacity's naming
             return classify_exception(self.policy, exc)
         status, headers = status_headers
         body = _body_of(response, exc) if status >= 400 else None
-        verdict = classify_status(self.policy, status, headers, body)
+        hint = parse_hint(headers, body, wall_clock=time.time) if status >= 400 else None
+        seconds = None if hint is None else hint.seconds
+        verdict = classify_status(self.policy, status, headers, body, hint=seconds)
         if verdict.retryable:
-            hint = parse_hint(headers, body, wall_clock=time.time)
             if hint is None:
                 return verdict
             if hint.seconds > self.policy.max_retry_after:

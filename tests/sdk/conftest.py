@@ -62,10 +62,13 @@ def lib(request: pytest.FixtureRequest) -> ModuleType:
 
 
 class _Server:
-    def __init__(self, app: Any) -> None:
+    """``app`` under uvicorn on 127.0.0.1, on ``port`` (0: a free one) so a test can bring a
+    server back where another one was."""
+
+    def __init__(self, app: Any, port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", port))
         self.sock.listen(128)
         self.port = self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
@@ -95,12 +98,12 @@ class _Server:
 
 
 @pytest.fixture
-def serve() -> Iterator[Callable[[Any], str]]:
-    """``url = serve(app)``: the app runs until the test ends."""
+def serve() -> Iterator[Callable[..., str]]:
+    """``url = serve(app, port=0)``: the app runs until the test ends (on ``port``, if given)."""
     servers: list[_Server] = []
 
-    def start(app: Any) -> str:
-        server = _Server(app)
+    def start(app: Any, port: int = 0) -> str:
+        server = _Server(app, port)
         server.start()
         servers.append(server)
         return server.url

@@ -6,9 +6,11 @@ from llm_backoff import RateLimitTimeout, RetryPolicy
 from llm_backoff.classify import (
     classify_exception,
     classify_status,
+    error_code,
     error_kind,
     is_insufficient_quota,
     parse_error_body,
+    upstream_unreachable,
 )
 
 P = RetryPolicy()
@@ -56,6 +58,62 @@ def test_insufficient_quota_is_not_retried() -> None:
     assert classify_status(P, 429, {}, {"error": {"code": "rate_limit_exceeded"}}).retryable
     # insufficient_quota wins over x-should-retry: true
     assert not classify_status(P, 429, {"x-should-retry": "true"}, body).retryable
+
+
+#: The shim's answer when its engine cannot be reached, in OpenAI's and in Anthropic's shape.
+SHIM_UNAVAILABLE = {
+    "error": {
+        "message": "upstream unavailable (cannot connect: Connection refused), retry in 1 s",
+        "type": "server_overloaded",
+        "param": None,
+        "code": "upstream_unavailable",
+        "retry_after_seconds": 1.0,
+        "queue_depth": 0,
+    }
+}
+SHIM_UNAVAILABLE_ANTHROPIC = {
+    "type": "error",
+    "error": {"type": "overloaded_error", "message": "upstream unavailable", "code": "upstream_unavailable"},
+}
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "hint", "unreachable"),
+    [
+        (503, SHIM_UNAVAILABLE, 1.0, True),
+        (503, SHIM_UNAVAILABLE_ANTHROPIC, 1.0, True),
+        (503, SHIM_UNAVAILABLE["error"], 1.0, True),  # the inner object alone, as openai's exc.body
+        (503, {"error": {"code": "queue_full"}}, 3.0, False),  # busy: waited out
+        (503, None, None, False),  # a bare 503 is a busy server too (vLLM's queue limit)
+        (429, {"error": {"code": "upstream_unavailable"}}, 1.0, False),  # only the 503 says so
+        (502, None, None, True),  # a gateway that reached no one, no plan to be back
+        (504, None, None, True),
+        (502, None, 5.0, False),  # a hint: a server with a plan, waited out
+        (504, {"error": {"code": "x"}}, 0.0, False),
+        (500, None, None, False),
+    ],
+)
+def test_which_answers_say_no_one_can_serve_the_call(
+    status: int, body: dict[str, object] | None, hint: float | None, unreachable: bool
+) -> None:
+    assert upstream_unreachable(status, body, hint) is unreachable
+    verdict = classify_status(P, status, {}, body, hint=hint)
+    assert verdict.retryable
+    assert verdict.unreachable is unreachable
+    if unreachable:
+        assert verdict.reason in ("status 503 upstream_unavailable", f"status {status} without a hint")
+
+
+def test_an_unreachable_answer_keeps_the_other_rules() -> None:
+    # The flag says what the answer means; whether it is retried follows the usual rules.
+    refused = classify_status(P, 503, {"x-should-retry": "false"}, SHIM_UNAVAILABLE, hint=1.0)
+    assert (refused.retryable, refused.unreachable) == (False, True)
+    narrow = RetryPolicy(retry_statuses=[429])
+    assert not classify_status(narrow, 503, {}, SHIM_UNAVAILABLE, hint=1.0).retryable
+    assert not classify_status(P, 404, {}, SHIM_UNAVAILABLE).unreachable
+    assert error_code({"error": {"code": 5}}) == 5
+    assert error_code({"error": "text", "code": "c"}) == "c"
+    assert error_code(None) is None
 
 
 def test_parse_error_body_tolerates_junk() -> None:

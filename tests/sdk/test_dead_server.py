@@ -1,11 +1,13 @@
-"""How soon a call gives up against a server that is down: the table in docs/sdk.md, computed.
+"""How soon a call gives up against a server that is down, or a shim whose engine is: the
+tables in docs/sdk.md, computed.
 
 Each policy is stepped on a fake clock (no sleeping) with the error a dead server gives:
 ``ConnectError`` when the port refuses at once, ``ConnectTimeout`` after openai's default
 5 s connect timeout when the host does not answer at all. Every random draw is pinned to
 one point of its range: the top (the longest the call can take) or the middle (a typical
 call). openai's own retries are computed from its constants the same way (its jitter
-takes 0-25 % off each wait: the top is no jitter, the middle 12.5 % off).
+takes 0-25 % off each wait: the top is no jitter, the middle 12.5 % off). Behind a shim, each
+answer is its 503 ``upstream_unavailable`` with the outage's length so far as the hint.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import pytest
 from openai import _constants as openai_constants
 
 from llm_backoff import RetryPolicy
-from llm_backoff.attempts import GiveUp, RetryState
-from llm_backoff.classify import classify_exception, never_connected
+from llm_backoff.attempts import GiveUp, Retry, RetryState
+from llm_backoff.classify import classify_exception, classify_status, never_connected
 
 #: openai's connect timeout by default, which a wrapped client keeps.
 CONNECT_TIMEOUT = 5.0
@@ -97,17 +99,91 @@ def test_the_documented_give_up_times_of_openai() -> None:
     assert computed == DOCUMENTED["openai"]
 
 
+#: The shim's answer while its engine cannot be reached: 503 ``upstream_unavailable``, with the
+#: outage's length so far as the hint, clamped to the shim's default 1..30 s.
+SHIM_UNAVAILABLE = {"error": {"code": "upstream_unavailable", "type": "server_overloaded"}}
+
+
+def give_up_behind_shim(policy: RetryPolicy, share: float, outage_age: float) -> tuple[int, float]:
+    """(attempts, seconds) until ``policy`` gives up on a shim whose engine has been down for
+    ``outage_age`` seconds when the call begins (each answer immediate)."""
+    now = 0.0
+    state = RetryState(policy, clock=lambda: now, rng=_Pinned(share))
+    while True:
+        hint = min(30.0, max(1.0, outage_age + now))
+        verdict = classify_status(policy, 503, {}, SHIM_UNAVAILABLE, hint=hint)
+        decision = state.decide(verdict, attempt_started=now, status=503, hint=hint)
+        if isinstance(decision, GiveUp):
+            return state.attempts_made, round(now, 3)
+        now += decision.wait
+
+
+#: name -> (attempts, seconds) longest and typical against a shim whose engine went down as the
+#: call began, then the same with the engine down for 30 s already: the second table of
+#: docs/sdk.md ("A server that is down"). ``max_connect_errors=None`` is how every policy
+#: treated that answer before it was counted (a busy server's 503, its hint waited out).
+DOCUMENTED_BEHIND_SHIM = {
+    "RetryPolicy()": ((3, 1.5), (3, 0.75), (3, 1.5), (3, 0.75)),
+    "RetryPolicy(max_connect_errors=None)": ((6, 28.111), (7, 44.925), (2, 36.0), (2, 33.0)),
+    "RetryPolicy.interactive()": ((3, 0.75), (3, 0.375), (1, 0.0), (1, 0.0)),
+    "RetryPolicy.batch()": ((21, 565.844), (23, 572.925), (17, 576.0), (19, 594.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_the_documented_give_up_times_behind_a_shim_whose_engine_is_down(name: str) -> None:
+    policy = POLICIES[name]
+    computed = tuple(give_up_behind_shim(policy, share, age) for age in (0.0, 30.0) for share in (1.0, 0.5))
+    assert computed == DOCUMENTED_BEHIND_SHIM[name]
+    if policy.max_connect_errors is not None:
+        # As soon as against a dead server that refuses at once, however old the outage.
+        assert computed[:2] == DOCUMENTED[name][:2]
+
+
+def test_an_unreachable_answer_is_backed_off_like_a_refused_connection_under_the_cap() -> None:
+    # Capped: the shim's hint (here 20 s) is not waited for, the computed backoff is.
+    now = 0.0
+    capped = RetryState(RetryPolicy(), clock=lambda: now, rng=_Pinned(1.0))
+    verdict = classify_status(capped.policy, 503, {}, SHIM_UNAVAILABLE, hint=20.0)
+    decisions = [capped.decide(verdict, attempt_started=now, status=503, hint=20.0) for _ in range(3)]
+    assert [d.wait if isinstance(d, Retry) else None for d in decisions] == [0.5, 1.0, None]
+    assert [a.hint for a in capped.history] == [20.0, 20.0, 20.0]  # recorded as the server said
+    assert decisions[-1].reason == (
+        "status 503 upstream_unavailable: 3 attempts in a row could not connect or found the "
+        "upstream unavailable, max_connect_errors (3) reached"
+    )
+    # Uncapped (the batch preset): an ordinary hint, waited out.
+    riding = RetryState(RetryPolicy.batch(), clock=lambda: now, rng=_Pinned(0.0))
+    verdict = classify_status(riding.policy, 503, {}, SHIM_UNAVAILABLE, hint=20.0)
+    assert riding.decide(verdict, attempt_started=now, status=503, hint=20.0) == Retry(20.0, verdict.reason)
+
+
+def test_refusals_and_unreachable_answers_count_together_and_any_other_answer_restarts() -> None:
+    now = 0.0
+    state = RetryState(RetryPolicy(), clock=lambda: now, rng=random.Random(1))
+    policy = state.policy
+    refused = classify_exception(policy, httpx.ConnectError("refused"))
+    shim = classify_status(policy, 503, {}, SHIM_UNAVAILABLE, hint=1.0)
+    gateway = classify_status(policy, 502, {}, None)
+    busy = classify_status(policy, 503, {}, {"error": {"code": "queue_full"}}, hint=1.0)
+    outcomes = (refused, shim, busy, gateway, refused, shim)
+    decisions = [state.decide(v, attempt_started=now) for v in outcomes]
+    assert [type(d).__name__ for d in decisions] == ["Retry"] * 5 + ["GiveUp"]
+    assert "max_connect_errors (3) reached" in decisions[-1].reason
+
+
 def test_an_attempt_that_reaches_the_server_restarts_the_count() -> None:
     now = 0.0
     state = RetryState(RetryPolicy(max_connect_errors=2), clock=lambda: now, rng=random.Random(1))
     policy = state.policy
     refused = classify_exception(policy, httpx.ConnectError("refused"))
     reset = classify_exception(policy, httpx.ReadError("connection reset"))
-    assert (refused.connect_failed, reset.connect_failed) == (True, False)
+    assert (refused.unreachable, reset.unreachable) == (True, False)
     decisions = [state.decide(v, attempt_started=now) for v in (refused, reset, refused, refused)]
     assert [type(d).__name__ for d in decisions] == ["Retry", "Retry", "Retry", "GiveUp"]
     assert decisions[-1].reason.endswith(
-        "2 attempts in a row could not connect, max_connect_errors (2) reached"
+        "2 attempts in a row could not connect or found the upstream unavailable, "
+        "max_connect_errors (2) reached"
     )
 
 
