@@ -12,7 +12,7 @@ When a slot frees and several classes have queued requests:
    lasts, and a peak of interactive traffic shorter than half a batch request's wait passes
    it, as an earliest-deadline scheduler would let it: the batch request's deadline is
    further off. Measured on the real vLLM with long batch prompts beside chat at twice the
-   engine's capacity (docs/benchmarks.md, 'Long prompts beside chat'): with the share taken
+   engine's capacity (docs/benchmarks.md as of 00573c6, 'Long prompts beside chat'): with the share taken
    at once, two long prompts ran beside chat through the whole peak and 197 of 292 chats
    were served within their budget; with it due after half the wait, 240 of 292, and the
    long prompts were still served (75 of 76 both ways).
