@@ -41,8 +41,8 @@ only its own. Long prompts of a lower class then wait while the budget is taken,
 and never hold it against chat: a chat is refused a slot only by chat's own cost (or the
 count cap), so it keeps the engine's free sequences filled while long prompts queue. Measured
 on the real vLLM with chat beside long prompts (docs/benchmarks.md as of 00573c6,
-'Long prompts beside chat'): with every class counting all the cost, two long prompts in flight held the budget,
-chat queued and was refused at the shim while the engine ran 5 of its 8 sequences. The
+'Long prompts beside chat'): with every class counting all the cost, two long prompts in
+flight held the budget, chat queued and was refused at the shim while the engine ran 5 of its 8 sequences. The
 price: the cost in flight may pass the budget by what the higher classes hold (at most the
 budget each), so the budget bounds what the lowest class may add, not the engine's KV cache
 (the engine's own saturation gate, ``--max-kv-cache``, watches that).
