@@ -48,7 +48,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
     start_stack,
 )
-from llm_backoff_shim.lab.report import comparison, reading, table
+from llm_backoff_shim.lab.report import explained_comparison, reading, table
 from llm_backoff_shim.lab.scenario import (
     DEMO_SETUPS,
     DEMO_SHAPE,
@@ -304,7 +304,7 @@ def main(argv: list[str]) -> int:
         return 1
     all_figures = [figures(r) for r in results]
     print("Summary (same load, same seed, three configurations):")
-    print(comparison(all_figures))
+    print(explained_comparison(all_figures, scenario))
     print()
     print(textwrap.fill(reading(all_figures, scenario.deadline_of("batch") / 2), width=100))
     try:
