@@ -191,6 +191,22 @@ def test_quick_demo_summary_explains_every_figure_where_it_is_printed(
     assert f"its success rate ({runs[2]['success_rate']:.0%}," in said
 
 
+def test_demo_deadlines_leave_room_for_the_longest_answer() -> None:
+    """Quick or not, every answer the demo's workload can draw fits in its caller's deadline
+    after the longest wait that caller accepts (interactive: the TTFT budget; batch: its hold
+    in the shim), so no answer is cut by a deadline no scheduler could meet (issue #36: the
+    earlier quick budgets wasted a third of the engine's work on such answers)."""
+    for quick in (False, True):
+        scenario = varied_demo_scenario(quick=quick)
+        longest = DEMO_SHAPE.longest_service_for(scenario.workload)
+        assert scenario.ttft_budget + longest <= scenario.deadline_of("interactive"), quick
+        assert scenario.deadline_of("batch") / 2 + longest <= scenario.deadline_of("batch"), quick
+    quick, full = varied_demo_scenario(quick=True), varied_demo_scenario(quick=False)
+    # --quick is a shorter load, not tighter budgets.
+    assert quick.duration < full.duration
+    assert quick.burst < full.burst
+
+
 def test_bad_flags_exit_2_without_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
