@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints a table per configuration and writes a PNG and a JSON file.",
     )
     p.add_argument("--out", type=Path, default=Path("."), help="folder for the PNG and JSON (default: .)")
-    p.add_argument("--quick", action="store_true", help="a smaller load, ~30 s in all (for CI)")
+    p.add_argument(
+        "--quick", action="store_true", help="a shorter load with the same budgets, ~40 s in all (for CI)"
+    )
     p.add_argument("--seed", type=int, default=7, help="seed of the arrivals (default: 7)")
     p.add_argument(
         "--fixed-lengths",

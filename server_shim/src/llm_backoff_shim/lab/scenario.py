@@ -315,12 +315,12 @@ DEMO_SHAPE = EngineShape(slots=8, ttft=0.1, itl=0.01, output_tokens=64)
 
 def varied_demo_scenario(*, quick: bool, duration: float | None = None) -> Scenario:
     """The demo's default load: a burst, then 2x capacity, with varied lengths (the default
-    :class:`~llm_backoff_shim.lab.workload.Workload`); ~20 s per run (~15 s with ``quick``).
+    :class:`~llm_backoff_shim.lab.workload.Workload`); ~20 s per run (~11 s with ``quick``).
 
     The burst is larger than the shim's slots plus queue (8 + 16), so every shim run turns
     callers away from the first second on. Interactive callers want a first token within
     2 s and the whole answer within 8 s; batch callers have 12 s, half of it held in the shim.
-    ``quick`` shortens the load (a burst of 30, then 3 s), not the budgets: every answer the
+    ``quick`` keeps the burst and shortens the arrivals (3 s), not the budgets: every answer the
     workload can draw (512 tokens, 5.3 s on :data:`DEMO_SHAPE`) still fits after the longest
     wait a caller accepts (the TTFT budget, or batch's hold), so no answer is cut by a
     deadline no scheduler could meet. The earlier quick budgets (4 s, 1.5 s, batch 6 s) cut
@@ -329,7 +329,7 @@ def varied_demo_scenario(*, quick: bool, duration: float | None = None) -> Scena
     """
     return Scenario(
         "demo-quick" if quick else "demo",
-        burst=30 if quick else 40,
+        burst=40,
         rate_factor=2.0,
         duration=duration or (3.0 if quick else 8.0),
         deadline=8.0,
