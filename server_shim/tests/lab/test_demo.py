@@ -141,6 +141,72 @@ def test_quick_demo_figures_are_consistent(quick_demo: tuple[subprocess.Complete
     assert shim_backoff["rejections"] > 0
 
 
+def _summary_rows(stdout: str) -> list[tuple[str, list[str], list[str]]]:
+    """The printed summary as (figure, values, explanation lines), in order."""
+    block = stdout.split("Summary (same load, same seed, three configurations):\n", 1)[1]
+    lines = block.split("\n\nReading it:", 1)[0].splitlines()
+    assert set(lines[1].replace(" ", "")) == {"-"}, lines[:2]
+    rows: list[tuple[str, list[str], list[str]]] = []
+    for line in lines[2:]:
+        if line.startswith("    "):
+            assert rows, f"an explanation before any figure: {line!r}"
+            rows[-1][2].append(line.strip())
+        else:
+            label, *values = re.split(r"\s{2,}", line.strip())
+            rows.append((label, values, []))
+    return rows
+
+
+def test_quick_demo_summary_explains_every_figure_where_it_is_printed(
+    quick_demo: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, out = quick_demo
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs: list[dict[str, Any]] = json.loads((out / demo.JSON_NAME).read_text())["runs"]
+    rows = _summary_rows(proc.stdout)
+    assert len(rows) >= 10
+    for label, values, note in rows:
+        assert len(values) == len(runs), (label, values)
+        assert note, f"the summary's {label!r} has no explanation under it"
+    by_label = {label: (values, " ".join(note)) for label, values, note in rows}
+    # The explanations carry this run's own budgets and ceiling.
+    scenario = varied_demo_scenario(quick=True)
+    values, note = by_label["interactive within budget"]
+    assert f"within {scenario.ttft_budget:g} s" in note
+    assert values == [f"{r['interactive_within_budget']}/{r['interactive_calls']}" for r in runs]
+    values, note = by_label["of the ceiling"]
+    assert f"of {runs[0]['useful_ceiling']:.0f} tokens" in note
+    # Why success within deadline can rank llm_backoff last: late interactive answers count.
+    values, note = by_label["success within deadline"]
+    assert "late" in note
+    late, late_note = by_label["interactive served late"]
+    assert late == [str(r["ok_interactive"] - r["interactive_within_budget"]) for r in runs]
+    assert f"after the {scenario.ttft_budget:g} s budget" in late_note
+    values, note = by_label["wasted engine work"]
+    assert values == [f"{r['wasted_fraction']:.0%}" for r in runs]
+    assert "hung up" in note
+    # The reading under it quotes the same late answers and success rates.
+    said = " ".join(proc.stdout.split("Reading it:", 1)[1].split())
+    assert ", ".join(late[:2]) + f" and {late[2]} of them here" in said
+    assert f"its success rate ({runs[2]['success_rate']:.0%}," in said
+
+
+def test_demo_deadlines_leave_room_for_the_longest_answer() -> None:
+    """Quick or not, every answer the demo's workload can draw fits in its caller's deadline
+    after the longest wait that caller accepts (interactive: the TTFT budget; batch: its hold
+    in the shim), so no answer is cut by a deadline no scheduler could meet (issue #36: the
+    earlier quick budgets wasted a third of the engine's work on such answers)."""
+    for quick in (False, True):
+        scenario = varied_demo_scenario(quick=quick)
+        longest = DEMO_SHAPE.longest_service_for(scenario.workload)
+        assert scenario.ttft_budget + longest <= scenario.deadline_of("interactive"), quick
+        assert scenario.deadline_of("batch") / 2 + longest <= scenario.deadline_of("batch"), quick
+    quick, full = varied_demo_scenario(quick=True), varied_demo_scenario(quick=False)
+    # --quick is fewer seconds of arrivals after the same burst, not tighter budgets.
+    assert quick.duration < full.duration
+    assert quick.burst == full.burst
+
+
 def test_bad_flags_exit_2_without_starting_anything(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -48,7 +48,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
     start_stack,
 )
-from llm_backoff_shim.lab.report import comparison, reading, table
+from llm_backoff_shim.lab.report import explained_comparison, reading, table
 from llm_backoff_shim.lab.scenario import (
     DEMO_SETUPS,
     DEMO_SHAPE,
@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Prints a table per configuration and writes a PNG and a JSON file.",
     )
     p.add_argument("--out", type=Path, default=Path("."), help="folder for the PNG and JSON (default: .)")
-    p.add_argument("--quick", action="store_true", help="a smaller load, ~30 s in all (for CI)")
+    p.add_argument(
+        "--quick", action="store_true", help="a shorter load with the same budgets, ~40 s in all (for CI)"
+    )
     p.add_argument("--seed", type=int, default=7, help="seed of the arrivals (default: 7)")
     p.add_argument(
         "--fixed-lengths",
@@ -304,7 +306,7 @@ def main(argv: list[str]) -> int:
         return 1
     all_figures = [figures(r) for r in results]
     print("Summary (same load, same seed, three configurations):")
-    print(comparison(all_figures))
+    print(explained_comparison(all_figures, scenario))
     print()
     print(textwrap.fill(reading(all_figures, scenario.deadline_of("batch") / 2), width=100))
     try:

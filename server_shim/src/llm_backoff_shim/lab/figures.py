@@ -155,6 +155,12 @@ class Figures:
     preemptions: int = 0
 
     @property
+    def interactive_late(self) -> int:
+        """Interactive calls that completed by their deadline but whose first token came after
+        the TTFT budget: a success within deadline, not served within budget."""
+        return self.ok_interactive - self.interactive_within_budget
+
+    @property
     def batch_served(self) -> float | None:
         return self.batch_ok / self.batch_calls if self.batch_calls else None
 

@@ -5,9 +5,11 @@ The figures and their exact definitions are :mod:`llm_backoff_shim.lab.figures`.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 
-from llm_backoff_shim.lab.figures import Figures
+from llm_backoff_shim.lab.figures import FAST_FAILURE, Figures
+from llm_backoff_shim.lab.scenario import Scenario
 
 
 def _seconds(value: float | None) -> str:
@@ -37,7 +39,16 @@ def rows(f: Figures) -> list[tuple[str, str]]:
         else f" = {f.useful_fraction:.0%} of the ceiling {f.useful_ceiling:.0f}"
     )
     return [
-        ("success within deadline", f"{f.ok}/{f.calls} = {f.success_rate:.0%}"),
+        (
+            "success within deadline",
+            f"{f.ok}/{f.calls} = {f.success_rate:.0%}"
+            + (
+                f" ({f.interactive_late} of them interactive answers begun after the {f.ttft_budget:g} s "
+                "TTFT budget)"
+                if f.interactive_calls
+                else ""
+            ),
+        ),
         ("useful tokens", f"{f.useful_tokens}{ceiling} (answers served within their class's budget)"),
         (
             "interactive served within budget",
@@ -216,6 +227,119 @@ def comparison(all_figures: Sequence[Figures]) -> str:
     return "\n".join(out)
 
 
+def _render(header: Sequence[str], table_rows: Sequence[tuple[list[str], str]], width: int) -> str:
+    """Columns aligned as :func:`comparison`'s, each row followed by its explanation, indented
+    and wrapped at ``width``."""
+    cells = [list(header), *[r for r, _ in table_rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        padded = (c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
+        return "  ".join(padded).rstrip()
+
+    out = [line(header), "  ".join("-" * w for w in widths)]
+    for r, note in table_rows:
+        out.append(line(r))
+        out += textwrap.wrap(note, width=width, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(out)
+
+
+def explained_comparison(all_figures: Sequence[Figures], scenario: Scenario, width: int = 100) -> str:
+    """The demo's summary: :func:`comparison`'s headline figures side by side, each row followed
+    by one line saying what it counts, with this run's deadlines and budgets in it, so that no
+    figure needs the docs to be read (docs/demo.md, 'Reading the table', has the same rules)."""
+    fs = list(all_figures)
+    budget = f"{scenario.ttft_budget:g} s"
+    i_deadline, b_deadline = scenario.deadline_of("interactive"), scenario.deadline_of("batch")
+    ceiling = next((f.useful_ceiling for f in fs if f.useful_ceiling), None)
+    token_rate = None if ceiling is None else ceiling / (scenario.duration + b_deadline)
+    capacity = fs[0].capacity if fs else 0.0
+    rows: list[tuple[list[str], str]] = [
+        (
+            ["useful tokens", *[str(f.useful_tokens) for f in fs]],
+            "answer tokens of the calls served within their budget (the next two rows): what the "
+            "callers could use",
+        ),
+    ]
+    if ceiling is not None and token_rate is not None:
+        rows.append(
+            (
+                ["  of the ceiling", *[_share(f.useful_fraction) for f in fs]],
+                f"of {ceiling:.0f} tokens: the engine's {token_rate:.0f} answer tokens/s over the "
+                f"{scenario.duration:g} s of arrivals plus the {b_deadline:g} s batch deadline, the most "
+                "any scheduler could deliver",
+            )
+        )
+    rows += [
+        (
+            [
+                "interactive within budget",
+                *[f"{f.interactive_within_budget}/{f.interactive_calls}" for f in fs],
+            ],
+            f"interactive calls done within {i_deadline:g} s whose first token came within {budget}",
+        ),
+        (
+            ["batch served", *[_share(f.batch_served) for f in fs]],
+            f"batch calls done within their {b_deadline:g} s deadline",
+        ),
+        (
+            ["success within deadline", *[f"{f.success_rate:.0%}" for f in fs]],
+            "calls done by their deadline, however late their first token: it counts the late "
+            "interactive answers of the next row as successes",
+        ),
+        (
+            ["  interactive served late", *[str(f.interactive_late) for f in fs]],
+            f"interactive answers that began after the {budget} budget (a user saw nothing for "
+            "longer); llm_backoff's callers state that budget and get a refusal instead",
+        ),
+        (
+            ["interactive TTFT p99", *[_seconds(f.ttft_p99) for f in fs]],
+            f"from starting the call (waits and retries included) to its first token, over the "
+            f"successful interactive calls; budget {budget}",
+        ),
+        (
+            ["failed fast / at deadline", *[f"{f.failed_fast} / {f.failed_deadline}" for f in fs]],
+            "failed calls ended early by a typed error (a refusal the client would not wait out) / "
+            "calls cut by their caller's deadline",
+        ),
+        (
+            ["failures known < 1 s", *[_share(f.failed_fast_share) for f in fs]],
+            f"share of the failed calls whose caller knew within {FAST_FAILURE:g} s of starting",
+        ),
+        *[
+            (r, "from starting the call to its failure, over the failed calls")
+            for r in _seconds_row("p90 time to failure", [f.failure_p90 for f in fs])
+        ],
+        (
+            ["p99 time to rejection", *[_seconds(f.rejection_p99) for f in fs]],
+            "from an HTTP attempt's last byte to its 429/503; the long ones waited in the shim's "
+            "queue first and left it unserved (queue_timeout)",
+        ),
+        (
+            [
+                "attempts per success",
+                *["-" if f.attempts_per_success is None else f"{f.attempts_per_success:.2f}" for f in fs],
+            ],
+            "HTTP attempts sent, retries included, per successful call",
+        ),
+        (
+            ["goodput / capacity", *[f"{f.goodput_fraction:.1%}" for f in fs]],
+            f"successful calls per second over the whole run, over the engine's {capacity:.2f}/s; "
+            "late interactive answers count as successful here too",
+        ),
+        (
+            ["wasted engine work", *[f"{f.wasted_fraction:.0%}" for f in fs]],
+            "tokens the engine generated for callers who had already hung up (streams cut at their "
+            "deadline), over all it generated",
+        ),
+        (
+            ["largest retry wave /100ms", *[str(f.retry_wave) for f in fs]],
+            "the most retries sent within any 100 ms",
+        ),
+    ]
+    return _render(["", *[f.label for f in fs]], rows, width)
+
+
 def _times(part: int, whole: int) -> str:
     return "-" if whole == 0 else f"{part / whole:.2f}x"
 
@@ -239,5 +363,16 @@ def reading(all_figures: Sequence[Figures], batch_wait: float | None) -> str:
         f"({plain.wasted_fraction:.0%} of the engine's work went to callers already gone). "
         "llm_backoff sends its deadline and gives up early on a refusal it cannot wait out: useful "
         f"tokens {_times(backoff.useful_tokens, direct.useful_tokens)} of plain openai straight at "
-        f"the engine, {backoff.wasted_fraction:.0%} wasted."
+        f"the engine, {backoff.wasted_fraction:.0%} wasted. Success within deadline counts an "
+        f"interactive answer that began after its {backoff.ttft_budget:g} s budget as a success: "
+        f"{direct.interactive_late}, {plain.interactive_late} and {backoff.interactive_late} of "
+        "them here. llm_backoff's interactive callers state that budget, so where the others get "
+        "a late answer they get a refusal"
+        + (
+            ""
+            if backoff.median_time_to_fail_fast is None
+            else f" (median {_seconds(backoff.median_time_to_fail_fast)} after starting)"
+        )
+        + f", and its success rate ({backoff.success_rate:.0%}, against {direct.success_rate:.0%} "
+        f"and {plain.success_rate:.0%}) is not the figure to compare: useful tokens are."
     )
