@@ -81,3 +81,32 @@ def test_the_oracle_drops_what_cannot_be_useful_and_counts_no_tokens_for_it() ->
     assert out.served == {"chat": 1}
     assert out.useful_tokens == 10
     assert out.generated == 10
+
+
+def test_short_chat_beside_batch_gives_batch_chats_lengths_and_a_burst_of_both_kinds() -> None:
+    """The scoreboard's chat and burst scenarios: the second kind (batch) has chat's lengths,
+    and a burst drawn in the mix's proportion rather than all long prompts."""
+    mix = Mix(long_share=0.3, tokens_per_word=1.4, long_prompts=False)
+    trace = mix_trace(mix, 5, rate=20.0, duration=20.0, burst=40, burst_at=5.0, burst_kind=None)
+    steady = [c for c in trace if not c.burst]
+    batch = [c for c in steady if c.kind == "long"]
+    assert 0.2 < len(batch) / len(steady) < 0.4
+    assert all(c.prompt_words <= 200 and c.max_tokens <= 512 for c in trace)
+    burst = [c for c in trace if c.burst]
+    assert len(burst) == 40
+    assert {c.kind for c in burst} == {"chat", "long"}
+    assert all(c.at == 5.0 for c in burst)
+    assert mix.mean_answer_tokens() == Mix(long_share=0.0).mean_answer_tokens()
+
+
+def test_the_scoreboard_plays_each_call_with_max_tokens_4096_or_none_and_its_drawn_answer() -> None:
+    import scoreboard
+
+    mix = Mix(long_share=0.2, tokens_per_word=1.4)
+    trace = mix_trace(mix, 11, rate=10.0, duration=10.0)
+    calls = scoreboard.arrivals(trace, 11)
+    assert calls == scoreboard.arrivals(trace, 11)
+    assert {a.max_tokens for a in calls} == {4096, None}
+    assert [a.answer_tokens for a in calls] == [c.max_tokens for c in trace]
+    assert [a.cls for a in calls] == ["interactive" if c.kind == "chat" else "batch" for c in trace]
+    assert all(a.ignore_eos and a.prompt for a in calls)
