@@ -52,3 +52,27 @@ def test_restart_keeps_a_port_that_was_chosen_freely() -> None:
         assert child.port == port
         assert child.fixed_port == 0  # later plain starts may pick a fresh port again
         assert procs.is_healthy(child.url + "/")
+
+
+def test_a_child_is_not_up_while_another_process_answers_on_its_port() -> None:
+    """Ports are handed out free, then bound by the child later: another server may take the
+    port first and answer its health URL while the child has yet to fail to bind. The child is
+    up only once the socket listening there is its own."""
+    port = procs.free_port()
+    with procs.ChildServer("other", http_server, health_path="/", port=port) as other:
+        assert procs.listens_on(other.pid or 0, port) is True
+        # A child that never listens, told the same port: the other server answers for it.
+        silent = procs.ChildServer(
+            "silent",
+            lambda p: [sys.executable, "-c", "import time; time.sleep(30)"],
+            health_path="/",
+            port=port,
+            start_timeout=1.0,
+        )
+        assert procs.is_healthy(f"http://127.0.0.1:{port}/")
+        try:
+            silent.launch()
+            assert not silent.wait_ready()
+            assert procs.listens_on(silent.pid or 0, port) is False
+        finally:
+            silent.close()

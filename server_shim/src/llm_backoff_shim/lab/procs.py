@@ -8,7 +8,10 @@ child fails to start.
 
 Ports: we ask the kernel for a free port, close it and hand the number to the child.
 Another process could take it in between; the child then fails to bind and exits,
-and :meth:`ChildServer.start` retries on a fresh port.
+and :meth:`ChildServer.start` retries on a fresh port. Until it exits, that other process
+answers the health URL: a child counts as up only once the listening socket on its port is
+its own (:func:`listens_on`, read from ``/proc``; where that cannot be read, the health
+answer alone).
 """
 
 from __future__ import annotations
@@ -69,6 +72,29 @@ def cli_command(subcommand: str, *args: str, python: str | None = None) -> list[
     """``python -m llm_backoff_shim.cli <subcommand> ...`` with this very interpreter, or with
     ``python`` (another install of the shim, to set two builds side by side)."""
     return [python or sys.executable, "-m", "llm_backoff_shim.cli", subcommand, *args]
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` holds a socket listening on TCP ``port`` (IPv4 or IPv6); None
+    where ``/proc`` cannot tell (not Linux, or not readable)."""
+    inodes: set[str] = set()
+    try:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with contextlib.suppress(FileNotFoundError), open(table) as rows:
+                next(rows, None)
+                for row in rows:
+                    fields = row.split()
+                    # local address "ADDR:PORT" in hex; state 0A is LISTEN; field 9 the inode.
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(fields[9])
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, ValueError):
+        return None
+    links: set[str] = set()
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed since listed (listdir's own, for one)
+            links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return any(f"socket:[{inode}]" in links for inode in inodes)
 
 
 def is_healthy(url: str) -> bool:
@@ -166,7 +192,10 @@ class ChildServer:
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 return False
-            if is_healthy(self.url + self._health_path):
+            if (
+                is_healthy(self.url + self._health_path)
+                and listens_on(self._proc.pid, self.port) is not False
+            ):
                 return True
             time.sleep(0.05)
         return False
