@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -20,7 +21,7 @@ from llm_backoff import RateLimitTimeout, RetryPolicy
 from llm_backoff.budget import RetryBudget
 from llm_backoff.ratelimit import RateLimiter
 from llm_backoff.testing import instant_retries
-from llm_backoff.wrap import client_stats
+from llm_backoff.wrap import _engine_of, client_stats
 
 pytest.importorskip("opentelemetry.sdk", reason="needs opentelemetry-sdk (the test extra)")
 
@@ -161,8 +162,12 @@ async def test_async_failure_budget_and_undo(http: ModuleType, telemetry: Teleme
 
 
 def test_limiter_waits_and_timeouts(http: ModuleType, telemetry: Telemetry) -> None:
-    limiter = RateLimiter(requests_per_second=0.01, burst=1)
+    # A frozen clock for the limiter and the retry engine: asking the limiter then takes no time
+    # however loaded the machine (a real clock can count a slow ask as a 1 ms wait).
+    frozen = time.monotonic()
+    limiter = RateLimiter(requests_per_second=0.01, burst=1, clock=lambda: frozen)
     wrapped = llm_backoff.wrap(client(http, script(http, (200,))), RetryPolicy(deadline=1.0), limiter=limiter)
+    _engine_of(wrapped).clock = lambda: frozen
     otel.instrument(wrapped, meter_provider=telemetry.meter_provider)
     with telemetry.tracer.start_as_current_span("call"):
         wrapped.models.list()  # the burst: no wait, no span event
