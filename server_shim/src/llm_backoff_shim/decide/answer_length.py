@@ -5,7 +5,7 @@ hold in the engine's KV cache: its prompt, and its answer. ``max_tokens`` is no 
 answer: vLLM allocates the KV cache as tokens are generated, and ``max_tokens`` is an upper
 bound that clients set high (4096 is a common setting for answers of a hundred) or leave out.
 Priced at ``max_tokens``, eight such calls on an idle 8-sequence engine took 7 429s from a
-budget calibrate had measured for that engine (issue #36). So an answer is priced at
+budget calibrate had measured for that engine. So an answer is priced at
 :meth:`AnswerLengths.expected`: a high quantile (:data:`QUANTILE`) of the completion tokens of
 the class's recent answers, capped by the request's own ``max_tokens``.
 

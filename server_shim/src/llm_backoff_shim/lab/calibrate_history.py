@@ -3,8 +3,8 @@ compares the next run on the same engine with it.
 
 One run's own repeats cannot tell whether a second run would say the same: on an engine whose
 levels next to the knee are within a few percent of each other, the machine's noise picks
-one, and every repeat of the run agrees with itself (issue #36: 12 and 8 on one engine, both
-"high"). So ``high`` needs two runs: each run appends a line to ``DIR/calibrate-runs.jsonl``
+one, and every repeat of the run agrees with itself (measured: 12 and 8 in flight on one
+engine, both "high"). So ``high`` needs two runs: each run appends a line to ``DIR/calibrate-runs.jsonl``
 (:data:`HISTORY_NAME`) and is compared with the latest earlier run against the same upstream,
 model, SLOs and mix (:func:`same_setup`):
 

@@ -1,6 +1,6 @@
 """The figures of one run (pure: records in, numbers out); :mod:`~llm_backoff_shim.lab.report` prints them.
 
-Definitions (the issue names the figures; these are the exact rules used):
+Definitions (the exact rules used):
 
 - **success within deadline**: calls whose stream ended normally before the caller's
   deadline, over all calls. A call cut at its deadline is a failure even if the engine

@@ -71,7 +71,7 @@ class ModelResult:
 
     @property
     def useful_share(self) -> float:
-        """Useful tokens over the capacity bound (the issue's "of what the engine could have")."""
+        """Useful tokens over the capacity bound ("of what the engine could have")."""
         return self.useful_tokens / self.capacity_tokens if self.capacity_tokens > 0 else 0.0
 
     @property

@@ -4,7 +4,7 @@ Pure definitions, no I/O. :func:`arrivals` turns a :class:`Scenario` into a seed
 reproducible list of calls, so every configuration of one run faces exactly the
 same load (same instants, same classes).
 
-Choices made here (written down because the issue does not fix them):
+Choices made here, and why:
 
 - The simulated engine runs with ``itl_batch_factor = 0`` so that its capacity is
   exactly ``slots / (ttft + (output_tokens - 1) * itl)`` requests/s; the figure printed is
