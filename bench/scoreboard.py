@@ -170,19 +170,8 @@ class Row:
 
 
 def engine_params(flags: str) -> EngineParams:
-    config = config_from_args(parse_args(shlex.split(flags)))
-    return EngineParams(
-        max_num_seqs=config.max_num_seqs,
-        ttft=config.ttft,
-        itl=config.itl,
-        itl_batch_factor=config.itl_batch_factor,
-        prefill_time_per_token=config.prefill_time_per_token,
-        prefill_attention_time=config.prefill_attention_time,
-        admit_time=config.admit_time,
-        decode_attention_time=config.decode_attention_time,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        kv_cache_tokens=config.kv_cache_tokens,
-    )
+    """The engine model of ``llm-backoff-shim sim`` run with ``flags``."""
+    return config_from_args(parse_args(shlex.split(flags))).engine_params()
 
 
 def at_speed(params: EngineParams, speed: float) -> EngineParams:

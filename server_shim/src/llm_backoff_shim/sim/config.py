@@ -7,6 +7,8 @@ import random
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llm_backoff_shim.sim.engine import EngineParams
+
 
 class SimConfig(BaseModel):
     """Validated settings of ``llm-backoff-shim sim``.
@@ -134,3 +136,20 @@ class SimConfig(BaseModel):
             return self.output_tokens
         value = rng.lognormvariate(math.log(self.output_tokens), self.output_tokens_sigma)
         return min(self.longest_natural_answer, max(1, round(value)))
+
+    def engine_params(self, *, tick_slack: float = 0.0) -> EngineParams:
+        """The engine model these settings describe (the server's, and the benchmarks' oracle's)."""
+        return EngineParams(
+            max_num_seqs=self.max_num_seqs,
+            ttft=self.ttft,
+            itl=self.itl,
+            itl_batch_factor=self.itl_batch_factor,
+            max_num_queued_reqs=self.max_num_queued_reqs,
+            tick_slack=tick_slack,
+            prefill_time_per_token=self.prefill_time_per_token,
+            prefill_attention_time=self.prefill_attention_time,
+            admit_time=self.admit_time,
+            decode_attention_time=self.decode_attention_time,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_tokens=self.kv_cache_tokens,
+        )

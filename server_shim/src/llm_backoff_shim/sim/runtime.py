@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from .config import SimConfig
-from .engine import AbortReason, EngineParams, Sequence, SimEngine, SimStats
+from .engine import AbortReason, Sequence, SimEngine, SimStats
 from .metrics import SimMetrics
 from .protocol import GenerationRequest, TokenTable
 
@@ -74,20 +74,7 @@ class SimRuntime:
         self.length_rng = random.Random(None if config.seed is None else f"lengths:{config.seed}")
         self.stats = SimStats()
         self.engine = SimEngine(
-            EngineParams(
-                max_num_seqs=config.max_num_seqs,
-                ttft=config.ttft,
-                itl=config.itl,
-                itl_batch_factor=config.itl_batch_factor,
-                max_num_queued_reqs=config.max_num_queued_reqs,
-                tick_slack=TICK_SLACK,
-                prefill_time_per_token=config.prefill_time_per_token,
-                prefill_attention_time=config.prefill_attention_time,
-                admit_time=config.admit_time,
-                decode_attention_time=config.decode_attention_time,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                kv_cache_tokens=config.kv_cache_tokens,
-            ),
+            config.engine_params(tick_slack=TICK_SLACK),
             clock,
             self.stats,
         )
