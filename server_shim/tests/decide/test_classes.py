@@ -147,23 +147,76 @@ def test_minimum_share_keeps_batch_moving_under_an_interactive_flood(make: Make)
     assert second_batch.state is TicketState.QUEUED
 
 
-def test_minimum_share_is_due_once_the_batch_head_has_spent_half_its_wait(timed: Timed) -> None:
-    c, clock = timed(4)
-    holders = [submit(c, "interactive") for _ in range(4)]
+def _measured(c: AdmissionController, clock: ManualClock, service: float, slots: int) -> None:
+    """Every slot served one request of exactly ``service`` seconds: the estimator's service
+    time is ``service``, and every slot is free again."""
+    done = [submit(c, "interactive") for _ in range(slots)]
+    clock.advance(service)
+    for ticket in done:
+        assert c.release(ticket, Outcome.COMPLETED).admitted == []
+    assert c.estimator.service_time == pytest.approx(service)
+
+
+def test_minimum_share_is_due_at_the_batch_heads_latest_start(timed: Timed) -> None:
+    """A peak of interactive traffic passes a queued batch request for as long as its deadline
+    lets it: until two service times (its one place, and one for the estimate's error) before
+    its 20 s wait ends, not once half of it was spent."""
+    c, clock = timed(2)
+    _measured(c, clock, 2.0, 2)
+    holders = [submit(c, "interactive")]
+    clock.advance(1.0)
+    holders.append(submit(c, "interactive"))
     batch = submit(c, "batch")
-    # A peak of interactive traffic shorter than half batch's 20 s wait passes it.
-    for _ in range(9):
+    assert batch.state is TicketState.QUEUED
+    # Each second a fresh interactive request comes and the oldest holder ends, after 2 s.
+    for second in range(1, 16):
         clock.advance(1.0)
         fresh = submit(c, "interactive")
-        assert c.release(holders.pop(0), Outcome.COMPLETED).admitted == [fresh]
+        assert c.release(holders.pop(0), Outcome.COMPLETED).admitted == [fresh], second
         holders.append(fresh)
         assert batch.state is TicketState.QUEUED
-    assert c.head_waited("batch") == pytest.approx(0.45)
+        assert c.share_due_in("batch") == pytest.approx(16.0 - second)
+    assert c.head_waited("batch") == pytest.approx(0.75)  # half its wait long spent
     clock.advance(1.0)
-    assert c.head_waited("batch") == pytest.approx(0.5)
+    assert c.share_due_in("batch") == 0.0
     fresh = submit(c, "interactive")
-    # Half its wait spent: the next free slot is batch's, whatever interactive has queued.
+    # At its latest start: the next free slot is batch's, whatever interactive has queued.
     assert c.release(holders.pop(0), Outcome.COMPLETED).admitted == [batch]
+    assert fresh.state is TicketState.QUEUED
+
+
+@pytest.mark.parametrize(
+    ("service", "cost", "due_in"),
+    [
+        (None, 0, 10.0),  # nothing measured: half its wait, as the prior refuses nobody
+        (8.0, 0, 10.0),  # a latest start before half its wait: half its wait
+        (2.0, 0, 16.0),  # 20 s less 2 service times (one place, one for the error)
+        (1.0, 300, 16.0),  # three places (cost 300 of a 400-token budget over 4 slots): 20 less 4
+    ],
+)
+def test_share_due_in_is_the_heads_latest_start_and_never_before_due_after(
+    make_controller: MakeController, service: float | None, cost: int, due_in: float
+) -> None:
+    scheduler = SharedSlots(ClassShares(minimum={"batch": 0.25}))
+    c, clock = make_controller(
+        4, max_waits={"interactive": 1.0, "batch": 20.0}, start=10.0, scheduler=scheduler, token_budget=400
+    )
+    if service is not None:
+        _measured(c, clock, service, 4)
+    holders = [submit(c, "interactive") for _ in range(4)]
+    decision = c.submit(AdmissionRequest("batch", cost=cost))
+    assert isinstance(decision, Ticket)
+    assert decision.state is TicketState.QUEUED
+    assert c.share_due_in("batch") == pytest.approx(due_in)
+    # Not yet due: a free slot goes to interactive; once due, to batch.
+    clock.advance(due_in - 0.5)
+    assert c.share_due_in("batch") == pytest.approx(0.5)
+    fresh = submit(c, "interactive")
+    assert c.release(holders.pop(), Outcome.CLIENT_ERROR).admitted == [fresh]
+    clock.advance(0.5)
+    assert c.share_due_in("batch") == 0.0
+    fresh = submit(c, "interactive")
+    assert c.release(holders.pop(), Outcome.CLIENT_ERROR).admitted == [decision]
     assert fresh.state is TicketState.QUEUED
 
 
@@ -282,7 +335,7 @@ def test_random_traffic_keeps_the_shares(
             # A free slot left idle must be one that batch may not use.
             assert c.queued("interactive") == 0
             if c.queued("batch"):
-                assert c.in_flight("batch") >= m or c.head_waited("batch") < due_after
+                assert c.in_flight("batch") >= m or c.share_due_in("batch") > 0
                 assert limit - c.in_flight() - 1 < r - c.in_flight("interactive")
     while admitted:
         admitted.extend(c.release(admitted.pop(), Outcome.COMPLETED).admitted)

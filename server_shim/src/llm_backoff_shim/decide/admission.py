@@ -155,7 +155,7 @@ class AdmissionController:
         shares = self._scheduler
         self._due_after = shares.due_after if isinstance(shares, MinimumShares) else 0.0
         waits = QueueWaits(
-            self._classes, shares, estimator, limit, self._held.admitted, share_due_in=self._share_due_in
+            self._classes, shares, estimator, limit, self._held.admitted, share_due_in=self.share_due_in
         )
         self._placement = Placement(self._queues, waits, estimator, promise_slack=promise_slack)
         places_of = None if token_budget is None else self._places
@@ -255,18 +255,37 @@ class AdmissionController:
         window = head.deadline - head.arrived
         return 1.0 if window <= 0 else (self._clock() - head.arrived) / window
 
-    def _share_due_in(self, cls: str) -> float:
-        """Seconds before ``cls``'s minimum share is due to serve its queue (:class:`QueueWaits`):
-        when its head will have spent the scheduler's ``due_after`` of its wait; for an empty
-        queue (a newcomer being placed), that share of the class's ``max_queue_wait``."""
+    def share_due_in(self, cls: str) -> float:
+        """Seconds before ``cls``'s minimum share is due to serve its queue's head (0: due now),
+        for the scheduler (:meth:`AdmissionView.share_due_in`) and the wait estimates
+        (:class:`QueueWaits`).
+
+        Due at the head's latest start by the estimate: its deadline less the time the share
+        takes to serve it (a service time per queue place it stands for, as the wait estimate
+        counts it) and one service time more for the estimate's error; never before it has
+        spent the scheduler's ``due_after`` of its wait, and at ``due_after`` on the prior alone
+        (nothing measured). For an empty queue, as for a one-place head arriving now.
+
+        Why not at ``due_after`` alone (:mod:`llm_backoff_shim.decide.classes`): the share counts
+        requests, and the long prompt it admits costs the engine many chats' work (its prefill
+        stalls every decode step, its KV cache slows each one); taken once half of a 15 s wait
+        was spent, long prompts ran through a chat peak their own deadline let them wait out.
+        """
         due_after = self._due_after
         if due_after <= 0:
             return 0.0
         queue = self._queues.lists[cls]
-        if not queue:
-            return due_after * self._policies[cls].max_queue_wait
-        head = queue[0]
-        return max(0.0, head.arrived + due_after * (head.deadline - head.arrived) - self._clock())
+        now = self._clock()
+        if queue:
+            head = queue[0]
+            start, window, places = head.arrived, head.deadline - head.arrived, head.places
+        else:
+            start, window, places = now, self._policies[cls].max_queue_wait, 1
+        spent = due_after * window
+        estimator = self._estimator
+        if estimator.samples:
+            spent = max(spent, window - (places + 1) * estimator.service_time)
+        return max(0.0, start + spent - now)
 
     def queued_returning(self, cls: str) -> int:
         """Queued requests of ``cls`` that said they are retries (and count as returning)."""

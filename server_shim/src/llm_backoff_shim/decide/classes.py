@@ -6,16 +6,25 @@ When a slot frees and several classes have queued requests:
 
 1. **Minimum share first, once due.** A class holding fewer slots than its minimum share
    (``ceil(min_share * limit)``) takes the slot even if a higher class is waiting, once its
-   queue's head has spent ``due_after`` (default half) of its queue wait (from its arrival
-   to its deadline: the class's ``max_queue_wait`` or the caller's remaining budget,
-   whichever ends first). So batch work is never starved, however long an interactive flood
-   lasts, and a peak of interactive traffic shorter than half a batch request's wait passes
-   it, as an earliest-deadline scheduler would let it: the batch request's deadline is
-   further off. Measured on the real vLLM with long batch prompts beside chat at twice the
-   engine's capacity (docs/benchmarks.md as of 00573c6, 'Long prompts beside chat'): with the share taken
-   at once, two long prompts ran beside chat through the whole peak and 197 of 292 chats
-   were served within their budget; with it due after half the wait, 240 of 292, and the
-   long prompts were still served (75 of 76 both ways).
+   queue's head is due: at its latest start by the estimate, its deadline (the class's
+   ``max_queue_wait`` or the caller's remaining budget, whichever ends first) less a service
+   time per queue place it stands for and one more for the estimate's error, and never
+   before it has spent ``due_after`` (default half) of its wait; at ``due_after`` while
+   nothing was measured (:meth:`~llm_backoff_shim.decide.admission.AdmissionController.share_due_in`).
+   So batch work is never starved, however long an interactive flood lasts, and a peak of
+   interactive traffic that ends before a batch request must start passes it, as an
+   earliest-deadline scheduler would let it: the batch request's deadline is further off.
+   Measured on the real vLLM with long batch prompts beside chat at twice the engine's
+   capacity (docs/benchmarks.md as of 00573c6, 'Long prompts beside chat'): with the share
+   taken at once, two long prompts ran beside chat through the whole peak and 197 of 292
+   chats were served within their budget; with it due after half the wait, 240 of 292, and
+   the long prompts were still served (75 of 76 both ways). Due at the latest start: the
+   scoreboard's mix (80 % chat, 20 % prompts of 1.5-3k tokens at 3x capacity, calibrate's
+   ``--batch-max-queue-wait 15``) in virtual time (``bench/mix_diag_virtual.py``, seeds
+   11-13), chat within budget 124/124/123 -> 158/134/147 (the oracle's 168/153/152), long
+   prompts served 22/20/20 -> 19/20/16: the share counts requests, and each long prompt it
+   admitted during the peak cost the engine several chats' work (its prefill stalls every
+   decode step, its KV cache slows each one).
 2. **Then priority.** The highest-priority waiting class that *may* take the slot
    gets it; within a class the queue is first come, first served (the controller's
    FIFO).
@@ -74,7 +83,8 @@ class ClassShares:
 
     reserved: Mapping[str, float] = field(default_factory=dict)
     minimum: Mapping[str, float] = field(default_factory=dict)
-    #: Share of its queue wait a class's head spends before its minimum share is due (0: at once).
+    #: Share of its queue wait a class's head spends at least before its minimum share is due
+    #: (0: at once); the share is due later, at the head's latest start, once measured.
     due_after: float = 0.5
 
     def __post_init__(self) -> None:
@@ -124,9 +134,8 @@ class SharedSlots:
         free = limit - view.in_flight()
         if free <= 0:
             return None
-        due_after = self._shares.due_after
         for cls in waiting:
-            if view.in_flight(cls) < self.minimum_slots(cls, limit) and view.head_waited(cls) >= due_after:
+            if view.in_flight(cls) < self.minimum_slots(cls, limit) and view.share_due_in(cls) <= 0:
                 return cls
         for cls in waiting:
             if self._holds and self.held(cls):

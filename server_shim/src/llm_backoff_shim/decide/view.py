@@ -52,6 +52,11 @@ class AdmissionView(Protocol):
         0 for an empty queue, 1 at its deadline."""
         ...
 
+    def share_due_in(self, cls: str) -> float:
+        """Seconds before ``cls``'s minimum share is due to serve its queue's head (0: due now;
+        :meth:`~llm_backoff_shim.decide.admission.AdmissionController.share_due_in`)."""
+        ...
+
 
 class AdmissionGate(Protocol):
     """A pre-admission check; return a refusal, its code and Retry-After its own, to turn the

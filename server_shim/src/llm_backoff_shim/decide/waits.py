@@ -4,7 +4,8 @@ A wait is counted on the slots the request's class can have, at the drain rate o
 :class:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator`, and bounded by the class's
 guaranteed minimum share (:class:`~llm_backoff_shim.decide.scheduler.MinimumShares`), which
 serves its class in FIFO order whatever higher classes want once the class's queue head has
-spent its share of its wait (``due_after``): the bound counts from then (``share_due_in``).
+reached its latest start (never before ``due_after`` of its wait): the bound counts from then
+(``share_due_in``).
 Left out of those slots: a lower class's guaranteed share, which may be taken whenever that
 class has work queued, whatever waits above it (always left out, not only while that class
 has queued requests: a lower-class arrival would otherwise make queued requests late that

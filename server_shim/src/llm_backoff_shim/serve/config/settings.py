@@ -137,7 +137,8 @@ class ShimSettings(BaseSettings):
     min_share: Annotated[dict[str, Share], NoDecode] = Field(
         default={"batch": 0.1},
         description="share of the in-flight slots a class gets even while higher classes wait, once "
-        "its queue's head has spent half its queue wait (anti-starvation; class=fraction,...; "
+        "its queue's head must start to be served within its queue wait, and not before it has spent half "
+        "of it (anti-starvation; class=fraction,...; "
         "rounded up to whole slots)",
     )
     ttft_slo: Annotated[dict[str, Budget], NoDecode] = Field(
