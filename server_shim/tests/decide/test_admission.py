@@ -121,6 +121,26 @@ def test_cancel_frees_a_queue_place_and_an_admitted_slot(make: MakeController) -
     assert c.cancel(running).admitted == []  # idempotent
 
 
+def test_a_stream_its_client_ended_teaches_its_slot_time_and_answer(make: MakeController) -> None:
+    # The client closed the answer after it began: the engine held the slot 0.4 s for 30 tokens,
+    # which is what the drain rate and the answer lengths measure; one that left before its
+    # answer began (ABORTED) teaches nothing.
+    c, clock = make(limit=1, initial_service_time=1.0, token_budget=10_000)
+    assert c.pricing is not None
+    for _ in range(16):  # answer_length.MIN_ANSWERS
+        t = ticket(c.submit(AdmissionRequest(cls="interactive", stream=True, max_tokens=4096)))
+        clock.now += 0.4
+        c.release(t, Outcome.ENDED_BY_CLIENT, answer_tokens=30)
+    assert (c.estimator.samples, c.estimator.service_time) == (16, pytest.approx(0.4))
+    # The token rate counts the answer's 30 tokens, not the 4096 it could have had.
+    assert c.estimator.token_rate == pytest.approx(30 / 0.4)
+    assert c.pricing.answers.learned("interactive") == 30
+    t = ticket(c.submit(req()))
+    clock.now += 5.0
+    c.release(t, Outcome.ABORTED, answer_tokens=999)
+    assert (c.estimator.samples, c.estimator.service_time) == (16, pytest.approx(0.4))
+
+
 def test_aborted_and_failed_requests_do_not_feed_the_service_time(make: MakeController) -> None:
     c, clock = make(limit=1, initial_service_time=1.0)
     for outcome in (Outcome.ABORTED, Outcome.UPSTREAM_ERROR, Outcome.OVERLOADED, Outcome.CLIENT_ERROR):

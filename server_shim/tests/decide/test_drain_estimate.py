@@ -331,3 +331,23 @@ def test_token_rate_is_the_ratio_of_averages_and_prices_a_max_tokens() -> None:
     for tokens, seconds in ((0, 1.0), (10, 0.0), (10, math.nan), (10, -1.0)):
         est.observe_tokens(tokens, seconds)  # not a measurement: ignored
     assert est.token_rate == pytest.approx(100.0)
+
+
+def test_a_request_needs_its_own_class_service_time_once_measured() -> None:
+    # Chat answers take 0.5 s, batch answers 8 s: the mean of both is no measure of what a batch
+    # call needs once admitted (admitted on it with 3 s left, its deadline would cut it).
+    est, _ = make(service_time_alpha=0.5)
+    assert est.expected_service(False, cls="batch") == 0.0  # nothing measured: nobody refused
+    for _ in range(6):
+        est.observe_completion("interactive", 0.5)
+    # Batch unmeasured: every class's estimate.
+    assert est.expected_service(False, cls="batch") == pytest.approx(est.service_time)
+    est.observe_completion("batch", 8.0)
+    assert est.expected_service(False, cls="batch") == pytest.approx(8.0)
+    assert est.expected_service(False, cls="interactive") == pytest.approx(0.5)
+    assert est.service_time == pytest.approx(0.5 + 0.5 * 7.5)  # the drain rate still counts both
+    est.observe_completion("batch", 4.0)
+    assert est.class_service_time("batch") == pytest.approx(6.0)
+    # A stream served at its first token needs the first token's time, whatever its class.
+    est.observe_first_byte(0.2)
+    assert est.expected_service(True, to_start=True, cls="batch") == pytest.approx(0.2)

@@ -184,3 +184,49 @@ def test_eight_calls_asking_for_4096_tokens_or_none_on_an_idle_engine_are_all_ad
     # Cold (a slot's share each), after 8 answers (still cold), after 16 and 24 (learned: 20).
     assert refused == [0, 0, 0, 0]
     assert state["answer_tokens"]["interactive"] == 20
+
+
+async def _close_after(shim_url: str, chunks: int, calls: int) -> State:
+    """``calls`` concurrent streams, each closed by its client after ``chunks`` chunks; the shim's
+    state once every slot is back."""
+    client = openai.AsyncOpenAI(base_url=shim_url + "/v1", api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Say hello to the team."}]
+
+    async def one() -> int:
+        stream = await client.chat.completions.create(
+            model="m", messages=messages, stream=True, max_tokens=4096
+        )
+        seen = 0
+        async with stream:
+            async for _ in stream:
+                seen += 1
+                if seen == chunks:
+                    break
+        return seen
+
+    async with httpx.AsyncClient(timeout=30) as probe:
+        await _until(probe, shim_url, lambda s: s["prompt_bytes_per_token"] != 4)
+        assert await asyncio.gather(*(one() for _ in range(calls))) == [chunks] * calls
+        state = await _until(probe, shim_url, lambda s: s["in_flight_tokens"] == 0)
+    await client.close()
+    return state
+
+
+def test_streams_their_clients_close_teach_the_answer_length(make_shim: Callable[..., Any]) -> None:
+    # Answers of 400 tokens at 20 a second: every client closes its stream after 6 chunks, long
+    # before the engine would end it. The engine held each slot for those tokens only, and a
+    # client that stops reading (a client-side stop, a caller that has what it wanted) is how
+    # many answers end: the shim learns the length they had, not nothing (Outcome.ENDED_BY_CLIENT).
+    sim = ServerThread(
+        create_sim_app(SimConfig(ttft=0.01, itl=0.05, output_tokens=400, seed=1, max_num_seqs=16))
+    ).start()
+    try:
+        shim = make_shim(sim.url, max_concurrency=16, max_queue=0, max_inflight_tokens=100_000)
+        state = asyncio.run(_close_after(shim.url, chunks=6, calls=16))
+    finally:
+        sim.stop()
+    learned = state["answer_tokens"]["interactive"]
+    # At least what each client read (its role chunk and 5 tokens); whatever the relay had sent on
+    # before the close was seen, far short of the 400 the engine would have made.
+    assert learned is not None
+    assert 5 <= learned < 400

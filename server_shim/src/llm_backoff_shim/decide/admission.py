@@ -89,6 +89,9 @@ from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.decide.view import AdmissionGate, ClassOutlook
 from llm_backoff_shim.decide.waits import QueueWaits, short_of
 
+#: Outcomes whose slot time and answer the estimates learn from (:class:`Outcome`).
+_SERVED = frozenset((Outcome.COMPLETED, Outcome.ENDED_BY_CLIENT))
+
 Clock = Callable[[], float]
 
 
@@ -284,7 +287,7 @@ class AdmissionController:
         spent = due_after * window
         estimator = self._estimator
         if estimator.samples:
-            spent = max(spent, window - (places + 1) * estimator.service_time)
+            spent = max(spent, window - (places + 1) * estimator.class_service_time(cls))
         return max(0.0, start + spent - now)
 
     def queued_returning(self, cls: str) -> int:
@@ -455,27 +458,32 @@ class AdmissionController:
 
     def release(self, ticket: Ticket, outcome: Outcome, answer_tokens: int | None = None) -> Dispatch:
         """Give back the slot of an ADMITTED ticket; returns who moved up. ``answer_tokens``: the
-        completion tokens of its answer, when it was relayed in full and could be counted (the
-        cost budget learns answer lengths from them, :mod:`~llm_backoff_shim.decide.pricing`)."""
+        completion tokens of its answer, when it was relayed (in full, or until the client
+        closed it) and could be counted (the cost budget learns answer lengths from them,
+        :mod:`~llm_backoff_shim.decide.pricing`, and the token rate, :meth:`DrainEstimator.observe_tokens
+        <llm_backoff_shim.decide.drain_estimate.DrainEstimator.observe_tokens>`, counts them
+        rather than ``max_tokens``)."""
         if ticket.state is not TicketState.ADMITTED:
             raise ValueError(f"ticket {ticket.id} is {ticket.state.value}, not admitted")
         ticket.state = TicketState.RELEASED
         self._held.give_back(ticket)
         assert ticket.admitted_at is not None
         service_time = self._clock() - ticket.admitted_at
-        if outcome is Outcome.COMPLETED:
+        learned = outcome in _SERVED
+        if learned:
             if answer_tokens is not None and self.pricing is not None:
                 self.pricing.observe(ticket.cls, answer_tokens)
             self._estimator.observe_completion(ticket.cls, service_time)
-            if ticket.request.max_tokens is not None:
-                self._estimator.observe_tokens(ticket.request.max_tokens, service_time)
+            tokens = answer_tokens if answer_tokens is not None else ticket.request.max_tokens
+            if tokens is not None:
+                self._estimator.observe_tokens(tokens, service_time)
         self._limit.on_complete(
             service_time=service_time,
             in_flight=self.in_flight(),
             overloaded=outcome is Outcome.OVERLOADED,
         )
         dispatch = self._pump()
-        if self._queues.total and outcome is Outcome.COMPLETED:
+        if self._queues.total and learned:
             # The service-time estimate moved: the waits promised to those queued moved with it.
             dispatch.expired += self.recheck().expired
         return dispatch

@@ -13,18 +13,11 @@ When a slot frees and several classes have queued requests:
    nothing was measured (:meth:`~llm_backoff_shim.decide.admission.AdmissionController.share_due_in`).
    So batch work is never starved, however long an interactive flood lasts, and a peak of
    interactive traffic that ends before a batch request must start passes it, as an
-   earliest-deadline scheduler would let it: the batch request's deadline is further off.
-   Measured on the real vLLM with long batch prompts beside chat at twice the engine's
-   capacity (docs/benchmarks.md as of 00573c6, 'Long prompts beside chat'): with the share
-   taken at once, two long prompts ran beside chat through the whole peak and 197 of 292
-   chats were served within their budget; with it due after half the wait, 240 of 292, and
-   the long prompts were still served (75 of 76 both ways). Due at the latest start: the
-   scoreboard's mix (80 % chat, 20 % prompts of 1.5-3k tokens at 3x capacity, calibrate's
-   ``--batch-max-queue-wait 15``) in virtual time (``bench/mix_diag_virtual.py``, seeds
-   11-13), chat within budget 124/124/123 -> 158/134/147 (the oracle's 168/153/152), long
-   prompts served 22/20/20 -> 19/20/16: the share counts requests, and each long prompt it
-   admitted during the peak cost the engine several chats' work (its prefill stalls every
-   decode step, its KV cache slows each one).
+   earliest-deadline scheduler would let it. The share counts requests, not their cost: a
+   long prompt admitted during a chat peak costs the engine several chats' work (its prefill
+   stalls every decode step, its KV cache slows each one), so the share waits for the latest
+   start rather than taking its slot at once (measured in virtual time on the scoreboard's
+   mix, ``bench/bench_admission_model.py``; figures in docs/benchmarks.md).
 2. **Then priority.** The highest-priority waiting class that *may* take the slot
    gets it; within a class the queue is first come, first served (the controller's
    FIFO).

@@ -17,7 +17,9 @@ class so that fresh arrivals' waits count them: :mod:`llm_backoff_shim.decide.pr
 Time a request still needs once admitted (:meth:`DrainEstimator.expected_service`): the
 admission decision refuses a caller whose remaining budget cannot cover the expected wait
 plus this, since such a call would start on the engine only to be cut by its own deadline.
-By default every caller needs the whole service time (EWMA): a caller whose budget is its
+By default every caller needs the whole service time (EWMA of its class's, once measured:
+chat and batch answers differ by an order of magnitude, and a batch call admitted on chat's
+mean with less budget than its own answer takes is cut by its deadline): a caller whose budget is its
 deadline for the whole call (``llm_backoff``'s is) and whose stream is cut by it was not
 served, and the engine's tokens for it were wasted. With ``stream_served_at="first_token"``
 a streaming caller needs only the EWMA of time to first body byte (measured on streaming
@@ -31,9 +33,9 @@ the EWMA of the tokens of completed requests over the EWMA of their service time
 of averages, so a short request's prefill does not swing it). It prices a request that says
 how long its answer may be (``max_tokens``): :meth:`DrainEstimator.run_time` is the seconds
 that answer is expected to hold a slot, used to lend a reserved slot only to a request that
-gives it back in time (:mod:`llm_backoff_shim.decide.classes`). The tokens counted are what the
-request asked for at most; one that stopped earlier makes the rate look faster than it is,
-so the estimate is for answers that run to their ``max_tokens`` (``ignore_eos``) or near it.
+gives it back in time (:mod:`llm_backoff_shim.decide.classes`). The tokens counted are the
+answer's, as the relay counted them; where it could not, what the request asked for at most
+(``max_tokens``: an answer that stopped earlier then makes the rate look faster than it is).
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ class DrainEstimator:
         self._token_seconds = 0.0
         self._token_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
+        # Per class: EWMA of its service times (what one of its requests needs once admitted).
+        self._class_service: dict[str, float] = {}
         self._promises = PromiseTimeline(clock, config.retry_after_min)
 
     @property
@@ -159,7 +163,14 @@ class DrainEstimator:
             else:
                 self._service_time += alpha * (service_time - self._service_time)
             self._samples += 1
+            mine = self._class_service.get(cls)
+            self._class_service[cls] = service_time if mine is None else mine + alpha * (service_time - mine)
         self._rate(cls).add(now)
+
+    def class_service_time(self, cls: str | None) -> float:
+        """EWMA of ``cls``'s service times once one was measured, else :attr:`service_time`."""
+        mine = None if cls is None else self._class_service.get(cls)
+        return self._service_time if mine is None else mine
 
     def observe_first_byte(self, seconds: float) -> None:
         """Record seconds from admission to a streaming response's first body byte (first token)."""
@@ -172,7 +183,7 @@ class DrainEstimator:
         self._first_byte_samples += 1
 
     def observe_tokens(self, tokens: int, seconds: float) -> None:
-        """Record a completed request that generated (at most) ``tokens`` in ``seconds`` on its slot."""
+        """Record a served request that generated ``tokens`` (or at most that) in ``seconds`` on its slot."""
         if tokens < 1 or not (math.isfinite(seconds) and seconds > 0):
             return
         if self._token_samples == 0:
@@ -207,15 +218,16 @@ class DrainEstimator:
         ``stream_served_at="first_token"``; a non-streaming answer begins at its end."""
         return stream and (to_start or self._config.stream_served_at == "first_token")
 
-    def expected_service(self, stream: bool, to_start: bool = False) -> float:
+    def expected_service(self, stream: bool, to_start: bool = False, cls: str | None = None) -> float:
         """Seconds an admitted request needs before it has been served (see module docstring
-        and :meth:`served_at_first_byte`).
+        and :meth:`served_at_first_byte`): the service time of its class (``cls``) once
+        measured, else of every class.
 
         0 when nothing was measured yet, so no caller is refused on the cold-start prior.
         """
         if self.served_at_first_byte(stream, to_start):
             return self._first_byte if self._first_byte_samples else 0.0
-        return self._service_time if self._samples else 0.0
+        return self.class_service_time(cls) if self._samples else 0.0
 
     def completion_rate(self, cls: str) -> float:
         """Completions per second observed for ``cls`` (decaying average).

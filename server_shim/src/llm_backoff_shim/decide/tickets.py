@@ -44,13 +44,18 @@ class TicketState(enum.Enum):
 
 
 class Outcome(enum.Enum):
-    """How an admitted request ended; only COMPLETED (a 2xx relayed in full) feeds the service-time estimate.
+    """How an admitted request ended; COMPLETED and ENDED_BY_CLIENT feed the estimates.
 
+    ENDED_BY_CLIENT: the client closed a 2xx stream after its answer began (a client-side
+    stop, a caller that read what it wanted): the engine held the slot that long and produced
+    that many tokens, which is what the drain rate and the answer lengths measure;
     CLIENT_ERROR: the upstream answered 4xx (quick, says nothing about generation time);
-    OVERLOADED: the upstream itself refused as overloaded (a signal for adaptive limits).
+    OVERLOADED: the upstream itself refused as overloaded (a signal for adaptive limits);
+    ABORTED: the caller left before its answer began, or the shim cut it.
     """
 
     COMPLETED = "completed"
+    ENDED_BY_CLIENT = "ended_by_client"
     CLIENT_ERROR = "client_error"
     UPSTREAM_ERROR = "upstream_error"
     OVERLOADED = "overloaded"

@@ -156,7 +156,7 @@ def short_of(estimator: DrainEstimator, ticket: Ticket, now: float) -> float | N
 
 def service_needed(estimator: DrainEstimator, request: AdmissionRequest) -> float:
     """Seconds ``request`` needs once admitted before its budget is met (module docstring)."""
-    return estimator.expected_service(request.stream, request.budget_to_start)
+    return estimator.expected_service(request.stream, request.budget_to_start, request.cls)
 
 
 def need_name(estimator: DrainEstimator, ticket: Ticket) -> str:

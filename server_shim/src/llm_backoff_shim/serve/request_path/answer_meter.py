@@ -42,11 +42,12 @@ class AnswerMeter:
         tail = self.tail + chunk if self.tail else chunk
         self.tail = tail[-TAIL_BYTES:] if len(tail) > TAIL_BYTES else tail
 
-    def tokens(self, event_stream: bool) -> int | None:
-        """The answer's completion tokens, or None when they cannot be told (module docstring)."""
+    def tokens(self, event_stream: bool, ended: bool = True) -> int | None:
+        """The answer's completion tokens, or None when they cannot be told (module docstring);
+        ``ended=False``: a stream the client closed before its end (no closing event counted)."""
         found = _USAGE.findall(self.tail)
         if found:
             return int(found[-1])
         if event_stream and self.events:
-            return max(0, self.events - 2)
+            return max(0, self.events - (2 if ended else 1))
         return None

@@ -39,7 +39,8 @@ class Exchange:
     upstream_start: float | None = None
     first_byte: float | None = None
     upstream_end: float | None = None
-    #: Completion tokens of an answer relayed in full, when counted (answer_meter.py).
+    #: Completion tokens of an answer relayed (in full, or until its client closed it), when
+    #: counted (answer_meter.py).
     answer_tokens: int | None = None
 
     def reject(self, rejection: Rejection, outcome: Outcome = Outcome.ABORTED) -> None:

@@ -125,6 +125,8 @@ class Relay:
         started = False
         refused: UpstreamRefused | None = None
         exchange.first_byte = self.clock()
+        meter: AnswerMeter | None = None
+        first = True  # no body byte relayed yet
         try:
             if cls is not None:
                 self.metrics.observe_first_byte(cls, exchange.first_byte - arrival)
@@ -148,7 +150,6 @@ class Relay:
             ended = False
             meter = AnswerMeter() if grant is not None and self.count_answers else None
             try:
-                first = True
                 while True:
                     chunk = await response.read_chunk()
                     if not chunk:
@@ -189,6 +190,12 @@ class Relay:
             if meter is not None and exchange.outcome is Outcome.COMPLETED:
                 exchange.answer_tokens = meter.tokens(response.event_stream)
         finally:
+            if not first and exchange.outcome is Outcome.ABORTED and 200 <= response.status < 300:
+                # The client closed the answer after it began: the engine held the slot and made
+                # these tokens, what the estimates learn (Outcome.ENDED_BY_CLIENT).
+                exchange.outcome = Outcome.ENDED_BY_CLIENT
+                if meter is not None:
+                    exchange.answer_tokens = meter.tokens(response.event_stream, ended=False)
             # Back to the pool when the exchange ended cleanly; otherwise the connection is
             # closed, and the engine sees it drop and aborts the request.
             response.release()
