@@ -22,7 +22,7 @@ from llm_backoff_shim.lab.calibrate_plan import (
     thin,
     time_to_go,
 )
-from llm_backoff_shim.lab.calibrate_samples import Sample, summarize, tokens_in
+from llm_backoff_shim.lab.calibrate_samples import Sample, cost_quantile, summarize, tokens_in
 from llm_backoff_shim.lab.knee import StepStats
 from llm_backoff_shim.testing import ManualClock
 
@@ -241,6 +241,8 @@ def test_running_requests_count_their_tokens_and_cost_but_not_as_completions() -
     assert stats.requests == 1
     assert stats.output_tokens_per_s == pytest.approx((3 + 1) / 2.0)
     assert stats.inflight_cost == pytest.approx((300 * 2 + 100 * 1) / 2.0)
+    # Both together (400) for half the window, the running one alone (300) for the other half.
+    assert stats.inflight_cost_high == 400
     # Usage counted 4 tokens over 2 chunks: each chunk weighs 2.
     assert tokens_in(Sample(0, 0, 0, 1, True, output_tokens=4, token_times=(0.1, 0.9)), 0.5, 1.0) == 2
 
@@ -275,3 +277,15 @@ def test_the_budget_is_the_mean_cost_in_flight_rounded_up_to_64() -> None:
     for bad in (0.0, -3.0, math.nan, math.inf):
         with pytest.raises(ValueError, match="in-flight cost"):
             budget_tokens(bad)
+
+
+def test_the_budget_cost_is_what_the_requests_held_most_of_the_time() -> None:
+    # Eight requests of 100 in flight for the whole 20 s window, one more of 900 for 1 s of it:
+    # what they held 95 % of the time is the eight's 800; the rare pile-up (1700) is not taken
+    # as the norm.
+    window = (0.0, 20.0)
+    eight = [Sample(w, 1, 0.0, 20.0, True, output_tokens=10, cost=100) for w in range(8)]
+    spike = Sample(8, 1, 5.0, 6.0, True, output_tokens=10, cost=900)
+    assert cost_quantile([*eight, spike], *window) == 800
+    assert cost_quantile([*eight, spike], *window, q=1.0) == 1700
+    assert cost_quantile([], *window) == 0.0

@@ -14,8 +14,10 @@ Calibrate prices its requests as the shim's cost cap prices them
   K such requests of the mix's prompts, and a client naming ``max_tokens: 4096`` or none is
   never priced above the requests the budget was measured with.
 
-The recommended ``--max-inflight-tokens`` is the time-weighted mean cost in flight at the knee
-(:func:`budget_tokens`).
+The recommended ``--max-inflight-tokens`` is the cost in flight the knee's requests stayed at
+or below 95 % of the time (:func:`budget_tokens`,
+:func:`~llm_backoff_shim.lab.calibrate_samples.cost_quantile`): the level's ordinary mix of
+prompts runs together under it, and what it holds back is an unusual pile-up of long ones.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ class CostMeter:
         self.answers.observe(CLASS, completion_tokens)
 
 
-def budget_tokens(mean_inflight_cost: float) -> int:
-    """The recommended ``--max-inflight-tokens``: the knee's mean in-flight cost, rounded up
-    to a multiple of 64 tokens (finer than any request's cost varies, coarser than noise)."""
-    if not (math.isfinite(mean_inflight_cost) and mean_inflight_cost > 0):
-        raise ValueError(f"expected a positive in-flight cost, got {mean_inflight_cost!r}")
-    return 64 * math.ceil(mean_inflight_cost / 64)
+def budget_tokens(inflight_cost: float) -> int:
+    """The recommended ``--max-inflight-tokens``: the knee's in-flight cost (module docstring),
+    rounded up to a multiple of 64 tokens (finer than any request's cost varies, coarser than noise)."""
+    if not (math.isfinite(inflight_cost) and inflight_cost > 0):
+        raise ValueError(f"expected a positive in-flight cost, got {inflight_cost!r}")
+    return 64 * math.ceil(inflight_cost / 64)

@@ -388,7 +388,9 @@ async def _sweep(
     rec = None
     if knee.level is not None:
         at_knee = runs[knee.level]
-        cost = statistics.median(s.inflight_cost for s in at_knee)
+        # The budget holds the knee's requests as they ran together, not their mean: at the mean
+        # a level's own prompts pass it half the time, and slots stay idle with callers waiting.
+        cost = statistics.median(s.inflight_cost_high for s in at_knee)
         rec = recommend(
             at_knee,
             config.ttft_slo,

@@ -160,8 +160,8 @@ def render_text(outcome: Outcome) -> str:
         if rec.max_inflight_tokens is not None:
             batch += (
                 f"; cost budget {rec.max_inflight_tokens} tokens in flight (per request its prompt + "
-                f"the 90th percentile of the answers, as the shim counts: the mean in-flight cost at "
-                f"the knee, {_median(steps, 'inflight_cost'):.0f})"
+                f"the 90th percentile of the answers, as the shim counts: what the knee's requests held "
+                f"95 % of the time; mean {_median(steps, 'inflight_cost'):.0f})"
             )
         lines += [
             "",
@@ -196,6 +196,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
             "output_tokens_per_s": _median(outcome.runs[v.concurrency], "output_tokens_per_s"),
             "requests_per_s": _median(outcome.runs[v.concurrency], "throughput"),
             "inflight_cost": _median(outcome.runs[v.concurrency], "inflight_cost"),
+            "inflight_cost_high": _median(outcome.runs[v.concurrency], "inflight_cost_high"),
         }
         for v in knee.verdicts
     ]
@@ -209,6 +210,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
             "output_tokens_per_s": _median(runs, "output_tokens_per_s"),
             "requests_per_s": _median(runs, "throughput"),
             "inflight_cost": _median(runs, "inflight_cost"),
+            "inflight_cost_high": _median(runs, "inflight_cost_high"),
             "best_in_slo": knee.best_throughput,
         }
     return {

@@ -70,6 +70,36 @@ def _overlap(sample: Sample, low: float, high: float) -> float:
     return max(0.0, min(sample.end, high) - max(sample.start, low))
 
 
+#: The share of the window's time a budget sized from it holds the cost in flight
+#: (:attr:`StepStats.inflight_cost_high`).
+COST_QUANTILE = 0.95
+
+
+def cost_quantile(samples: Sequence[Sample], low: float, high: float, q: float = COST_QUANTILE) -> float:
+    """The cost in flight that the requests in ``samples`` stayed at or below for ``q`` of the
+    window ``(low, high]``'s time (0 for an empty window)."""
+    steps: dict[float, int] = {}
+    for s in samples:
+        start, end = max(s.start, low), min(s.end, high)
+        if end > start and s.cost:
+            steps[start] = steps.get(start, 0) + s.cost
+            steps[end] = steps.get(end, 0) - s.cost
+    if high <= low or not steps:
+        return 0.0
+    level, at, spans = 0, low, []
+    for t in sorted(steps):
+        spans.append((level, t - at))
+        level, at = level + steps[t], t
+    spans.append((level, high - at))
+    spans.sort()
+    covered, need = 0.0, q * (high - low)
+    for cost, seconds in spans:
+        covered += seconds
+        if covered >= need:
+            return float(cost)
+    return float(spans[-1][0])
+
+
 def summarize(
     concurrency: int, samples: Sequence[Sample], *, level_start: float, window: tuple[float, float]
 ) -> StepStats:
@@ -90,7 +120,9 @@ def summarize(
       and started at this level, leaving out each worker's first request (its start is the
       burst that opens a level); with none such, of every request that ended in it.
     - ``inflight_cost``: the time-weighted mean of the in-flight requests' cost
-      (as the shim prices it, :mod:`~llm_backoff_shim.lab.calibrate_cost`) over the window.
+      (as the shim prices it, :mod:`~llm_backoff_shim.lab.calibrate_cost`) over the window;
+      ``inflight_cost_high``: the cost they stayed at or below for 95 % of it
+      (:func:`cost_quantile`).
     """
     low, high = window
     length = high - low
@@ -125,5 +157,6 @@ def summarize(
         latency_p90=percentile(latencies, 90),
         mean_latency=statistics.fmean([s.end - s.start for s in ok]),
         inflight_cost=cost,
+        inflight_cost_high=cost_quantile(samples, low, high),
         window=length,
     )

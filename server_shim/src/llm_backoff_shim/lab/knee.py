@@ -165,8 +165,12 @@ class StepStats:
     latency_p90: float | None = None
     #: Mean latency of the successful requests that ended in the window (sizes the next steps).
     mean_latency: float = 0.0
-    #: Time-weighted mean cost in flight over the window (prompt + max_tokens per request).
+    #: Time-weighted mean cost in flight over the window (as the shim prices requests,
+    #: :mod:`~llm_backoff_shim.lab.calibrate_cost`).
     inflight_cost: float = 0.0
+    #: The cost in flight the window's requests stayed at or below 95 % of its time: what a
+    #: budget must hold for the level's requests to run together as they did here.
+    inflight_cost_high: float = 0.0
     #: Seconds of steady window the throughput was counted over (0: not windowed).
     window: float = 0.0
     #: The engine's own queue over the window: the median of its ``vllm:num_requests_waiting``
