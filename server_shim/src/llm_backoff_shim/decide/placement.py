@@ -159,8 +159,8 @@ class Placement:
         # class and those above it: a promise is a slot kept for the caller on the one engine
         # (the estimator's single timeline), but a lower class's promise does not hold a slot
         # against a higher class. A batch caller, patient by its budget, is told again when
-        # its slot was taken; an interactive caller refused for it fails (measured:
-        # docs/history/benchmarks-diary.md, 'The fail-fast preset, three seeds per run').
+        # its slot was taken; an interactive caller refused for it fails (measured on a real
+        # vLLM: interactive calls within budget fell when batch promises held slots).
         above = self._queues.above(cls)
         promised_by = above if ticket.returning else (*above, cls)
         expected = self._waits.at(cls, ahead, in_class, promised_by, ticket.places)
