@@ -8,8 +8,8 @@ given (:meth:`PromiseTimeline.first_gap`), so the k-th caller of a burst hears r
 place given far ahead (a lower class kept out of the next seconds, a capped hint) leaves the
 slots before it to later callers (with every place after the last one, batch callers took the
 near slots and interactive callers refused after them were told slots past their budget).
-Once time passes the last
-place the burst is over and hints start again from the queue alone. One timeline for all
+Once time passes the last place the burst is over and hints start again from the queue
+alone. One timeline for all
 classes, not one per class: each promise claims one slot freeing on the one engine, so the
 promised returns of all classes together come back no faster than the engine drains. With a
 timeline per class, two classes refused together were promised about twice the drain rate
