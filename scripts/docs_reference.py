@@ -54,7 +54,8 @@ def settings_markdown() -> str:
             field = ShimSettings.model_fields[name]
             flag = f"`{flag_name(name)}`" + (" (repeatable)" if name in REPEATABLE else "")
             # Booleans as the file and the variables spell them.
-            default = str(field.default).lower() if isinstance(field.default, bool) else _shown_default(field.default)
+            value = field.default
+            default = str(value).lower() if isinstance(value, bool) else _shown_default(value)
             parts.append(
                 f"| {flag} | `{env_name(name)}` | {_file_key(name)} | `{_cell(default)}` "
                 f"| {_cell(field.description or '')} |"
@@ -71,9 +72,7 @@ GENERATED = {"settings": settings_markdown, "routes": routes_markdown}
 
 
 def _region(name: str) -> re.Pattern[str]:
-    return re.compile(
-        rf"(<!-- generated:{name}:begin[^>]*-->\n)(.*?)(<!-- generated:{name}:end -->)", re.S
-    )
+    return re.compile(rf"(<!-- generated:{name}:begin[^>]*-->\n)(.*?)(<!-- generated:{name}:end -->)", re.S)
 
 
 def render(text: str) -> str:

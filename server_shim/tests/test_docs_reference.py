@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _renderer() -> ModuleType:
     spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "scripts" / "docs_reference.py")
-    assert spec is not None and spec.loader is not None
+    assert spec is not None
+    assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -24,7 +25,8 @@ def _renderer() -> ModuleType:
 def test_reference_matches_the_code() -> None:
     renderer = _renderer()
     current = (ROOT / "docs" / "reference.md").read_text(encoding="utf-8")
-    assert renderer.render(current) == current, "docs/reference.md is out of date: run scripts/docs_reference.py"
+    out_of_date = "docs/reference.md is out of date: run scripts/docs_reference.py"
+    assert renderer.render(current) == current, out_of_date
 
 
 def test_every_setting_is_in_the_reference() -> None:

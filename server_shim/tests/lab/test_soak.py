@@ -24,7 +24,7 @@ MAX_RSS_GROWTH_MIB = 32.0
 @pytest.fixture(scope="module")
 def report() -> SoakReport:
     result = run_soak(SoakConfig(requests=2000, seconds=40.0, warmup=150, seed=11))
-    print(json.dumps(result.summary(), indent=1))  # shown with -s; what each figure judges: docs/reliability.md
+    print(json.dumps(result.summary(), indent=1))  # shown with -s; docs/reliability.md says what is judged
     return result
 
 
