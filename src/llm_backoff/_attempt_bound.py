@@ -5,7 +5,7 @@ in stretch a call past its deadline, so every async attempt runs under a hard bo
 ``asyncio.timeout`` does that with a timer per attempt: a ``TimerHandle``, a push onto
 the loop's heap (its comparisons are Python calls), a cancellation, and async
 ``__aenter__``/``__aexit__`` around it, about 5.5 us per call, a large share of what the
-async wrapper adds to a call (docs/history/benchmarks-diary.md, 'After the async fast path'). Deadlines
+async wrapper adds to a call. Deadlines
 are long next to attempts (a minute against a second), so nearly all of those timers are
 cancelled unfired.
 

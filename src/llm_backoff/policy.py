@@ -33,7 +33,7 @@ INTERACTIVE_DEADLINE = 60.0
 #: `RetryPolicy.interactive`'s longest hint waited out, and the latest moment a hinted retry
 #: may begin, as a share of its start deadline: a retry begun later is refused about as often
 #: as it is served, and then fails seconds late instead of at once (docs/sdk.md,
-#: "class-aware defaults").
+#: "Interactive and batch callers").
 INTERACTIVE_HINT_SHARE = 0.4
 #: `RetryPolicy.batch`'s deadline for the whole call; batch has no start deadline.
 BATCH_DEADLINE = 600.0

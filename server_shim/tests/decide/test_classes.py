@@ -555,7 +555,7 @@ def test_a_lower_class_wait_counts_only_the_slots_it_may_use(reserving: Reservin
     # 8 slots, 2 kept for interactive: 6 batch requests in flight fill what batch may use. A
     # 7th must wait for one of them (about a service time), not for the two reserved slots
     # standing free: counted as free, it was queued on a wait of 0 s and turned away after
-    # its whole max_queue_wait (the demo's late refusals; docs/history/benchmarks-diary.md).
+    # its whole max_queue_wait (the demo's late refusals).
     c, clock = reserving(8, batch=0.5)
     served_in_a_second(c, clock, "batch")
     batch = [submit(c, "batch") for _ in range(6)]

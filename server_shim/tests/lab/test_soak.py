@@ -3,7 +3,7 @@
 Bounded in count (2000 requests) and in time (new requests stop after 40 s, whatever the
 machine's speed); every call has a watchdog (its deadline plus a grace) that only
 catches hangs. Afterwards nothing may be lost or leaked. The longer opt-in run is
-``python bench/soak.py``; the numbers of both are in docs/reliability.md.
+``python bench/soak.py``; the figures of the longer run are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MAX_RSS_GROWTH_MIB = 32.0
 @pytest.fixture(scope="module")
 def report() -> SoakReport:
     result = run_soak(SoakConfig(requests=2000, seconds=40.0, warmup=150, seed=11))
-    print(json.dumps(result.summary(), indent=1))  # shown with -s; the figures in docs/reliability.md
+    print(json.dumps(result.summary(), indent=1))  # shown with -s; docs/reliability.md says what is judged
     return result
 
 

@@ -40,7 +40,7 @@ from llm_backoff_shim.serve.request_path.routes import (
 )
 from llm_backoff_shim.serve.serving import ServerThread
 
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "shim.md"
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "reference.md"
 
 #: The operator routes the issue names, which must all be refused.
 ISSUE_OPERATOR_ROUTES = {

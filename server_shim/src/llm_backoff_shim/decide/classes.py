@@ -33,8 +33,7 @@ When a slot frees and several classes have queued requests:
    while none of those is due within one service time, its unused reserved slots are
    lent to lower classes (when one falls due, it waits for the next slot to free,
    about one service time / limit). Without lending, in a burst of 200 the engine left
-   2 of 8 slots idle for 2.4 s while only batch callers were due (docs/history/benchmarks-diary.md,
-   'the overload scenarios in virtual time').
+   2 of 8 slots idle for 2.4 s while only batch callers were due (in the virtual-time model).
    Work conservation wins over the reservation in one more case: while the class has
    nobody queued and nobody promised a return, its unused reserved slots are lent to a
    lower-class request that gives the slot back within the class's longest queue wait

@@ -263,8 +263,7 @@ class DrainEstimator:
         Without it, slots free evenly at the drain rate, as if the requests in flight had
         started one after another; after a burst they started together and free together,
         and the even estimate was wrong by up to a service time: in the tail of a burst of
-        200, callers were refused on a wait of 2.06 s that was 1.45 s (docs/history/benchmarks-diary.md,
-        'where the burst's slot time went').
+        200, callers were refused on a wait of 2.06 s that was 1.45 s.
         """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
@@ -315,8 +314,7 @@ class DrainEstimator:
         Clients add up to ``return_jitter`` of a hint above it, ``return_jitter / 2`` on
         average; a caller told the slot itself comes back that much later on average, and
         on a timeline paced at the drain rate the engine then idles while it is on its way
-        (measured in a burst of 200 with a 30 s deadline: docs/history/benchmarks-diary.md, 'a hint is a
-        reservation').
+        (measured in a burst of 200 with a 30 s deadline).
         """
         return delay / (1.0 + self._config.return_jitter / 2.0)
 
@@ -327,8 +325,7 @@ class DrainEstimator:
         comes back up to ``return_jitter * hint`` later: whether its budget will still
         cover the service when it comes back is judged at this time, not at the hint
         (measured under 2x overload with a 10 s deadline: callers told 8.2 s came back
-        0.6-1.4 s late and were refused with 0.4-0.7 s of budget left; docs/history/benchmarks-diary.md,
-        'a hint is a reservation').
+        0.6-1.4 s late and were refused with 0.4-0.7 s of budget left).
         """
         return hint * (1.0 + self._config.return_jitter)
 

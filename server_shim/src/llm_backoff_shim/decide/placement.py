@@ -26,7 +26,7 @@ one made late is turned away by the recheck with a Retry-After; that class's pro
 while the classes above leave it the slots. Protecting it too queued interactive callers behind
 a queue of batch work held for up to 15 s and refused them at arrival: on the real vLLM,
 interactive calls within budget fell from 176 to 123 and useful tokens from 23.6k to 18.0k for
-plain openai through the shim (docs/benchmarks.md, 'Batch held in the shim'). Classes that
+plain openai through the shim. Classes that
 share one wait (the shim's defaults, the demo) keep each other's promises as before.
 
 Refused at arrival, once a completion was measured (never on the cold-start prior):
@@ -159,8 +159,8 @@ class Placement:
         # class and those above it: a promise is a slot kept for the caller on the one engine
         # (the estimator's single timeline), but a lower class's promise does not hold a slot
         # against a higher class. A batch caller, patient by its budget, is told again when
-        # its slot was taken; an interactive caller refused for it fails (measured:
-        # docs/history/benchmarks-diary.md, 'The fail-fast preset, three seeds per run').
+        # its slot was taken; an interactive caller refused for it fails (measured on a real
+        # vLLM: interactive calls within budget fell when batch promises held slots).
         above = self._queues.above(cls)
         promised_by = above if ticket.returning else (*above, cls)
         expected = self._waits.at(cls, ahead, in_class, promised_by, ticket.places)

@@ -7,14 +7,13 @@ given (:meth:`PromiseTimeline.first_gap`), so the k-th caller of a burst hears r
 ``(ahead + k) / rate`` and retries come back at about the drain rate instead of in one wave. A
 place given far ahead (a lower class kept out of the next seconds, a capped hint) leaves the
 slots before it to later callers (with every place after the last one, batch callers took the
-near slots and interactive callers refused after them were told slots past their budget:
-docs/history/benchmarks-diary.md, 'interactive callers state their TTFT budget'). Once time passes the last
-place the burst is over and hints start again from the queue alone. One timeline for all
+near slots and interactive callers refused after them were told slots past their budget).
+Once time passes the last place the burst is over and hints start again from the queue
+alone. One timeline for all
 classes, not one per class: each promise claims one slot freeing on the one engine, so the
 promised returns of all classes together come back no faster than the engine drains. With a
 timeline per class, two classes refused together were promised about twice the drain rate
-between them, and the returning callers found the queue full (measured under 2x overload:
-docs/history/benchmarks-diary.md, 'a hint is a reservation').
+between them, and the returning callers found the queue full (measured under 2x overload).
 
 Promises are also remembered one by one per class (until they fall due), so that a *fresh*
 arrival's expected wait can count the callers already told to come back before it would be
@@ -140,8 +139,7 @@ class PromiseTimeline:
         Which caller it is the shim cannot tell, so the promise nearest to now goes (callers
         come back around their slot). Without this, a caller back early for its slot counted
         twice in the waits of those behind it, queued and still promised: in the tail of a
-        burst, lower-class callers back at their slot were refused on that doubled wait
-        (measured: docs/history/benchmarks-diary.md, 'where the burst's slot time went').
+        burst, lower-class callers back at their slot were refused on that doubled wait.
         """
         promises = self._promises.get(cls)
         if not promises:

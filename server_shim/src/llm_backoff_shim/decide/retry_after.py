@@ -76,8 +76,7 @@ def retry_after(estimator: DrainEstimator, ask: HintRequest) -> float:
     promised, with the hint brought forward so that its latest return is ``reach`` (or
     ``keep_within`` if sooner): it comes back before its slot and waits in the queue for it.
     Without this, the last slots a caller's budget could use were promised to nobody, and the
-    engine idled for them at the end of a burst (docs/history/benchmarks-diary.md, 'where the
-    burst's slot time went').
+    engine idled for them at the end of a burst.
     """
     est = estimator
     now = est.now()

@@ -92,8 +92,7 @@ class QueueWaits:
         """:meth:`at` without promises, for one walk of the queue (placing a newcomer ahead of
         others, the recheck). Each class's slot times are built once per walk, not once per
         queued request: a walk asks for every queued request, on every newcomer placed ahead of
-        others and every recheck (about 170 us a refusal under 2x overload, most of it here;
-        docs/history/benchmarks-diary.md, 'the overload scenarios in virtual time').
+        others and every recheck (about 170 us a refusal under 2x overload, most of it here).
 
         ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
         no memory of how long the requests in flight have run, so for a request that has

@@ -3,7 +3,7 @@
 uvicorn turns every request into an ASGI call through the same machinery: its general
 request cycle, its middleware (proxy headers), the app's router. For the relay's
 requests that machinery was about half of the shim's CPU per request on the benchmark
-machines (docs/history/benchmarks-diary.md, 'Proxy overhead: shim vs direct vs nginx'). :func:`relay_protocol`
+machines. :func:`relay_protocol`
 subclasses the serving protocol class (uvicorn's httptools protocol with the
 connection guard): when a request head under ``/v1/`` is parsed, it builds a
 :class:`~llm_backoff_shim.http.relay_cycle.RelayCycle` and runs the relay on it directly.

@@ -84,10 +84,10 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   sends a shorter budget in ``x-request-timeout-ms`` waits at most that), in a queue of
   ``floor(requests/s at K * batch_wait)``, behind every interactive request. A batch
   caller told a Retry-After is away when a slot frees, and the slot stands idle; one held
-  in the queue takes it at once. On the real vLLM (docs/benchmarks.md, 'Batch held in the
-  shim') the SDK's presets went from 0.94x to 1.46x plain openai's interactive calls within
-  budget through the same shim, and from 1.15x to 1.60x its useful tokens; batch served
-  fell from 99 % to 69 % (plain's from 69 % to 36 %). ``max_queue`` becomes the bound on
+  in the queue takes it at once. On the real vLLM the SDK's presets went from 0.94x to
+  1.46x plain openai's interactive calls within budget through the same shim, and from
+  1.15x to 1.60x its useful tokens; batch served fell from 99 % to 69 % (plain's from 69 %
+  to 36 %). ``max_queue`` becomes the bound on
   both queues together (interactive's plus batch's), and interactive keeps its own bound.
 - ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: the
   mean cost in flight at the knee, :mod:`llm_backoff_shim.lab.calibrate_cost`).
@@ -125,10 +125,9 @@ INTERACTIVE_BUDGET = INTERACTIVE_START_DEADLINE
 #: commonly allows a call.
 BATCH_QUEUE_WAIT = 15.0
 #: The longest Retry-After recommended while batch is held (module docstring). In the
-#: virtual-time model of the real-vLLM comparison (docs/benchmarks.md, 'A hint of at most
-#: 5 s'), slot-time idle while a caller waited went from 8.5 % to 1.7 % for the SDK's presets
-#: (3 s: 0.7 %, 8 s: 1.8 %); below the interactive preset's 2 s, its callers would wait out
-#: every hint instead of failing fast.
+#: virtual-time model of the real-vLLM comparison, slot-time idle while a caller waited went
+#: from 8.5 % to 1.7 % for the SDK's presets (3 s: 0.7 %, 8 s: 1.8 %); below the interactive
+#: preset's 2 s, its callers would wait out every hint instead of failing fast.
 HELD_RETRY_AFTER_MAX = 5.0
 #: How far apart two runs' recommendations may be and still agree: doubt about a level above
 #: the knee within this fraction of it does not lower the confidence (rule 6).

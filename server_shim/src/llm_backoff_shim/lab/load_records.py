@@ -57,7 +57,7 @@ class AttemptRecord:
 
         Not from the head: the HTTP library writes a request's head and body in two writes,
         and under a burst this process's event loop runs other calls between them (up to
-        tens of ms, docs/history/benchmarks-diary.md, 'the 2x time to rejection, split'); a server cannot
+        tens of ms); a server cannot
         answer a request it has not been sent yet."""
         if self.answered is None:
             return None

@@ -304,9 +304,8 @@ async def _within(call: Coroutine[Any, Any, None], seconds: float) -> None:
     Not ``asyncio.wait_for``: on Python 3.11 it runs the call in a task of its own,
     scheduled behind every task ready at that moment, and the call's deadline runs
     meanwhile. In a burst of 200 calls, the time from a call's start to its first attempt
-    reaching the transport was 271 ms (median) with this and 326 ms without
-    (docs/history/benchmarks-diary.md, 'a hint is a reservation'). The rest is the openai client's own
-    work before it sends, interleaved with the other calls'.
+    reaching the transport was 271 ms (median) with this and 326 ms without. The rest is the
+    openai client's own work before it sends, interleaved with the other calls'.
     """
     timeout = getattr(asyncio, "timeout", None)
     if timeout is None:  # Python 3.10: wait_for is all there is

@@ -235,11 +235,11 @@ class Proxy:
 
         Why: under a burst every refusal costs the shim its whole request path (a task, the
         body read and parsed, the ASGI messages), about 0.2 ms of CPU each, and a burst of a
-        few hundred requests then waits tens of ms for its answers (docs/benchmarks.md,
-        'Refusals from the request's head'). A refusal that cannot depend on the body (every slot
-        taken, no place in the class's queue: :meth:`AdmissionController.refuse_at_once`) is
-        decided and written from the head, as a front proxy's connection or rate limit refuses; the serving
-        protocol then reads the body past (relay_protocol.py).
+        few hundred requests then waits tens of ms for its answers. A refusal that cannot
+        depend on the body (every slot taken, no place in the class's queue:
+        :meth:`AdmissionController.refuse_at_once`) is decided and written from the head, as a
+        front proxy's connection or rate limit refuses; the serving protocol then reads the
+        body past (relay_protocol.py).
 
         Anything else takes the usual path, so its answer does not change: a request the
         intake would refuse (:meth:`Intake.head`, the same checks as the usual path's), one whose

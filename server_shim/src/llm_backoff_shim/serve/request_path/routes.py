@@ -1,6 +1,6 @@
 """The route table: what the shim does with each path of vLLM's OpenAI-compatible server.
 
-Every path the shim forwards, or refuses on purpose, is a row of :data:`ROUTES`; docs/shim.md
+Every path the shim forwards, or refuses on purpose, is a row of :data:`ROUTES`; docs/reference.md
 renders the same table (``python -m llm_backoff_shim.serve.request_path.routes`` prints it). A row has a kind:
 
 - ``engine``: the request makes the engine work (generation, pooling, scoring, audio). A
@@ -218,7 +218,7 @@ def stays_under_v1(path: str) -> bool:
 
 
 def render_markdown(rows: Iterable[Route] = ROUTES) -> str:
-    """The table as docs/shim.md shows it."""
+    """The table as docs/reference.md shows it."""
     kinds = {
         Kind.ENGINE: "engine: admitted",
         Kind.PASS: "pass through",
