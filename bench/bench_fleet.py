@@ -35,7 +35,7 @@ conserved** = useful tokens of the fleet / (replicas x one replica's); calls wit
 refusal latency (client side, over refused attempts: through a load balancer, after every
 replica it tried refused); engine tokens wasted (generated for callers who had left); slot-time
 idle while a caller waited; calls refused while a replica had a free slot (the shims' access
-logs); and the earliest-deadline oracle (``oracle_bound.py``) on the same trace, all slots pooled.
+logs); and the earliest-deadline oracle (``bench_admission_model.py``) on the same trace, all slots pooled.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from llm_backoff_shim.lab.procs import (
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
 from llm_backoff_shim.serve.observe.access_log import json_records
-from oracle_bound import schedule
+from bench_admission_model import schedule
 from real_vllm.measures import idle_slot_share
 from real_vllm.mix import chat_scenario
 

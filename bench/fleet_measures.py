@@ -5,7 +5,7 @@
   RNG), so its load is a Poisson process at the fleet's rate / ``n`` with the same mix;
 - **work conserved**: useful tokens of the fleet over ``n`` times those of one replica alone
   under its share of the load (:func:`conservation`), 1.0 when the load balancer loses nothing;
-- **the oracle's bound**: the earliest-deadline-first scheduler of ``oracle_bound.py`` on the
+- **the oracle's bound**: the earliest-deadline-first scheduler of ``bench_admission_model.py`` on the
   same trace, with every request's service time known in advance and all ``n x slots`` slots in
   one pool (:func:`oracle_jobs`): no fleet of ``n`` engines serves more usefully than that pool;
 - **refused while a replica had room**: from the shims' JSON access logs, the calls the fleet
@@ -23,7 +23,7 @@ from datetime import datetime
 from typing import Any
 
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario
-from oracle_bound import Job, job
+from bench_admission_model import Job, job
 
 #: Tokens the simulator counts for a prompt of ``w`` words: 1.3 per word plus the chat template's 4.
 TOKENS_PER_WORD = 1.3
@@ -57,7 +57,7 @@ def prompt_tokens(prompt: str | None) -> int:
 
 
 def oracle_jobs(calls: Iterable[Arrival], shape: EngineShape, scenario: Scenario) -> list[Job]:
-    """The trace as ``oracle_bound.schedule`` takes it: each call's answer length, its slot time on
+    """The trace as ``bench_admission_model.schedule`` takes it: each call's answer length, its slot time on
     the simulator (first token ``ttft`` plus its prompt's prefill after the start, then one token per
     ``itl``) and the latest start that is still useful (its class's TTFT budget and deadline)."""
     jobs = []

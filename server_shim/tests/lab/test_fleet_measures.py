@@ -24,7 +24,7 @@ from fleet_measures import (
     visits,
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals
-from oracle_bound import schedule
+from bench_admission_model import schedule
 
 
 def test_the_split_deals_every_call_once_renumbered_in_time_order() -> None:
