@@ -353,30 +353,8 @@ ARMS = {
     "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets"), False),
     "budgets": Arm("budgets", Setup("llm_backoff + budgets", "shim", "llm_backoff"), True),
 }
-TARGETS = (
-    "single", "nginx", "haproxy", "nginx+hints", "haproxy+hints", "nginx+nostart", "haproxy+nostart",
-)  # fmt: skip
-DEFAULT_TARGETS = TARGETS[:3]
-TARGET_LABELS = {
-    "single": "one replica",
-    "nginx": "nginx fleet",
-    "haproxy": "HAProxy fleet",
-    "nginx+hints": "nginx fleet, shared hints",
-    "haproxy+hints": "HAProxy fleet, shared hints",
-    "nginx+nostart": "nginx fleet, budgets from each shim's arrival",
-    "haproxy+nostart": "HAProxy fleet, budgets from each shim's arrival",
-}
-#: What a fleet target's suffix adds to every shim's flags.
-TARGET_OPTIONS = {
-    "hints": ("--fleet-retry-after",),  # and --redis-url
-    "nostart": ("--request-start-header", "false"),
-}
-
-
-def lb_of(target: str) -> tuple[str, str]:
-    """A fleet target's load balancer and its option (``''``: the recipe as shipped)."""
-    lb, _, option = target.partition("+")
-    return lb, option
+TARGET_LABELS = {"single": "one replica", "nginx": "nginx fleet", "haproxy": "HAProxy fleet"}
+TARGETS = tuple(TARGET_LABELS)
 
 
 # -- CPU of the parts -----------------------------------------------------------------------------
@@ -533,11 +511,7 @@ def drive(
     calls: Sequence[Arrival],
     shape: EngineShape,
     flags: Sequence[str],
-    redis_url: str | None = None,
-    slow: float = 1.0,
 ) -> Driven:
-    """``slow``: the first replica's engine takes this many times as long per token (a fleet of
-    unequal boxes); the others, and one replica alone, as ``shape`` says."""
     replicas = 1 if target == "single" else REPLICAS
     capacity = replicas * shape.capacity_for(scen.workload)
     token_capacity = replicas * shape.token_capacity_for(scen.workload)
@@ -550,27 +524,12 @@ def drive(
             }
             logs = [lambda: servers[1].log_tail(50_000_000)]
         else:
-            lb, option = lb_of(target)
-            hint_flags = [*TARGET_OPTIONS.get(option, ())]
-            if option == "hints":
-                hint_flags += ["--redis-url", redis_url or ""]
-            own_sims = []
-            if slow != 1.0:
-                shapes = [dataclasses.replace(shape, itl=shape.itl * slow), *[shape] * (replicas - 1)]
-                own_sims = [stack.enter_context(sim_server(s.sim_flags())) for s in shapes]
             fleet = stack.enter_context(
-                Fleet(
-                    replicas,
-                    lb,
-                    sim_flags=shape.sim_flags(),
-                    shim_flags=[*flags, *LOG_FLAGS, *hint_flags],
-                    upstreams=[s.url for s in own_sims] or None,
-                )
+                Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS])
             )
             url, engines, shims = fleet.url, fleet.engine_urls, fleet.shim_urls
             parts = {
-                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid]
-                + [e.pid for e in own_sims if e.pid],
+                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid],
                 "shims": [r.shim.pid for r in fleet.replicas if r.shim.pid],
                 "load balancer": [fleet.lb.pid] if fleet.lb is not None and fleet.lb.pid else [],
             }
@@ -628,13 +587,11 @@ def run_cell(
     shape: EngineShape,
     flags: Sequence[str],
     seed: int,
-    redis_url: str | None = None,
-    slow: float = 1.0,
 ) -> tuple[RunResult, Cell]:
     """``traces``: the fleet's trace; for one replica, each part of it it runs alone, in turn."""
     replicas = 1 if target == "single" else REPLICAS
     scen = dataclasses.replace(scen, start_deadline=arm.start_deadline)
-    runs = [drive(target, arm, scen, calls, shape, flags, redis_url, slow) for calls in traces]
+    runs = [drive(target, arm, scen, calls, shape, flags) for calls in traces]
     result = runs[0].result if len(runs) == 1 else side_by_side(runs)
     figs = figures(result)
     refused = with_room = 0
@@ -846,15 +803,7 @@ def save_plot(
 
     arms = list(dict.fromkeys(c.arm for c in cells))
     fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
-    colours = {
-        "single": "tab:grey",
-        "nginx": "tab:green",
-        "haproxy": "tab:blue",
-        "nginx+hints": "tab:olive",
-        "haproxy+hints": "tab:cyan",
-        "nginx+nostart": "tab:orange",
-        "haproxy+nostart": "tab:purple",
-    }
+    colours = {"single": "tab:grey", "nginx": "tab:green", "haproxy": "tab:blue"}
     panels = (
         ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
         (
@@ -943,26 +892,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="plain,presets",
         help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)",
     )
-    add(
-        "--targets",
-        default=",".join(DEFAULT_TARGETS),
-        help=f"comma-separated, of {', '.join(TARGETS)} (default %(default)s); '+hints': the shims "
-        "share each call's hints (--fleet-retry-after) in --redis-url; '+nostart': the shims count "
-        "budgets from their own arrival (--request-start-header false: the stamp ignored)",
-    )
-    add(
-        "--slow-replica",
-        type=float,
-        default=1.0,
-        metavar="FACTOR",
-        help="the fleet's first engine takes FACTOR times as long per token (unequal boxes; "
-        "one replica alone is unchanged, so compare fleets with each other then; default 1)",
-    )
-    add(
-        "--redis-url",
-        default=os.environ.get("LLM_BACKOFF_TEST_REDIS_URL"),
-        help="the Redis the '+hints' targets' shims share (default $LLM_BACKOFF_TEST_REDIS_URL)",
-    )
+    add("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     add(
         "--single-parts",
         type=int,
@@ -984,14 +914,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"bench_fleet: unknown {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    for target in targets:
-        lb, option = lb_of(target)
-        shared = option == "hints"
-        if target != "single" and lb_binary(lb) is None:
+    for lb in targets:
+        if lb != "single" and lb_binary(lb) is None:
             print(f"bench_fleet: {lb} is not installed (apt-get install {lb})", file=sys.stderr)
-            return 2
-        if shared and not args.redis_url:
-            print(f"bench_fleet: {target} needs --redis-url", file=sys.stderr)
             return 2
     duration = args.duration or (8.0 if args.quick else 20.0)
     base = chat_scenario(duration, args.rate_factor)
@@ -1019,9 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arm = ARMS[arm_name]
                 for target in targets:
                     traces = thirds if target == "single" else [fleet_calls]
-                    result, cell = run_cell(
-                        target, arm, base, traces, shape, flags, args.seed, args.redis_url, args.slow_replica
-                    )
+                    result, cell = run_cell(target, arm, base, traces, shape, flags, args.seed)
                     cells.append(cell)
                     if target != "single" and arm_name == arms[-1]:
                         timeline.append((TARGET_LABELS[target], result))
