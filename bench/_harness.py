@@ -372,16 +372,8 @@ async def serve(host: str, port: int) -> None:
 _PATH = b"/v1/chat/completions"
 
 
-def build_request(
-    host: str, *, stream: bool, chunks: int = 0, rate: float = 0.0, max_tokens: int | None = None
-) -> bytes:
-    fields: dict[str, object] = {
-        "model": "bench",
-        "messages": [{"role": "user", "content": "hi"}],
-        "stream": stream,
-    }
-    if max_tokens is not None:  # an engine (the simulator): the answer's length, exactly
-        fields.update(max_tokens=max_tokens, ignore_eos=True)
+def build_request(host: str, *, stream: bool, chunks: int = 0, rate: float = 0.0) -> bytes:
+    fields = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     body = json.dumps(fields, separators=(",", ":")).encode()
     lines = [
         b"POST " + _PATH + b" HTTP/1.1",
@@ -517,10 +509,7 @@ def _percentile(sorted_values: list[int], q: float) -> float:
 async def loadgen(args: argparse.Namespace) -> dict[str, object]:
     host, _, port_text = args.target.partition(":")
     port = int(port_text)
-    if args.mode == "sse" and args.max_tokens is not None:
-        request = build_request(args.target, stream=True, max_tokens=args.max_tokens)
-        conns, expected = args.streams, 0
-    elif args.mode == "sse":
+    if args.mode == "sse":
         request = build_request(args.target, stream=True, chunks=args.chunks, rate=args.rate)
         conns, expected = args.streams, args.chunks + 1
     else:
@@ -641,12 +630,6 @@ def main() -> None:
     load.add_argument("--streams", type=int, default=64)
     load.add_argument("--chunks", type=int, default=400)
     load.add_argument("--rate", type=float, default=200.0, help="events per second per stream")
-    load.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="sse against an engine: ask for this many tokens (ignore_eos) instead of x-bench-chunks",
-    )
     load.add_argument("--conns", type=int, default=1)
     load.add_argument("--status", type=int, default=200, help="http: the status an answer counts with")
     load.add_argument("--warmup", type=float, default=1.0)

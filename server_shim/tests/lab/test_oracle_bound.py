@@ -1,4 +1,4 @@
-"""bench/bench_admission_model.py's oracle: the greedy EDF proxy for the most a scheduler could deliver on a trace."""
+"""bench/bench_admission_model.py's oracle: greedy EDF, the most a scheduler could deliver on a trace."""
 
 from __future__ import annotations
 
