@@ -462,17 +462,17 @@ def _fmt(value: float, spec: str) -> str:
 
 def report(results: Results, targets: tuple[str, ...]) -> str:
     proxies = [t for t in PROXIES if t in targets]
-    paired = "shim" in targets and "nginx" in targets
-    header = "| measure | " + " | ".join(targets) + " |" + (" shim / nginx |" if paired else "")
+    # shim / nginx: the proxy against the reference proxy; shim-log / shim: what the access log costs
+    pairs = [(a, b) for a, b in (("shim", "nginx"), ("shim-log", "shim")) if a in targets and b in targets]
+    header = "| measure | " + " | ".join(targets) + " |" + "".join(f" {a} / {b} |" for a, b in pairs)
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
 
     def row(label: str, values: dict[str, float], spec: str) -> None:
         cells = [_fmt(values.get(t, float("nan")), spec) for t in targets]
-        ratio = ""
-        if paired:
-            shim, nginx = values.get("shim", float("nan")), values.get("nginx", float("nan"))
-            ratio = f" {_fmt(shim / nginx if nginx else float('nan'), '.2f')} |"
-        lines.append(f"| {label} | " + " | ".join(cells) + " |" + ratio)
+        for a, b in pairs:
+            top, bottom = values.get(a, float("nan")), values.get(b, float("nan"))
+            cells.append(_fmt(top / bottom if bottom else float("nan"), ".2f"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     for conns in CONCURRENCIES:
         for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
