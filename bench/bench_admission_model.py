@@ -71,6 +71,7 @@ from llm_backoff_shim.lab.scenario import EngineShape, RequestClass, Scenario, d
 from llm_backoff_shim.lab.workload import CHAT_AND_LONG, prompt_text
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.sim.server import config_from_args, parse_args
 from llm_backoff_shim.testing import ManualClock
 
 # -- the oracle ---------------------------------------------------------------------------------
@@ -521,7 +522,7 @@ def run_mix(args: argparse.Namespace, seeds: list[int]) -> None:
     import scoreboard
     from real_vllm.mix import Budgets, Mix, capacity, mix_trace, oracle
 
-    params = scoreboard.engine_params(scoreboard.FITTED_ENGINE_FLAGS)
+    params = config_from_args(parse_args(shlex.split(scoreboard.FITTED_ENGINE_FLAGS))).engine_params()
     mix = Mix(long_share=0.2, tokens_per_word=1.3)
     budgets = Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=30.0)
     rate = args.rate_factor * capacity(params, mix)[0]
