@@ -31,7 +31,8 @@ batch. Greedy EDF is not optimal under overload, but it never idles a slot while
 request waits and never serves one uselessly. Pure: no clock, no I/O.
 
 ``--mode mix``: the scoreboard's ``mix`` trace (``real_vllm.mix.mix_trace``: 80 % chat with a
-5 s TTFT budget, 20 % prompts of 1.5-3k tokens, batch) at ``--rate-factor`` times the fitted
+5 s TTFT budget, 20 % prompts of 1.5-3k tokens, batch; ``--scenario chat``: 30 % batch of chat's
+lengths) at ``--rate-factor`` times the fitted
 engine model's capacity, through the shim's admission decisions with ``--flags`` (calibrate's on
 the real vLLM; :mod:`llm_backoff_shim.lab.mix_model`, one attempt per call) in front of the
 simulator's engine model with ``scoreboard.FITTED_ENGINE_FLAGS``. Per seed: chat within budget
@@ -523,8 +524,12 @@ def run_mix(args: argparse.Namespace, seeds: list[int]) -> None:
     from real_vllm.mix import Budgets, Mix, capacity, mix_trace, oracle
 
     params = config_from_args(parse_args(shlex.split(scoreboard.FITTED_ENGINE_FLAGS))).engine_params()
-    mix = Mix(long_share=0.2, tokens_per_word=1.3)
-    budgets = Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=30.0)
+    if args.scenario == "chat":  # the scoreboard's short chat beside batch of chat's lengths
+        mix = Mix(long_share=0.3, tokens_per_word=1.3, long_prompts=False)
+        budgets = Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0)
+    else:
+        mix = Mix(long_share=0.2, tokens_per_word=1.3)
+        budgets = Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=30.0)
     rate = args.rate_factor * capacity(params, mix)[0]
     parts = {"chat": CHAT_AND_LONG.part("chat"), "long": CHAT_AND_LONG.part("long")}
     for seed in seeds:
@@ -630,6 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="mix: callers close their stream at their answer's length (as on the wire): the shim learns "
         "no service time and no answer length",
+    )
+    p.add_argument(
+        "--scenario", choices=("mix", "chat"), default="mix", help="mix: 'chat' is short chat beside batch"
     )
     p.add_argument("--detail", action="store_true", help="mix: idle slot-time by the shim's state")
     args = p.parse_args(argv)
