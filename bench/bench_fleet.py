@@ -10,7 +10,7 @@ at ``--rate-factor`` x the fleet's capacity, answers lognormal with median 64 to
 per call), measured side by side in one run, each arm on fresh servers:
 
 - **one replica**: one simulator and its shim, no load balancer, facing a random third of the
-  fleet's calls (``fleet_measures.split_trace``): the per-replica load. It runs each of the
+  fleet's calls (:func:`split_trace`): the per-replica load. It runs each of the
   three thirds in turn, on fresh servers, and the three count together, so the reference is
   the very calls the fleet gets (``--single-parts 1``: one third, and x3);
 - **nginx** / **HAProxy**: ``--replicas`` simulators, a shim each, and the load balancer
@@ -35,12 +35,27 @@ conserved** = useful tokens of the fleet / (replicas x one replica's); calls wit
 refusal latency (client side, over refused attempts: through a load balancer, after every
 replica it tried refused); engine tokens wasted (generated for callers who had left); slot-time
 idle while a caller waited; calls refused while a replica had a free slot (the shims' access
-logs); and the earliest-deadline oracle (``oracle_bound.py``) on the same trace, all slots pooled.
+logs); and the earliest-deadline oracle (``bench_admission_model.py``) on the same trace, all slots pooled.
+
+The figures (pure functions of the records, tested without load):
+
+- **the per-replica trace**: one replica alone faces a random third of the fleet's arrivals
+  (:func:`split_trace`: each call goes to one of ``n`` parts with equal chance, from a seeded
+  RNG), so its load is a Poisson process at the fleet's rate / ``n`` with the same mix;
+- **work conserved**: useful tokens of the fleet over ``n`` times those of one replica alone
+  under its share of the load (:func:`conservation`), 1.0 when the load balancer loses nothing;
+- **the oracle's bound**: the earliest-deadline-first scheduler of ``bench_admission_model.py`` on
+  the same trace, with every request's service time known in advance and all ``n x slots`` slots in
+  one pool (:func:`oracle_jobs`): no fleet of ``n`` engines serves more usefully than that pool;
+- **refused while a replica had room**: from the shims' JSON access logs, the calls the fleet
+  turned away (every replica the load balancer tried refused) at a moment when some replica had
+  fewer than ``slots`` requests in its engine (:func:`refused_with_room`).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import dataclasses
 import json
@@ -51,21 +66,14 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _procs import cpu_seconds
-from fleet_measures import (
-    conservation,
-    oracle_jobs,
-    refused_with_room,
-    requeued_after_wait,
-    split_trace,
-    spread,
-    visits,
-)
+from _harness import cpu_seconds
+from bench_admission_model import Job, job, schedule
 from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
 from llm_backoff_shim.lab.figures import figures
 from llm_backoff_shim.lab.fleet import Fleet
@@ -81,9 +89,247 @@ from llm_backoff_shim.lab.procs import (
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
 from llm_backoff_shim.serve.observe.access_log import json_records
-from oracle_bound import schedule
 from real_vllm.measures import idle_slot_share
 from real_vllm.mix import chat_scenario
+
+# -- the figures (pure: records in, numbers out) ---------------------------------------------
+
+#: Tokens the simulator counts for a prompt of ``w`` words: 1.3 per word plus the chat template's 4.
+TOKENS_PER_WORD = 1.3
+TEMPLATE_TOKENS = 4
+
+
+def split_trace(calls: Sequence[Arrival], parts: int, rng: random.Random) -> list[list[Arrival]]:
+    """``calls`` dealt at random into ``parts`` traces (each call to one part, equal chances),
+    each renumbered from 0 in time order."""
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    dealt: list[list[Arrival]] = [[] for _ in range(parts)]
+    for call in calls:
+        dealt[rng.randrange(parts)].append(call)
+    return [[replace(call, index=i) for i, call in enumerate(part)] for part in dealt]
+
+
+def conservation(fleet_useful: float, single_useful: float, replicas: int) -> float | None:
+    """Useful tokens of the fleet over ``replicas`` x one replica's; None without a reference."""
+    if replicas < 1:
+        raise ValueError("replicas must be >= 1")
+    if single_useful <= 0:
+        return None
+    return fleet_useful / (replicas * single_useful)
+
+
+def prompt_tokens(prompt: str | None) -> int:
+    """The simulator's token count of a prompt (the load generator's fixed prompt when None)."""
+    words = len((prompt or "call 0").split())
+    return round(TOKENS_PER_WORD * words + TEMPLATE_TOKENS)
+
+
+def oracle_jobs(calls: Iterable[Arrival], shape: EngineShape, scenario: Scenario) -> list[Job]:
+    """The trace as ``bench_admission_model.schedule`` takes it: each call's answer length, its slot time on
+    the simulator (first token ``ttft`` plus its prompt's prefill after the start, then one token per
+    ``itl``) and the latest start that is still useful (its class's TTFT budget and deadline)."""
+    jobs = []
+    for call in calls:
+        tokens = call.max_tokens or shape.output_tokens
+        ttft = shape.ttft + prompt_tokens(call.prompt) * shape.prefill_time_per_token
+        jobs.append(
+            job(
+                call.at,
+                tokens,
+                call.cls,
+                ttft=ttft,
+                itl=shape.itl,
+                deadline=scenario.deadline_of(call.cls),
+                ttft_budget=scenario.ttft_budget if call.cls == "interactive" else None,
+            )
+        )
+    return jobs
+
+
+# -- the shims' access logs ---------------------------------------------------------------------
+
+#: Outcomes of a request that held one of the shim's slots (it reached the engine).
+ADMITTED = frozenset({"completed", "client_disconnected", "upstream_error"})
+
+
+@dataclass(frozen=True)
+class Visit:
+    """One request as one shim logged it: arrival and end (wall-clock seconds), when it took a
+    slot (None: it never did), its outcome, rejection code and hint, and the caller's request id."""
+
+    replica: int
+    arrival: float
+    end: float
+    admitted_at: float | None
+    outcome: str
+    code: str | None
+    retry_after: float | None
+    request_id: str | None
+
+
+def _wall(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _seconds(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) / 1000.0 if isinstance(value, (int, float)) else None
+
+
+def visits(replica: int, records: Iterable[dict[str, Any]]) -> list[Visit]:
+    """The generation requests of one shim's parsed JSON access records (others are skipped)."""
+    found = []
+    for r in records:
+        total = _seconds(r, "total_ms")
+        if (
+            not isinstance(r.get("time"), str)
+            or total is None
+            or not str(r.get("path", "")).startswith("/v1/")
+        ):
+            continue
+        end = _wall(r["time"])
+        arrival = end - total
+        outcome = str(r.get("outcome"))
+        admitted = None
+        if outcome in ADMITTED:
+            admitted = arrival + (_seconds(r, "queue_ms") or 0.0)
+        hint = r.get("retry_after_s")
+        found.append(
+            Visit(
+                replica,
+                arrival,
+                end,
+                admitted,
+                outcome,
+                r.get("code"),
+                float(hint) if isinstance(hint, (int, float)) else None,
+                r.get("request_id"),
+            )
+        )
+    return found
+
+
+class Occupancy:
+    """Requests holding a slot of each replica over time, from its admitted visits."""
+
+    def __init__(self, all_visits: Iterable[Visit], replicas: int) -> None:
+        self._starts: list[list[float]] = [[] for _ in range(replicas)]
+        self._ends: list[list[float]] = [[] for _ in range(replicas)]
+        for v in all_visits:
+            if v.admitted_at is not None:
+                self._starts[v.replica].append(v.admitted_at)
+                self._ends[v.replica].append(v.end)
+        for lst in (*self._starts, *self._ends):
+            lst.sort()
+
+    def at(self, replica: int, t: float) -> int:
+        """Requests holding a slot of ``replica`` at ``t`` (taken at or before, not yet ended)."""
+        return bisect.bisect_right(self._starts[replica], t) - bisect.bisect_right(self._ends[replica], t)
+
+
+@dataclass(frozen=True)
+class RefusalsWithRoom:
+    """Calls the fleet refused (every replica tried refused them), and how many of those were
+    refused while some replica had a free slot; ``tries`` how many replicas such a call visited."""
+
+    refused: int
+    with_room: int
+    tries: dict[int, int]
+
+    @property
+    def share(self) -> float | None:
+        return self.with_room / self.refused if self.refused else None
+
+
+def refused_with_room(
+    all_visits: Sequence[Visit], replicas: int, slots: int, *, margin: float = 0.005
+) -> RefusalsWithRoom:
+    """Among the request ids whose every visit was refused, those for which some replica had
+    fewer than ``slots`` requests holding a slot from ``margin`` s before the last refusal's
+    answer to ``margin`` s after (a slot freed for that whole span, not one freeing at the
+    instant). Visits without a request id are left out."""
+    occupancy = Occupancy(all_visits, replicas)
+    by_id: dict[str, list[Visit]] = {}
+    for v in all_visits:
+        if v.request_id:
+            by_id.setdefault(v.request_id, []).append(v)
+    refused = with_room = 0
+    tries: dict[int, int] = {}
+    for group in by_id.values():
+        if any(v.outcome != "rejected" for v in group):
+            continue
+        refused += 1
+        tries[len(group)] = tries.get(len(group), 0) + 1
+        t = max(v.end for v in group)
+        if any(
+            max(occupancy.at(r, t - margin), occupancy.at(r, t), occupancy.at(r, t + margin)) < slots
+            for r in range(replicas)
+        ):
+            with_room += 1
+    return RefusalsWithRoom(refused, with_room, dict(sorted(tries.items())))
+
+
+#: A refusal answered later than this came after a wait in the shim's queue, not at arrival.
+QUEUED_REFUSAL = 0.5
+
+
+@dataclass(frozen=True)
+class Requeued:
+    """Load-balancer attempts sent on to another replica after a replica had queued them and
+    then refused them (a wait of more than :data:`QUEUED_REFUSAL` s): how many, how many of
+    those were then served, and each one's time in the fleet (first arrival to last answer)."""
+
+    count: int
+    served: int
+    spans: list[float]
+
+
+def requeued_after_wait(all_visits: Sequence[Visit]) -> Requeued:
+    """Among the request ids visiting several replicas, those whose visit before the last was a
+    refusal after a queue wait (the load balancer tried again after the shim's wait ran out)."""
+    by_id: dict[str, list[Visit]] = {}
+    for v in all_visits:
+        if v.request_id:
+            by_id.setdefault(v.request_id, []).append(v)
+    count = served = 0
+    spans = []
+    for group in by_id.values():
+        group.sort(key=lambda v: v.arrival)
+        waited = [v for v in group[:-1] if v.outcome == "rejected" and v.end - v.arrival > QUEUED_REFUSAL]
+        if not waited:
+            continue
+        count += 1
+        served += group[-1].outcome != "rejected"
+        spans.append(group[-1].end - group[0].arrival)
+    return Requeued(count, served, sorted(spans))
+
+
+def spread(values: Sequence[float]) -> float | None:
+    """Largest over smallest of ``values`` (1.0 when even); None without a positive smallest."""
+    if not values or min(values) <= 0:
+        return None
+    return max(values) / min(values)
+
+
+__all__ = [
+    "ADMITTED",
+    "Occupancy",
+    "RefusalsWithRoom",
+    "Requeued",
+    "Visit",
+    "conservation",
+    "oracle_jobs",
+    "prompt_tokens",
+    "refused_with_room",
+    "requeued_after_wait",
+    "split_trace",
+    "spread",
+    "visits",
+]
+
+
+# -- the run ----------------------------------------------------------------------------------
 
 REPLICAS = 3
 SLOTS = 8
@@ -107,30 +353,8 @@ ARMS = {
     "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets"), False),
     "budgets": Arm("budgets", Setup("llm_backoff + budgets", "shim", "llm_backoff"), True),
 }
-TARGETS = (
-    "single", "nginx", "haproxy", "nginx+hints", "haproxy+hints", "nginx+nostart", "haproxy+nostart",
-)  # fmt: skip
-DEFAULT_TARGETS = TARGETS[:3]
-TARGET_LABELS = {
-    "single": "one replica",
-    "nginx": "nginx fleet",
-    "haproxy": "HAProxy fleet",
-    "nginx+hints": "nginx fleet, shared hints",
-    "haproxy+hints": "HAProxy fleet, shared hints",
-    "nginx+nostart": "nginx fleet, budgets from each shim's arrival",
-    "haproxy+nostart": "HAProxy fleet, budgets from each shim's arrival",
-}
-#: What a fleet target's suffix adds to every shim's flags.
-TARGET_OPTIONS = {
-    "hints": ("--fleet-retry-after",),  # and --redis-url
-    "nostart": ("--request-start-header", "false"),
-}
-
-
-def lb_of(target: str) -> tuple[str, str]:
-    """A fleet target's load balancer and its option (``''``: the recipe as shipped)."""
-    lb, _, option = target.partition("+")
-    return lb, option
+TARGET_LABELS = {"single": "one replica", "nginx": "nginx fleet", "haproxy": "HAProxy fleet"}
+TARGETS = tuple(TARGET_LABELS)
 
 
 # -- CPU of the parts -----------------------------------------------------------------------------
@@ -287,11 +511,7 @@ def drive(
     calls: Sequence[Arrival],
     shape: EngineShape,
     flags: Sequence[str],
-    redis_url: str | None = None,
-    slow: float = 1.0,
 ) -> Driven:
-    """``slow``: the first replica's engine takes this many times as long per token (a fleet of
-    unequal boxes); the others, and one replica alone, as ``shape`` says."""
     replicas = 1 if target == "single" else REPLICAS
     capacity = replicas * shape.capacity_for(scen.workload)
     token_capacity = replicas * shape.token_capacity_for(scen.workload)
@@ -304,27 +524,12 @@ def drive(
             }
             logs = [lambda: servers[1].log_tail(50_000_000)]
         else:
-            lb, option = lb_of(target)
-            hint_flags = [*TARGET_OPTIONS.get(option, ())]
-            if option == "hints":
-                hint_flags += ["--redis-url", redis_url or ""]
-            own_sims = []
-            if slow != 1.0:
-                shapes = [dataclasses.replace(shape, itl=shape.itl * slow), *[shape] * (replicas - 1)]
-                own_sims = [stack.enter_context(sim_server(s.sim_flags())) for s in shapes]
             fleet = stack.enter_context(
-                Fleet(
-                    replicas,
-                    lb,
-                    sim_flags=shape.sim_flags(),
-                    shim_flags=[*flags, *LOG_FLAGS, *hint_flags],
-                    upstreams=[s.url for s in own_sims] or None,
-                )
+                Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS])
             )
             url, engines, shims = fleet.url, fleet.engine_urls, fleet.shim_urls
             parts = {
-                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid]
-                + [e.pid for e in own_sims if e.pid],
+                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid],
                 "shims": [r.shim.pid for r in fleet.replicas if r.shim.pid],
                 "load balancer": [fleet.lb.pid] if fleet.lb is not None and fleet.lb.pid else [],
             }
@@ -382,13 +587,11 @@ def run_cell(
     shape: EngineShape,
     flags: Sequence[str],
     seed: int,
-    redis_url: str | None = None,
-    slow: float = 1.0,
 ) -> tuple[RunResult, Cell]:
     """``traces``: the fleet's trace; for one replica, each part of it it runs alone, in turn."""
     replicas = 1 if target == "single" else REPLICAS
     scen = dataclasses.replace(scen, start_deadline=arm.start_deadline)
-    runs = [drive(target, arm, scen, calls, shape, flags, redis_url, slow) for calls in traces]
+    runs = [drive(target, arm, scen, calls, shape, flags) for calls in traces]
     result = runs[0].result if len(runs) == 1 else side_by_side(runs)
     figs = figures(result)
     refused = with_room = 0
@@ -600,15 +803,7 @@ def save_plot(
 
     arms = list(dict.fromkeys(c.arm for c in cells))
     fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
-    colours = {
-        "single": "tab:grey",
-        "nginx": "tab:green",
-        "haproxy": "tab:blue",
-        "nginx+hints": "tab:olive",
-        "haproxy+hints": "tab:cyan",
-        "nginx+nostart": "tab:orange",
-        "haproxy+nostart": "tab:purple",
-    }
+    colours = {"single": "tab:grey", "nginx": "tab:green", "haproxy": "tab:blue"}
     panels = (
         ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
         (
@@ -697,26 +892,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="plain,presets",
         help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)",
     )
-    add(
-        "--targets",
-        default=",".join(DEFAULT_TARGETS),
-        help=f"comma-separated, of {', '.join(TARGETS)} (default %(default)s); '+hints': the shims "
-        "share each call's hints (--fleet-retry-after) in --redis-url; '+nostart': the shims count "
-        "budgets from their own arrival (--request-start-header false: the stamp ignored)",
-    )
-    add(
-        "--slow-replica",
-        type=float,
-        default=1.0,
-        metavar="FACTOR",
-        help="the fleet's first engine takes FACTOR times as long per token (unequal boxes; "
-        "one replica alone is unchanged, so compare fleets with each other then; default 1)",
-    )
-    add(
-        "--redis-url",
-        default=os.environ.get("LLM_BACKOFF_TEST_REDIS_URL"),
-        help="the Redis the '+hints' targets' shims share (default $LLM_BACKOFF_TEST_REDIS_URL)",
-    )
+    add("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
     add(
         "--single-parts",
         type=int,
@@ -738,14 +914,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"bench_fleet: unknown {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    for target in targets:
-        lb, option = lb_of(target)
-        shared = option == "hints"
-        if target != "single" and lb_binary(lb) is None:
+    for lb in targets:
+        if lb != "single" and lb_binary(lb) is None:
             print(f"bench_fleet: {lb} is not installed (apt-get install {lb})", file=sys.stderr)
-            return 2
-        if shared and not args.redis_url:
-            print(f"bench_fleet: {target} needs --redis-url", file=sys.stderr)
             return 2
     duration = args.duration or (8.0 if args.quick else 20.0)
     base = chat_scenario(duration, args.rate_factor)
@@ -773,9 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 arm = ARMS[arm_name]
                 for target in targets:
                     traces = thirds if target == "single" else [fleet_calls]
-                    result, cell = run_cell(
-                        target, arm, base, traces, shape, flags, args.seed, args.redis_url, args.slow_replica
-                    )
+                    result, cell = run_cell(target, arm, base, traces, shape, flags, args.seed)
                     cells.append(cell)
                     if target != "single" and arm_name == arms[-1]:
                         timeline.append((TARGET_LABELS[target], result))

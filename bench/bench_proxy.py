@@ -1,18 +1,20 @@
-"""Proxy overhead: the shim vs going direct vs nginx, side by side in one run.
+"""The shim's cost per request on loopback: against going direct, nginx and a minimal relay.
 
     .venv/bin/python bench/bench_proxy.py            # full run, about 3 minutes
     .venv/bin/python bench/bench_proxy.py --quick    # one short round of everything, about 1 minute
+    .venv/bin/python bench/bench_proxy.py --targets shim,shim-log,relay   # what the access log costs
+    .venv/bin/python bench/bench_proxy.py --mode refusals [--quick]       # what a refusal costs
 
-Processes, all on 127.0.0.1:
+Processes, all on 127.0.0.1 (``_harness.py``):
 
-- a fast fake engine (``_fast_upstream.py``: fixed JSON at once, or paced SSE);
+- a fast fake engine (fixed JSON at once, or paced SSE);
 - the shim (``llm-backoff-shim serve --max-concurrency 1000 --max-queue 1000``, so
-  admission never rejects), nginx (``proxy_pass``, ``proxy_buffering off``,
-  upstream keep-alive, one worker) and "relay", the issue's reference for requests/s
-  (the minimal uvicorn + aiohttp relay of ``bench_upstream_clients.py``), all pinned
-  to CPU 1 with taskset;
+  admission never rejects), ``shim-log`` (the same with its access log on, lines to a file),
+  nginx (``proxy_pass``, ``proxy_buffering off``, upstream keep-alive, one worker) and
+  "relay", the reference for requests/s (a minimal uvicorn + aiohttp relay), all
+  pinned to CPU 1 with taskset;
 - the load generator: ``wrk`` (Debian package ``wrk``) for the request phases when
-  installed, else ``_loadgen.py http``; always ``_loadgen.py sse`` for streams. It and
+  installed, else the harness's ``loadgen http``; always ``loadgen sse`` for streams. It and
   the fake engine share CPU 0.
 
 Measured for every target (direct = load generator straight to the engine), with the
@@ -29,51 +31,51 @@ Proxy CPU is utime+stime from /proc/<pid>/stat (nginx: master + worker) over the
 measuring window. The shared machines have 2 cores and other users: unless
 ``--nice 0``, every process of the run gets a raised scheduling priority (its own
 autogroup at nice -10, needs root) so neighbours disturb the figures less.
+
+``--mode refusals``: CPU per refusal, the same measuring loop at 32 connections. The shim (one
+slot held by a request its upstream never answers, no queue: every answer a 429 ``queue_full``)
+with its access log on and off, against the harness's ``app429`` (an ASGI app answering 429
+without reading the body, on the same server: uvicorn, uvloop, httptools) with uvicorn's access
+log off and on. Targets: a refusal with the log on within 2.5x the 429 app's CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import _procs
+import _harness as harness
 
 HERE = Path(__file__).resolve().parent
 PROXY_CPU = 1
 LOAD_CPU = 0
 CONCURRENCIES = (1, 16, 64)
-TARGETS = ("direct", "shim", "nginx", "relay")
-PROXIES = ("shim", "nginx", "relay")
+TARGETS = ("direct", "shim", "shim-log", "nginx", "relay")
+PROXIES = ("shim", "shim-log", "nginx", "relay")
+DEFAULT_TARGETS = ("direct", "shim", "nginx", "relay")
+REFUSERS = ("shim log on", "shim log off", "429 app", "429 app + uvicorn log")
 SSE_STREAMS = 64
 SSE_MAX_RATE = 1000.0  # events/s per stream: 64,000/s offered, more than any target relays
 SSE_MAX_CHUNKS = 2000
 TOKEN_RATE = 200.0
 TOKEN_CHUNKS = 400  # 2 s streams, then a new request on the same connection
 
-#: The issue's targets for the shim on one core.
-TARGET_ADDED_P50_MS = 0.5
-TARGET_ADDED_P99_MS = 1.0
-TARGET_RPS = 5000.0
-TARGET_CHUNKS_PER_S = 30000.0
-TARGET_STREAM_CORES = 0.35
-#: nginx as the issue measured it, to scale the targets to the machine at hand.
-REFERENCE_NGINX_ADDED_P50_MS = 0.16
-REFERENCE_NGINX_STREAM_CORES = 0.15
-#: The issue's own reference for requests/s: a minimal streaming relay (raw ASGI on uvicorn +
-#: uvloop + httptools, aiohttp upstream, one core) "served about 6,300 req/s at 64 concurrent".
-#: The same relay runs here as the target "relay" (``bench_upstream_clients.py --role aiohttp``).
-REFERENCE_RELAY_RPS = 6300.0
+#: A refusal with the shim's access log on, at most this many times the 429 app's CPU.
+TARGET_REFUSAL_VS_429 = 2.5
 
 _REQUEST_BODY = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
 _WRK_SCRIPT = (
@@ -165,20 +167,26 @@ class Runner:
 
     def _popen(self, argv: list[str]) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [*_procs.pin_prefix(LOAD_CPU), *argv],
+            [*harness.pin_prefix(LOAD_CPU), *argv],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
         )
         if self.nice is not None:
-            _procs.boost(proc.pid, self.nice)
+            harness.boost(proc.pid, self.nice)
         return proc
 
     def http(
-        self, target: str, address: str, conns: int, seconds: float, cpu: Callable[[], float] | None
+        self,
+        target: str,
+        address: str,
+        conns: int,
+        seconds: float,
+        cpu: Callable[[], float] | None,
+        status: int = 200,
     ) -> HttpRun:
-        if self.loadgen == "wrk":
+        if self.loadgen == "wrk" and status == 200:
             argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "-s", str(self.wrk_script)]
             before = cpu() if cpu else 0.0
             proc = self._popen([*argv, f"http://{address}/v1/chat/completions"])
@@ -195,8 +203,18 @@ class Runner:
                 int(data["errors"]),
                 after - before if cpu else None,
             )
-        argv = [sys.executable, str(HERE / "_loadgen.py"), "http", "--target", address, "--conns", str(conns)]
-        data, cpu_s = self._marked([*argv, "--warmup", "0.5", "--window", f"{seconds:g}"], seconds, cpu)
+        argv = [sys.executable, str(HERE / "_harness.py"), "loadgen", "http", "--target", address]
+        argv += [
+            "--conns",
+            str(conns),
+            "--status",
+            str(status),
+            "--warmup",
+            "0.5",
+            "--window",
+            f"{seconds:g}",
+        ]
+        data, cpu_s = self._marked(argv, seconds, cpu)
         return HttpRun(
             target,
             conns,
@@ -221,7 +239,8 @@ class Runner:
     ) -> SseRun:
         argv = [
             sys.executable,
-            str(HERE / "_loadgen.py"),
+            str(HERE / "_harness.py"),
+            "loadgen",
             "sse",
             "--target",
             address,
@@ -251,7 +270,7 @@ class Runner:
     def _marked(
         self, argv: list[str], seconds: float, cpu: Callable[[], float] | None
     ) -> tuple[dict[str, float], float | None]:
-        """Run a ``_loadgen.py`` and read the proxy's CPU at its start and end marks."""
+        """Run the harness's ``loadgen`` and read the proxy's CPU at its start and end marks."""
         proc = self._popen(argv)
         assert proc.stdout is not None
         before = after = 0.0
@@ -290,7 +309,7 @@ class Target:
     cpu: Callable[[], float] | None
 
 
-def _shim_argv(port: int, upstream: str) -> list[str]:
+def _shim_argv(port: int, upstream: str, *flags: str) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -302,10 +321,7 @@ def _shim_argv(port: int, upstream: str) -> list[str]:
         "127.0.0.1",
         "--port",
         str(port),
-        "--max-concurrency",
-        "1000",
-        "--max-queue",
-        "1000",
+        *(flags or ("--max-concurrency", "1000", "--max-queue", "1000")),
         "--log-level",
         "warning",
     ]
@@ -314,10 +330,10 @@ def _shim_argv(port: int, upstream: str) -> list[str]:
 @contextlib.contextmanager
 def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterator[dict[str, Target]]:
     """The fake engine and the proxies in ``wanted``, running until the block ends."""
-    up_port = _procs.free_port()
-    upstream = _procs.Child(
+    up_port = harness.free_port()
+    upstream = harness.Child(
         "fake engine",
-        [sys.executable, str(HERE / "_fast_upstream.py"), "--port", str(up_port)],
+        [sys.executable, str(HERE / "_harness.py"), "upstream", "--port", str(up_port)],
         up_port,
         cpu=LOAD_CPU,
         nice=nice,
@@ -325,30 +341,26 @@ def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterato
     with contextlib.ExitStack() as stack:
         children = [stack.enter_context(upstream)]
         targets = {"direct": Target("direct", upstream.address, None)}
-        if "shim" in wanted:
-            port = _procs.free_port()
-            shim = _procs.Child("shim", _shim_argv(port, upstream.address), port, cpu=PROXY_CPU, nice=nice)
-            children.append(stack.enter_context(shim))
-            targets["shim"] = Target("shim", shim.address, shim.cpu)
+        for name in ("shim", "shim-log"):
+            if name in wanted:
+                port = harness.free_port()
+                argv = _shim_argv(port, upstream.address)
+                if name == "shim-log":
+                    argv = [*argv, "--log-level", "info", "--access-log", "true"]
+                shim = harness.Child(name, argv, port, cpu=PROXY_CPU, nice=nice)
+                children.append(stack.enter_context(shim))
+                targets[name] = Target(name, shim.address, shim.cpu)
         if "nginx" in wanted:
-            port = _procs.free_port()
-            config = _procs.nginx_config(workdir, port, upstream.address)
-            nginx = _procs.Child("nginx", _procs.nginx_argv(config), port, cpu=PROXY_CPU, nice=nice)
+            port = harness.free_port()
+            config = harness.nginx_config(workdir, port, upstream.address)
+            nginx = harness.Child("nginx", harness.nginx_argv(config), port, cpu=PROXY_CPU, nice=nice)
             children.append(stack.enter_context(nginx))
             targets["nginx"] = Target("nginx", nginx.address, nginx.cpu)
         if "relay" in wanted:
-            port = _procs.free_port()
-            argv = [
-                sys.executable,
-                str(HERE / "bench_upstream_clients.py"),
-                "--role",
-                "aiohttp",
-                "--port",
-                str(port),
-                "--upstream",
-                f"http://{upstream.address}",
-            ]
-            relay = _procs.Child("reference relay", argv, port, cpu=PROXY_CPU, nice=nice)
+            port = harness.free_port()
+            argv = [sys.executable, str(HERE / "_harness.py"), "relay", "--port", str(port)]
+            argv += ["--upstream", f"http://{upstream.address}"]
+            relay = harness.Child("reference relay", argv, port, cpu=PROXY_CPU, nice=nice)
             children.append(stack.enter_context(relay))
             targets["relay"] = Target("relay", relay.address, relay.cpu)
         if nice is not None and not all(child.boosted for child in children):
@@ -450,17 +462,17 @@ def _fmt(value: float, spec: str) -> str:
 
 def report(results: Results, targets: tuple[str, ...]) -> str:
     proxies = [t for t in PROXIES if t in targets]
-    paired = "shim" in targets and "nginx" in targets
-    header = "| measure | " + " | ".join(targets) + " |" + (" shim / nginx |" if paired else "")
+    # shim / nginx: the proxy against the reference proxy; shim-log / shim: what the access log costs
+    pairs = [(a, b) for a, b in (("shim", "nginx"), ("shim-log", "shim")) if a in targets and b in targets]
+    header = "| measure | " + " | ".join(targets) + " |" + "".join(f" {a} / {b} |" for a, b in pairs)
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
 
     def row(label: str, values: dict[str, float], spec: str) -> None:
         cells = [_fmt(values.get(t, float("nan")), spec) for t in targets]
-        ratio = ""
-        if paired:
-            shim, nginx = values.get("shim", float("nan")), values.get("nginx", float("nan"))
-            ratio = f" {_fmt(shim / nginx if nginx else float('nan'), '.2f')} |"
-        lines.append(f"| {label} | " + " | ".join(cells) + " |" + ratio)
+        for a, b in pairs:
+            top, bottom = values.get(a, float("nan")), values.get(b, float("nan"))
+            cells.append(_fmt(top / bottom if bottom else float("nan"), ".2f"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     for conns in CONCURRENCIES:
         for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
@@ -516,87 +528,120 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
     errors = sum(r.errors for r in results.http) + sum(s.errors for s in results.sse)
     lines.append("")
     lines.append(f"errors (non-200, incomplete streams, socket errors) over the whole run: {errors}")
-    if "shim" in targets:
-        lines.append("")
-        lines.append(targets_verdict(results))
     return "\n".join(lines)
 
 
-def targets_verdict(results: Results) -> str:
-    """The issue's targets, as written and scaled by how this machine's nginx compares with the issue's.
+# ---------------------------------------------------------------------------------------
+# --mode refusals
+# ---------------------------------------------------------------------------------------
+class HoldingUpstream:
+    """An upstream that reads requests and never answers: whatever reaches it holds its slot."""
 
-    The issue measured nginx at +0.16 ms p50 and 0.15 core for the 64 streams; the ratio of
-    this run's nginx to those figures (latency for the latency targets, CPU for the others)
-    says how much slower this machine is, so the scaled column asks the shim for the same
-    margin over nginx that the issue asks for. The issue set its requests/s target beside its
-    own measurement of a minimal aiohttp relay (6,300 req/s); that relay runs here too, and a
-    second requests/s row scales the target by it: the same ratio to that relay.
-    """
-    capacity = _sse(results, "shim", "max", "events_per_s")
-    latency_scale = _added(results, "nginx", 1, "p50_ms") / REFERENCE_NGINX_ADDED_P50_MS
-    cpu_scale = _sse(results, "nginx", "200tok", "cores") / REFERENCE_NGINX_STREAM_CORES
-    relay_scale = _http(results, "relay", 64, "rps") / REFERENCE_RELAY_RPS
-    checks = [
-        (
-            "added p50 at 1 conc. (ms)",
-            _added(results, "shim", 1, "p50_ms"),
-            TARGET_ADDED_P50_MS,
-            latency_scale,
-            "<=",
-        ),
-        (
-            "added p99 at 1 conc. (ms)",
-            _added(results, "shim", 1, "p99_ms"),
-            TARGET_ADDED_P99_MS,
-            latency_scale,
-            "<=",
-        ),
-        ("requests/s at 64 conc.", _http(results, "shim", 64, "rps"), TARGET_RPS, 1 / cpu_scale, ">="),
-        (
-            "requests/s at 64 conc., scaled by the reference relay",
-            _http(results, "shim", 64, "rps"),
-            TARGET_RPS,
-            relay_scale,
-            ">=",
-        ),
-        ("SSE events/s relayed (64 streams flat out)", capacity, TARGET_CHUNKS_PER_S, 1 / cpu_scale, ">="),
-        (
-            "cores for 64 streams at 200 tokens/s",
-            _sse(results, "shim", "200tok", "cores"),
-            TARGET_STREAM_CORES,
-            cpu_scale,
-            "<=",
-        ),
-    ]
-    out = [
-        "| shim target | measured | issue's target | met | target scaled to this machine | met |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for label, value, limit, scale, op in checks:
-        scaled = limit * scale
+    def __init__(self) -> None:
+        self.port = harness.free_port()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
-        def met(bound: float, value: float = value, op: str = op) -> str:
-            if value != value or bound != bound:
-                return "n/a"
-            return "yes" if (value <= bound if op == "<=" else value >= bound) else "NO"
+    async def _serve(self) -> asyncio.AbstractServer:
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await reader.read(65536):
+                pass
+            writer.close()
 
-        spec = ",.0f" if limit >= 100 else ".3f"
-        out.append(
-            f"| {label} | {_fmt(value, spec)} | {op} {_fmt(limit, spec)} | {met(limit)} "
-            f"| {op} {_fmt(scaled, spec)} | {met(scaled)} |"
-        )
-    out.append("")
-    out.append(
-        f"scales: latency x{_fmt(latency_scale, '.2f')} (this run's nginx added p50 / 0.16 ms), "
-        f"CPU x{_fmt(cpu_scale, '.2f')} (this run's nginx cores for 64 streams / 0.15); "
-        f"the second requests/s row x{_fmt(relay_scale, '.2f')} (this run's reference relay at 64 "
-        f"conc. / the issue's 6,300 req/s for the same relay)"
+        return await asyncio.start_server(hold, "127.0.0.1", self.port)
+
+    def __enter__(self) -> HoldingUpstream:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(5)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+def _hold_slot(child: harness.Child) -> socket.socket:
+    """Take the shim's one slot with a request its upstream never answers."""
+    body = _REQUEST_BODY.encode()
+    holder = socket.create_connection(("127.0.0.1", child.port), timeout=10)
+    holder.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: shim\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(body), body)
     )
-    return "\n".join(out)
+    time.sleep(0.5)
+    return holder
+
+
+@contextlib.contextmanager
+def refusers(nice: int | None) -> Iterator[dict[str, harness.Child]]:
+    with HoldingUpstream() as upstream, contextlib.ExitStack() as stack:
+        held = ("--max-concurrency", "1", "--max-queue", "0")
+        children = {}
+        for name, log in (("shim log on", "true"), ("shim log off", "false")):
+            port = harness.free_port()
+            argv = _shim_argv(port, f"127.0.0.1:{upstream.port}", *held)
+            argv += ["--log-level", "info" if log == "true" else "warning", "--access-log", log]
+            children[name] = harness.Child(name, argv, port, cpu=PROXY_CPU, nice=nice)
+        for name, flags in (("429 app", []), ("429 app + uvicorn log", ["--access-log"])):
+            port = harness.free_port()
+            argv = [sys.executable, str(HERE / "_harness.py"), "app429", "--port", str(port), *flags]
+            children[name] = harness.Child(name, argv, port, cpu=PROXY_CPU, nice=nice)
+        for name, child in children.items():
+            stack.enter_context(child)
+            if name.startswith("shim"):
+                stack.callback(_hold_slot(child).close)
+        yield children
+
+
+def run_refusals(args: argparse.Namespace) -> list[HttpRun]:
+    nice = None if args.nice == 0 else args.nice
+    runs: list[HttpRun] = []
+    with tempfile.TemporaryDirectory(prefix="bench-refusals-") as tmp, refusers(nice) as children:
+        runner = Runner(Path(tmp), nice=nice, loadgen=args.loadgen)
+        for name, child in children.items():
+            runner.http(name, child.address, 32, 1.0, None, status=429)  # warm-up
+        for rnd in range(args.rounds):
+            for name in rotated(REFUSERS, rnd):
+                child = children[name]
+                r = runner.http(name, child.address, 32, args.seconds, child.cpu, status=429)
+                runs.append(r)
+                print(
+                    f"round {rnd + 1} {name:<22} {r.rps:9,.0f} refusals/s  p99 {r.p99_ms:6.3f} ms  "
+                    f"{r.cpu_us_per_request:6.1f} us of CPU each  errors {r.errors}",
+                    flush=True,
+                )
+    return runs
+
+
+def refusals_report(runs: list[HttpRun]) -> str:
+    lines = ["| server | refusals/s | p99 (ms) | CPU per refusal (µs) |", "| --- | ---: | ---: | ---: |"]
+    for name in REFUSERS:
+        mine = [r for r in runs if r.target == name]
+        cpu = _median([v for r in mine if (v := r.cpu_us_per_request) is not None])
+        rps, p99 = _median([r.rps for r in mine]), _median([r.p99_ms for r in mine])
+        lines.append(f"| {name} | {rps:,.0f} | {p99:.3f} | {cpu:.1f} |")
+    lines += [
+        "",
+        "| ratio of CPU per refusal (same round, median) | measured | target | met |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    # runs hold the rounds one after another, each with every refuser once
+    size = len(REFUSERS)
+    cells = [
+        {r.target: r.cpu_us_per_request or 0.0 for r in runs[k : k + size]} for k in range(0, len(runs), size)
+    ]
+    for bottom in ("429 app", "429 app + uvicorn log"):
+        per_round = [cell["shim log on"] / cell[bottom] for cell in cells if cell.get(bottom)]
+        ratio = _median(per_round)
+        met = "yes" if ratio <= TARGET_REFUSAL_VS_429 else "NO"
+        lines.append(f"| shim log on / {bottom} | {ratio:.2f} | <= {TARGET_REFUSAL_VS_429:g} | {met} |")
+    return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mode", choices=("overhead", "refusals"), default="overhead")
     parser.add_argument("--quick", action="store_true", help="one round of 2 s windows (a smoke run)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per measure (default 3)")
     parser.add_argument(
@@ -612,17 +657,22 @@ def main() -> int:
         help="request-phase load generator (default: wrk when installed)",
     )
     parser.add_argument(
-        "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
+        "--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every run's raw figures here")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (2.0 if args.quick else 4.0)
     args.targets = tuple(t for t in TARGETS if t in args.targets.split(","))
-    if "nginx" in args.targets and not Path(_procs.NGINX).exists():
-        print(f"{_procs.NGINX} not found: install nginx or pass --targets direct,shim", file=sys.stderr)
+    if args.mode == "overhead" and "nginx" in args.targets and not Path(harness.NGINX).exists():
+        print(f"{harness.NGINX} not found: install nginx or pass --targets direct,shim", file=sys.stderr)
         return 2
-    pinned = bool(_procs.pin_prefix(PROXY_CPU))
+    if args.mode == "refusals":
+        refusals = run_refusals(args)
+        print()
+        print(refusals_report(refusals))
+        return 0
+    pinned = bool(harness.pin_prefix(PROXY_CPU))
     print(
         f"load generator: {args.loadgen}; proxies pinned to CPU {PROXY_CPU}: {'yes' if pinned else 'no'}; "
         f"{args.rounds} round(s) of {args.seconds:g} s windows; nice {args.nice}; {os.cpu_count()} CPUs",

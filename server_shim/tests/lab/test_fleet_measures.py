@@ -1,4 +1,4 @@
-"""bench/fleet_measures.py: the fleet benchmark's trace split, work-conserved ratio, oracle trace
+"""bench/bench_fleet.py's figures: the fleet benchmark's trace split, work-conserved ratio, oracle trace
 and refusals while a replica had room (pure, no load)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
 
-from fleet_measures import (
+from bench_admission_model import schedule
+from bench_fleet import (
     Visit,
     conservation,
     oracle_jobs,
@@ -24,7 +25,6 @@ from fleet_measures import (
     visits,
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals
-from oracle_bound import schedule
 
 
 def test_the_split_deals_every_call_once_renumbered_in_time_order() -> None:

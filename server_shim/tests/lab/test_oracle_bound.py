@@ -1,4 +1,4 @@
-"""bench/oracle_bound.py: the greedy EDF proxy for the most a scheduler could deliver on a trace."""
+"""bench/bench_admission_model.py's oracle: greedy EDF, the most a scheduler could deliver on a trace."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 def load_oracle() -> ModuleType:
     bench = Path(__file__).resolve().parents[3] / "bench"
     sys.path.insert(0, str(bench))  # its own imports live beside it
-    spec = importlib.util.spec_from_file_location("oracle_bound", bench / "oracle_bound.py")
+    spec = importlib.util.spec_from_file_location("bench_admission_model", bench / "bench_admission_model.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["oracle_bound"] = module
+    sys.modules["bench_admission_model"] = module
     spec.loader.exec_module(module)
     return module
 
