@@ -23,7 +23,7 @@ the class's recent answers, capped by the request's own ``max_tokens``.
   and before as many answers of any class, by the caller's prior (the cost budget's: one
   slot's share of it, :mod:`~llm_backoff_shim.decide.pricing`). The client's ``max_tokens`` is
   never the prior: a request saying 4096 is not priced at 4096. Measured in virtual time
-  (``bench/bench_cost_budget.py``, a burst of 60 long prompts at once beside chat): a
+  (bench/bench_cost_budget.py at 658ce04, a burst of 60 long prompts at once beside chat): a
   class's first answers priced at the prior alone let the burst's prompts in unweighed by
   their answers.
 

@@ -71,7 +71,7 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   a request admitted after waiting that long still gets its first token within the caller's
   budget. Not ``S - TTFT_p99(K)``: the SLO judges the engine (where the knee is); the queue
   serves callers, and in the virtual-time model of the real-vLLM comparison (2.5x capacity,
-  70 % interactive, 5 s budget, ``bench/bench_interactive_queue.py``) the SDK's presets got
+  70 % interactive, 5 s budget, ``bench/bench_interactive_queue.py`` at 658ce04) the SDK's presets got
   313 chat calls within budget with a 4.5 s wait against 288 at 0.9 s and 197 at 0.18 s
   (the two SLO-headroom waits of issue #36), plain-openai-like callers 248, 238 and 214. An
   SDK caller sends its budget (``x-request-timeout-ms``) and the shim caps its wait by it;

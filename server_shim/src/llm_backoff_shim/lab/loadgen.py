@@ -332,7 +332,7 @@ def _heap_frozen() -> Iterator[None]:
     the cyclic GC's passes while the load runs, as the shim does at start-up (``serve.tune_gc``).
 
     Why: a full collection walked all of it, 34-88 ms per pass (``gc.callbacks``, a 1.2x run
-    of bench/bench_overload.py), during which no answer was read and every call in flight was
+    of bench/bench_overload.py at 658ce04), during which no answer was read and every call in flight was
     timed that much slower: the load generator's own pause, not the server's. Unfrozen after,
     so what the run left behind can be collected later.
     """

@@ -2,7 +2,7 @@
 callers that make ``llm_backoff``'s real retry decisions, on an engine with a fixed
 service time and no network.
 
-Why: a real run of the burst of 200 (``bench/bench_overload.py``) takes 40 s of wall
+Why: a real run of the burst of 200 (bench/bench_overload.py at 658ce04) takes 40 s of wall
 time on two cores, and its success count moves by 2-3 between runs of the same code, so
 a change to admission worth one or two successes cannot be told from noise without an
 hour of runs. Here the same :class:`~llm_backoff_shim.decide.admission.AdmissionController`

@@ -3,7 +3,8 @@
 Proxied requests go through :class:`~llm_backoff_shim.http.upstream_http.UpstreamPool`, a lean
 HTTP/1.1 client written for the relay (its docstring says why, with the measurement).
 Readiness probes and engine-metrics scrapes, a few requests a second at most, use
-aiohttp (chosen by bench/bench_upstream_clients.py among httpx, httpx2 and aiohttp).
+aiohttp (measured the cheapest per request among httpx, httpx2 and aiohttp on loopback;
+the comparison is in git history, bench/bench_upstream_clients.py at 658ce04).
 
 Defaults of general-purpose clients that do not fit LLM traffic, and what we set (the
 relay's pool follows the same rules):
