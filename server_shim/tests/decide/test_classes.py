@@ -608,6 +608,27 @@ def test_a_reservation_is_not_lent_to_a_request_that_may_hold_it_past_the_budget
     assert submit(c, "interactive").state is TicketState.ADMITTED  # the slot was kept
 
 
+@pytest.mark.parametrize("max_tokens", [4096, None], ids=["4096", "unnamed"])
+def test_once_answers_are_learned_a_request_is_lent_by_its_expected_answer(
+    reserving: Reserving, max_tokens: int | None
+) -> None:
+    # Clients ask for 4096 tokens or name none; this engine's batch answers are 120 tokens. Judged
+    # by max_tokens no request is ever lent the reserved slot (2 of 8 idle while batch waits);
+    # judged by its answers, one 1.2 s answer gives it back within the 2 s budget.
+    c, clock = reserving(4, interactive=2.0)
+    for _ in range(16):  # answer_length.MIN_ANSWERS answers of 120 tokens at 100 a second
+        ticket = batch(c, 4096)
+        clock.advance(1.2)
+        c.release(ticket, Outcome.COMPLETED, answer_tokens=120)
+    assert c.estimator.token_rate == pytest.approx(100.0)
+    assert c.expected_answer(AdmissionRequest("batch", max_tokens=max_tokens)) == 120
+    [batch(c, max_tokens) for _ in range(3)]
+    assert batch(c, max_tokens).state is TicketState.ADMITTED
+    assert c.in_flight("batch") == 4
+    # Its own max_tokens still caps what is expected of it.
+    assert c.expected_answer(AdmissionRequest("batch", max_tokens=50)) == 50
+
+
 def test_a_queued_short_request_takes_the_reservation_when_a_slot_frees(reserving: Reserving) -> None:
     c, clock = reserving(4, interactive=2.0)
     measured_at_100_tokens_a_second(c, clock)

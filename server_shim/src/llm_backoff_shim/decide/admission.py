@@ -75,6 +75,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
+from llm_backoff_shim.decide.answer_length import AnswerLengths
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.placement import Placement
@@ -134,10 +135,14 @@ class AdmissionController:
         self._returning_first = returning_first
         self._limit = limit
         self._budget = token_budget
-        #: What the budget counts for a request, learned from the answers released (None
-        #: without a budget: nothing is priced).
+        #: This engine's answer lengths per class, learned from the answers released: what the
+        #: cost budget prices an answer at, and how long a lent slot is expected to be held.
+        self.answers = AnswerLengths(names, clock)
+        #: What the budget counts for a request (None without a budget: nothing is priced).
         self.pricing = (
-            None if token_budget is None else Pricing(token_budget, names, clock, lambda: self._limit.limit)
+            None
+            if token_budget is None
+            else Pricing(token_budget, names, clock, lambda: self._limit.limit, self.answers)
         )
         # The classes whose cost a request of each class counts against the budget: its own
         # and those above it (module docstring); the lowest class counts every class's.
@@ -235,9 +240,9 @@ class AdmissionController:
 
     def next_run(self, cls: str) -> float | None:
         """Seconds the request of ``cls`` that would take the next slot (its queue's head, or the
-        newcomer offered a free slot) is expected to hold it: its ``max_tokens`` at the measured
-        token rate (:meth:`DrainEstimator.run_time`). None when there is none, it does not say
-        how long its answer may be, or no token rate was measured yet."""
+        newcomer offered a free slot) is expected to hold it: its :meth:`expected_answer` at the
+        measured token rate (:meth:`DrainEstimator.run_time`). None when there is none, nothing
+        tells how long its answer will be, or no token rate was measured yet."""
         offer = self._offer
         queue = self._queues.lists[cls]
         if offer is not None and offer.cls == cls:
@@ -246,7 +251,20 @@ class AdmissionController:
             request = queue[0].request
         else:
             return None
-        return self._estimator.run_time(request.max_tokens)
+        return self._estimator.run_time(self.expected_answer(request))
+
+    def expected_answer(self, request: AdmissionRequest) -> int | None:
+        """The answer tokens ``request`` is expected to take: its class's recent answers (else
+        every class's) as :class:`AnswerLengths` prices them, capped by its ``max_tokens``; its
+        ``max_tokens`` while nothing was learned; None when neither is known. Not ``max_tokens``
+        alone: clients set it high (4096) or leave it out, and so priced no answer ever fits."""
+        answers = self.answers
+        learned = answers.learned(request.cls)
+        if learned is None:
+            learned = answers.learned_overall()
+        if learned is None:
+            return request.max_tokens
+        return learned if request.max_tokens is None else min(learned, request.max_tokens)
 
     def head_waited(self, cls: str) -> float:
         """Share of its queue wait (arrival to deadline) the head of ``cls``'s queue has spent:
@@ -471,8 +489,8 @@ class AdmissionController:
         service_time = self._clock() - ticket.admitted_at
         learned = outcome in _SERVED
         if learned:
-            if answer_tokens is not None and self.pricing is not None:
-                self.pricing.observe(ticket.cls, answer_tokens)
+            if answer_tokens is not None:
+                self.answers.observe(ticket.cls, answer_tokens)
             self._estimator.observe_completion(ticket.cls, service_time)
             tokens = answer_tokens if answer_tokens is not None else ticket.request.max_tokens
             if tokens is not None:

@@ -37,11 +37,12 @@ When a slot frees and several classes have queued requests:
    Work conservation wins over the reservation in one more case: while the class has
    nobody queued and nobody promised a return, its unused reserved slots are lent to a
    lower-class request that gives the slot back within the class's longest queue wait
-   (its TTFT budget: the controller folds ``--ttft-slo`` into it): one whose
-   ``max_tokens`` at the measured token rate
-   (:meth:`~llm_backoff_shim.decide.view.AdmissionView.next_run`) ends within it. A request
-   of the class arriving meanwhile waits for that slot at most its budget. A request that
-   does not say how long its answer may be is never lent a slot this way.
+   (its TTFT budget: the controller folds ``--ttft-slo`` into it): one whose expected answer
+   (its class's recent answers as the cost budget prices them, capped by its ``max_tokens``)
+   at the measured token rate (:meth:`~llm_backoff_shim.decide.view.AdmissionView.next_run`)
+   ends within it. A request of the class arriving meanwhile waits for that slot at most its
+   budget. Before any answer was learned, a request is judged by its ``max_tokens``, and one
+   that names none is not lent a slot this way.
 4. **Holds.** A predicate (``hold(cls)``) may keep a class from taking new slots at
    all: engine saturation holds every class, a YELLOW/RED interactive SLO holds batch.
    A held class still gets its minimum share unless the hold is for every class

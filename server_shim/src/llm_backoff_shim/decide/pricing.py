@@ -44,11 +44,18 @@ class Pricing:
     __slots__ = ("_budget", "_slots", "answers", "ratio")
 
     def __init__(
-        self, budget: TokenBudget, classes: Iterable[str], clock: Clock, slots: Callable[[], int]
+        self,
+        budget: TokenBudget,
+        classes: Iterable[str],
+        clock: Clock,
+        slots: Callable[[], int],
+        answers: AnswerLengths | None = None,
     ) -> None:
         self._budget = budget
         self._slots = slots
-        self.answers = AnswerLengths(classes, clock)
+        #: The answer lengths it prices at: ``answers`` (shared with whoever else learns from
+        #: them, as the admission controller does), else its own.
+        self.answers = AnswerLengths(classes, clock) if answers is None else answers
         #: UTF-8 bytes per prompt token: the engine's, once learned.
         self.ratio = BYTES_PER_TOKEN
 

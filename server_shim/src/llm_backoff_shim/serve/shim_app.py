@@ -81,10 +81,11 @@ def state_document(controller: AdmissionController) -> dict[str, Any]:
     if c.token_budget is not None:
         document["max_inflight_tokens"] = c.token_budget
         document["in_flight_tokens"] = c.in_flight_tokens()
+    # This engine's answer lengths as learned (None: not enough answers yet).
+    document["answer_tokens"] = {cls: c.answers.learned(cls) for cls in c.classes}
     if c.pricing is not None:
-        # What the budget counts: prompts at the engine's bytes per token, answers as learned.
+        # What the budget counts: prompts at the engine's bytes per token, answers as above.
         document["prompt_bytes_per_token"] = round(c.pricing.ratio, 3)
-        document["answer_tokens"] = {cls: c.pricing.answers.learned(cls) for cls in c.classes}
     if c.estimator.promises.fleet is not None:
         document["fleet_replicas"] = c.estimator.promises.replicas
     return document

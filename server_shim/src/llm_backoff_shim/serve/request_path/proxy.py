@@ -141,7 +141,6 @@ class Proxy:
             # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
             outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
             on_first_body_byte=self._first_body_byte,
-            count_answers=admission.controller.pricing is not None,
         )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -84,11 +84,8 @@ class Relay:
         clock: Clock,
         outage: OutageClock,
         on_first_body_byte: Callable[[Grant], None],
-        count_answers: bool = False,
     ) -> None:
         self.upstream = upstream
-        # Count admitted answers' tokens (answer_meter.py): the cost budget learns from them.
-        self.count_answers = count_answers
         self.metrics = metrics
         self.clock = clock
         self.outage = outage
@@ -148,7 +145,8 @@ class Relay:
             started = True
             exchange.sent = response.status
             ended = False
-            meter = AnswerMeter() if grant is not None and self.count_answers else None
+            # Admitted answers' tokens are counted (answer_meter.py): the answer lengths learn from them.
+            meter = AnswerMeter() if grant is not None else None
             try:
                 while True:
                     chunk = await response.read_chunk()
