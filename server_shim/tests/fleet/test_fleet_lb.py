@@ -152,6 +152,17 @@ def _in_flight(metrics_text: str) -> float:
     )
 
 
+def wait_holding(urls: list[str], timeout: float = 10.0) -> None:
+    """Until every shim at ``urls`` shows a call holding its slot (its own in-flight gauge)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = [_in_flight(httpx.get(f"{u}/metrics", timeout=2).text) for u in urls]
+        if all(n >= 1 for n in held):
+            return
+        assert time.monotonic() < deadline, f"calls in flight at the shims: {held}"
+        time.sleep(0.02)
+
+
 #: Slack around a refusal's moment: the shims log times to the millisecond, and a slot freed
 #: and taken again within a millisecond or two is the race every balancer has.
 SLACK = 0.002
@@ -309,7 +320,7 @@ def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, 
         warm = [pool.submit(lambda i=i: [direct(i, lengths[i] / 2) for _ in range(2)]) for i in range(3)]
         assert [f.result() for f in warm] == [[200, 200]] * 3
         busy = [pool.submit(direct, i, lengths[i]) for i in range(3)]
-        time.sleep(0.1)
+        wait_holding(fleet.shim_urls)
         with httpx.Client(base_url=fleet.url, timeout=30) as client:
             for k in range(4):
                 rid = f"ra{k}-{os.getpid()}-{time.monotonic_ns()}"
@@ -371,14 +382,14 @@ def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after(need: Callable[[
     with Fleet(1, lb, sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as fleet, cf.ThreadPoolExecutor(1) as pool:
         plain_seen: list[tuple[float, str, int, str | None]] = []
         busy = pool.submit(httpx.post, f"{fleet.url}/v1/chat/completions", json=body(1.5), timeout=30)
-        time.sleep(0.3)
+        wait_holding(fleet.shim_urls)
         plain = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", http_client=watched(plain_seen))
         plain.chat.completions.create(**body(0.1))
         assert busy.result().status_code == 200
 
         sdk_seen: list[tuple[float, str, int, str | None]] = []
         busy = pool.submit(httpx.post, f"{fleet.url}/v1/chat/completions", json=body(1.5), timeout=30)
-        time.sleep(0.3)
+        wait_holding(fleet.shim_urls)
         events: list[RetryEvent] = []
         sdk = wrap(
             openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", http_client=watched(sdk_seen)),
