@@ -241,8 +241,10 @@ class Hold:
 @dataclass(frozen=True)
 class Levels:
     """One shim's ``/metrics`` at one moment: its levels (all classes together), its drain rate,
-    and the count of every way a request leaves a queue or a slot (admitted to a slot, finished,
-    gone, timed out in the queue); only ``queue_full`` refusals, which never enter, are left out."""
+    and the count of every way a held request could leave a queue or a slot: admitted to a slot,
+    gone, failed, timed out in the queue. Completions are left out (no held request completes
+    within the test, and the flowing load's last ones may be counted after their answers, which
+    the caller has by then), and so are ``queue_full`` refusals (never entered)."""
 
     in_flight: float
     queued: float
@@ -259,7 +261,9 @@ def shim_levels(url: str) -> Levels:
     moves = {
         labels: v
         for (name, labels), v in samples.items()
-        if name == "llm_backoff_shim_requests_total" and dict(labels).get("code") != "queue_full"
+        if name == "llm_backoff_shim_requests_total"
+        and dict(labels).get("outcome") != "completed"
+        and dict(labels).get("code") != "queue_full"
     }
     return Levels(
         total("llm_backoff_shim_in_flight"),
