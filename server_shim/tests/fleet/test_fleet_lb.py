@@ -24,12 +24,15 @@ Bounded: a few seconds per test; nothing leaves loopback.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -37,16 +40,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llm_backoff_shim.lab.fleet import Fleet
 
-pytestmark = pytest.mark.timeout(120)
-
 ITL = 0.02  # seconds per token, whatever the batch: a call's length is max_tokens * ITL
+TIMEOUT = 120  # each test's own limit (pytest-timeout)
+#: A call that holds its slot for longer than a test may run (the sim's answers are this long
+#: unless max_tokens cuts them).
+HELD = TIMEOUT + 10
 SIM_FLAGS = (
     "--ttft", "0", "--itl", str(ITL), "--itl-batch-factor", "0", "--prefill-time-per-token", "0",
-    "--output-tokens", "1000", "--output-tokens-sigma", "0",
+    "--output-tokens", str(round(HELD / ITL)), "--output-tokens-sigma", "0",
 )  # fmt: skip
 JSON_LOGS = ("--log-level", "info", "--log-format", "json")  # access logs the tests read
 ONE_SLOT = ("--max-concurrency", "1", "--max-queue", "0", *JSON_LOGS)
 REFUSAL_STATUS = {"nginx": 429, "haproxy": 503}
+
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 
 @pytest.fixture(params=["nginx", "haproxy"])
@@ -150,6 +157,33 @@ def _in_flight(metrics_text: str) -> float:
         if family.name == "llm_backoff_shim_in_flight"
         for sample in family.samples
     )
+
+
+def held_call(url: str, seconds: float) -> socket.socket:
+    """A call of ``seconds`` to the shim at ``url``, on a connection of its own that reads
+    nothing: it holds its slot until the socket is closed (the shim then cancels it)."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None
+    assert parts.port is not None
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    payload = json.dumps(body(seconds)).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {parts.netloc}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def wait_holding(urls: list[str], timeout: float = 10.0) -> None:
+    """Until every shim at ``urls`` shows a call holding its slot (its own in-flight gauge)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = [_in_flight(httpx.get(f"{u}/metrics", timeout=2).text) for u in urls]
+        if all(n >= 1 for n in held):
+            return
+        assert time.monotonic() < deadline, f"calls in flight at the shims: {held}"
+        time.sleep(0.02)
 
 
 #: Slack around a refusal's moment: the shims log times to the millisecond, and a slot freed
@@ -288,13 +322,14 @@ def fleet_shared_hints(lb: str) -> Iterator[Fleet]:
 
 
 def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, lb: str) -> None:
-    """Replicas with different loads (calls of 3, 1.5 and 0.75 s) all full: the hint that reaches
-    the caller is the soonest of the places the three replicas gave that call (their record in
-    Redis, read right after the answer, on the Redis clock), not the last replica's."""
+    """Replicas that learned different call lengths (1.5, 0.75 and 0.375 s) all full, each
+    holding a call until the test is done: the hint that reaches the caller is the soonest of
+    the places the three replicas gave that call (their record in Redis, read right after the
+    answer, on the Redis clock), not the last replica's."""
     import redis
 
     fleet = fleet_shared_hints
-    lengths = (3.0, 1.5, 0.75)
+    lengths = (1.5, 0.75, 0.375)
     store = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
 
     def direct(i: int, seconds: float) -> int:
@@ -305,11 +340,14 @@ def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, 
     # delivered, each replica's place (s from the read), seconds from sending to the read
     rows: list[tuple[float, list[float], float]] = []
     with cf.ThreadPoolExecutor(3) as pool:
-        # Each replica learns its own service time (two calls of half its length), then is kept busy.
-        warm = [pool.submit(lambda i=i: [direct(i, lengths[i] / 2) for _ in range(2)]) for i in range(3)]
+        # Each replica learns its own service time (two calls of that length), then is kept busy
+        # by a call that outlasts the test: however slowly the refused calls below go, every
+        # replica is full for all of them.
+        warm = [pool.submit(lambda i=i: [direct(i, lengths[i]) for _ in range(2)]) for i in range(3)]
         assert [f.result() for f in warm] == [[200, 200]] * 3
-        busy = [pool.submit(direct, i, lengths[i]) for i in range(3)]
-        time.sleep(0.1)
+    busy = [held_call(url, HELD) for url in fleet.shim_urls]
+    try:
+        wait_holding(fleet.shim_urls)
         with httpx.Client(base_url=fleet.url, timeout=30) as client:
             for k in range(4):
                 rid = f"ra{k}-{os.getpid()}-{time.monotonic_ns()}"
@@ -322,7 +360,9 @@ def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, 
                 places = sorted((int(v) - now_ms) / 1000 for v in store.hgetall(HINT_KEY + rid).values())
                 rows.append((int(r.headers["retry-after-ms"]) / 1000, places, since))
                 time.sleep(0.1)
-        assert [f.result() for f in busy] == [200, 200, 200]
+    finally:
+        for sock in busy:
+            sock.close()
     store.close()
 
     print(f"\n{lb}: hint delivered vs the places the replicas gave the same call (s)")
@@ -371,14 +411,14 @@ def test_sdk_and_openai_wait_out_a_503_refusal_with_retry_after(need: Callable[[
     with Fleet(1, lb, sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as fleet, cf.ThreadPoolExecutor(1) as pool:
         plain_seen: list[tuple[float, str, int, str | None]] = []
         busy = pool.submit(httpx.post, f"{fleet.url}/v1/chat/completions", json=body(1.5), timeout=30)
-        time.sleep(0.3)
+        wait_holding(fleet.shim_urls)
         plain = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", http_client=watched(plain_seen))
         plain.chat.completions.create(**body(0.1))
         assert busy.result().status_code == 200
 
         sdk_seen: list[tuple[float, str, int, str | None]] = []
         busy = pool.submit(httpx.post, f"{fleet.url}/v1/chat/completions", json=body(1.5), timeout=30)
-        time.sleep(0.3)
+        wait_holding(fleet.shim_urls)
         events: list[RetryEvent] = []
         sdk = wrap(
             openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="x", http_client=watched(sdk_seen)),

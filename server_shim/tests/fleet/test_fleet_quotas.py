@@ -1,11 +1,19 @@
 """Tenant quotas across a fleet: three shims, one real Redis, counted calls against the allowance.
 
 Each tenant's bucket (``serve/policy/quota.py``) holds one minute's worth and refills at the
-per-minute rate, on the Redis clock: over a run from ``T0`` to ``T1`` a tenant can be admitted at
-most ``Q + Q / 60 * (T1 - T0)`` requests (and as many LLM tokens for a token quota), and a caller
-who always has a call ready gets within one call of it. Callers spread their calls round robin
-over the three shims, as a load balancer would, as fast as the shims answer; ``T0`` and ``T1``
-are read from Redis' own clock (``TIME``) before the first and after the last call.
+per-minute rate, on the Redis clock. Callers spread their calls round robin over the three shims,
+as a load balancer would, as fast as the shims answer, so the bucket, full until its first
+charge, never fills up again while they run (a call takes milliseconds, the refill one call's
+worth in 0.2 s). From its first charge at ``F`` to its last update at ``T`` (both stamped by
+Redis, ``T`` stored in the bucket with its level ``L``) a tenant was admitted exactly
+``Q - L + Q / 60 * (T - F)`` requests (LLM tokens for a token quota, once every answer's usage
+corrected its charge). The test knows ``F`` only as lying between the first call's start and the
+first answer, so it checks that the bucket's own accounting puts ``F`` there; and, against the
+calls alone, that no more was admitted than a full bucket and its refill from the first call's
+start allow, and that every refusal came with less than a call's worth left: at least
+``Q - 1 + Q / 60 * (R - E)`` were admitted before a refusal that started at ``R``, where ``E`` is
+the end of the first call. Every time here is when something was seen to happen; how fast the
+machine runs moves none of these bounds past the truth.
 
 Then Redis goes away mid-run, twice: a graceful stop (SIGTERM: it saves its data and loads it
 again on start, as a default ``redis.conf`` does) and a crash of a Redis without persistence
@@ -36,6 +44,8 @@ from typing import Any
 import httpx
 import pytest
 
+from llm_backoff.redis_bucket import bucket_key
+from llm_backoff_shim.decide.tenants import key_hash
 from llm_backoff_shim.lab import procs
 from llm_backoff_shim.serve.policy.quota import REDIS_TIMEOUT, TenantQuotas
 
@@ -49,10 +59,16 @@ SIM_FLAGS = (
     "--max-num-seqs", "64", "--ttft", "0", "--itl", "0", "--prefill-time-per-token", "0",
     "--output-tokens", "1", "--output-tokens-sigma", "0",
 )  # fmt: skip
+BODY = {
+    "model": "sim-model",
+    "messages": [{"role": "user", "content": PROMPT}],
+    "max_tokens": 1,
+    "ignore_eos": True,
+}
 #: Concurrent callers per tenant; the unlimited tenant needs only to show it is served.
 CALLERS = {"rpm": 6, "tpm": 6, "free": 1}
-#: How late a caller may start its last call before the end of a run (the slack of the bounds).
-LAST_CALL_SLACK = 0.2
+#: Float rounding of a Unix time (about 2e-7 s near 1.8e9 s) in the bucket's arithmetic.
+ROUNDING = 1e-5
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
 
@@ -76,12 +92,14 @@ class RedisServer:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._proc: subprocess.Popen[bytes] | None = None
         self.client = redis.Redis.from_url(self.url, socket_timeout=2)
+        self.spawned = 0.0  # time.time() just before the last start: Redis stamps nothing earlier
 
     def start(self, *, empty: bool = False) -> float:
         """Start it (``empty``: without the data it saved, as a Redis without persistence) and wait
         until it answers PING; returns when it did (time.time())."""
         if empty:
             (self.dir / "dump.rdb").unlink(missing_ok=True)
+        self.spawned = time.time()
         # Snapshot on a graceful stop (any save point turns that on), none while the test runs.
         self._proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
@@ -122,6 +140,14 @@ class RedisServer:
     def time(self) -> float:
         seconds, micros = self.client.time()
         return float(seconds) + micros / 1e6
+
+    def bucket(self, api_key: str, name: str) -> tuple[float, float]:
+        """A tenant's bucket as the shims' script left it: (last update on the Redis clock, level)."""
+        base = "llm-backoff-shim:tenant:" + key_hash(key_hash(api_key))  # TenantQuotas._store
+        stamp, level = self.client.hmget(bucket_key(base, name), ["t", "v"])
+        assert stamp is not None, f"no {name} bucket in Redis for this tenant"
+        assert level is not None
+        return float(stamp), float(level)
 
     def close(self) -> None:
         if self._proc is not None:
@@ -202,17 +228,11 @@ class Callers:
     async def _caller(self, client: httpx.AsyncClient, tenant: str, turn: list[int]) -> None:
         urls = [s.url + "/v1/chat/completions" for s in self.fleet.shims]
         headers = {"authorization": f"Bearer {self.fleet.keys[tenant]}"}
-        body = {
-            "model": "sim-model",
-            "messages": [{"role": "user", "content": PROMPT}],
-            "max_tokens": 1,
-            "ignore_eos": True,
-        }
         while not self._stop.is_set():
             shim = turn[0] % len(urls)
             turn[0] += 1
             start = time.time()
-            response = await client.post(urls[shim], json=body, headers=headers)
+            response = await client.post(urls[shim], json=BODY, headers=headers)
             data: dict[str, Any] = response.json()
             code = data["error"].get("code") if "error" in data else None
             tokens = data["usage"]["total_tokens"] if response.status_code == 200 else 0
@@ -265,6 +285,49 @@ def allowance(per_minute: float, seconds: float) -> float:
     return per_minute + per_minute / 60 * seconds
 
 
+def shims_done(fleet: Fleet, calls: int) -> None:
+    """Until the shims have finished ``calls`` requests in all: a shim counts a request's outcome
+    once its quota correction was sent (proxy.py), so every bucket then holds all of them."""
+    deadline = time.monotonic() + 30
+    while True:
+        finished = 0
+        for shim in fleet.shims:
+            with httpx.Client(timeout=5) as client:
+                text = client.get(shim.url + "/metrics").text
+            for line in text.splitlines():
+                if line.startswith("llm_backoff_shim_requests_total{") and 'outcome="admitted"' not in line:
+                    finished += int(float(line.rsplit(" ", 1)[1]))
+        if finished == calls:
+            return
+        assert finished < calls, (finished, calls)
+        assert time.monotonic() < deadline, f"the shims finished {finished} of {calls} requests"
+        time.sleep(0.02)
+
+
+def check_accounting(
+    what: str, admitted: float, per_minute: float, bucket: tuple[float, float], first: Sequence[Call]
+) -> None:
+    """``admitted`` (requests or tokens) is what a bucket of ``per_minute`` that ended at
+    ``bucket`` took since its first charge, and that charge came during the first of ``first``."""
+    stamp, level = bucket
+    charged_at = stamp - (admitted - per_minute + level) / (per_minute / 60)
+    earliest, latest = min(c.start for c in first), min(c.end for c in first)
+    assert earliest - ROUNDING <= charged_at <= latest + ROUNDING, (
+        f"{what}: {admitted:g} admitted put the bucket's first charge "
+        f"{charged_at - earliest:+.3f} s from the first call's start ({latest - earliest:.3f} s to its end)"
+    )
+
+
+def refused_without_room(what: str, admitted: int, refusal: Call, first_end: float) -> None:
+    """The rpm bucket refused ``refusal`` with less than one request left, in a bucket first
+    charged before ``first_end``: more than ``RPM - 1`` and the refill since then had been
+    admitted when its script ran (after the call started); ``admitted`` counts at least those."""
+    floor = RPM - 1 + RPM / 60 * (refusal.start - first_end)
+    assert admitted > floor - ROUNDING, (
+        f"{what}: {admitted} admitted, but a refusal says more than {floor:.2f}"
+    )
+
+
 def test_three_shims_enforce_one_quota_and_ride_out_redis_going_away(fleet: Fleet) -> None:
     server = fleet.redis
     tenants = ("rpm", "tpm", "free")
@@ -277,23 +340,26 @@ def test_three_shims_enforce_one_quota_and_ride_out_redis_going_away(fleet: Flee
     asyncio.run(enforcing.run([(0.0, both_refused), (2.0, lambda: None)]))
     t1 = server.time()
     calls = enforcing.calls
+    shims_done(fleet, len(calls))
     rpm = [c for c in calls if c.tenant == "rpm"]
     admitted = sum(1 for c in rpm if c.status == 200)
     allowed = allowance(RPM, t1 - t0)
     assert {c.status for c in rpm} == {200, 429}
     assert {c.code for c in rpm if c.status == 429} == {"tenant_rate_limited"}
     assert {c.shim for c in rpm if c.status == 200} == {0, 1, 2}
-    # Within one call of the allowance, less the refill of a last call started a little early.
-    assert allowed - 1 - RPM / 60 * LAST_CALL_SLACK <= admitted <= allowed, (admitted, allowed)
+    # One bucket for the three shims: no more than it holds and refills from before the first
+    # call to after the last; exactly what its own accounting says; a refusal only when empty.
+    assert admitted <= allowed, (admitted, allowed)
+    check_accounting("rpm", admitted, RPM, server.bucket(fleet.keys["rpm"], "requests"), rpm)
+    first_end = min(c.end for c in rpm)
+    last_refusal = max((c for c in rpm if c.status == 429), key=lambda c: c.start)
+    refused_without_room("rpm", admitted, last_refusal, first_end)
     tpm = [c for c in calls if c.tenant == "tpm"]
     used = sum(c.tokens for c in tpm)
     allowed_tokens = allowance(TPM, t1 - t0)
-    per_call = max(c.tokens for c in tpm)
-    # A call is refused when its estimate does not fit; usage corrects what it took.
-    assert allowed_tokens - 2 * per_call - TPM / 60 * LAST_CALL_SLACK <= used <= allowed_tokens, (
-        used,
-        allowed_tokens,
-    )
+    assert {c.status for c in tpm} == {200, 429}
+    # A call is charged its estimate, then its usage once answered: the bucket took the usage.
+    check_accounting("tpm", used, TPM, server.bucket(fleet.keys["tpm"], "tokens"), tpm)
     assert {c.status for c in calls if c.tenant == "free"} == {200}
     print(
         f"Redis up {t1 - t0:.2f} s: rpm tenant {admitted} calls admitted of {allowed:.1f} allowed "
@@ -313,7 +379,7 @@ def test_three_shims_enforce_one_quota_and_ride_out_redis_going_away(fleet: Flee
     def crashed_at() -> float:
         return crash_times[0]
 
-    stopped, restarted, crashed, back, _, _, paused, resumed, t_end = asyncio.run(
+    stopped, restarted, crashed, back, _, _, paused, resumed, _ = asyncio.run(
         riding.run(
             [
                 (0.5, server.stop),
@@ -363,31 +429,43 @@ def test_three_shims_enforce_one_quota_and_ride_out_redis_going_away(fleet: Flee
     )
 
     # 3. Enforced across the stops. Graceful: the bucket survives, refilled for the time Redis
-    # was away, so t0 to the crash is one allowance. Crash: a new full bucket after it.
-    before = sum(
-        1 for c in [*enforcing.calls, *calls] if c.tenant == "rpm" and c.status == 200 and c.end < crashed
-    )
+    # was away, so from its first charge to the crash it is one bucket. Crash: a new full bucket.
+    # A call whose charge went through but whose answer Redis' going away cut (a 503) was
+    # charged without being served: around the graceful stop, a call that started before it;
+    # around the hang, one that ended after Redis was back from the crash.
+    shims_done(fleet, len(enforcing.calls) + len(calls))
+    rpm = [c for c in (*enforcing.calls, *calls) if c.tenant == "rpm"]
+    before = sum(1 for c in rpm if c.status == 200 and c.end < crashed)
     allowed = allowance(RPM, crashed - t0)
-    assert allowed - 1 - RPM / 60 * (LAST_CALL_SLACK + restarted - stopped) <= before <= allowed, (
-        before,
-        allowed,
+    assert before <= allowed, (before, allowed)
+    last_refusal = max((c for c in rpm if c.status == 429 and c.end < crashed), key=lambda c: c.start)
+    charged = sum(
+        1
+        for c in rpm
+        if (c.status == 200 and c.start < last_refusal.end) or (c.status == 503 and c.start < stopped)
     )
-    after_crash = [c for c in calls if c.tenant == "rpm" and c.start > crashed]
-    after = sum(1 for c in after_crash if c.status == 200)
-    allowed_after = allowance(RPM, t_end - crashed)
-    # The new bucket's burst was used up. Calls refused while Redis hung may still have been
-    # charged when it resumed (their scripts were sent): the tenant loses at most those.
-    assert (
-        allowed_after - 1 - len(hung) - RPM / 60 * (LAST_CALL_SLACK + back - crashed)
-        <= after
-        <= allowed_after
-    ), (
-        after,
-        allowed_after,
-    )
+    refused_without_room("rpm before the crash", charged, last_refusal, first_end)
+
+    after_crash = [c for c in rpm if c.end > crashed]
+    after = sum(1 for c in after_crash if c.status == 200 and c.start >= crashed)
+    # The new bucket's first charge came after Redis was started again, and by the end of the
+    # first call sent once it answered; its last update is the bucket's own.
+    stamp, level = server.bucket(fleet.keys["rpm"], "requests")
+    first_end_after = min(c.end for c in after_crash if c.start >= back and c.status in (200, 429))
+    most = RPM - level + RPM / 60 * (stamp - server.spawned)
+    least = RPM - level + RPM / 60 * (stamp - first_end_after)
+    # Between the calls served after the crash and those plus every call that could have been
+    # charged unserved, lies what the bucket took.
+    lost = sum(1 for c in after_crash if c.status == 503 and c.end > back)
+    served_at_most = sum(1 for c in after_crash if c.status == 200) + lost
+    assert after <= most + ROUNDING, (after, most)
+    assert least - ROUNDING <= served_at_most, (served_at_most, least)
+    last_refusal = max((c for c in after_crash if c.status == 429), key=lambda c: c.start)
+    charged = lost + sum(1 for c in after_crash if c.status == 200 and c.start < last_refusal.end)
+    refused_without_room("rpm after the crash", charged, last_refusal, first_end_after)
     print(
         f"t0 to the crash: {before} rpm calls admitted of {allowed:.1f} allowed; "
-        f"after it: {after} of {allowed_after:.1f} (a new full bucket)"
+        f"after it: {after} (the new bucket took {least:.1f} to {most:.1f})"
     )
 
 

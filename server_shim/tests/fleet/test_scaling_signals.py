@@ -3,12 +3,23 @@
 Every query in the KEDA ScaledObject and the Grafana dashboard (read from the files, Grafana's
 variables substituted explicitly), every recorded series and every alert expression of the shipped
 rules is evaluated while the fleet is idle and while it is loaded, and checked against what
-docs/deploy.md says it is. The load is a known one: closed-loop callers keep each replica's two
-slots busy and its queue at 4, 2 and 1 requests, and one more caller keeps knocking on the full
-replica (refused with ``queue_full``). Expected values come from that design and from what the
-callers and the shims' own ``/metrics`` saw at the same moment, never from Prometheus itself.
+docs/deploy.md says it is. Expected values come from the load's design and from what the callers
+and the shims' own ``/metrics`` saw, never from Prometheus itself.
 
-Bounded: three simulator+shim pairs, scrape and rule evaluation every second, about 15 s in all.
+Two loads, each for what it can show exactly:
+
+- Flowing (rates, waits, hints, shares): closed-loop callers keep each replica's two slots busy
+  and its queue at 4, 2 and 1 requests, and one more caller keeps knocking on the full replica
+  (refused with ``queue_full``). A closed loop cannot hold a level at every instant (a queue is
+  one short from a call's end to its caller's next call), so its levels are not checked.
+- Held (levels: queue depth, in flight, time to drain): two requests per replica that run for
+  longer than the test may take hold the slots, and 4, 2 and 1 more sit in the queues, which
+  nothing moves until the test lets go. The queries are evaluated at a moment whose scrapes and
+  rule evaluation all came after each shim's ``/metrics`` showed those levels, and each shim's
+  ``/metrics`` shows, after the queries were answered, the same levels and no request having
+  left its queue or slot in between: every sample the queries read was taken at those levels.
+
+Bounded: three simulator+shim pairs, scrape and rule evaluation every second, about 20 s in all.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -53,17 +65,23 @@ NAMESPACE = "llm-serving"
 SLOTS = 2
 MAX_QUEUE = 4
 QUEUED = (4, 2, 1)  # waiting requests held at each replica; replica 0's queue is full
-SERVICE_TOKENS = 20
+SERVICE_TOKENS = 20  # a flowing caller's answer: 0.02 + 20 x 0.02 s = 0.42 s
+TIMEOUT = 90  # the test's own limit (pytest-timeout)
+#: A held request's answer: 0.02 s a token for longer than the test may run, so no held request
+#: ends (and none leaves its queue) before the test lets go of it.
+HOLD_TOKENS = 2 * TIMEOUT * 50
 SIM_FLAGS = (
     "--max-num-seqs", "4", "--ttft", "0.02", "--itl", "0.02", "--itl-batch-factor", "0",
-    "--output-tokens", str(SERVICE_TOKENS), "--output-tokens-sigma", "0", "--seed", "3",
+    "--output-tokens", str(HOLD_TOKENS), "--output-tokens-sigma", "0", "--seed", "3",
 )  # fmt: skip
+#: A queued held request waits longer than the test may run (never refused with queue_timeout).
 SHIM_FLAGS = (
-    "--max-concurrency", str(SLOTS), "--max-queue", str(MAX_QUEUE), "--max-queue-wait", "30",
+    "--max-concurrency", str(SLOTS), "--max-queue", str(MAX_QUEUE), "--max-queue-wait", str(2 * TIMEOUT),
 )  # fmt: skip
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": SERVICE_TOKENS}
+HOLD_BODY = {**BODY, "max_tokens": HOLD_TOKENS}
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(TIMEOUT)
 
 
 def _need_prometheus() -> None:
@@ -182,6 +200,116 @@ class Load:
             return [a for a in self.answers if start < a.end <= end]
 
 
+class Hold:
+    """Requests that sit: at replica i, ``SLOTS + QUEUED[i]`` requests whose answers outlast the
+    test (``HOLD_TOKENS``), so two hold the slots and the rest wait in the queue. Each is a
+    connection that sends its request and reads nothing; closing it on exit is the caller going
+    away (the shim cancels the request). Entered once every shim's ``/metrics`` shows the levels."""
+
+    def __init__(self, pairs: Sequence[Pair]) -> None:
+        self._pairs = pairs
+        self._sockets: list[socket.socket] = []
+
+    def _send(self, url: str) -> None:
+        host, port = host_port(url).rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        self._sockets.append(sock)
+        body = json.dumps(HOLD_BODY).encode()
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + body)
+
+    def __enter__(self) -> Hold:
+        try:
+            for i, pair in enumerate(self._pairs):
+                for _ in range(SLOTS + QUEUED[i]):
+                    self._send(pair.shim.url)
+            for i, pair in enumerate(self._pairs):
+                wait_levels(pair.shim.url, SLOTS, QUEUED[i])
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+
+@dataclass(frozen=True)
+class Levels:
+    """One shim's ``/metrics`` at one moment: its levels (all classes together), its drain rate,
+    and the count of every way a held request could leave a queue or a slot: admitted to a slot,
+    gone, failed, timed out in the queue. Completions are left out (no held request completes
+    within the test, and the flowing load's last ones may be counted after their answers, which
+    the caller has by then), and so are ``queue_full`` refusals (never entered)."""
+
+    in_flight: float
+    queued: float
+    drain: float
+    moves: dict[tuple[tuple[str, str], ...], float]
+
+
+def shim_levels(url: str) -> Levels:
+    samples = shim_samples(url)
+
+    def total(metric: str) -> float:
+        return sum(v for (name, _), v in samples.items() if name == metric)
+
+    moves = {
+        labels: v
+        for (name, labels), v in samples.items()
+        if name == "llm_backoff_shim_requests_total"
+        and dict(labels).get("outcome") != "completed"
+        and dict(labels).get("code") != "queue_full"
+    }
+    return Levels(
+        total("llm_backoff_shim_in_flight"),
+        total("llm_backoff_shim_queue_depth"),
+        total("llm_backoff_shim_drain_rate_per_second"),
+        moves,
+    )
+
+
+def wait_levels(url: str, in_flight: int, queued: int, timeout: float = 15.0) -> None:
+    """Until the shim's own gauges show ``in_flight`` and ``queued``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        levels = shim_levels(url)
+        if (levels.in_flight, levels.queued) == (in_flight, queued):
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"{url}: in flight {levels.in_flight}, queued {levels.queued} after {timeout} s"
+            )
+        time.sleep(0.02)
+
+
+def wait_scraped_after(client: PromClient, targets: Sequence[str], moment: float, timeout: float) -> float:
+    """Until Prometheus holds a scrape of every target that started after ``moment``
+    (``time.time()``); returns when it was seen (every such scrape was stored by then)."""
+    client.wait_for(
+        "timestamp(up)",
+        lambda s: set(targets) <= {x.labels.get("instance") for x in s if x.value > moment},
+        timeout=timeout,
+        poll=0.05,
+    )
+    return time.time()
+
+
+def wait_evaluated_after(client: PromClient, moment: float, timeout: float = 10.0) -> None:
+    """Until the recording rules were evaluated at a time after ``moment``: that evaluation read
+    every sample Prometheus held at ``moment``, or a later one of the same series."""
+    client.wait_for(
+        "timestamp(job:llm_backoff_shim_replicas:count)",
+        lambda s: bool(s) and s[0].value > moment,
+        timeout=timeout,
+        poll=0.05,
+    )
+
+
 def shim_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -235,14 +363,7 @@ def rule_queries() -> list[Query]:
     for group in groups:
         for rule in group["rules"]:
             if "record" in rule:
-                record = rule["record"]
-                if "queue_depth" in record:
-                    # A level the callers hold by re-sending: in one evaluation a queue can be
-                    # caught between a call's end and its caller's next one (seen on a loaded
-                    # CI machine: 2 read as 0). The median of what the rule recorded over the
-                    # rate window is the level the load was designed to hold.
-                    record = f"quantile_over_time(0.5, {record}[{RATE_INTERVAL}])"
-                out.append(Query(f"rule {rule['record']}", record))
+                out.append(Query(f"rule {rule['record']}", rule["record"]))
             else:
                 out.append(Query(f"alert {rule['alert']}", rule["expr"]))
     return out
@@ -329,10 +450,83 @@ def idle_expectation(query: Query, samples: Values, seen: Seen) -> None:
         assert all(v == 0 for v in values), (name, samples)
 
 
-def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
-    """What each query says while every replica has both slots busy and 4, 2, 1 requests queued."""
+#: The levels: checked under the held load (:func:`held_expectation`), not the flowing one.
+HELD_LEVELS = (
+    "keda queue-depth",
+    "rule job:llm_backoff_shim_queue_depth:sum",
+    "rule instance:llm_backoff_shim_queue_depth:sum",
+    "rule job:llm_backoff_shim_queue_depth_per_replica:avg",
+    "rule instance:llm_backoff_shim_time_to_drain_seconds",
+    "rule job:llm_backoff_shim_time_to_drain_seconds:max",
+    "rule job:llm_backoff_shim_replicas:count",
+)
+
+
+def is_level(query: Query) -> bool:
+    return query.source in HELD_LEVELS or query.source.startswith(
+        ("grafana Queue depth", "grafana In flight", "grafana Time to drain")
+    )
+
+
+@dataclass
+class Held:
+    """What the shims' own ``/metrics`` showed before and after the held load's evaluation."""
+
+    targets: list[str]
+    drain_before: list[float]  # each shim's drain rate; it only decays while nothing completes
+    drain_after: list[float]
+
+
+def held_expectation(query: Query, samples: Values, held: Held) -> None:
+    """What each level query says while every replica has both slots busy and 4, 2, 1 requests
+    queued, all held: exactly that, and time to drain = queue / the drain rate of the scrape,
+    which lies between the shim's rates before and after."""
     name = query.source
     total_queued = sum(QUEUED)
+    instance = {t: i for i, t in enumerate(held.targets)}
+
+    def per_replica(values: dict[str, float]) -> dict[int, float]:
+        return {instance[k]: v for k, v in values.items()}
+
+    def drain_time(i: int) -> tuple[float, float]:
+        return QUEUED[i] / held.drain_before[i], QUEUED[i] / held.drain_after[i]
+
+    def within(value: float, low: float, high: float) -> bool:
+        # The bounds and the value are the same division of the same floats, or not.
+        return low * (1 - 1e-12) <= value <= high * (1 + 1e-12)
+
+    if name in ("keda queue-depth", "rule job:llm_backoff_shim_queue_depth:sum"):
+        assert only(samples) == total_queued, (name, samples)
+    elif name in ("grafana Queue depth by replica A", "rule instance:llm_backoff_shim_queue_depth:sum"):
+        assert per_replica(by(samples, "instance")) == dict(enumerate(QUEUED)), (name, samples)
+    elif name.startswith("grafana Queue depth"):
+        assert by(samples, "class") == {"interactive": total_queued, "batch": 0}, (name, samples)
+    elif name.startswith("grafana In flight"):
+        assert by(samples, "class") == {"interactive": 3 * SLOTS, "batch": 0}, (name, samples)
+    elif name in (
+        "grafana Time to drain by replica A",
+        "rule instance:llm_backoff_shim_time_to_drain_seconds",
+    ):
+        got = per_replica(by(samples, "instance"))
+        assert set(got) == {0, 1, 2}, (name, samples)
+        for i in range(3):
+            assert within(got[i], *drain_time(i)), (f"{name} replica {i}", got[i], drain_time(i))
+    elif name == "rule job:llm_backoff_shim_time_to_drain_seconds:max":
+        low = max(drain_time(i)[0] for i in range(3))
+        high = max(drain_time(i)[1] for i in range(3))
+        assert within(only(samples), low, high), (name, samples, low, high)
+    elif name == "rule job:llm_backoff_shim_replicas:count":
+        assert only(samples) == 3
+    elif name == "rule job:llm_backoff_shim_queue_depth_per_replica:avg":
+        assert math.isclose(only(samples), total_queued / 3, rel_tol=1e-12), (name, samples)
+    else:
+        raise AssertionError(f"{name} is no level: it belongs to loaded_expectation")
+
+
+def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
+    """What each query but the levels says while every replica has both slots busy and its queue
+    near 4, 2, 1 requests, and replica 0 refuses a caller who keeps knocking."""
+    name = query.source
     completed = seen.per_second(lambda a: a.status == 200)
     refused = seen.per_second(lambda a: a.code == "queue_full")
     decided = [a for a in seen.all_answers]
@@ -342,31 +536,7 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
     def per_replica(values: dict[str, float]) -> dict[int, float]:
         return {instance[k]: v for k, v in values.items()}
 
-    def queue_by_replica(values: dict[str, float]) -> None:
-        got = per_replica(values)
-        assert set(got) == {0, 1, 2}, values
-        for i, queued in enumerate(QUEUED):
-            assert queued - 1 <= got[i] <= queued, (name, got)
-
-    def time_to_drain(values: dict[str, float], dips: int) -> None:
-        """Each replica's queue over its drain rate; ``dips``: how far below its level a queue
-        may be caught in the one evaluation read (a caller between two calls; the median over
-        a window, as for the recorded queue depths, is no help here: the drain rate's average
-        was still rising over the window)."""
-        got = per_replica(values)
-        for i, queued in enumerate(QUEUED):
-            low, high = max(0, queued - dips) / seen.drain[i], queued / seen.drain[i]
-            assert low * (1 - RATE_REL) <= got[i] <= high * (1 + RATE_REL), (
-                f"{name} replica {i}",
-                got,
-                low,
-                high,
-            )
-        assert got[0] > got[2], got
-
-    if name == "keda queue-depth" or name == "rule job:llm_backoff_shim_queue_depth:sum":
-        assert total_queued - 2 <= only(samples) <= total_queued, (name, samples)
-    elif name == "keda interactive-queue-wait-p90" or name.startswith(
+    if name == "keda interactive-queue-wait-p90" or name.startswith(
         "rule job_class:llm_backoff_shim_queue_wait"
     ):
         got = by(samples, "class")
@@ -378,17 +548,6 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
         "rule job:llm_backoff_shim_capacity_rejections"
     ):
         near(only(samples), share, RATE_REL, name)
-    elif name.startswith("grafana In flight"):
-        assert by(samples, "class") == {"interactive": 3 * SLOTS, "batch": 0}
-    elif (
-        name.startswith("grafana Queue depth by replica")
-        or name == "rule instance:llm_backoff_shim_queue_depth:sum"
-    ):
-        queue_by_replica(by(samples, "instance"))
-    elif name.startswith("grafana Queue depth"):
-        got = by(samples, "class")
-        assert got["batch"] == 0
-        assert total_queued - 2 <= got["interactive"] <= total_queued, got
     elif name.startswith("grafana Queue wait"):
         quantiles_ordered(samples, "interactive", bucket_top(seen.max_seconds, _BUCKETS_WAIT))
         assert math.isnan(by(samples, "class")["batch"])
@@ -423,24 +582,6 @@ def loaded_expectation(query: Query, samples: Values, seen: Seen) -> None:
         got = by(samples, "class")
         near(got["interactive"], sum(seen.drain), RATE_REL, name)  # the fleet's, not one replica's
         assert got["batch"] == 0
-    elif name.startswith("grafana Time to drain by replica"):
-        # An instant read, like the queue-depth panel: a queue may be caught one below its
-        # level (a caller between its answer and its next call).
-        time_to_drain(by(samples, "instance"), dips=1)
-    elif name == "rule instance:llm_backoff_shim_time_to_drain_seconds":
-        time_to_drain(by(samples, "instance"), dips=2)
-    elif name == "rule job:llm_backoff_shim_time_to_drain_seconds:max":
-        # The longest of the three: replica 0's (queue 4), even caught two below its level.
-        got = only(samples)
-        assert (
-            (QUEUED[0] - 2) / seen.drain[0] * (1 - RATE_REL)
-            <= got
-            <= QUEUED[0] / seen.drain[0] * (1 + RATE_REL)
-        )
-    elif name == "rule job:llm_backoff_shim_replicas:count":
-        assert only(samples) == 3
-    elif name == "rule job:llm_backoff_shim_queue_depth_per_replica:avg":
-        assert (total_queued - 2) / 3 <= only(samples) <= total_queued / 3
     elif name == "rule instance:llm_backoff_shim_drain_rate_per_second:sum":
         got = per_replica(by(samples, "instance"))
         for i in range(3):
@@ -490,12 +631,15 @@ def test_every_keda_and_grafana_query_says_what_the_docs_say_idle_and_loaded(
     queries = keda_queries() + dashboard_queries() + rule_queries()
     assert len(queries) >= 2 + 15 + 13
     targets = [p.target for p in pairs]
+    levels = [q for q in queries if is_level(q)]
+    assert len(levels) == len(HELD_LEVELS) + 4
 
-    # Idle: two scrapes in the rate window, so rates are 0 rather than absent.
+    # Idle: two scrapes in the rate window, so rates are 0 rather than absent, and the rules
+    # evaluated on them.
     client.wait_for(
         "count(count_over_time(llm_backoff_shim_in_flight[4s]) >= 2)", lambda s: s == [Sample({}, 6.0)]
     )
-    time.sleep(SCRAPE)
+    wait_evaluated_after(client, time.time())
     at = time.time()
     idle = Seen(targets, [drain_rate(shim_samples(p.shim.url)) for p in pairs], [], [], 0.0)
     idle_results = evaluate(client, queries, at)
@@ -503,11 +647,13 @@ def test_every_keda_and_grafana_query_says_what_the_docs_say_idle_and_loaded(
         idle_expectation(query, idle_results[query.source], idle)
 
     with Load(pairs) as load:
-        # Until a scrape sees every queue full to its design, then a whole rate window of it.
+        # Until a scrape sees every queue full to its design, then a whole rate window of
+        # scrapes of it, and the rules evaluated on the last of them.
         client.wait_for(
             "sum(llm_backoff_shim_queue_depth)", lambda s: bool(s) and s[0].value >= sum(QUEUED), timeout=15
         )
-        time.sleep(RATE_WINDOW + SCRAPE)
+        scraped = wait_scraped_after(client, targets, time.time() + RATE_WINDOW, timeout=RATE_WINDOW + 10)
+        wait_evaluated_after(client, scraped)
         at = time.time()
         drains = [drain_rate(shim_samples(p.shim.url)) for p in pairs]
         results = evaluate(client, queries, at)
@@ -515,7 +661,24 @@ def test_every_keda_and_grafana_query_says_what_the_docs_say_idle_and_loaded(
         seen = Seen(
             targets, drains, load.between(at - RATE_WINDOW, at), answers, max(a.seconds for a in answers)
         )
-    report(queries, idle_results, results)
+
+    with Hold(pairs):
+        # Every shim shows its levels (Hold waited for them): from here until the check below,
+        # nothing may leave a queue or a slot.
+        before = [shim_levels(p.shim.url) for p in pairs]
+        scraped = wait_scraped_after(client, targets, time.time(), timeout=10)
+        wait_evaluated_after(client, scraped)
+        held_at = time.time()
+        held_results = evaluate(client, levels, held_at)
+        after = [shim_levels(p.shim.url) for p in pairs]
+    for i, (first, last) in enumerate(zip(before, after, strict=True)):
+        for shown in (first, last):
+            assert (shown.in_flight, shown.queued) == (SLOTS, QUEUED[i]), (i, shown)
+        assert last.moves == first.moves, (i, first.moves, last.moves)  # no request moved
+    held = Held(targets, [b.drain for b in before], [a.drain for a in after])
+
+    loaded = {**results, **held_results}
+    report(queries, idle_results, loaded)
     done = sorted(a.seconds for a in seen.answers if a.status == 200)
     print(
         f"callers in the last {RATE_WINDOW:g} s: {len(done)} completed, latency p50/p90/p99 "
@@ -525,7 +688,10 @@ def test_every_keda_and_grafana_query_says_what_the_docs_say_idle_and_loaded(
     failures = []
     for query in queries:
         try:
-            loaded_expectation(query, results[query.source], seen)
+            if is_level(query):
+                held_expectation(query, held_results[query.source], held)
+            else:
+                loaded_expectation(query, results[query.source], seen)
         except AssertionError as exc:
             failures.append(f"{query.source}: {query.expr}\n    {exc}")
     assert not failures, "\n".join(failures)
@@ -540,7 +706,8 @@ def test_every_keda_and_grafana_query_says_what_the_docs_say_idle_and_loaded(
         assert values == sorted(values), (panel, values)
     assert all(r["health"] == "ok" for r in client.rules()), client.rules()
 
-    # Load gone: the levels fall back to zero within a scrape or two.
+    # Load gone (the held requests' callers went away): the levels fall back to zero within a
+    # scrape or two.
     for expr in (
         "job:llm_backoff_shim_queue_depth:sum",
         "max(instance:llm_backoff_shim_time_to_drain_seconds)",
