@@ -305,7 +305,10 @@ class AdmissionController:
         spent = due_after * window
         estimator = self._estimator
         if estimator.samples:
-            spent = max(spent, window - (places + 1) * estimator.class_service_time(cls))
+            # Every class's service time, not the class's own: a long prompt's own service
+            # makes its share due earlier, and long prompts then run through the chat peaks
+            # they could have waited out (bench_admission_model.py --mode mix).
+            spent = max(spent, window - (places + 1) * estimator.service_time)
         return max(0.0, start + spent - now)
 
     def queued_returning(self, cls: str) -> int:
