@@ -35,6 +35,7 @@ from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConf
 from llm_backoff_shim.decide.fleet_size import FleetSize
 from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
+from llm_backoff_shim.decide.saturation import SaturationConfig, SaturationDetector
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
 from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
 from llm_backoff_shim.decide.token_budget import TokenBudget
@@ -42,7 +43,7 @@ from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
-from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
+from llm_backoff_shim.serve.policy.engine_watch import EngineWatch
 from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
 from llm_backoff_shim.serve.policy.prompt_units import PromptUnits
 from llm_backoff_shim.serve.policy.quota import TenantQuotas

@@ -25,9 +25,10 @@ from prometheus_client.registry import Collector
 
 from llm_backoff_shim.decide.adaptive_limit import GradientLimit
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.saturation import SaturationDetector
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.serve.observe.metrics import PREFIX
-from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationDetector, engine_metric_gauges
+from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, engine_metric_gauges
 from llm_backoff_shim.serve.policy.quota import TenantQuotas
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
