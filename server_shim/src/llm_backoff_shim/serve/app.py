@@ -11,8 +11,9 @@ nowhere below: every piece is handed plain values and the pieces built before it
 2. the edge, handed those: waiting (:class:`~llm_backoff_shim.serve.request_path.waiting.AsyncAdmission`),
    the filters (engine watch, tenant quotas, the request hooks) as one
    :class:`~llm_backoff_shim.serve.policy.traffic_policy.TrafficPolicy`, metrics, with
-   ``--metrics-port`` the operations listener (ops_server.py), the access log, the
-   proxy and the ASGI app (shim_app.py); the app's lifespan opens and closes them.
+   ``--metrics-port`` the operations listener (ops_server.py), then the request path: the
+   intake, the admission gate, the relay, and the proxy over them with the access log; last
+   the ASGI app (shim_app.py), whose lifespan opens and closes them.
 
 Tests and the demo read live state in-process with :func:`shim_state`.
 """
@@ -49,8 +50,11 @@ from llm_backoff_shim.serve.policy.prompt_units import PromptUnits
 from llm_backoff_shim.serve.policy.quota import TenantQuotas
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolicies
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
+from llm_backoff_shim.serve.request_path.gate import AdmissionGate
 from llm_backoff_shim.serve.request_path.headers import Forwarding
+from llm_backoff_shim.serve.request_path.intake import Intake
 from llm_backoff_shim.serve.request_path.proxy import Proxy
+from llm_backoff_shim.serve.request_path.relay import Relay
 from llm_backoff_shim.serve.request_path.routes import RouteTable
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
@@ -219,25 +223,41 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         fleet_hints = FleetHints.from_url(
             settings.redis_url, fleet=fleet, clock=clock, minimum=settings.retry_after_min
         )
-    access_log = AccessLog(settings.log_format, clock=clock) if settings.access_log else None
-    routes = RouteTable(settings.allow_operator_route)
-    forwarding = Forwarding(settings.trusted_proxies)
-    proxy = Proxy(
-        upstream=upstream,
-        admission=admission,
-        metrics=metrics,
-        reject_status=settings.reject_status,
-        clock=clock,
+    intake = Intake(
+        routes=RouteTable(settings.allow_operator_route),
         api_keys=api_keys,
+        hooks=policy.hooks,
+        controller=controller,
         max_body_bytes=settings.max_body_bytes,
         body_timeout=settings.body_read_timeout,
-        hooks=policy.hooks,
-        on_first_byte=policy.on_first_byte,
-        access_log=access_log,
-        routes=routes,
-        forwarding=forwarding,
-        fleet_hints=fleet_hints,
         request_start=settings.request_start_header,
+    )
+    gate = AdmissionGate(
+        admission=admission,
+        metrics=metrics,
+        clock=clock,
+        reject_status=settings.reject_status,
+        hooks=policy.hooks,
+        fleet_hints=fleet_hints,
+        on_first_byte=policy.on_first_byte,
+    )
+    relay = Relay(
+        upstream=upstream,
+        metrics=metrics,
+        clock=clock,
+        on_upstream_answer=gate.upstream_answered,
+        on_first_body_byte=gate.first_body_byte,
+        # Count admitted answers' tokens (answer_meter.py): the cost budget learns from them.
+        count_answers=controller.pricing is not None,
+    )
+    proxy = Proxy(
+        intake=intake,
+        gate=gate,
+        relay=relay,
+        metrics=metrics,
+        clock=clock,
+        access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
+        forwarding=Forwarding(settings.trusted_proxies),
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
     # The cost budget counts prompts in the engine's tokens, learned from its tokenizer.

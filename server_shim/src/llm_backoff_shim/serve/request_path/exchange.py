@@ -61,6 +61,16 @@ class ForwardRequest(NamedTuple):
     parsed: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class UpstreamRefused:
+    """The upstream could not serve the request and nothing was sent to the client: the
+    admission gate makes the refusal. ``overloaded``: it answered 503 for an admitted request
+    (else it was unreachable, or answered 503 to a request that was not admitted)."""
+
+    detail: str
+    overloaded: bool = False
+
+
 def classify(exchange: Exchange, status: int) -> None:
     if 200 <= status < 300:
         exchange.outcome, exchange.metric = Outcome.COMPLETED, "completed"

@@ -44,7 +44,8 @@ class Refusal:
 
     ``reason``: the bad-request reason (``llm_backoff_shim_bad_requests_total``) or the
     rejection code; ``retry_after``: a rejection's hint in seconds (None for other answers);
-    ``shape``: the error shape it is answered in, where its maker knows the route's.
+    ``shape``: the error shape it is answered in, where its maker knows the route's;
+    ``detail``: a rejection's message, for the access log.
     """
 
     status: int
@@ -53,6 +54,7 @@ class Refusal:
     reason: str = ""
     retry_after: float | None = None
     shape: Shape = Shape.OPENAI
+    detail: str | None = None
 
     def with_headers(self, extra: RawHeaders) -> Refusal:
         """The same answer with ``extra`` headers after its own."""
@@ -94,7 +96,9 @@ def rejection_response(rejection: Rejection, default_status: int) -> Refusal:
                 _RENDERED.clear()
             _RENDERED[key] = parts
     status, headers, body = parts
-    return Refusal(status, list(headers), body, rejection.code, rejection.retry_after)
+    return Refusal(
+        status, list(headers), body, rejection.code, rejection.retry_after, detail=rejection.message
+    )
 
 
 #: Rendered refusals by the values they are written from: under overload most answers are
@@ -190,7 +194,7 @@ def in_shape(response: Refusal, shape: Shape) -> Refusal:
     detail = {"type": kind, "message": message, **{k: error[k] for k in _KEPT if error.get(k) is not None}}
     headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
     shaped = _json(status, {"type": "error", "error": detail}, headers, response.reason)
-    return replace(shaped, retry_after=response.retry_after, shape=shape)
+    return replace(shaped, retry_after=response.retry_after, shape=shape, detail=response.detail)
 
 
 def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:

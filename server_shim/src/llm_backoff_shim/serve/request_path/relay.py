@@ -4,14 +4,14 @@ Status, headers and body go to the client chunk by chunk as the upstream sends t
 chunked answer straight onto the client's wire where the serving path offers it). What
 the relay learns goes into the request's :class:`~llm_backoff_shim.serve.request_path.exchange.Exchange`.
 The relay never asks the admission controller: where the upstream could not serve the
-request it returns an :class:`UpstreamRefused`, and the proxy answers it with the
-controller's refusal:
+request it returns an :class:`~llm_backoff_shim.serve.request_path.exchange.UpstreamRefused`,
+and the admission gate (gate.py) makes the refusal the proxy answers:
 
 - any failure before the upstream's status line (refused, reset, timed out) is returned as
-  unavailable, with a Retry-After from the outage's length so far (the proxy answers 503
-  ``upstream_unavailable``); an invalid response head is a 502, nothing of it relayed;
+  unavailable (the gate's answer: 503 ``upstream_unavailable``, with a Retry-After from the
+  outage's length so far); an invalid response head is a 502, nothing of it relayed;
 - an upstream 503 on an admitted request (vLLM's ``--max-num-queued-reqs`` answer) is returned
-  as overloaded (the proxy answers a ``queue_full`` rejection with the configured status and
+  as overloaded (the gate's answer: a ``queue_full`` rejection with the configured status and
   an estimated Retry-After, the upstream's message kept in ours); other statuses pass through
   untouched;
 - a failure mid-response ends an event stream with an error event and aborts the client
@@ -23,9 +23,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
@@ -45,6 +43,7 @@ from llm_backoff_shim.serve.request_path.exchange import (
     Exchange,
     ForwardRequest,
     Send,
+    UpstreamRefused,
     classify,
 )
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
@@ -56,17 +55,6 @@ log = logging.getLogger("llm_backoff_shim.proxy")
 
 #: How much of an upstream 503 body is read to explain the rejection.
 _OVERLOAD_BODY_LIMIT = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamRefused:
-    """The upstream could not serve the request and nothing was sent to the client: the proxy
-    answers with the controller's refusal. ``overloaded``: it answered 503 for an admitted
-    request (else it was unreachable, and ``retry_after`` is the outage's hint)."""
-
-    detail: str
-    overloaded: bool = False
-    retry_after: float | None = None
 
 
 class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
@@ -82,7 +70,7 @@ class Relay:
         upstream: UpstreamClient,
         metrics: ShimMetrics,
         clock: Clock,
-        outage: OutageClock,
+        on_upstream_answer: Callable[[], None],
         on_first_body_byte: Callable[[Grant], None],
         count_answers: bool = False,
     ) -> None:
@@ -91,7 +79,8 @@ class Relay:
         self.count_answers = count_answers
         self.metrics = metrics
         self.clock = clock
-        self.outage = outage
+        # Called whenever the upstream answers in HTTP (an outage, if any, is over).
+        self.on_upstream_answer = on_upstream_answer
         # Called with the grant of an admitted request when its answer's first body byte arrives.
         self.on_first_body_byte = on_first_body_byte
 
@@ -106,7 +95,7 @@ class Relay:
         wire: ClientWire | None = None,
     ) -> UpstreamRefused | None:
         """Relay the request and its answer; an :class:`UpstreamRefused` when the upstream could
-        not serve it and nothing was sent (the proxy answers it)."""
+        not serve it and nothing was sent (the gate makes the answer)."""
         exchange = exchange if exchange is not None else Exchange()
         cls = grant.ticket.cls if grant is not None else None
         exchange.upstream_start = self.clock()
@@ -120,8 +109,8 @@ class Relay:
             if isinstance(exc, UpstreamProtocolError):
                 await self._bad_gateway(send, str(exc), exchange)
                 return None
-            return self._unavailable(str(exc))
-        self.outage.answered()
+            return UpstreamRefused(str(exc))
+        self.on_upstream_answer()
         started = False
         refused: UpstreamRefused | None = None
         exchange.first_byte = self.clock()
@@ -204,13 +193,10 @@ class Relay:
                 log.debug("client left before the upstream answered")
         return None
 
-    def _unavailable(self, detail: str) -> UpstreamRefused:
-        return UpstreamRefused(detail, retry_after=self.outage.failed())
-
     async def _bad_gateway(self, send: Send, detail: str, exchange: Exchange) -> None:
         # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
         log.warning("upstream answered with an invalid response: %s", detail)
-        self.outage.answered()
+        self.on_upstream_answer()
         exchange.outcome, exchange.metric, exchange.detail = Outcome.UPSTREAM_ERROR, "upstream_error", detail
         response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
         await answer(send, response, exchange)
@@ -221,7 +207,7 @@ class Relay:
         except UpstreamError as exc:
             detail = str(exc)
         if cls is None:
-            return self._unavailable(f"upstream answered 503: {detail}")
+            return UpstreamRefused(f"upstream answered 503: {detail}")
         return UpstreamRefused(f"upstream answered 503: {detail}", overloaded=True)
 
 

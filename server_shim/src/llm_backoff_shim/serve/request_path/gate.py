@@ -1,0 +1,189 @@
+"""The admission gate: the one place the shim refuses a request for load, over decide/.
+
+The proxy asks the gate, as Envoy's adaptive-concurrency filter asks its controller, at four
+points of a generation request's way; every "no" for load and the Retry-After it carries are
+decided here (a malformed request is the intake's, a broken connection http/'s):
+
+- on the head (:meth:`AdmissionGate.refuse_at_once`): a refusal that cannot depend on the
+  body, answered before it is read (``Proxy.refuse_from_head`` says why), or None;
+- entering (:meth:`AdmissionGate.enter`): the tenant's quota taken, a slot from the
+  controller (waiting in its queue), and for a refusal the fleet's soonest Retry-After
+  (fleet_hints.py) in place of this replica's;
+- the engine's refusal (:meth:`AdmissionGate.engine_refused`): an admitted request's 503 is
+  the engine at capacity, any other failure the upstream unavailable, with the outage's
+  Retry-After (:class:`~llm_backoff_shim.decide.retry_after.OutageClock`);
+- leaving (:meth:`AdmissionGate.leave`): the slot released, the quota settled, the outcome
+  counted.
+
+Each refusal leaves as a :class:`~llm_backoff_shim.serve.request_path.rejection.Refusal`
+rendered by rejection.py; the proxy only sends it and logs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.retry_after import OutageClock
+from llm_backoff_shim.decide.tickets import Outcome, Rejection
+from llm_backoff_shim.serve.observe.access_log import request_id_of
+from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
+from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, RequestScope
+from llm_backoff_shim.serve.request_path.exchange import Clock, Exchange, ForwardRequest, UpstreamRefused
+from llm_backoff_shim.serve.request_path.headers import RawHeaders
+from llm_backoff_shim.serve.request_path.rejection import Refusal, rejection_response
+from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
+
+
+@dataclass(slots=True)
+class Passage:
+    """One generation request's way through the gate: what it asks for, what is forwarded
+    (its body as the hooks rewrote it), its hooks, and its slot once granted."""
+
+    request: AdmissionRequest
+    forward: ForwardRequest
+    scope: RequestScope
+    grant: Grant | None = None
+
+
+class AdmissionGate:
+    """Entering and leaving admission, and every refusal for load (module docstring).
+
+    ``reject_status``: the status of an admission refusal that names none (``--reject-status``);
+    ``fleet_hints``: the fleet's Retry-After, None for this replica's alone; ``on_first_byte``:
+    (seconds from admission to the upstream's first body byte, requests in flight), for an
+    adaptive limit.
+    """
+
+    def __init__(
+        self,
+        *,
+        admission: AsyncAdmission,
+        metrics: ShimMetrics,
+        clock: Clock,
+        reject_status: int,
+        hooks: RequestHooks | None = None,
+        fleet_hints: FleetHints | None = None,
+        on_first_byte: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
+        self.reject_status = reject_status
+        # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
+        self.hooks = hooks if hooks is not None else RequestHooks()
+        self.fleet_hints = fleet_hints
+        self.on_first_byte = on_first_byte
+        estimates = admission.controller.estimator.config
+        # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
+        self.outage = OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max)
+
+    @property
+    def controller(self) -> AdmissionController:
+        return self.admission.controller
+
+    def may_refuse_at_once(self) -> bool:
+        """Whether a request may now be refused from its head at all: every slot is taken, and
+        no fleet's hint is asked (a round trip to Redis: the asynchronous path answers it)."""
+        return self.fleet_hints is None and self.controller.saturated()
+
+    def refuse_at_once(self, request: AdmissionRequest) -> Refusal | None:
+        """The refusal of ``request`` decided from its head alone, counted; None when its
+        answer may depend on its body: hooks that read the body before it queues (a tenant's
+        quota), or a Retry-After that depends on whether the body asks for a stream (a budget
+        to begin, or ``stream_served_at="first_token"`` with a budget)."""
+        controller = self.controller
+        hooks = self.hooks
+        if not hooks.admits_without_body(request) or (
+            request.budget is not None
+            and (request.budget_to_start or controller.estimator.config.stream_served_at != "end")
+        ):
+            return None
+        rejection = controller.refuse_at_once(request)
+        if rejection is None:
+            return None
+        self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
+        return self._refusal(rejection, hooks.rejection_headers(request))
+
+    def passage(self, request: AdmissionRequest, forward: ForwardRequest) -> Passage:
+        """``request``'s way through the gate, its hooks made; :meth:`leave` ends it."""
+        return Passage(
+            request, forward, self.hooks.scope(request, forward.body, forward.path, forward.parsed)
+        )
+
+    async def enter(self, passage: Passage, exchange: Exchange) -> Refusal | None:
+        """Take the tenant's quota and wait for a slot: None once granted (``passage.grant``),
+        else the refusal to answer, noted in ``exchange``."""
+        scope = passage.scope
+        quota = await scope.take_quota()
+        if quota is not None:
+            passage.request = replace(passage.request, quota=quota)
+        if scope.body is not passage.forward.body:
+            passage.forward = passage.forward._replace(body=scope.body)
+        queued_at = self.clock()
+        decision = await self.admission.acquire(passage.request)
+        if isinstance(decision, Rejection):
+            if self.fleet_hints is not None:
+                rid = request_id_of(passage.forward.headers)
+                soonest = await self.fleet_hints.soonest(rid, decision.retry_after)
+                decision = replace(decision, retry_after=soonest)
+            exchange.reject(decision)
+            exchange.queue_time = self.clock() - queued_at
+            return self._refusal(decision, scope.response_headers())
+        passage.grant = decision
+        exchange.queue_time = decision.queue_time
+        cls = passage.request.cls
+        self.metrics.count(cls, "admitted")
+        self.metrics.observe_queue_wait(cls, decision.queue_time)
+        return None
+
+    def engine_refused(self, refused: UpstreamRefused, cls: str | None, exchange: Exchange) -> Refusal:
+        """The refusal for a request the upstream could not serve, noted in ``exchange``: the
+        engine at capacity (an admitted request's 503), else the upstream unavailable."""
+        controller = self.controller
+        if refused.overloaded and cls is not None:
+            rejection = controller.overloaded_upstream(cls, refused.detail)
+            exchange.reject(rejection, Outcome.OVERLOADED)
+        else:
+            retry_after = self.outage.failed()
+            rejection = controller.upstream_unavailable(
+                cls or controller.default_class, refused.detail, retry_after
+            )
+            exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
+        return self._refusal(rejection)
+
+    def upstream_answered(self) -> None:
+        """The upstream answered in HTTP: an outage, if one was counted, is over."""
+        self.outage.answered()
+
+    def first_body_byte(self, grant: Grant) -> None:
+        """The first *body* byte of an admitted request's answer: vLLM sends a stream's headers
+        before its first token, even while the request waits in the engine, so the header time
+        says nothing about load."""
+        if grant.ticket.admitted_at is None:
+            return
+        controller = self.controller
+        seconds = self.clock() - grant.ticket.admitted_at
+        if grant.ticket.request.stream:
+            controller.estimator.observe_first_byte(seconds)
+        if self.on_first_byte is not None:
+            self.on_first_byte(seconds, controller.in_flight())
+
+    async def leave(self, passage: Passage, exchange: Exchange) -> None:
+        """Release the slot, settle the quota and count the outcome: once per passage, on every path."""
+        grant = passage.grant
+        if grant is not None:
+            self.admission.release(grant, exchange.outcome, exchange.answer_tokens)
+        await passage.scope.finish(served=grant is not None, status=exchange.status)
+        cls = passage.request.cls
+        if exchange.metric == "rejected":
+            self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
+        else:
+            self.metrics.count(cls, exchange.metric)
+
+    def _refusal(self, rejection: Rejection, headers: RawHeaders | None = None) -> Refusal:
+        response = rejection_response(rejection, self.reject_status)
+        return response.with_headers(headers) if headers else response
