@@ -1,5 +1,7 @@
-"""What one relayed request carries between the proxy's front and its relay: the forwarded
-request, and what came of it (for the slot's release, the metrics and the access log)."""
+"""What one request carries between the proxy's front and its steps (the intake, the admission
+gate, the relay): the forwarded request, what came of it (for the slot's release, the metrics
+and the access log), and the two events the steps report (the client gone, the upstream's
+refusal)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ Clock = Callable[[], float]
 
 #: RFC 9110 section 7.6.3: a proxy adds itself to ``Via`` in each message it forwards.
 VIA = (b"via", b"1.1 llm-backoff-shim")
+
+
+class ClientGone(Exception):  # noqa: N818 - an event, not an error of ours
+    """The client disconnected before its body was complete."""
 
 
 @dataclass(slots=True)

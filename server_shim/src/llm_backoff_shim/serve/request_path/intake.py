@@ -49,6 +49,7 @@ from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
 from llm_backoff_shim.serve.request_path.auth import ApiKeys, bearer_token, key_id
+from llm_backoff_shim.serve.request_path.exchange import ClientGone
 from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
 from llm_backoff_shim.serve.request_path.routes import Route, RouteTable
 
@@ -57,10 +58,6 @@ Receive = Callable[[], Awaitable[Message]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 log = logging.getLogger("llm_backoff_shim.intake")
-
-
-class ClientGone(Exception):  # noqa: N818 - an event, not an error of ours
-    """The client disconnected before its body was complete."""
 
 
 def header(headers: RawHeaders, name: bytes) -> bytes | None:

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from llm_backoff_shim.decide.requests import AdmissionRequest
-from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
     CLIENT_WIRE,
     CONNECTION_GONE,
@@ -37,11 +35,10 @@ from llm_backoff_shim.http.interface import (
     ConnectionGone,
 )
 from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
-from llm_backoff_shim.serve.observe.metrics import ShimMetrics
-from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
 from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
+    ClientGone,
     Clock,
     Exchange,
     ForwardRequest,
@@ -49,12 +46,20 @@ from llm_backoff_shim.serve.request_path.exchange import (
     Scope,
     Send,
 )
-from llm_backoff_shim.serve.request_path.gate import AdmissionGate
 from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake
 from llm_backoff_shim.serve.request_path.rejection import Refusal, answer, wire_form
-from llm_backoff_shim.serve.request_path.relay import Relay
 from llm_backoff_shim.serve.request_path.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
+
+if TYPE_CHECKING:
+    # Types alone: app.py hands the proxy its steps built, and the proxy only calls them, so
+    # what they stand on (decide/, the policies, the upstream client) is theirs, not the proxy's.
+    from llm_backoff_shim.decide.requests import AdmissionRequest
+    from llm_backoff_shim.http.coarse_timers import CoarseTimers
+    from llm_backoff_shim.serve.observe.metrics import ShimMetrics
+    from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
+    from llm_backoff_shim.serve.request_path.gate import AdmissionGate
+    from llm_backoff_shim.serve.request_path.intake import Intake
+    from llm_backoff_shim.serve.request_path.relay import Relay
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
