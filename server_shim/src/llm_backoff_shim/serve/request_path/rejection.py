@@ -11,7 +11,8 @@ Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds
 rounded up so a client that honours it never comes back early), ``retry-after-ms``
 (the same estimate in milliseconds, which the openai SDK reads first) and an
 OpenAI-format body whose ``error`` carries ``code``, ``retry_after_seconds`` and
-``queue_depth``. Client mistakes are 400s in the same OpenAI error shape.
+``queue_depth``. Client mistakes are 400s in the same OpenAI error shape, their bodies written
+by the renderer the HTTP layer's own answers use (:mod:`llm_backoff_shim.http.errors`).
 
 On Anthropic routes (``/v1/messages``) :func:`in_shape` re-renders any of these answers in
 Anthropic's error shape, ``{"type": "error", "error": {"type": ..., "message": ...}}``, with the
@@ -30,6 +31,7 @@ import math
 from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.tickets import Rejection
+from llm_backoff_shim.http.errors import error_body
 from llm_backoff_shim.http.interface import BODY_FOLLOWS, wire_answer
 from llm_backoff_shim.serve.request_path.exchange import Exchange, Send
 from llm_backoff_shim.serve.request_path.routes import Shape
@@ -152,7 +154,7 @@ def client_error(
 ) -> Refusal:
     """An OpenAI-format error for a request the shim will not forward, counted as ``reason``
     (by default its ``code``: a metric's reason and the wire's code name one thing alike)."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    body = error_body(message, "invalid_request_error", code, param)
     return _json(status, body, [], (code or "") if reason is None else reason)
 
 
@@ -193,7 +195,8 @@ def in_shape(response: Refusal, shape: Shape) -> Refusal:
         kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     detail = {"type": kind, "message": message, **{k: error[k] for k in _KEPT if error.get(k) is not None}}
     headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
-    shaped = _json(status, {"type": "error", "error": detail}, headers, response.reason)
+    body = json.dumps({"type": "error", "error": detail}, separators=(",", ":")).encode()
+    shaped = _json(status, body, headers, response.reason)
     return replace(shaped, retry_after=response.retry_after, shape=shape, detail=response.detail)
 
 
@@ -224,12 +227,10 @@ async def answer(send: Send, response: Refusal, exchange: Exchange | None = None
 
 def server_error(message: str, *, code: str, status: int = 502) -> Refusal:
     """An OpenAI-format error for an upstream answer the shim will not relay (nginx: 502)."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return _json(status, body, [])
+    return _json(status, error_body(message, "server_error", code), [])
 
 
-def _json(status: int, body: object, headers: RawHeaders, reason: str = "") -> Refusal:
-    payload = json.dumps(body, separators=(",", ":")).encode()
+def _json(status: int, payload: bytes, headers: RawHeaders, reason: str = "") -> Refusal:
     return Refusal(
         status=status,
         headers=[

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 
 from llm_backoff_shim.decide.tickets import Outcome
+from llm_backoff_shim.http.errors import error_body
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
     ChunkWriter,
@@ -225,13 +226,7 @@ def _error_message(body: bytes) -> str:
 
 def _stream_error(exc: UpstreamError) -> bytes:
     code = "upstream_timeout" if isinstance(exc, UpstreamTimeoutError) else "upstream_error"
-    error = {
-        "message": f"upstream failed mid-stream: {exc}",
-        "type": "server_error",
-        "param": None,
-        "code": code,
-    }
-    return b"data: %b\n\n" % json.dumps({"error": error}, separators=(",", ":")).encode()
+    return b"data: %b\n\n" % error_body(f"upstream failed mid-stream: {exc}", "server_error", code)
 
 
 async def _splice(
