@@ -4,7 +4,7 @@ An error the shim makes itself carries ``{"error": {"message", "type", "param", 
 compact JSON, the shape the openai SDKs turn into their typed errors. The HTTP layer writes
 the ones it answers for a connection (a head too large, too slow or malformed; an app that
 failed) whole, with :func:`closing_error`; the request path renders its refusals' bodies
-with :func:`error_body` (serve/request_path/rejection.py), and the relay a stream's last
+with :func:`error_body` (serve/api/rejection.py), and the relay a stream's last
 error event.
 """
 

@@ -40,6 +40,7 @@ from llm_backoff_shim.decide.saturation import SaturationConfig, SaturationDetec
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
 from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
 from llm_backoff_shim.decide.token_budget import TokenBudget
+from llm_backoff_shim.serve.api.routes import RouteTable
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
@@ -55,7 +56,6 @@ from llm_backoff_shim.serve.request_path.headers import Forwarding
 from llm_backoff_shim.serve.request_path.intake import Intake
 from llm_backoff_shim.serve.request_path.proxy import Proxy
 from llm_backoff_shim.serve.request_path.relay import Relay
-from llm_backoff_shim.serve.request_path.routes import RouteTable
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
 from llm_backoff_shim.serve.shim_app import (
@@ -178,7 +178,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
 
     # -- the edge, handed the pieces above -------------------------------------------------
     admission = AsyncAdmission(controller, clock)
-    policy = TrafficPolicy(limit=limit, hooks=RequestHooks(), slo=slo, admission=admission)
+    policy = TrafficPolicy(limit=limit, hooks=RequestHooks(), slo=slo, reschedule=admission.reschedule)
     if settings.engine_metrics:
         policy.detector = SaturationDetector(
             SaturationConfig(

@@ -25,6 +25,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AnyHttpUrl, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from llm_backoff_shim.serve.api.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.serve.api.routes import UnknownOperatorRouteError, check_allowed
 from llm_backoff_shim.serve.config.values import (
     DEFAULT_CLASSES,
     ENV_PREFIX,
@@ -41,8 +43,6 @@ from llm_backoff_shim.serve.config.values import (
     scalar_kind,
     split_list,
 )
-from llm_backoff_shim.serve.request_path.auth import ApiKeys, read_keys_file
-from llm_backoff_shim.serve.request_path.routes import UnknownOperatorRouteError, check_allowed
 
 
 class ShimSettings(BaseSettings):

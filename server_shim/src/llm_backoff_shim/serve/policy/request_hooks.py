@@ -31,8 +31,8 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest, QuotaVerdict
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
+from llm_backoff_shim.serve.api.rejection import Refusal, client_error
 from llm_backoff_shim.serve.policy.quota import Charge, TenantQuotas
-from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
 
 RawHeaders = list[tuple[bytes, bytes]]
 

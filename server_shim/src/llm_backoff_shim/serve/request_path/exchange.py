@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
+from llm_backoff_shim.http.interface import BODY_FOLLOWS
+from llm_backoff_shim.serve.api.rejection import Refusal, in_shape
+from llm_backoff_shim.serve.api.routes import Shape
 from llm_backoff_shim.serve.request_path.headers import RawHeaders
-from llm_backoff_shim.serve.request_path.routes import Shape
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -75,6 +77,23 @@ class UpstreamRefused:
 
     detail: str
     overloaded: bool = False
+
+
+async def answer(send: Send, response: Refusal, exchange: Exchange | None = None) -> None:
+    """Send ``response`` whole through ASGI, in ``exchange``'s error shape, noting the status sent."""
+    if exchange is not None and exchange.shape is not Shape.OPENAI:
+        response = in_shape(response, exchange.shape)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status,
+            "headers": response.headers,
+            BODY_FOLLOWS: True,
+        }
+    )
+    if exchange is not None:
+        exchange.sent = response.status
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 def classify(exchange: Exchange, status: int) -> None:

@@ -15,7 +15,7 @@ decided here (a malformed request is the intake's, a broken connection http/'s):
 - leaving (:meth:`AdmissionGate.leave`): the slot released, the quota settled, the outcome
   counted.
 
-Each refusal leaves as a :class:`~llm_backoff_shim.serve.request_path.rejection.Refusal`
+Each refusal leaves as a :class:`~llm_backoff_shim.serve.api.rejection.Refusal`
 rendered by rejection.py; the proxy only sends it and logs it.
 """
 
@@ -28,13 +28,13 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
+from llm_backoff_shim.serve.api.rejection import Refusal, rejection_response
 from llm_backoff_shim.serve.observe.access_log import request_id_of
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, RequestScope
 from llm_backoff_shim.serve.request_path.exchange import Clock, Exchange, ForwardRequest, UpstreamRefused
 from llm_backoff_shim.serve.request_path.headers import RawHeaders
-from llm_backoff_shim.serve.request_path.rejection import Refusal, rejection_response
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 
 

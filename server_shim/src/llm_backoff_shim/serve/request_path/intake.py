@@ -8,7 +8,7 @@ its cost, :mod:`llm_backoff_shim.decide.cost`). The proxy's full path
 and its refusal from the head (``Proxy.refuse_from_head``) both start from :meth:`Intake.head`,
 so they cannot disagree on what passes.
 
-Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.request_path.rejection.Refusal`: an
+Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.api.rejection.Refusal`: an
 OpenAI-format error answer with the ``reason`` under which it is counted
 (``llm_backoff_shim_bad_requests_total``).
 Choices, where the protocol leaves room:
@@ -47,11 +47,11 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.cost import requested_max_tokens
 from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
+from llm_backoff_shim.serve.api.auth import ApiKeys, bearer_token, key_id
+from llm_backoff_shim.serve.api.rejection import Refusal, client_error
+from llm_backoff_shim.serve.api.routes import Route, RouteTable
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-from llm_backoff_shim.serve.request_path.auth import ApiKeys, bearer_token, key_id
 from llm_backoff_shim.serve.request_path.exchange import ClientGone
-from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
-from llm_backoff_shim.serve.request_path.routes import Route, RouteTable
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]

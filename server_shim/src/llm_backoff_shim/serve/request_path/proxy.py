@@ -34,6 +34,8 @@ from llm_backoff_shim.http.interface import (
     ClientWire,
     ConnectionGone,
 )
+from llm_backoff_shim.serve.api.rejection import Refusal, wire_form
+from llm_backoff_shim.serve.api.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
 from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
 from llm_backoff_shim.serve.request_path.exchange import (
@@ -45,10 +47,9 @@ from llm_backoff_shim.serve.request_path.exchange import (
     Receive,
     Scope,
     Send,
+    answer,
 )
 from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.request_path.rejection import Refusal, answer, wire_form
-from llm_backoff_shim.serve.request_path.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 
 if TYPE_CHECKING:
     # Types alone: app.py hands the proxy its steps built, and the proxy only calls them, so

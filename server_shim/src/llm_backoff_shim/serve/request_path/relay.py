@@ -35,6 +35,7 @@ from llm_backoff_shim.http.interface import (
     UpstreamResponse,
     UpstreamTimeoutError,
 )
+from llm_backoff_shim.serve.api.rejection import server_error
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.policy.request_hooks import RequestScope
 from llm_backoff_shim.serve.request_path.answer_meter import AnswerMeter
@@ -45,10 +46,10 @@ from llm_backoff_shim.serve.request_path.exchange import (
     ForwardRequest,
     Send,
     UpstreamRefused,
+    answer,
     classify,
 )
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.request_path.rejection import answer, server_error
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import Grant
 

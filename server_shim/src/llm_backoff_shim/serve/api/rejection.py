@@ -4,8 +4,9 @@ Every answer the shim makes itself instead of relaying the engine's is a :class:
 its status, raw headers and body as they go on the wire, the reason or rejection code it is
 counted under, a rejection's Retry-After (for the metrics and the access log) and the error
 shape it is answered in. The intake's 4xx, a tenant over quota, an admission rejection and
-an upstream failure are all one. It leaves the shim through :func:`answer` (ASGI messages)
-or :func:`wire_form` (the bytes of a whole response, for a serving path that writes them).
+an upstream failure are all one. It leaves the shim through
+:func:`~llm_backoff_shim.serve.request_path.exchange.answer` (ASGI messages) or :func:`wire_form`
+(the bytes of a whole response, for a serving path that writes them).
 
 Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds, >= 1,
 rounded up so a client that honours it never comes back early), ``retry-after-ms``
@@ -32,9 +33,8 @@ from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.http.errors import error_body
-from llm_backoff_shim.http.interface import BODY_FOLLOWS, wire_answer
-from llm_backoff_shim.serve.request_path.exchange import Exchange, Send
-from llm_backoff_shim.serve.request_path.routes import Shape
+from llm_backoff_shim.http.interface import wire_answer
+from llm_backoff_shim.serve.api.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -206,23 +206,6 @@ def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:
     if shape is not Shape.OPENAI:
         response = in_shape(response, shape)
     return response.status, wire_answer(response.status, response.headers, response.body)
-
-
-async def answer(send: Send, response: Refusal, exchange: Exchange | None = None) -> None:
-    """Send ``response`` whole through ASGI, in ``exchange``'s error shape, noting the status sent."""
-    if exchange is not None and exchange.shape is not Shape.OPENAI:
-        response = in_shape(response, exchange.shape)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": response.headers,
-            BODY_FOLLOWS: True,
-        }
-    )
-    if exchange is not None:
-        exchange.sent = response.status
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 def server_error(message: str, *, code: str, status: int = 502) -> Refusal:
