@@ -25,10 +25,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.decide.fleet_size import FleetSize
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.serve.api.rejection import Refusal, rejection_response
+from llm_backoff_shim.serve.config.slices import GateSettings
 from llm_backoff_shim.serve.observe.access_log import request_id_of
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
@@ -80,6 +82,42 @@ class AdmissionGate:
         estimates = admission.controller.estimator.config
         # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
         self.outage = OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max)
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: GateSettings,
+        *,
+        admission: AsyncAdmission,
+        metrics: ShimMetrics,
+        clock: Clock,
+        hooks: RequestHooks | None = None,
+        on_first_byte: Callable[[float, int], None] | None = None,
+    ) -> AdmissionGate:
+        """The gate for its slice of the settings; with a Redis for the fleet's hints, the
+        controller's estimate also learns the fleet's size from them (promises.py)."""
+        fleet_hints = None
+        if settings.fleet_hints_url is not None:
+            estimator = admission.controller.estimator
+            fleet = FleetSize(clock)
+            estimator.promises.fleet = fleet
+            fleet_hints = FleetHints.from_url(
+                settings.fleet_hints_url, fleet=fleet, clock=clock, minimum=estimator.config.retry_after_min
+            )
+        return cls(
+            admission=admission,
+            metrics=metrics,
+            clock=clock,
+            reject_status=settings.reject_status,
+            hooks=hooks,
+            fleet_hints=fleet_hints,
+            on_first_byte=on_first_byte,
+        )
+
+    async def close(self) -> None:
+        """Close the connection to the fleet's Redis, if any."""
+        if self.fleet_hints is not None:
+            await self.fleet_hints.close()
 
     @property
     def controller(self) -> AdmissionController:

@@ -50,6 +50,7 @@ from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.api.auth import ApiKeys, bearer_token, key_id
 from llm_backoff_shim.serve.api.rejection import Refusal, client_error
 from llm_backoff_shim.serve.api.routes import Route, RouteTable
+from llm_backoff_shim.serve.config.slices import IntakeSettings
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
 from llm_backoff_shim.serve.request_path.exchange import ClientGone
 
@@ -327,6 +328,21 @@ class Intake:
         self.pricing = controller.pricing
         # One shared timer for every request's body timeout (coarse_timers says why).
         self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
+
+    @classmethod
+    def from_settings(
+        cls, settings: IntakeSettings, *, hooks: RequestHooks, controller: AdmissionController
+    ) -> Intake:
+        """The intake for its slice of the settings."""
+        return cls(
+            routes=RouteTable(settings.allow_operator_route),
+            api_keys=settings.api_keys,
+            hooks=hooks,
+            controller=controller,
+            max_body_bytes=settings.max_body_bytes,
+            body_timeout=settings.body_read_timeout,
+            request_start=settings.request_start_header,
+        )
 
     def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal:
         """The checks on the request's head, in order: path, operator route, API key, then for a
