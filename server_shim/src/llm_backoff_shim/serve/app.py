@@ -228,7 +228,6 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         metrics=metrics,
         clock=clock,
         on_upstream_answer=gate.upstream_answered,
-        on_first_body_byte=gate.first_body_byte,
         # Count admitted answers' tokens (answer_meter.py): the cost budget learns from them.
         count_answers=controller.pricing is not None,
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.interface import BODY_FOLLOWS
@@ -67,6 +67,25 @@ class ForwardRequest(NamedTuple):
     body: bytes
     #: The body as parsed at intake (generation requests), for hooks that read it.
     parsed: dict[str, Any] | None = None
+
+
+class Admitted(Protocol):
+    """A request that holds a slot, as the relay sees it (the admission gate's passage)."""
+
+    @property
+    def cls(self) -> str: ...
+
+    def answer_headers(self) -> RawHeaders:
+        """What the shim adds to the upstream's answer: its queue time, the hooks' headers."""
+        ...
+
+    def observer(self) -> Callable[[bytes], None] | None:
+        """What reads each chunk of the answer (the hooks' usage count), None when nothing does."""
+        ...
+
+    def first_body_byte(self) -> None:
+        """The answer's first body byte arrived: admission learns the time to it."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

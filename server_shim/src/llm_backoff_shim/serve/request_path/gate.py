@@ -43,12 +43,32 @@ from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 @dataclass(slots=True)
 class Passage:
     """One generation request's way through the gate: what it asks for, what is forwarded
-    (its body as the hooks rewrote it), its hooks, and its slot once granted."""
+    (its body as the hooks rewrote it), its hooks, and its slot once granted; once it holds
+    one, the relay's :class:`~llm_backoff_shim.serve.request_path.exchange.Admitted`."""
 
     request: AdmissionRequest
     forward: ForwardRequest
     scope: RequestScope
+    gate: AdmissionGate
     grant: Grant | None = None
+
+    @property
+    def cls(self) -> str:
+        return self.request.cls
+
+    def answer_headers(self) -> RawHeaders:
+        assert self.grant is not None
+        queue_time = (b"x-queue-time-ms", str(round(self.grant.queue_time * 1000)).encode())
+        return [queue_time, *self.scope.response_headers()]
+
+    def observer(self) -> Callable[[bytes], None] | None:
+        scope = self.scope
+        # The base hooks read nothing: a stream's chunks then skip a call each.
+        return None if type(scope).observe is RequestScope.observe else scope.observe
+
+    def first_body_byte(self) -> None:
+        assert self.grant is not None
+        self.gate.first_body_byte(self.grant)
 
 
 class AdmissionGate:
@@ -148,9 +168,8 @@ class AdmissionGate:
 
     def passage(self, request: AdmissionRequest, forward: ForwardRequest) -> Passage:
         """``request``'s way through the gate, its hooks made; :meth:`leave` ends it."""
-        return Passage(
-            request, forward, self.hooks.scope(request, forward.body, forward.path, forward.parsed)
-        )
+        scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
+        return Passage(request, forward, scope, self)
 
     async def enter(self, passage: Passage, exchange: Exchange) -> Refusal | None:
         """Take the tenant's quota and wait for a slot: None once granted (``passage.grant``),

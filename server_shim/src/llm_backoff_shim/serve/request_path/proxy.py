@@ -182,7 +182,7 @@ class Proxy:
             exchange = Exchange(shape=route.shape)
 
             async def relay() -> None:
-                refused = await self.relay(forward, send, None, exchange, arrival, None, wire)
+                refused = await self.relay(forward, send, None, exchange, arrival, wire)
                 if refused is not None:
                     await answer(send, self.gate.engine_refused(refused, None, exchange), exchange)
 
@@ -322,9 +322,7 @@ class Proxy:
             if refusal is not None:
                 await answer(send, refusal, exchange)
                 return
-            refused = await self.relay(
-                passage.forward, send, passage.grant, exchange, arrival, passage.scope, wire
-            )
+            refused = await self.relay(passage.forward, send, passage, exchange, arrival, wire)
             if refused is not None:
                 await answer(send, gate.engine_refused(refused, request.cls, exchange), exchange)
 

@@ -37,10 +37,10 @@ from llm_backoff_shim.http.interface import (
 )
 from llm_backoff_shim.serve.api.rejection import server_error
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
-from llm_backoff_shim.serve.policy.request_hooks import RequestScope
 from llm_backoff_shim.serve.request_path.answer_meter import AnswerMeter
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
+    Admitted,
     Clock,
     Exchange,
     ForwardRequest,
@@ -51,7 +51,6 @@ from llm_backoff_shim.serve.request_path.exchange import (
 )
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
-from llm_backoff_shim.serve.request_path.waiting import Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
@@ -73,7 +72,6 @@ class Relay:
         metrics: ShimMetrics,
         clock: Clock,
         on_upstream_answer: Callable[[], None],
-        on_first_body_byte: Callable[[Grant], None],
         count_answers: bool = False,
     ) -> None:
         self.upstream = upstream
@@ -83,23 +81,21 @@ class Relay:
         self.clock = clock
         # Called whenever the upstream answers in HTTP (an outage, if any, is over).
         self.on_upstream_answer = on_upstream_answer
-        # Called with the grant of an admitted request when its answer's first body byte arrives.
-        self.on_first_body_byte = on_first_body_byte
 
     async def __call__(
         self,
         forward: ForwardRequest,
         send: Send,
-        grant: Grant | None,
+        admitted: Admitted | None,
         exchange: Exchange | None,
         arrival: float,
-        scope: RequestScope | None = None,
         wire: ClientWire | None = None,
     ) -> UpstreamRefused | None:
-        """Relay the request and its answer; an :class:`UpstreamRefused` when the upstream could
-        not serve it and nothing was sent (the gate makes the answer)."""
+        """Relay the request (``admitted``: the slot it holds, None for a request admission does
+        not gate) and its answer; an :class:`UpstreamRefused` when the upstream could not serve
+        it and nothing was sent (the gate makes the answer)."""
         exchange = exchange if exchange is not None else Exchange()
-        cls = grant.ticket.cls if grant is not None else None
+        cls = admitted.cls if admitted is not None else None
         exchange.upstream_start = self.clock()
         try:
             response = await self.upstream.pool.request(
@@ -127,10 +123,10 @@ class Relay:
                 return refused
             headers = strip_hop_by_hop(response.headers, lower=True)
             headers.append(VIA)
-            if grant is not None:
-                headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
-            if scope is not None:
-                headers += scope.response_headers()
+            observe = None
+            if admitted is not None:
+                headers += admitted.answer_headers()
+                observe = admitted.observer()
             # A body already here goes out in the same write as the head (relay_cycle.py).
             start = {"type": "http.response.start", "status": response.status, "headers": headers}
             if response.body_ready():
@@ -139,7 +135,7 @@ class Relay:
             started = True
             exchange.sent = response.status
             ended = False
-            meter = AnswerMeter() if grant is not None and self.count_answers else None
+            meter = AnswerMeter() if admitted is not None and self.count_answers else None
             try:
                 while True:
                     chunk = await response.read_chunk()
@@ -147,10 +143,10 @@ class Relay:
                         break
                     if first:
                         first = False
-                        if grant is not None:
-                            self.on_first_body_byte(grant)
-                    if scope is not None:
-                        scope.observe(chunk)
+                        if admitted is not None:
+                            admitted.first_body_byte()
+                    if observe is not None:
+                        observe(chunk)
                     if meter is not None:
                         meter.feed(chunk)
                     # The upstream's last bytes often arrive with its end: finish in the same
@@ -165,7 +161,7 @@ class Relay:
                         if write is None:
                             wire = None  # an answer with a length: the plain path to its end
                         else:
-                            await _splice(response, write, send, scope, meter)
+                            await _splice(response, write, send, observe, meter)
                             ended = True
                             break
             except UpstreamError as exc:
@@ -234,7 +230,7 @@ async def _splice(
     response: UpstreamResponse,
     write: ChunkWriter,
     send: Send,
-    scope: RequestScope | None,
+    observe: Callable[[bytes], None] | None,
     meter: AnswerMeter | None = None,
 ) -> None:
     """Relay the rest of a chunked body with :meth:`UpstreamResponse.pipe` onto the client's wire.
@@ -244,8 +240,7 @@ async def _splice(
     every ``send`` of the plain path.
     """
     sink = write
-    if scope is not None and type(scope).observe is not RequestScope.observe:
-        observe = scope.observe
+    if observe is not None:
 
         def sink(chunk: bytes) -> bool:
             observe(chunk)
