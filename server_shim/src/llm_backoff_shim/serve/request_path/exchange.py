@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.interface import BODY_FOLLOWS
 from llm_backoff_shim.serve.api.rejection import Refusal, in_shape
-from llm_backoff_shim.serve.api.routes import Shape
+from llm_backoff_shim.serve.api.routes import Route, Shape
 from llm_backoff_shim.serve.request_path.headers import RawHeaders
 
 Scope = MutableMapping[str, Any]
@@ -23,6 +24,16 @@ Clock = Callable[[], float]
 
 #: RFC 9110 section 7.6.3: a proxy adds itself to ``Via`` in each message it forwards.
 VIA = (b"via", b"1.1 llm-backoff-shim")
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A request whose head passed the intake: its route and headers, and for a generation
+    request (a POST to an ``engine`` route) the admission request its headers make."""
+
+    route: Route
+    headers: RawHeaders
+    request: AdmissionRequest | None
 
 
 class ClientGone(Exception):  # noqa: N818 - an event, not an error of ours

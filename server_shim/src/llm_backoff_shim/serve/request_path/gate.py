@@ -6,14 +6,13 @@ decided here (a malformed request is the intake's, a broken connection http/'s):
 
 - on the head (:meth:`AdmissionGate.refuse_at_once`): a refusal that cannot depend on the
   body, answered before it is read (``Proxy.refuse_from_head`` says why), or None;
-- entering (:meth:`AdmissionGate.enter`): the tenant's quota taken, a slot from the
-  controller (waiting in its queue), and for a refusal the fleet's soonest Retry-After
-  (fleet_hints.py) in place of this replica's;
+- entering (:meth:`Passage.enter`, the request's :meth:`AdmissionGate.passage`): the tenant's
+  quota taken, a slot from the controller (waiting in its queue), and for a refusal the
+  fleet's soonest Retry-After (fleet_hints.py) in place of this replica's;
 - the engine's refusal (:meth:`AdmissionGate.engine_refused`): an admitted request's 503 is
   the engine at capacity, any other failure the upstream unavailable, with the outage's
   Retry-After (:class:`~llm_backoff_shim.decide.retry_after.OutageClock`);
-- leaving (:meth:`AdmissionGate.leave`): the slot released, the quota settled, the outcome
-  counted.
+- leaving (:meth:`Passage.leave`): the slot released, the quota settled, the outcome counted.
 
 Each refusal leaves as a :class:`~llm_backoff_shim.serve.api.rejection.Refusal`
 rendered by rejection.py; the proxy only sends it and logs it.
@@ -38,37 +37,6 @@ from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, RequestSco
 from llm_backoff_shim.serve.request_path.exchange import Clock, Exchange, ForwardRequest, UpstreamRefused
 from llm_backoff_shim.serve.request_path.headers import RawHeaders
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
-
-
-@dataclass(slots=True)
-class Passage:
-    """One generation request's way through the gate: what it asks for, what is forwarded
-    (its body as the hooks rewrote it), its hooks, and its slot once granted; once it holds
-    one, the relay's :class:`~llm_backoff_shim.serve.request_path.exchange.Admitted`."""
-
-    request: AdmissionRequest
-    forward: ForwardRequest
-    scope: RequestScope
-    gate: AdmissionGate
-    grant: Grant | None = None
-
-    @property
-    def cls(self) -> str:
-        return self.request.cls
-
-    def answer_headers(self) -> RawHeaders:
-        assert self.grant is not None
-        queue_time = (b"x-queue-time-ms", str(round(self.grant.queue_time * 1000)).encode())
-        return [queue_time, *self.scope.response_headers()]
-
-    def observer(self) -> Callable[[bytes], None] | None:
-        scope = self.scope
-        # The base hooks read nothing: a stream's chunks then skip a call each.
-        return None if type(scope).observe is RequestScope.observe else scope.observe
-
-    def first_body_byte(self) -> None:
-        assert self.grant is not None
-        self.gate.first_body_byte(self.grant)
 
 
 class AdmissionGate:
@@ -164,38 +132,12 @@ class AdmissionGate:
         if rejection is None:
             return None
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
-        return self._refusal(rejection, hooks.rejection_headers(request))
+        return self.refusal(rejection, hooks.rejection_headers(request))
 
     def passage(self, request: AdmissionRequest, forward: ForwardRequest) -> Passage:
-        """``request``'s way through the gate, its hooks made; :meth:`leave` ends it."""
+        """``request``'s way through the gate, its hooks made; :meth:`Passage.leave` ends it."""
         scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
         return Passage(request, forward, scope, self)
-
-    async def enter(self, passage: Passage, exchange: Exchange) -> Refusal | None:
-        """Take the tenant's quota and wait for a slot: None once granted (``passage.grant``),
-        else the refusal to answer, noted in ``exchange``."""
-        scope = passage.scope
-        quota = await scope.take_quota()
-        if quota is not None:
-            passage.request = replace(passage.request, quota=quota)
-        if scope.body is not passage.forward.body:
-            passage.forward = passage.forward._replace(body=scope.body)
-        queued_at = self.clock()
-        decision = await self.admission.acquire(passage.request)
-        if isinstance(decision, Rejection):
-            if self.fleet_hints is not None:
-                rid = request_id_of(passage.forward.headers)
-                soonest = await self.fleet_hints.soonest(rid, decision.retry_after)
-                decision = replace(decision, retry_after=soonest)
-            exchange.reject(decision)
-            exchange.queue_time = self.clock() - queued_at
-            return self._refusal(decision, scope.response_headers())
-        passage.grant = decision
-        exchange.queue_time = decision.queue_time
-        cls = passage.request.cls
-        self.metrics.count(cls, "admitted")
-        self.metrics.observe_queue_wait(cls, decision.queue_time)
-        return None
 
     def engine_refused(self, refused: UpstreamRefused, cls: str | None, exchange: Exchange) -> Refusal:
         """The refusal for a request the upstream could not serve, noted in ``exchange``: the
@@ -210,7 +152,7 @@ class AdmissionGate:
                 cls or controller.default_class, refused.detail, retry_after
             )
             exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
-        return self._refusal(rejection)
+        return self.refusal(rejection)
 
     def upstream_answered(self) -> None:
         """The upstream answered in HTTP: an outage, if one was counted, is over."""
@@ -229,18 +171,77 @@ class AdmissionGate:
         if self.on_first_byte is not None:
             self.on_first_byte(seconds, controller.in_flight())
 
-    async def leave(self, passage: Passage, exchange: Exchange) -> None:
-        """Release the slot, settle the quota and count the outcome: once per passage, on every path."""
-        grant = passage.grant
-        if grant is not None:
-            self.admission.release(grant, exchange.outcome, exchange.answer_tokens)
-        await passage.scope.finish(served=grant is not None, status=exchange.status)
-        cls = passage.request.cls
-        if exchange.metric == "rejected":
-            self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
-        else:
-            self.metrics.count(cls, exchange.metric)
-
-    def _refusal(self, rejection: Rejection, headers: RawHeaders | None = None) -> Refusal:
+    def refusal(self, rejection: Rejection, headers: RawHeaders | None = None) -> Refusal:
+        """The answer to ``rejection`` (the configured status unless it names its own)."""
         response = rejection_response(rejection, self.reject_status)
         return response.with_headers(headers) if headers else response
+
+
+@dataclass(slots=True)
+class Passage:
+    """One generation request's way through the gate, entered and left once: what it asks
+    for, what is forwarded (its body as the hooks rewrote it), its hooks, and its slot once
+    granted; holding one, it is the relay's
+    :class:`~llm_backoff_shim.serve.request_path.exchange.Admitted`."""
+
+    request: AdmissionRequest
+    forward: ForwardRequest
+    scope: RequestScope
+    gate: AdmissionGate
+    grant: Grant | None = None
+
+    async def enter(self, exchange: Exchange) -> Refusal | None:
+        """Take the tenant's quota and wait for a slot: None once granted (:attr:`grant`), else
+        the refusal to answer, noted in ``exchange``."""
+        gate, scope = self.gate, self.scope
+        quota = await scope.take_quota()
+        if quota is not None:
+            self.request = replace(self.request, quota=quota)
+        if scope.body is not self.forward.body:
+            self.forward = self.forward._replace(body=scope.body)
+        queued_at = gate.clock()
+        decision = await gate.admission.acquire(self.request)
+        if isinstance(decision, Rejection):
+            if gate.fleet_hints is not None:
+                rid = request_id_of(self.forward.headers)
+                soonest = await gate.fleet_hints.soonest(rid, decision.retry_after)
+                decision = replace(decision, retry_after=soonest)
+            exchange.reject(decision)
+            exchange.queue_time = gate.clock() - queued_at
+            return gate.refusal(decision, scope.response_headers())
+        self.grant = decision
+        exchange.queue_time = decision.queue_time
+        cls = self.request.cls
+        gate.metrics.count(cls, "admitted")
+        gate.metrics.observe_queue_wait(cls, decision.queue_time)
+        return None
+
+    async def leave(self, exchange: Exchange) -> None:
+        """Release the slot, settle the quota and count the outcome: once, on every path."""
+        gate, grant = self.gate, self.grant
+        if grant is not None:
+            gate.admission.release(grant, exchange.outcome, exchange.answer_tokens)
+        await self.scope.finish(served=grant is not None, status=exchange.status)
+        cls = self.request.cls
+        if exchange.metric == "rejected":
+            gate.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
+        else:
+            gate.metrics.count(cls, exchange.metric)
+
+    @property
+    def cls(self) -> str:
+        return self.request.cls
+
+    def answer_headers(self) -> RawHeaders:
+        assert self.grant is not None
+        queue_time = (b"x-queue-time-ms", str(round(self.grant.queue_time * 1000)).encode())
+        return [queue_time, *self.scope.response_headers()]
+
+    def observer(self) -> Callable[[bytes], None] | None:
+        scope = self.scope
+        # The base hooks read nothing: a stream's chunks then skip a call each.
+        return None if type(scope).observe is RequestScope.observe else scope.observe
+
+    def first_body_byte(self) -> None:
+        assert self.grant is not None
+        self.gate.first_body_byte(self.grant)

@@ -40,7 +40,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
@@ -49,10 +49,10 @@ from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
 from llm_backoff_shim.serve.api.auth import ApiKeys, bearer_token, key_id
 from llm_backoff_shim.serve.api.rejection import Refusal, client_error
-from llm_backoff_shim.serve.api.routes import Route, RouteTable
+from llm_backoff_shim.serve.api.routes import RouteTable
 from llm_backoff_shim.serve.config.slices import IntakeSettings
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-from llm_backoff_shim.serve.request_path.exchange import ClientGone
+from llm_backoff_shim.serve.request_path.exchange import ClientGone, Head
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -288,16 +288,6 @@ def _text_header(headers: RawHeaders, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    """A request whose head passed the intake: its route and headers, and for a generation
-    request (a POST to an ``engine`` route) the admission request its headers make."""
-
-    route: Route
-    headers: RawHeaders
-    request: AdmissionRequest | None
 
 
 class Intake:

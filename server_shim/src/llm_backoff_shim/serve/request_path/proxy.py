@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
     CLIENT_WIRE,
     CONNECTION_GONE,
@@ -40,27 +42,19 @@ from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, r
 from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
+    Admitted,
     ClientGone,
     Clock,
     Exchange,
     ForwardRequest,
+    Head,
     Receive,
     Scope,
     Send,
+    UpstreamRefused,
     answer,
 )
 from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
-
-if TYPE_CHECKING:
-    # Types alone: app.py hands the proxy its steps built, and the proxy only calls them, so
-    # what they stand on (decide/, the policies, the upstream client) is theirs, not the proxy's.
-    from llm_backoff_shim.decide.requests import AdmissionRequest
-    from llm_backoff_shim.http.coarse_timers import CoarseTimers
-    from llm_backoff_shim.serve.observe.metrics import ShimMetrics
-    from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-    from llm_backoff_shim.serve.request_path.gate import AdmissionGate
-    from llm_backoff_shim.serve.request_path.intake import Intake
-    from llm_backoff_shim.serve.request_path.relay import Relay
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
@@ -83,16 +77,85 @@ def is_generation(method: str, path: str) -> bool:
     return method == "POST" and route is not None and route.admitted
 
 
+# What the proxy asks of each of its steps. app.py hands it the steps built (intake.py,
+# gate.py, relay.py, the metrics); the proxy names only what it calls, so what the steps
+# stand on (decide/, the policies, the upstream client) is theirs alone.
+
+
+class IntakeStep(Protocol):
+    """The checks on what the client sends (:class:`~llm_backoff_shim.serve.request_path.intake.Intake`)."""
+
+    @property
+    def body_timers(self) -> CoarseTimers | None: ...
+
+    def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal: ...
+
+    async def read(self, head: Head, receive: Receive, task: asyncio.Task[Any] | None) -> bytes | Refusal: ...
+
+    def body(
+        self, head: Head, body: bytes
+    ) -> tuple[AdmissionRequest | None, dict[str, Any] | None] | Refusal: ...
+
+
+class GatePassage(Admitted, Protocol):
+    """A generation request's way through the gate
+    (:class:`~llm_backoff_shim.serve.request_path.gate.Passage`)."""
+
+    @property
+    def forward(self) -> ForwardRequest: ...
+
+    async def enter(self, exchange: Exchange) -> Refusal | None: ...
+
+    async def leave(self, exchange: Exchange) -> None: ...
+
+
+class GateStep(Protocol):
+    """Every refusal for load (:class:`~llm_backoff_shim.serve.request_path.gate.AdmissionGate`)."""
+
+    @property
+    def hooks(self) -> object: ...
+
+    def may_refuse_at_once(self) -> bool: ...
+
+    def refuse_at_once(self, request: AdmissionRequest) -> Refusal | None: ...
+
+    def passage(self, request: AdmissionRequest, forward: ForwardRequest) -> GatePassage: ...
+
+    def engine_refused(self, refused: UpstreamRefused, cls: str | None, exchange: Exchange) -> Refusal: ...
+
+
+class RelayStep(Protocol):
+    """The request upstream, its answer back (:class:`~llm_backoff_shim.serve.request_path.relay.Relay`)."""
+
+    async def __call__(
+        self,
+        forward: ForwardRequest,
+        send: Send,
+        admitted: Admitted | None,
+        exchange: Exchange | None,
+        arrival: float,
+        wire: ClientWire | None = None,
+    ) -> UpstreamRefused | None: ...
+
+
+class Counts(Protocol):
+    """What the proxy counts itself (:class:`~llm_backoff_shim.serve.observe.metrics.ShimMetrics`)."""
+
+    def bad_request(self, reason: str) -> None: ...
+
+    def count(self, cls: str, outcome: str) -> None: ...
+
+
 class Proxy:
     """ASGI app relaying ``/v1/...`` to the upstream through admission."""
 
     def __init__(
         self,
         *,
-        intake: Intake,
-        gate: AdmissionGate,
-        relay: Relay,
-        metrics: ShimMetrics,
+        intake: IntakeStep,
+        gate: GateStep,
+        relay: RelayStep,
+        metrics: Counts,
         clock: Clock,
         access_log: AccessLog | None = None,
         forwarding: Forwarding | None = None,
@@ -126,7 +189,7 @@ class Proxy:
         return task
 
     @property
-    def hooks(self) -> RequestHooks:
+    def hooks(self) -> object:
         """The request hooks the intake and the gate ask (app.py hands both the same)."""
         return self.gate.hooks
 
@@ -318,7 +381,7 @@ class Proxy:
         passage = gate.passage(request, forward)
 
         async def work() -> None:
-            refusal = await gate.enter(passage, exchange)
+            refusal = await passage.enter(exchange)
             if refusal is not None:
                 await answer(send, refusal, exchange)
                 return
@@ -329,7 +392,7 @@ class Proxy:
         try:
             await watch_disconnect(task, receive, work, gone)
         finally:
-            await gate.leave(passage, exchange)
+            await passage.leave(exchange)
             self._log(record, exchange, request.cls, request.tenant)
 
 
