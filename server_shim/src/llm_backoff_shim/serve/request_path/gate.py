@@ -40,7 +40,8 @@ from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 
 
 class AdmissionGate:
-    """Entering and leaving admission, and every refusal for load (module docstring).
+    """Every refusal for load, and each generation request's :class:`Passage` through
+    admission (module docstring).
 
     ``reject_status``: the status of an admission refusal that names none (``--reject-status``);
     ``fleet_hints``: the fleet's Retry-After, None for this replica's alone; ``on_first_byte``:
