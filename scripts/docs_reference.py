@@ -6,7 +6,7 @@ Two tables are generated, each between its pair of HTML comment markers:
   ``--help-all`` (``serve/config/flags.py``), with its flag, variable, default and the
   description its field carries in ``ShimSettings`` (the one definition that ``--help``,
   ``--help-all`` and ``server_shim/deploy/shim.toml`` print too);
-- ``routes``: the route table of ``serve/request_path/routes.py``.
+- ``routes``: the route table of ``serve/api/routes.py``.
 
     .venv/bin/python scripts/docs_reference.py           # rewrite docs/reference.md
     .venv/bin/python scripts/docs_reference.py --check   # exit 1 if it differs (the test does this)
@@ -19,10 +19,10 @@ import re
 import sys
 from pathlib import Path
 
+from llm_backoff_shim.serve.api.routes import render_markdown
 from llm_backoff_shim.serve.config.flags import GROUPS, REPEATABLE, _shown_default
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, env_name, flag_name
-from llm_backoff_shim.serve.request_path.routes import render_markdown
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 

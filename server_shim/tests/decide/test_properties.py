@@ -29,10 +29,10 @@ from llm_backoff.retry_after import hint_from_body, parse_hint
 from llm_backoff_shim.decide.limit import FixedLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.serve.api.rejection import rejection_response, retry_after_header
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.request_path.proxy import is_allowed_path
-from llm_backoff_shim.serve.request_path.rejection import rejection_response, retry_after_header
 from llm_backoff_shim.testing import ManualClock
 
 CLASSES = ("interactive", "batch")

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
-from llm_backoff_shim.serve.request_path.rejection import client_error, in_shape, rejection_response
-from llm_backoff_shim.serve.request_path.routes import Shape
+from llm_backoff_shim.serve.api.rejection import client_error, in_shape, rejection_response
+from llm_backoff_shim.serve.api.routes import Shape
 from llm_backoff_shim.serve.serving import ServerThread, free_socket
 from llm_backoff_shim.sim.runtime import SimRuntime
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app

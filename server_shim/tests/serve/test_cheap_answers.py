@@ -24,9 +24,9 @@ import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.lab.procs import ChildServer, cli_command
+from llm_backoff_shim.serve.api.rejection import rejection_response
 from llm_backoff_shim.serve.log_setup import BatchedLineHandler, LogFormat, logging_config
 from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, _plain
-from llm_backoff_shim.serve.request_path.rejection import rejection_response
 
 
 def reference_plain(log: AccessLog, record: AccessRecord, end: float) -> str:

@@ -13,13 +13,9 @@ import pytest
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.saturation import EngineSample, SaturationConfig, SaturationDetector
 from llm_backoff_shim.decide.tickets import Outcome, Ticket, TicketState
-from llm_backoff_shim.serve.policy.engine_watch import (
-    EngineSample,
-    SaturationConfig,
-    SaturationDetector,
-    parse_engine_metrics,
-)
+from llm_backoff_shim.serve.policy.engine_watch import parse_engine_metrics
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock

@@ -7,11 +7,11 @@ from collections.abc import Callable
 import pytest
 
 from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.serve.api.auth import ApiKeys
+from llm_backoff_shim.serve.api.rejection import Refusal
+from llm_backoff_shim.serve.api.routes import RouteTable, Shape
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-from llm_backoff_shim.serve.request_path.auth import ApiKeys
 from llm_backoff_shim.serve.request_path.intake import Head, Intake
-from llm_backoff_shim.serve.request_path.rejection import Refusal
-from llm_backoff_shim.serve.request_path.routes import RouteTable, Shape
 from llm_backoff_shim.testing import ManualClock
 
 MakeController = Callable[..., tuple[AdmissionController, ManualClock]]  # conftest's make_controller

@@ -24,10 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
 
-from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.sources import load_settings
-from llm_backoff_shim.serve.config.values import ConfigError
-from llm_backoff_shim.serve.request_path.routes import (
+from llm_backoff_shim.serve.api.routes import (
     OPERATOR_PATHS,
     ROUTES,
     V1_FALLBACK,
@@ -38,6 +35,9 @@ from llm_backoff_shim.serve.request_path.routes import (
     check_allowed,
     render_markdown,
 )
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.serving import ServerThread
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "reference.md"

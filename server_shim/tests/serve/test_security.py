@@ -23,17 +23,17 @@ import httpx
 import openai
 import pytest
 
-from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
-from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.sources import load_settings
-from llm_backoff_shim.serve.config.values import ConfigError
-from llm_backoff_shim.serve.request_path.auth import (
+from llm_backoff_shim.serve.api.auth import (
     ApiKeys,
     KeysFileError,
     bearer_token,
     key_id,
     read_keys_file,
 )
+from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
+from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.serving import ServerThread, free_socket, shim_server
 
 CHAT = "/v1/chat/completions"

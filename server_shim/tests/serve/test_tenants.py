@@ -24,13 +24,13 @@ from llm_backoff_shim.decide.tenants import (
     key_hash,
     load_tenants_file,
 )
+from llm_backoff_shim.serve.api.rejection import Refusal
 from llm_backoff_shim.serve.app import create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.policy.quota import TenantQuotas, quota_headers, reset_duration, specs_for
 from llm_backoff_shim.serve.policy.request_hooks import ShimPolicies
-from llm_backoff_shim.serve.request_path.rejection import Refusal
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
+from llm_backoff_shim.serve.api.rejection import client_error, rejection_response, retry_after_header
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
 from llm_backoff_shim.serve.request_path.intake import parse_budget, parse_request_start, waited_since
 from llm_backoff_shim.serve.request_path.proxy import is_generation
-from llm_backoff_shim.serve.request_path.rejection import client_error, rejection_response, retry_after_header
 
 
 def test_strips_rfc9110_hop_by_hop_and_connection_named_headers() -> None:

@@ -3,7 +3,7 @@
 A :class:`Ticket` is queued, then admitted (holding a slot), then released; every ticket ends
 in exactly one of RELEASED, CANCELLED, EXPIRED, so in-flight and queued counts return to zero
 whatever the mix of outcomes. Every refusal the controller hands out, a gate's included, is a
-:class:`Rejection` (rendered by :mod:`llm_backoff_shim.serve.request_path.rejection`).
+:class:`Rejection` (rendered by :mod:`llm_backoff_shim.serve.api.rejection`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ErrorType = Literal["server_overloaded", "rate_limit_exceeded"]
 
 @dataclass(frozen=True)
 class Rejection:
-    """A refusal, ready for :mod:`llm_backoff_shim.serve.request_path.rejection` to render (docs/protocol.md).
+    """A refusal, ready for :mod:`llm_backoff_shim.serve.api.rejection` to render (docs/protocol.md).
 
     ``message`` is the reason only; the renderer appends ", retry in N s".
     ``queue_depth``: the refused class's queue as the controller hands the refusal out (it

@@ -44,12 +44,12 @@ makes a new cycle ``self.cycle`` when a head has been parsed.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Callable
 from typing import Any
 
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
+from llm_backoff_shim.http.errors import closing_error
 
 OnEvent = Callable[[str], None]
 
@@ -82,20 +82,6 @@ def head_problem(http_version: str, headers: list[tuple[bytes, bytes]]) -> str |
     return None
 
 
-def _raw_error(status: int, reason: str, message: str, code: str) -> bytes:
-    body = json.dumps(
-        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}},
-        separators=(",", ":"),
-    ).encode()
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "content-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n"
-        "connection: close\r\n\r\n"
-    ).encode("ascii")
-    return head + body
-
-
 def default_protocol_class() -> type[Any]:
     """uvicorn's httptools protocol when httptools is installed (its ``auto`` choice), else h11."""
     # Imported here: the public path uses this module's answers and must not depend on
@@ -123,16 +109,9 @@ def guarded_protocol(
         raise ValueError("max_head_bytes must be >= 1")
     parent = base if base is not None else default_protocol_class()
     timers = CoarseTimers(head_timeout)
-    _too_large = _raw_error(
-        431,
-        "Request Header Fields Too Large",
-        f"request head larger than {max_head_bytes} bytes",
-        HEAD_TOO_LARGE,
-    )
-    _timed_out = _raw_error(
-        408, "Request Timeout", f"request head not received within {head_timeout:g} s", HEAD_TIMEOUT
-    )
-    _malformed = _raw_error(400, "Bad Request", "invalid HTTP request", MALFORMED_HTTP)
+    _too_large = closing_error(431, f"request head larger than {max_head_bytes} bytes", HEAD_TOO_LARGE)
+    _timed_out = closing_error(408, f"request head not received within {head_timeout:g} s", HEAD_TIMEOUT)
+    _malformed = closing_error(400, "invalid HTTP request", MALFORMED_HTTP)
 
     # httptools reports message boundaries; h11 buffers and bounds a pipelined head itself.
     parser_events = hasattr(parent, "on_message_complete")

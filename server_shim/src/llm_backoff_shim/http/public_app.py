@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from llm_backoff_shim.http.connection_guard import MALFORMED_HTTP, OnEvent
-from llm_backoff_shim.http.connection_guard import _raw_error as raw_error
+from llm_backoff_shim.http.errors import closing_error
 from llm_backoff_shim.http.interface import CONNECTION_GONE, HeadRefusal
 from llm_backoff_shim.http.public_path import BODY_STATES, UNFRAMED, Connection, Peer
 
@@ -90,7 +90,7 @@ class PublicApp:
             if scope.get("http_version") not in ("1.0", "1.1"):
                 # h11 parses any HTTP/x.y; the fast path's parser and nginx refuse all but these.
                 self.on_event(MALFORMED_HTTP)
-                answer: bytes | None = raw_error(400, "Bad Request", "invalid HTTP request", MALFORMED_HTTP)
+                answer: bytes | None = closing_error(400, "invalid HTTP request", MALFORMED_HTTP)
             else:
                 answer = self._refusal(scope, expects, conn)
             if answer is not None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.connection_guard import HEAD_TIMEOUT, HEAD_TOO_LARGE, MALFORMED_HTTP, OnEvent
-from llm_backoff_shim.http.connection_guard import _raw_error as raw_error
+from llm_backoff_shim.http.errors import closing_error
 from llm_backoff_shim.http.interface import ConnectionGone
 
 Peer = tuple[str, int]
@@ -170,7 +170,7 @@ class _Transport(asyncio.Transport):
             # No request is with the app: this is uvicorn's answer to a head h11 refused.
             conn.replacing = True
             self._on_event(MALFORMED_HTTP)
-            data = raw_error(400, "Bad Request", "invalid HTTP request", MALFORMED_HTTP)
+            data = closing_error(400, "invalid HTTP request", MALFORMED_HTTP)
         self._real.write(data)
 
     def writelines(self, list_of_data: Any) -> None:
@@ -416,15 +416,12 @@ def public_protocol(
             conn.closed = True
             on_event(reason)
             if reason == HEAD_TOO_LARGE:
-                payload = raw_error(
-                    431,
-                    "Request Header Fields Too Large",
-                    f"request head larger than {max_head_bytes} bytes",
-                    HEAD_TOO_LARGE,
+                payload = closing_error(
+                    431, f"request head larger than {max_head_bytes} bytes", HEAD_TOO_LARGE
                 )
             else:
                 message = f"request head not received within {head_timeout:g} s"
-                payload = raw_error(408, "Request Timeout", message, HEAD_TIMEOUT)
+                payload = closing_error(408, message, HEAD_TIMEOUT)
             if not conn.transport.is_closing():
                 conn.transport.write(payload)
                 conn.transport.close()

@@ -35,19 +35,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from llm_backoff_shim.http.errors import closing_error
 from llm_backoff_shim.http.interface import BODY_FOLLOWS, STATUS_LINE, wire_answer
 
 __all__ = ["BODY_FOLLOWS", "RelayCycle", "wire_answer"]
 
-_ERROR_500_BODY = (
-    b'{"error":{"message":"internal error in the shim","type":"server_error","param":null,"code":"internal"}}'
-)
-_ERROR_500 = (
-    b"HTTP/1.1 500 Internal Server Error\r\n"
-    b"content-type: application/json\r\n"
-    b"content-length: %d\r\n"
-    b"connection: close\r\n\r\n%b" % (len(_ERROR_500_BODY), _ERROR_500_BODY)
-)
+_ERROR_500 = closing_error(500, "internal error in the shim", "internal", kind="server_error")
 
 
 def _nothing() -> None:

@@ -1,18 +1,21 @@
 """The composition root: the validated settings in, the whole shim out, built top-down.
 
 ``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` here and
-nowhere below: every piece is handed plain values and the pieces built before it.
+nowhere below: every piece is handed plain values, or its own slice of the settings
+(serve/config/slices.py), and the pieces built before it.
 
-0. what the settings derive (the API keys file, vLLM's priorities), and the upstream
-   client, which depends on nothing built here;
+0. what the settings derive (vLLM's priorities), and the upstream client, which depends on
+   nothing built here;
 1. decide/ (pure): the concurrency limit, the drain estimator, the class policies and
    their shares, the admission controller (:func:`build_decisions`), the SLO tracker
    (a gate on the controller, a hold on the scheduler), the tenant directory;
 2. the edge, handed those: waiting (:class:`~llm_backoff_shim.serve.request_path.waiting.AsyncAdmission`),
    the filters (engine watch, tenant quotas, the request hooks) as one
    :class:`~llm_backoff_shim.serve.policy.traffic_policy.TrafficPolicy`, metrics, with
-   ``--metrics-port`` the operations listener (ops_server.py), the access log, the
-   proxy and the ASGI app (shim_app.py); the app's lifespan opens and closes them.
+   ``--metrics-port`` the operations listener (ops_server.py), then the request path: the
+   intake and the admission gate from their slices, the relay, and the proxy over them with
+   the access log; last
+   the ASGI app (shim_app.py), whose lifespan opens and closes them.
 
 Tests and the demo read live state in-process with :func:`shim_state`.
 """
@@ -32,9 +35,9 @@ from llm_backoff_shim.decide.adaptive_limit import GradientConfig, GradientLimit
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
-from llm_backoff_shim.decide.fleet_size import FleetSize
 from llm_backoff_shim.decide.limit import ConcurrencyLimit, FixedLimit
 from llm_backoff_shim.decide.requests import ClassPolicy
+from llm_backoff_shim.decide.saturation import SaturationConfig, SaturationDetector
 from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
 from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
 from llm_backoff_shim.decide.token_budget import TokenBudget
@@ -42,15 +45,16 @@ from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
-from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationConfig, SaturationDetector
-from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
+from llm_backoff_shim.serve.policy.engine_watch import EngineWatch
 from llm_backoff_shim.serve.policy.prompt_units import PromptUnits
 from llm_backoff_shim.serve.policy.quota import TenantQuotas
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, ShimPolicies
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
+from llm_backoff_shim.serve.request_path.gate import AdmissionGate
 from llm_backoff_shim.serve.request_path.headers import Forwarding
+from llm_backoff_shim.serve.request_path.intake import Intake
 from llm_backoff_shim.serve.request_path.proxy import Proxy
-from llm_backoff_shim.serve.request_path.routes import RouteTable
+from llm_backoff_shim.serve.request_path.relay import Relay
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
 from llm_backoff_shim.serve.shim_app import (
@@ -127,8 +131,7 @@ def build_controller(
 
 def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
     """The shim for ``settings``: decide pieces first, then the edge handed them (module docstring)."""
-    # What the settings derive (the API keys file, vLLM's priorities), read once.
-    api_keys = settings.api_keys()
+    # What the settings derive (vLLM's priorities), read once.
     vllm_priority = settings.vllm_priority() if settings.forward_priority else None
     tenant_rates = (settings.tenant_requests_per_minute, settings.tenant_tokens_per_minute)
     limited_by_flags = any(rate is not None and math.isfinite(rate) for rate in tenant_rates)
@@ -173,7 +176,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
 
     # -- the edge, handed the pieces above -------------------------------------------------
     admission = AsyncAdmission(controller, clock)
-    policy = TrafficPolicy(limit=limit, hooks=RequestHooks(), slo=slo, admission=admission)
+    policy = TrafficPolicy(limit=limit, hooks=RequestHooks(), slo=slo, reschedule=admission.reschedule)
     if settings.engine_metrics:
         policy.detector = SaturationDetector(
             SaturationConfig(
@@ -211,32 +214,29 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
             max_head_bytes=settings.max_header_bytes,
             on_event=metrics.bad_request,
         )
-    fleet_hints = None
-    if settings.fleet_retry_after and settings.redis_url is not None:
-        fleet = FleetSize(clock)
-        controller.estimator.promises.fleet = fleet
-        fleet_hints = FleetHints.from_url(
-            settings.redis_url, fleet=fleet, clock=clock, minimum=settings.retry_after_min
-        )
-    access_log = AccessLog(settings.log_format, clock=clock) if settings.access_log else None
-    routes = RouteTable(settings.allow_operator_route)
-    forwarding = Forwarding(settings.trusted_proxies)
-    proxy = Proxy(
-        upstream=upstream,
+    intake = Intake.from_settings(settings.intake_settings(), hooks=policy.hooks, controller=controller)
+    gate = AdmissionGate.from_settings(
+        settings.gate_settings(),
         admission=admission,
         metrics=metrics,
-        reject_status=settings.reject_status,
         clock=clock,
-        api_keys=api_keys,
-        max_body_bytes=settings.max_body_bytes,
-        body_timeout=settings.body_read_timeout,
         hooks=policy.hooks,
         on_first_byte=policy.on_first_byte,
-        access_log=access_log,
-        routes=routes,
-        forwarding=forwarding,
-        fleet_hints=fleet_hints,
-        request_start=settings.request_start_header,
+    )
+    relay = Relay(
+        upstream=upstream,
+        metrics=metrics,
+        clock=clock,
+        on_upstream_answer=gate.upstream_answered,
+    )
+    proxy = Proxy(
+        intake=intake,
+        gate=gate,
+        relay=relay,
+        metrics=metrics,
+        clock=clock,
+        access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
+        forwarding=Forwarding(settings.trusted_proxies),
     )
     runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
     # The cost budget counts prompts in the engine's tokens, learned from its tokenizer.
@@ -263,8 +263,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
                 await units.stop()
             await policy.stop()
             await upstream.close()
-            if fleet_hints is not None:
-                await fleet_hints.close()
+            await gate.close()
 
     app = shim_app(
         runtime, ready_path=settings.ready_path, operator_routes_here=ops is None, lifespan=lifespan

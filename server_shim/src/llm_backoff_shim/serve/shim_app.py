@@ -24,13 +24,13 @@ from starlette.routing import Route
 from starlette.types import Lifespan, Receive, Scope, Send
 
 from llm_backoff_shim.decide.admission import AdmissionController
+from llm_backoff_shim.serve.api.rejection import client_error
+from llm_backoff_shim.serve.api.routes import ROUTES
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.observe.metrics import CONTENT_TYPE, ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
 from llm_backoff_shim.serve.request_path.proxy import Proxy
-from llm_backoff_shim.serve.request_path.rejection import client_error
-from llm_backoff_shim.serve.request_path.routes import ROUTES
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
 

@@ -25,6 +25,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AnyHttpUrl, Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from llm_backoff_shim.serve.api.auth import ApiKeys, read_keys_file
+from llm_backoff_shim.serve.api.routes import UnknownOperatorRouteError, check_allowed
+from llm_backoff_shim.serve.config.slices import GateSettings, IntakeSettings
 from llm_backoff_shim.serve.config.values import (
     DEFAULT_CLASSES,
     ENV_PREFIX,
@@ -41,8 +44,6 @@ from llm_backoff_shim.serve.config.values import (
     scalar_kind,
     split_list,
 )
-from llm_backoff_shim.serve.request_path.auth import ApiKeys, read_keys_file
-from llm_backoff_shim.serve.request_path.routes import UnknownOperatorRouteError, check_allowed
 
 
 class ShimSettings(BaseSettings):
@@ -512,6 +513,23 @@ class ShimSettings(BaseSettings):
                 max_queue_wait=self.max_queue_wait if wait is None else wait,
             )
         return limits
+
+    def intake_settings(self) -> IntakeSettings:
+        """The intake's slice (slices.py)."""
+        return IntakeSettings(
+            allow_operator_route=self.allow_operator_route,
+            api_keys=self.api_keys(),
+            max_body_bytes=self.max_body_bytes,
+            body_read_timeout=self.body_read_timeout,
+            request_start_header=self.request_start_header,
+        )
+
+    def gate_settings(self) -> GateSettings:
+        """The admission gate's slice (slices.py)."""
+        return GateSettings(
+            reject_status=self.reject_status,
+            fleet_hints_url=self.redis_url if self.fleet_retry_after else None,
+        )
 
     def vllm_priority(self) -> dict[str, int]:
         """The ``priority`` each class sends to vLLM (lower is served first)."""

@@ -1,3 +1,4 @@
 """The per-request and per-engine policies that plug into admission: classes and tenants,
-tenant quotas (``quota.py``), the hooks the proxy asks (``request_hooks.py``), the engine's
-saturation (``engine_watch.py``) and the filters' lifecycle (``traffic_policy.py``)."""
+tenant quotas (``quota.py``), the hooks the request path asks (``request_hooks.py``), the
+fleet's hints (``fleet_hints.py``), the engine watch (``engine_watch.py``, which feeds
+``decide/saturation.py``) and the filters' lifecycle (``traffic_policy.py``)."""

@@ -1,10 +1,11 @@
 """The seam between the relay and the per-request policies: classes, quotas, SLO headers, priority.
 
-The proxy asks its :class:`RequestHooks` four things about each generation request:
-which class and tenant it belongs to (before the body is read), what the tenant's quota
-says of it and what body to forward (before it queues: the quota's verdict goes to the
-admission controller with the request, whose quota gate refuses it), which headers to add
-to the answer, and how it ended (to correct the token charge). The base class does
+The request path asks its :class:`RequestHooks` four things about each generation request:
+which class and tenant it belongs to (the intake, before the body is read), what the
+tenant's quota says of it and what body to forward (the admission gate, before it queues:
+the quota's verdict goes to the admission controller with the request, whose quota gate
+refuses it), which headers to add to the answer, and how it ended (to correct the token
+charge). The base class does
 nothing, so the relay works without any of it; :class:`ShimPolicies` implements:
 
 - the class from ``x-request-class`` or, when absent, the tenant's default; a class
@@ -31,8 +32,8 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest, QuotaVerdict
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.decide.tenants import Tenant, TenantDirectory
+from llm_backoff_shim.serve.api.rejection import Refusal, client_error
 from llm_backoff_shim.serve.policy.quota import Charge, TenantQuotas
-from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -86,7 +87,7 @@ class RequestHooks:
 
     def admits_without_body(self, request: AdmissionRequest) -> bool:
         """Whether nothing the hooks do before ``request`` queues reads its body (so an
-        admission refusal may be answered from the head, :meth:`Proxy.refuse_from_head`)."""
+        admission refusal may be answered from the head, :meth:`AdmissionGate.refuse_at_once`)."""
         return True
 
 

@@ -17,7 +17,7 @@ the time-to-first-byte feed of the limit, their gauges, and their start and stop
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,12 +25,12 @@ from prometheus_client.registry import Collector
 
 from llm_backoff_shim.decide.adaptive_limit import GradientLimit
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
+from llm_backoff_shim.decide.saturation import SaturationDetector
 from llm_backoff_shim.decide.slo import SloTracker
 from llm_backoff_shim.serve.observe.metrics import PREFIX
-from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, SaturationDetector, engine_metric_gauges
+from llm_backoff_shim.serve.policy.engine_watch import EngineWatch, engine_metric_gauges
 from llm_backoff_shim.serve.policy.quota import TenantQuotas
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission
 
 
 class _PolicyGauges(Collector):
@@ -66,7 +66,8 @@ class TrafficPolicy:
     detector: SaturationDetector | None = None
     watch: EngineWatch | None = None
     quotas: TenantQuotas | None = None
-    admission: AsyncAdmission | None = None
+    #: Lets queued requests move after a change from outside the controller (the waiting queue's).
+    reschedule: Callable[[], None] | None = None
 
     def slo_state(self, cls: str) -> int:
         return 0 if self.slo is None else int(self.slo.state(cls))
@@ -78,8 +79,8 @@ class TrafficPolicy:
         if isinstance(self.limit, GradientLimit):
             before = self.limit.limit
             self.limit.on_sample(seconds, in_flight)
-            if self.limit.limit > before and self.admission is not None:
-                self.admission.reschedule()
+            if self.limit.limit > before and self.reschedule is not None:
+                self.reschedule()
 
     def start(self) -> None:
         if self.watch is not None:

@@ -8,7 +8,7 @@ its cost, :mod:`llm_backoff_shim.decide.cost`). The proxy's full path
 and its refusal from the head (``Proxy.refuse_from_head``) both start from :meth:`Intake.head`,
 so they cannot disagree on what passes.
 
-Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.request_path.rejection.Refusal`: an
+Each check returns None (fine) or a :class:`~llm_backoff_shim.serve.api.rejection.Refusal`: an
 OpenAI-format error answer with the ``reason`` under which it is counted
 (``llm_backoff_shim_bad_requests_total``).
 Choices, where the protocol leaves room:
@@ -40,27 +40,25 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.cost import requested_max_tokens
 from llm_backoff_shim.decide.requests import AdmissionRequest, UnknownClassError
 from llm_backoff_shim.http.coarse_timers import CoarseTimers, MoveOnAfter
+from llm_backoff_shim.serve.api.auth import ApiKeys, bearer_token, key_id
+from llm_backoff_shim.serve.api.rejection import Refusal, client_error
+from llm_backoff_shim.serve.api.routes import RouteTable
+from llm_backoff_shim.serve.config.slices import IntakeSettings
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-from llm_backoff_shim.serve.request_path.auth import ApiKeys, bearer_token, key_id
-from llm_backoff_shim.serve.request_path.rejection import Refusal, client_error
-from llm_backoff_shim.serve.request_path.routes import Route, RouteTable
+from llm_backoff_shim.serve.request_path.exchange import ClientGone, Head
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 RawHeaders = list[tuple[bytes, bytes]]
 
 log = logging.getLogger("llm_backoff_shim.intake")
-
-
-class ClientGone(Exception):  # noqa: N818 - an event, not an error of ours
-    """The client disconnected before its body was complete."""
 
 
 def header(headers: RawHeaders, name: bytes) -> bytes | None:
@@ -292,16 +290,6 @@ def _text_header(headers: RawHeaders, name: bytes) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class Head:
-    """A request whose head passed the intake: its route and headers, and for a generation
-    request (a POST to an ``engine`` route) the admission request its headers make."""
-
-    route: Route
-    headers: RawHeaders
-    request: AdmissionRequest | None
-
-
 class Intake:
     """The checks on a request, in one order (module docstring); each step returns what the
     request is so far, or the one :class:`Refusal` that ends it."""
@@ -330,6 +318,21 @@ class Intake:
         self.pricing = controller.pricing
         # One shared timer for every request's body timeout (coarse_timers says why).
         self.body_timers = CoarseTimers(body_timeout) if body_timeout else None
+
+    @classmethod
+    def from_settings(
+        cls, settings: IntakeSettings, *, hooks: RequestHooks, controller: AdmissionController
+    ) -> Intake:
+        """The intake for its slice of the settings."""
+        return cls(
+            routes=RouteTable(settings.allow_operator_route),
+            api_keys=settings.api_keys,
+            hooks=hooks,
+            controller=controller,
+            max_body_bytes=settings.max_body_bytes,
+            body_timeout=settings.body_read_timeout,
+            request_start=settings.request_start_header,
+        )
 
     def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal:
         """The checks on the request's head, in order: path, operator route, API key, then for a

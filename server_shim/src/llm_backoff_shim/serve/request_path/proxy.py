@@ -4,9 +4,10 @@ For each request: the intake (intake.py) checks its head, in one order shared wi
 refusal from the head (route table: a path no row names is a 404, an operator route not
 allowed is a 403, and a ``/v1/`` path must stay under ``/v1/`` after normalisation, so only
 the configured upstream's API is ever reachable; then key, headers, size), the body is read
-and checked, a generation request takes a slot through admission, and the relay (relay.py)
-forwards method, path, query, headers (Authorization included; hop-by-hop stripped) and body
-and streams the answer back.
+and checked, a generation request passes the admission gate (gate.py: every refusal for load
+is its), and the relay (relay.py) forwards method, path, query, headers (Authorization
+included; hop-by-hop stripped) and body and streams the answer back. The proxy itself only
+moves ASGI messages and writes the access log.
 
 Raw ASGI rather than a Starlette ``StreamingResponse`` because the proxy must watch
 the client's connection the whole time (disconnect.py): a disconnect while queued gives
@@ -17,21 +18,17 @@ back in ``finally`` on every path.
 Choices where the protocol is silent: only POSTs to the table's ``engine`` routes are
 admission-controlled (intake.py), counted in the ``requests_total`` metric and carry
 ``x-queue-time-ms``; the shim's own errors take the route's error shape (Anthropic's on
-``/v1/messages``, rejection.py). What the relay makes of upstream failures and 503s: relay.py.
+``/v1/messages``, rejection.py). What the relay makes of upstream failures and 503s: relay.py
+and gate.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
-from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.requests import AdmissionRequest
-from llm_backoff_shim.decide.retry_after import OutageClock
-from llm_backoff_shim.decide.tickets import Outcome, Rejection
 from llm_backoff_shim.http.coarse_timers import CoarseTimers
 from llm_backoff_shim.http.interface import (
     CLIENT_WIRE,
@@ -39,37 +36,31 @@ from llm_backoff_shim.http.interface import (
     ClientWire,
     ConnectionGone,
 )
+from llm_backoff_shim.serve.api.rejection import Refusal, wire_form
+from llm_backoff_shim.serve.api.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
 from llm_backoff_shim.serve.observe.access_log import AccessLog, AccessRecord, request_id_of
-from llm_backoff_shim.serve.observe.metrics import ShimMetrics
-from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
-from llm_backoff_shim.serve.policy.request_hooks import RequestHooks
-from llm_backoff_shim.serve.request_path.auth import ApiKeys
 from llm_backoff_shim.serve.request_path.disconnect import watch_disconnect
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
+    Admitted,
+    ClientGone,
     Clock,
     Exchange,
     ForwardRequest,
+    Head,
     Receive,
     Scope,
     Send,
+    UpstreamRefused,
+    answer,
 )
 from llm_backoff_shim.serve.request_path.headers import Forwarding, RawHeaders
-from llm_backoff_shim.serve.request_path.intake import ClientGone, Intake
-from llm_backoff_shim.serve.request_path.rejection import Refusal, answer, rejection_response, wire_form
-from llm_backoff_shim.serve.request_path.relay import Relay, UpstreamRefused
-from llm_backoff_shim.serve.request_path.routes import ROUTES, Kind, Route, RouteTable, Shape, stays_under_v1
-from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
-from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
 #: POST to these paths goes through admission (the ``engine`` rows of routes.py).
 GENERATION_PATHS: frozenset[str] = frozenset(r.path for r in ROUTES if r.kind is Kind.ENGINE)
 _DEFAULT_ROUTES = RouteTable()
-
-#: Larger request bodies get a 413 instead of being buffered (``--max-body-bytes``).
-MAX_BODY_BYTES = 8 * 1024 * 1024
 
 #: Distinct answers to requests refused from their heads kept for reuse (_head_answer).
 _HEAD_ANSWERS_MAX = 512
@@ -86,62 +77,98 @@ def is_generation(method: str, path: str) -> bool:
     return method == "POST" and route is not None and route.admitted
 
 
+# What the proxy asks of each of its steps. app.py hands it the steps built (intake.py,
+# gate.py, relay.py, the metrics); the proxy names only what it calls, so what the steps
+# stand on (decide/, the policies, the upstream client) is theirs alone.
+
+
+class IntakeStep(Protocol):
+    """The checks on what the client sends (:class:`~llm_backoff_shim.serve.request_path.intake.Intake`)."""
+
+    @property
+    def body_timers(self) -> CoarseTimers | None: ...
+
+    def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal: ...
+
+    async def read(self, head: Head, receive: Receive, task: asyncio.Task[Any] | None) -> bytes | Refusal: ...
+
+    def body(
+        self, head: Head, body: bytes
+    ) -> tuple[AdmissionRequest | None, dict[str, Any] | None] | Refusal: ...
+
+
+class GatePassage(Admitted, Protocol):
+    """A generation request's way through the gate
+    (:class:`~llm_backoff_shim.serve.request_path.gate.Passage`)."""
+
+    @property
+    def forward(self) -> ForwardRequest: ...
+
+    async def enter(self, exchange: Exchange) -> Refusal | None: ...
+
+    async def leave(self, exchange: Exchange) -> None: ...
+
+
+class GateStep(Protocol):
+    """Every refusal for load (:class:`~llm_backoff_shim.serve.request_path.gate.AdmissionGate`)."""
+
+    @property
+    def hooks(self) -> object: ...
+
+    def may_refuse_at_once(self) -> bool: ...
+
+    def refuse_at_once(self, request: AdmissionRequest) -> Refusal | None: ...
+
+    def passage(self, request: AdmissionRequest, forward: ForwardRequest) -> GatePassage: ...
+
+    def engine_refused(self, refused: UpstreamRefused, cls: str | None, exchange: Exchange) -> Refusal: ...
+
+
+class RelayStep(Protocol):
+    """The request upstream, its answer back (:class:`~llm_backoff_shim.serve.request_path.relay.Relay`)."""
+
+    async def __call__(
+        self,
+        forward: ForwardRequest,
+        send: Send,
+        admitted: Admitted | None,
+        exchange: Exchange | None,
+        arrival: float,
+        wire: ClientWire | None = None,
+    ) -> UpstreamRefused | None: ...
+
+
+class Counts(Protocol):
+    """What the proxy counts itself (:class:`~llm_backoff_shim.serve.observe.metrics.ShimMetrics`)."""
+
+    def bad_request(self, reason: str) -> None: ...
+
+    def count(self, cls: str, outcome: str) -> None: ...
+
+
 class Proxy:
     """ASGI app relaying ``/v1/...`` to the upstream through admission."""
 
     def __init__(
         self,
         *,
-        upstream: UpstreamClient,
-        admission: AsyncAdmission,
-        metrics: ShimMetrics,
-        reject_status: int,
+        intake: IntakeStep,
+        gate: GateStep,
+        relay: RelayStep,
+        metrics: Counts,
         clock: Clock,
-        api_keys: ApiKeys | None = None,
-        max_body_bytes: int = MAX_BODY_BYTES,
-        body_timeout: float | None = None,
-        hooks: RequestHooks | None = None,
-        on_first_byte: Callable[[float, int], None] | None = None,
         access_log: AccessLog | None = None,
-        routes: RouteTable | None = None,
         forwarding: Forwarding | None = None,
-        fleet_hints: FleetHints | None = None,
-        request_start: bool = True,
     ) -> None:
+        # The checks on what the client sends (intake.py); every refusal for load (gate.py).
+        self.intake = intake
+        self.gate = gate
+        self.relay = relay
+        self.metrics = metrics
+        self.clock = clock
         self.access_log = access_log
-        # The fleet's Retry-After for an admission refusal (fleet_hints.py); none: this replica's.
-        self.fleet_hints = fleet_hints
-        self.routes = routes if routes is not None else _DEFAULT_ROUTES
         # Who the client is, said to the upstream by the shim (headers.py says why).
         self.forwarding = forwarding if forwarding is not None else Forwarding()
-        # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
-        self.hooks = hooks if hooks is not None else RequestHooks()
-        self.api_keys = api_keys if api_keys is not None else ApiKeys(())
-        self.upstream = upstream
-        self.admission = admission
-        self.metrics = metrics
-        self.reject_status = reject_status
-        self.clock = clock
-        estimates = admission.controller.estimator.config
-        self.intake = Intake(
-            routes=self.routes,
-            api_keys=self.api_keys,
-            hooks=self.hooks,
-            controller=admission.controller,
-            max_body_bytes=max_body_bytes,
-            body_timeout=body_timeout,
-            request_start=request_start,
-        )
-        # (seconds from admission to the upstream's first byte, requests in flight): adaptive limits.
-        self.on_first_byte = on_first_byte
-        self.relay = Relay(
-            upstream=upstream,
-            metrics=metrics,
-            clock=clock,
-            # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
-            outage=OutageClock(clock, estimates.retry_after_min, estimates.retry_after_max),
-            on_first_body_byte=self._first_body_byte,
-        )
         # The loop the proxy serves: one at a time, as its upstream connections belong to one.
         self._loop: asyncio.AbstractEventLoop | None = None
         # Answers written from requests' heads, by what they are made of (_head_answer).
@@ -162,8 +189,9 @@ class Proxy:
         return task
 
     @property
-    def controller(self) -> AdmissionController:
-        return self.admission.controller
+    def hooks(self) -> object:
+        """The request hooks the intake and the gate ask (app.py hands both the same)."""
+        return self.gate.hooks
 
     @property
     def body_timers(self) -> CoarseTimers | None:
@@ -217,9 +245,9 @@ class Proxy:
             exchange = Exchange(shape=route.shape)
 
             async def relay() -> None:
-                refused = await self.relay(forward, send, None, exchange, arrival, None, wire)
+                refused = await self.relay(forward, send, None, exchange, arrival, wire)
                 if refused is not None:
-                    await self._upstream_refused(send, refused, None, exchange)
+                    await answer(send, self.gate.engine_refused(refused, None, exchange), exchange)
 
             try:
                 await watch_disconnect(task, receive, relay, gone)
@@ -241,38 +269,26 @@ class Proxy:
         body past (relay_protocol.py).
 
         Anything else takes the usual path, so its answer does not change: a request the
-        intake would refuse (:meth:`Intake.head`, the same checks as the usual path's), one whose
-        hooks read the body before it queues (a tenant's quota), or one whose Retry-After
-        depends on whether its body asks for a stream (a budget to begin, or
-        ``stream_served_at="first_token"`` with a budget). A malformed body of a refused
-        request is not seen: its 400 comes when the retry is admitted, as behind any front
-        proxy that limits before it parses.
+        intake would refuse (:meth:`Intake.head`, the same checks as the usual path's), or one
+        the gate will not refuse from its head (:meth:`AdmissionGate.refuse_at_once`). A
+        malformed body of a refused request is not seen: its 400 comes when the retry is
+        admitted, as behind any front proxy that limits before it parses.
         """
         method: str = scope["method"]
         path: str = scope["path"]
-        controller = self.controller
-        # A fleet's hint needs a round trip to Redis: the usual (asynchronous) path answers it.
-        if not controller.saturated() or method != "POST" or self.fleet_hints is not None:
+        gate = self.gate
+        if method != "POST" or not gate.may_refuse_at_once():
             return None
         headers: RawHeaders = scope["headers"]
         head = self.intake.head(method, path, headers)
         if isinstance(head, Refusal) or head.request is None:
             return None
         request = head.request
-        if not self.hooks.admits_without_body(request) or (
-            request.budget is not None
-            and (request.budget_to_start or controller.estimator.config.stream_served_at != "end")
-        ):
-            return None
         arrival = self.clock()
-        rejection = controller.refuse_at_once(request)
-        if rejection is None:
+        response = gate.refuse_at_once(request)
+        if response is None:
             return None
-        response = rejection_response(rejection, self.reject_status).with_headers(
-            self.hooks.rejection_headers(request)
-        )
         status, answer = self._head_answer(response, head.route.shape)
-        self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
         access_log = self.access_log
         if access_log is not None and access_log.enabled:
             # The line _log would write for this refusal, its record built in one go (by
@@ -286,15 +302,15 @@ class Proxy:
                     request.cls,
                     None if tenant == "-" else tenant,
                     "rejected",  # outcome
-                    rejection.code,
+                    response.reason,  # the rejection's code
                     status,
                     None,  # body_done
                     0.0,  # queue_time
                     None,  # upstream_start
                     None,  # first_byte
                     None,  # upstream_end
-                    rejection.retry_after,
-                    rejection.message,  # detail
+                    response.retry_after,
+                    response.detail,
                     request_id_of(headers),
                     _peer(scope),  # client
                 )
@@ -318,34 +334,6 @@ class Proxy:
         exchange = Exchange(metric="bad_request", code=refusal.reason, shape=refusal.shape)
         await answer(send, refusal, exchange)
         self._log(record, exchange)
-
-    async def _upstream_refused(
-        self, send: Send, refused: UpstreamRefused, cls: str | None, exchange: Exchange
-    ) -> None:
-        """Answer a request the upstream could not serve with the controller's refusal: the engine
-        at capacity (an admitted request's 503), else the upstream unavailable."""
-        controller = self.controller
-        if refused.overloaded and cls is not None:
-            rejection = controller.overloaded_upstream(cls, refused.detail)
-            exchange.reject(rejection, Outcome.OVERLOADED)
-        else:
-            rejection = controller.upstream_unavailable(
-                cls or controller.default_class, refused.detail, refused.retry_after
-            )
-            exchange.reject(rejection, Outcome.UPSTREAM_ERROR)
-        await answer(send, rejection_response(rejection, self.reject_status), exchange)
-
-    def _first_body_byte(self, grant: Grant) -> None:
-        # The first *body* byte: vLLM sends a stream's headers before its first token, even
-        # while the request waits in the engine, so the header time says nothing about load.
-        if grant.ticket.admitted_at is None:
-            return
-        controller = self.controller
-        seconds = self.clock() - grant.ticket.admitted_at
-        if grant.ticket.request.stream:
-            controller.estimator.observe_first_byte(seconds)
-        if self.on_first_byte is not None:
-            self.on_first_byte(seconds, controller.in_flight())
 
     def _record(self, scope: Scope, method: str, path: str, arrival: float) -> AccessRecord | None:
         if self.access_log is None or not self.access_log.enabled:
@@ -388,49 +376,24 @@ class Proxy:
         wire: ClientWire | None = None,
         shape: Shape = Shape.OPENAI,
     ) -> None:
-        cls = request.cls
-        grant: Grant | None = None
         exchange = Exchange(shape=shape)
-        scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
+        gate = self.gate
+        passage = gate.passage(request, forward)
 
         async def work() -> None:
-            nonlocal grant, forward, request
-            quota = await scope.take_quota()
-            if quota is not None:
-                request = replace(request, quota=quota)
-            if scope.body is not forward.body:
-                forward = forward._replace(body=scope.body)
-            queued_at = self.clock()
-            decision = await self.admission.acquire(request)
-            if isinstance(decision, Rejection):
-                if self.fleet_hints is not None:
-                    rid = request_id_of(forward.headers)
-                    soonest = await self.fleet_hints.soonest(rid, decision.retry_after)
-                    decision = replace(decision, retry_after=soonest)
-                exchange.reject(decision)
-                exchange.queue_time = self.clock() - queued_at
-                response = rejection_response(decision, self.reject_status)
-                await answer(send, response.with_headers(scope.response_headers()), exchange)
+            refusal = await passage.enter(exchange)
+            if refusal is not None:
+                await answer(send, refusal, exchange)
                 return
-            grant = decision
-            exchange.queue_time = grant.queue_time
-            self.metrics.count(cls, "admitted")
-            self.metrics.observe_queue_wait(cls, grant.queue_time)
-            refused = await self.relay(forward, send, grant, exchange, arrival, scope, wire)
+            refused = await self.relay(passage.forward, send, passage, exchange, arrival, wire)
             if refused is not None:
-                await self._upstream_refused(send, refused, cls, exchange)
+                await answer(send, gate.engine_refused(refused, request.cls, exchange), exchange)
 
         try:
             await watch_disconnect(task, receive, work, gone)
         finally:
-            if grant is not None:
-                self.admission.release(grant, exchange.outcome, exchange.answer_tokens)
-            await scope.finish(served=grant is not None, status=exchange.status)
-            if exchange.metric == "rejected":
-                self.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
-            else:
-                self.metrics.count(cls, exchange.metric)
-            self._log(record, exchange, cls, request.tenant)
+            await passage.leave(exchange)
+            self._log(record, exchange, request.cls, request.tenant)
 
 
 def _target(scope: Scope, path: str, route: Route) -> bytes:

@@ -4,14 +4,14 @@ Status, headers and body go to the client chunk by chunk as the upstream sends t
 chunked answer straight onto the client's wire where the serving path offers it). What
 the relay learns goes into the request's :class:`~llm_backoff_shim.serve.request_path.exchange.Exchange`.
 The relay never asks the admission controller: where the upstream could not serve the
-request it returns an :class:`UpstreamRefused`, and the proxy answers it with the
-controller's refusal:
+request it returns an :class:`~llm_backoff_shim.serve.request_path.exchange.UpstreamRefused`,
+and the admission gate (gate.py) makes the refusal the proxy answers:
 
 - any failure before the upstream's status line (refused, reset, timed out) is returned as
-  unavailable, with a Retry-After from the outage's length so far (the proxy answers 503
-  ``upstream_unavailable``); an invalid response head is a 502, nothing of it relayed;
+  unavailable (the gate's answer: 503 ``upstream_unavailable``, with a Retry-After from the
+  outage's length so far); an invalid response head is a 502, nothing of it relayed;
 - an upstream 503 on an admitted request (vLLM's ``--max-num-queued-reqs`` answer) is returned
-  as overloaded (the proxy answers a ``queue_full`` rejection with the configured status and
+  as overloaded (the gate's answer: a ``queue_full`` rejection with the configured status and
   an estimated Retry-After, the upstream's message kept in ours); other statuses pass through
   untouched;
 - a failure mid-response ends an event stream with an error event and aborts the client
@@ -23,10 +23,9 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from llm_backoff_shim.decide.retry_after import OutageClock
 from llm_backoff_shim.decide.tickets import Outcome
+from llm_backoff_shim.http.errors import error_body
 from llm_backoff_shim.http.interface import (
     BODY_FOLLOWS,
     ChunkWriter,
@@ -36,37 +35,27 @@ from llm_backoff_shim.http.interface import (
     UpstreamResponse,
     UpstreamTimeoutError,
 )
+from llm_backoff_shim.serve.api.rejection import server_error
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
-from llm_backoff_shim.serve.policy.request_hooks import RequestScope
 from llm_backoff_shim.serve.request_path.answer_meter import AnswerMeter
 from llm_backoff_shim.serve.request_path.exchange import (
     VIA,
+    Admitted,
     Clock,
     Exchange,
     ForwardRequest,
     Send,
+    UpstreamRefused,
+    answer,
     classify,
 )
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
-from llm_backoff_shim.serve.request_path.rejection import answer, server_error
 from llm_backoff_shim.serve.request_path.upstream import UpstreamClient
-from llm_backoff_shim.serve.request_path.waiting import Grant
 
 log = logging.getLogger("llm_backoff_shim.proxy")
 
 #: How much of an upstream 503 body is read to explain the rejection.
 _OVERLOAD_BODY_LIMIT = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamRefused:
-    """The upstream could not serve the request and nothing was sent to the client: the proxy
-    answers with the controller's refusal. ``overloaded``: it answered 503 for an admitted
-    request (else it was unreachable, and ``retry_after`` is the outage's hint)."""
-
-    detail: str
-    overloaded: bool = False
-    retry_after: float | None = None
 
 
 class UpstreamStreamBroken(Exception):  # noqa: N818 - reads better in logs than ...Error
@@ -82,30 +71,28 @@ class Relay:
         upstream: UpstreamClient,
         metrics: ShimMetrics,
         clock: Clock,
-        outage: OutageClock,
-        on_first_body_byte: Callable[[Grant], None],
+        on_upstream_answer: Callable[[], None],
     ) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
-        self.outage = outage
-        # Called with the grant of an admitted request when its answer's first body byte arrives.
-        self.on_first_body_byte = on_first_body_byte
+        # Called whenever the upstream answers in HTTP (an outage, if any, is over).
+        self.on_upstream_answer = on_upstream_answer
 
     async def __call__(
         self,
         forward: ForwardRequest,
         send: Send,
-        grant: Grant | None,
+        admitted: Admitted | None,
         exchange: Exchange | None,
         arrival: float,
-        scope: RequestScope | None = None,
         wire: ClientWire | None = None,
     ) -> UpstreamRefused | None:
-        """Relay the request and its answer; an :class:`UpstreamRefused` when the upstream could
-        not serve it and nothing was sent (the proxy answers it)."""
+        """Relay the request (``admitted``: the slot it holds, None for a request admission does
+        not gate) and its answer; an :class:`UpstreamRefused` when the upstream could not serve
+        it and nothing was sent (the gate makes the answer)."""
         exchange = exchange if exchange is not None else Exchange()
-        cls = grant.ticket.cls if grant is not None else None
+        cls = admitted.cls if admitted is not None else None
         exchange.upstream_start = self.clock()
         try:
             response = await self.upstream.pool.request(
@@ -117,8 +104,8 @@ class Relay:
             if isinstance(exc, UpstreamProtocolError):
                 await self._bad_gateway(send, str(exc), exchange)
                 return None
-            return self._unavailable(str(exc))
-        self.outage.answered()
+            return UpstreamRefused(str(exc))
+        self.on_upstream_answer()
         started = False
         refused: UpstreamRefused | None = None
         exchange.first_byte = self.clock()
@@ -133,10 +120,10 @@ class Relay:
                 return refused
             headers = strip_hop_by_hop(response.headers, lower=True)
             headers.append(VIA)
-            if grant is not None:
-                headers.append((b"x-queue-time-ms", str(round(grant.queue_time * 1000)).encode()))
-            if scope is not None:
-                headers += scope.response_headers()
+            observe = None
+            if admitted is not None:
+                headers += admitted.answer_headers()
+                observe = admitted.observer()
             # A body already here goes out in the same write as the head (relay_cycle.py).
             start = {"type": "http.response.start", "status": response.status, "headers": headers}
             if response.body_ready():
@@ -146,7 +133,7 @@ class Relay:
             exchange.sent = response.status
             ended = False
             # Admitted answers' tokens are counted (answer_meter.py): the answer lengths learn from them.
-            meter = AnswerMeter() if grant is not None else None
+            meter = AnswerMeter() if admitted is not None else None
             try:
                 while True:
                     chunk = await response.read_chunk()
@@ -154,10 +141,10 @@ class Relay:
                         break
                     if first:
                         first = False
-                        if grant is not None:
-                            self.on_first_body_byte(grant)
-                    if scope is not None:
-                        scope.observe(chunk)
+                        if admitted is not None:
+                            admitted.first_body_byte()
+                    if observe is not None:
+                        observe(chunk)
                     if meter is not None:
                         meter.feed(chunk)
                     # The upstream's last bytes often arrive with its end: finish in the same
@@ -172,7 +159,7 @@ class Relay:
                         if write is None:
                             wire = None  # an answer with a length: the plain path to its end
                         else:
-                            await _splice(response, write, send, scope, meter)
+                            await _splice(response, write, send, observe, meter)
                             ended = True
                             break
             except UpstreamError as exc:
@@ -202,13 +189,10 @@ class Relay:
                 log.debug("client left before the upstream answered")
         return None
 
-    def _unavailable(self, detail: str) -> UpstreamRefused:
-        return UpstreamRefused(detail, retry_after=self.outage.failed())
-
     async def _bad_gateway(self, send: Send, detail: str, exchange: Exchange) -> None:
         # The upstream answered, but not in acceptable HTTP: nothing of it is relayed (nginx: 502).
         log.warning("upstream answered with an invalid response: %s", detail)
-        self.outage.answered()
+        self.on_upstream_answer()
         exchange.outcome, exchange.metric, exchange.detail = Outcome.UPSTREAM_ERROR, "upstream_error", detail
         response = server_error(f"invalid response from the upstream: {detail}", code="bad_upstream_response")
         await answer(send, response, exchange)
@@ -219,7 +203,7 @@ class Relay:
         except UpstreamError as exc:
             detail = str(exc)
         if cls is None:
-            return self._unavailable(f"upstream answered 503: {detail}")
+            return UpstreamRefused(f"upstream answered 503: {detail}")
         return UpstreamRefused(f"upstream answered 503: {detail}", overloaded=True)
 
 
@@ -237,20 +221,14 @@ def _error_message(body: bytes) -> str:
 
 def _stream_error(exc: UpstreamError) -> bytes:
     code = "upstream_timeout" if isinstance(exc, UpstreamTimeoutError) else "upstream_error"
-    error = {
-        "message": f"upstream failed mid-stream: {exc}",
-        "type": "server_error",
-        "param": None,
-        "code": code,
-    }
-    return b"data: %b\n\n" % json.dumps({"error": error}, separators=(",", ":")).encode()
+    return b"data: %b\n\n" % error_body(f"upstream failed mid-stream: {exc}", "server_error", code)
 
 
 async def _splice(
     response: UpstreamResponse,
     write: ChunkWriter,
     send: Send,
-    scope: RequestScope | None,
+    observe: Callable[[bytes], None] | None,
     meter: AnswerMeter | None = None,
 ) -> None:
     """Relay the rest of a chunked body with :meth:`UpstreamResponse.pipe` onto the client's wire.
@@ -260,8 +238,7 @@ async def _splice(
     every ``send`` of the plain path.
     """
     sink = write
-    if scope is not None and type(scope).observe is not RequestScope.observe:
-        observe = scope.observe
+    if observe is not None:
 
         def sink(chunk: bytes) -> bool:
             observe(chunk)

@@ -4,14 +4,16 @@ Every answer the shim makes itself instead of relaying the engine's is a :class:
 its status, raw headers and body as they go on the wire, the reason or rejection code it is
 counted under, a rejection's Retry-After (for the metrics and the access log) and the error
 shape it is answered in. The intake's 4xx, a tenant over quota, an admission rejection and
-an upstream failure are all one. It leaves the shim through :func:`answer` (ASGI messages)
-or :func:`wire_form` (the bytes of a whole response, for a serving path that writes them).
+an upstream failure are all one. It leaves the shim through
+:func:`~llm_backoff_shim.serve.request_path.exchange.answer` (ASGI messages) or :func:`wire_form`
+(the bytes of a whole response, for a serving path that writes them).
 
 Rejections are 429 (or the configured 503) with ``Retry-After`` (integer seconds, >= 1,
 rounded up so a client that honours it never comes back early), ``retry-after-ms``
 (the same estimate in milliseconds, which the openai SDK reads first) and an
 OpenAI-format body whose ``error`` carries ``code``, ``retry_after_seconds`` and
-``queue_depth``. Client mistakes are 400s in the same OpenAI error shape.
+``queue_depth``. Client mistakes are 400s in the same OpenAI error shape, their bodies written
+by the renderer the HTTP layer's own answers use (:mod:`llm_backoff_shim.http.errors`).
 
 On Anthropic routes (``/v1/messages``) :func:`in_shape` re-renders any of these answers in
 Anthropic's error shape, ``{"type": "error", "error": {"type": ..., "message": ...}}``, with the
@@ -30,9 +32,9 @@ import math
 from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.tickets import Rejection
-from llm_backoff_shim.http.interface import BODY_FOLLOWS, wire_answer
-from llm_backoff_shim.serve.request_path.exchange import Exchange, Send
-from llm_backoff_shim.serve.request_path.routes import Shape
+from llm_backoff_shim.http.errors import error_body
+from llm_backoff_shim.http.interface import wire_answer
+from llm_backoff_shim.serve.api.routes import Shape
 
 RawHeaders = list[tuple[bytes, bytes]]
 
@@ -44,7 +46,8 @@ class Refusal:
 
     ``reason``: the bad-request reason (``llm_backoff_shim_bad_requests_total``) or the
     rejection code; ``retry_after``: a rejection's hint in seconds (None for other answers);
-    ``shape``: the error shape it is answered in, where its maker knows the route's.
+    ``shape``: the error shape it is answered in, where its maker knows the route's;
+    ``detail``: a rejection's message, for the access log.
     """
 
     status: int
@@ -53,6 +56,7 @@ class Refusal:
     reason: str = ""
     retry_after: float | None = None
     shape: Shape = Shape.OPENAI
+    detail: str | None = None
 
     def with_headers(self, extra: RawHeaders) -> Refusal:
         """The same answer with ``extra`` headers after its own."""
@@ -94,7 +98,9 @@ def rejection_response(rejection: Rejection, default_status: int) -> Refusal:
                 _RENDERED.clear()
             _RENDERED[key] = parts
     status, headers, body = parts
-    return Refusal(status, list(headers), body, rejection.code, rejection.retry_after)
+    return Refusal(
+        status, list(headers), body, rejection.code, rejection.retry_after, detail=rejection.message
+    )
 
 
 #: Rendered refusals by the values they are written from: under overload most answers are
@@ -148,7 +154,7 @@ def client_error(
 ) -> Refusal:
     """An OpenAI-format error for a request the shim will not forward, counted as ``reason``
     (by default its ``code``: a metric's reason and the wire's code name one thing alike)."""
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+    body = error_body(message, "invalid_request_error", code, param)
     return _json(status, body, [], (code or "") if reason is None else reason)
 
 
@@ -189,8 +195,9 @@ def in_shape(response: Refusal, shape: Shape) -> Refusal:
         kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     detail = {"type": kind, "message": message, **{k: error[k] for k in _KEPT if error.get(k) is not None}}
     headers = [(k, v) for k, v in response.headers if k not in (b"content-type", b"content-length")]
-    shaped = _json(status, {"type": "error", "error": detail}, headers, response.reason)
-    return replace(shaped, retry_after=response.retry_after, shape=shape)
+    body = json.dumps({"type": "error", "error": detail}, separators=(",", ":")).encode()
+    shaped = _json(status, body, headers, response.reason)
+    return replace(shaped, retry_after=response.retry_after, shape=shape, detail=response.detail)
 
 
 def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:
@@ -201,31 +208,12 @@ def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:
     return response.status, wire_answer(response.status, response.headers, response.body)
 
 
-async def answer(send: Send, response: Refusal, exchange: Exchange | None = None) -> None:
-    """Send ``response`` whole through ASGI, in ``exchange``'s error shape, noting the status sent."""
-    if exchange is not None and exchange.shape is not Shape.OPENAI:
-        response = in_shape(response, exchange.shape)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": response.status,
-            "headers": response.headers,
-            BODY_FOLLOWS: True,
-        }
-    )
-    if exchange is not None:
-        exchange.sent = response.status
-    await send({"type": "http.response.body", "body": response.body, "more_body": False})
-
-
 def server_error(message: str, *, code: str, status: int = 502) -> Refusal:
     """An OpenAI-format error for an upstream answer the shim will not relay (nginx: 502)."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return _json(status, body, [])
+    return _json(status, error_body(message, "server_error", code), [])
 
 
-def _json(status: int, body: object, headers: RawHeaders, reason: str = "") -> Refusal:
-    payload = json.dumps(body, separators=(",", ":")).encode()
+def _json(status: int, payload: bytes, headers: RawHeaders, reason: str = "") -> Refusal:
     return Refusal(
         status=status,
         headers=[

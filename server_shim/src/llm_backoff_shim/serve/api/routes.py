@@ -1,7 +1,7 @@
 """The route table: what the shim does with each path of vLLM's OpenAI-compatible server.
 
 Every path the shim forwards, or refuses on purpose, is a row of :data:`ROUTES`; docs/reference.md
-renders the same table (``python -m llm_backoff_shim.serve.request_path.routes`` prints it). A row has a kind:
+renders the same table (``python -m llm_backoff_shim.serve.api.routes`` prints it). A row has a kind:
 
 - ``engine``: the request makes the engine work (generation, pooling, scoring, audio). A
   ``POST`` there goes through admission: queued by class, refused with the protocol's 429 (or
