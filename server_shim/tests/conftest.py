@@ -23,6 +23,7 @@ internals carry ``@pytest.mark.fast_path`` and are skipped on the public path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -34,6 +35,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import AnyHttpUrl
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -49,6 +51,7 @@ from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.values import env_name
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
+from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 from llm_backoff_shim.testing import ManualClock
 
 _HTTP_PATH_ENV = env_name("http_path")
@@ -308,6 +311,32 @@ def make_shim() -> Iterator[Callable[..., Shim]]:
     yield factory
     for server in servers:
         server.stop()
+
+
+@contextlib.contextmanager
+def _sim_and_shim(config: SimConfig) -> Iterator[tuple[ServerThread, ServerThread]]:
+    sim = ServerThread(create_sim_app(config))
+    shim: ServerThread | None = None
+    try:
+        sim.start()
+        settings = ShimSettings(upstream=AnyHttpUrl(sim.url), log_level="warning", access_log=False)
+        shim = shim_server(create_app(settings))
+        shim.start()
+        yield sim, shim
+    finally:
+        if shim is not None:
+            shim.stop()
+        sim.stop()
+
+
+SimAndShim = Callable[[SimConfig], contextlib.AbstractContextManager[tuple[ServerThread, ServerThread]]]
+
+
+@pytest.fixture(scope="session")
+def sim_and_shim_servers() -> SimAndShim:
+    """``with sim_and_shim_servers(SimConfig(...)) as (sim, shim)``: the simulator and a shim with
+    the default settings in front of it, in this process, both stopped on leaving."""
+    return _sim_and_shim
 
 
 @pytest.fixture

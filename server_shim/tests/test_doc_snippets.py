@@ -12,18 +12,18 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import AnyHttpUrl
 
-from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.serving import ServerThread, shim_server
-from llm_backoff_shim.sim.server import SimConfig, create_sim_app
+from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.server import SimConfig
+
+#: conftest's ``sim_and_shim_servers``.
+SimAndShim = Callable[[SimConfig], contextlib.AbstractContextManager[tuple[ServerThread, ServerThread]]]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,20 +71,10 @@ def to_run() -> list[Snippet]:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[tuple[ServerThread, ServerThread]]:
+def servers(sim_and_shim_servers: SimAndShim) -> Iterator[tuple[ServerThread, ServerThread]]:
     # Five-token answers at 1 ms a token: each block's calls take milliseconds.
-    sim = ServerThread(create_sim_app(SimConfig(ttft=0.001, itl=0.001, output_tokens=5, seed=1)))
-    shim: ServerThread | None = None
-    try:
-        sim.start()
-        settings = ShimSettings(upstream=AnyHttpUrl(sim.url), log_level="warning", access_log=False)
-        shim = shim_server(create_app(settings))
-        shim.start()
-        yield sim, shim
-    finally:
-        if shim is not None:
-            shim.stop()
-        sim.stop()
+    with sim_and_shim_servers(SimConfig(ttft=0.001, itl=0.001, output_tokens=5, seed=1)) as pair:
+        yield pair
 
 
 def _close_clients(namespace: dict[str, Any]) -> None:

@@ -23,20 +23,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import AnyHttpUrl
 
 from llm_backoff_shim.lab import procs
-from llm_backoff_shim.serve.app import create_app
-from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.serving import ServerThread, shim_server
-from llm_backoff_shim.sim.server import SimConfig, create_sim_app
+from llm_backoff_shim.serve.serving import ServerThread
+from llm_backoff_shim.sim.server import SimConfig
+
+#: conftest's ``sim_and_shim_servers``.
+SimAndShim = Callable[[SimConfig], contextlib.AbstractContextManager[tuple[ServerThread, ServerThread]]]
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -106,19 +106,9 @@ def requests_total(metrics_text: str) -> dict[tuple[str, str, str], float]:
 
 
 @pytest.fixture
-def sim_and_shim() -> Iterator[tuple[ServerThread, ServerThread]]:
-    sim = ServerThread(create_sim_app(SimConfig(ttft=0.01, itl=0.002, output_tokens=40, seed=1)))
-    shim: ServerThread | None = None
-    try:
-        sim.start()
-        settings = ShimSettings(upstream=AnyHttpUrl(sim.url), log_level="warning", access_log=False)
-        shim = shim_server(create_app(settings))
-        shim.start()
-        yield sim, shim
-    finally:
-        if shim is not None:
-            shim.stop()
-        sim.stop()
+def sim_and_shim(sim_and_shim_servers: SimAndShim) -> Iterator[tuple[ServerThread, ServerThread]]:
+    with sim_and_shim_servers(SimConfig(ttft=0.01, itl=0.002, output_tokens=40, seed=1)) as pair:
+        yield pair
 
 
 def test_sdk_block_runs_against_the_shim(sim_and_shim: tuple[ServerThread, ServerThread]) -> None:
