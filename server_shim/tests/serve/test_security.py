@@ -426,7 +426,7 @@ def test_metrics_and_health_can_live_on_another_interface(upstream: Any) -> None
         state = http.get(f"http://127.0.0.2:{port}/shim/state").json()
         assert state["classes"]["interactive"] == {"in_flight": 0, "queued": 0}
         # The same document as on the main listener.
-        assert set(state) == {"limit", "service_time_s", "overtaken", "classes"}
+        assert set(state) == {"limit", "service_time_s", "overtaken", "classes", "answer_tokens"}
         assert state["overtaken"] == 0
         assert http.get(f"http://127.0.0.2:{port}/v1/models").status_code == 404
         assert http.post(f"http://127.0.0.2:{port}/metrics").status_code == 405
