@@ -22,7 +22,7 @@ not the whole request's latency, which mostly follows how long the answer is. So
    buys a few percent of tokens/s (a queued request takes a freed slot without the client's
    turnaround) by making every request wait in the engine, where the shim's classes do not
    count: on an 8-sequence vLLM, 12 workers did 8 % more tokens/s than 8 and moved TTFT p50
-   from 0.045 to 0.535 s (issue #36), and chat through the shim fared worse with that cap.
+   from 0.045 to 0.535 s, and chat through the shim fared worse with that cap.
    The shim's own queue turns a slot over almost as fast (it admits the next request at the
    release, one loopback hop from the engine), and there interactive goes first.
    Without the metrics the rule is the SLOs alone; when even the lowest level measured kept a
@@ -73,7 +73,7 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   serves callers, and in the virtual-time model of the real-vLLM comparison (2.5x capacity,
   70 % interactive, 5 s budget, ``bench/bench_interactive_queue.py`` at 658ce04) the SDK's presets got
   313 chat calls within budget with a 4.5 s wait against 288 at 0.9 s and 197 at 0.18 s
-  (the two SLO-headroom waits of issue #36), plain-openai-like callers 248, 238 and 214. An
+  (waits sized from the TTFT SLO's headroom), plain-openai-like callers 248, 238 and 214. An
   SDK caller sends its budget (``x-request-timeout-ms``) and the shim caps its wait by it;
 - ``max_queue = floor(requests/s at K * max_queue_wait)``, at least 1: what the engine
   drains within that wait (a queue of zero would turn every momentary gap between a

@@ -327,9 +327,9 @@ def varied_demo_scenario(*, quick: bool, duration: float | None = None) -> Scena
     ``quick`` keeps the burst and shortens the arrivals (3 s), not the budgets: every answer the
     workload can draw (512 tokens, 5.3 s on :data:`DEMO_SHAPE`) still fits after the longest
     wait a caller accepts (the TTFT budget, or batch's hold), so no answer is cut by a
-    deadline no scheduler could meet. The earlier quick budgets (4 s, 1.5 s, batch 6 s) cut
-    every answer past ~250 tokens that began at the budget: llm_backoff's run of seed 1 lost
-    28 % of the engine's tokens to 6 such streams (issue #36 saw 33 %).
+    deadline no scheduler could meet: shorter budgets (4 s, 1.5 s, batch 6 s) cut every answer
+    past ~250 tokens that began at the budget, and llm_backoff's run of seed 1 wasted 28 % of
+    the engine's tokens on 6 such streams.
     """
     return Scenario(
         "demo-quick" if quick else "demo",
