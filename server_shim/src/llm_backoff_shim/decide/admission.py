@@ -258,13 +258,9 @@ class AdmissionController:
         every class's) as :class:`AnswerLengths` prices them, capped by its ``max_tokens``; its
         ``max_tokens`` while nothing was learned; None when neither is known. Not ``max_tokens``
         alone: clients set it high (4096) or leave it out, and so priced no answer ever fits."""
-        answers = self.answers
-        learned = answers.learned(request.cls)
-        if learned is None:
-            learned = answers.learned_overall()
-        if learned is None:
+        if self.answers.learned_for(request.cls) is None:
             return request.max_tokens
-        return learned if request.max_tokens is None else min(learned, request.max_tokens)
+        return self.answers.expected(request.cls, request.max_tokens, 0)
 
     def head_waited(self, cls: str) -> float:
         """Share of its queue wait (arrival to deadline) the head of ``cls``'s queue has spent:

@@ -115,12 +115,15 @@ class AnswerLengths:
         self._cached[None] = estimate
         return estimate
 
+    def learned_for(self, cls: str) -> int | None:
+        """:meth:`learned` for ``cls``, else over every class (:meth:`learned_overall`)."""
+        learned = self.learned(cls)
+        return self.learned_overall() if learned is None else learned
+
     def expected(self, cls: str, max_tokens: int | None, prior: int) -> int:
         """The answer tokens a request of ``cls`` is priced at: the class's learned length, else
         every class's, else ``prior``; capped by the request's ``max_tokens`` (None: not capped)."""
-        learned = self.learned(cls)
-        if learned is None:
-            learned = self.learned_overall()
+        learned = self.learned_for(cls)
         answer = prior if learned is None else learned
         return answer if max_tokens is None else min(answer, max_tokens)
 
