@@ -75,7 +75,7 @@ from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, ready, vllm_server
-from real_vllm.measures import idle_slot_share, interactive_failure_paths
+from real_vllm.measures import engine_pace, idle_places, idle_slot_share, interactive_failure_paths
 from real_vllm.mix import Budgets, Mix, MixCall, MixWorkload, capacity, mix_trace, oracle
 
 LOAD_CPU = 0
@@ -137,6 +137,10 @@ SCENARIOS = {
 class Arm:
     name: str
     setup: Setup
+    #: Shim flags after calibrate's (a later flag wins): ``--try``'s variants.
+    extra: tuple[str, ...] = ()
+    #: The interpreter whose install of the shim runs (``--try-python``), else this one's.
+    python: str | None = None
 
 
 ARMS = {
@@ -270,7 +274,10 @@ def wasted(result: RunResult) -> float | None:
 
 def diagnose(result: RunResult) -> dict[str, object]:
     """Where chat was lost: how the interactive calls that failed ended (with their p90 time),
-    refusals per class and code over every attempt, idle slot-time while a caller waited."""
+    refusals per class and code over every attempt, idle slot-time while a caller waited, the
+    engine's answer tokens/s with every slot busy at this run's pace (beside the capacity the
+    oracle is scaled to: a slower engine in the arm's run, not its admission, then explains
+    a gap)."""
     refusals: dict[str, int] = {}
     for r in result.calls:
         for a in r.attempts:
@@ -278,6 +285,7 @@ def diagnose(result: RunResult) -> dict[str, object]:
                 key = f"{r.cls}:{a.code or a.status}"
                 refusals[key] = refusals.get(key, 0) + 1
     late = sum(1 for r in result.calls if r.cls == "interactive" and r.ok and not r.within_budget)
+    ttfts = [r.ttft for r in result.calls if r.cls == "interactive" and r.ok and r.ttft is not None]
     paths = {
         k: [n, None if p is None else round(p, 2)] for k, (n, p) in interactive_failure_paths(result).items()
     }
@@ -286,6 +294,12 @@ def diagnose(result: RunResult) -> dict[str, object]:
         "interactive_served_late": late,
         "refusals": refusals,
         "idle_caller_waiting": idle_slot_share(result, SLOTS),
+        "idle_where": {k: round(v, 3) for k, v in (idle_places(result, SLOTS) or {}).items()},
+        "engine_pace": engine_pace(result, SLOTS),
+        "served_chat_ttft_p50_p90_max": [
+            None if v is None else round(v, 2)
+            for v in (percentile(ttfts, 50), percentile(ttfts, 90), max(ttfts, default=None))
+        ],
     }
 
 
@@ -339,7 +353,7 @@ def run_arm(
     with contextlib.ExitStack() as stack:
         front: ChildServer | None = None
         if arm.setup.route == "shim":
-            front = stack.enter_context(shim_server(url, list(flags)))
+            front = stack.enter_context(shim_server(url, [*flags, *arm.extra], python=arm.python))
         load = os.getloadavg()[0]
         line = ProgressLine(sys.stderr, f"{spec.name} seed {seed} / {arm.name}")
         run = LoadRun(
@@ -478,6 +492,23 @@ def build_parser() -> argparse.ArgumentParser:
     add("--duration", type=float, help="seconds of arrivals (default 20, 12 with --quick)")
     add("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
     add("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
+    add(
+        "--try",
+        dest="variants",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more arm: the presets through the shim with calibrate's flags and then FLAGS "
+        "(e.g. c9='--max-concurrency 9'), on the same traces as every arm; repeatable",
+    )
+    add(
+        "--try-python",
+        action="append",
+        default=[],
+        metavar="NAME=PYTHON",
+        help="run --try variant NAME's shim with PYTHON's install of it (another tree: a "
+        "before/after of the code in one run)",
+    )
     add("--calibrate-seconds", type=float, help="calibrate's --max-seconds (default 150, 90 with --quick)")
     add("--engine-url", help="a running engine (8 slots, the bounds above) instead of starting one")
     add("--out", type=Path, default=Path("docs/img"))
@@ -508,6 +539,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     scenarios = args.scenarios.split(",")
     arms = args.arms.split(",")
+    pythons = dict(p.partition("=")[::2] for p in args.try_python)
+    for variant in args.variants:
+        name, _, extra = variant.partition("=")
+        python = pythons.get(name)
+        ARMS["shim-presets+" + name] = Arm(
+            "shim-presets+" + name,
+            Setup(f"presets -> shim, {name}: {extra or python}", "shim", "llm_backoff_presets"),
+            tuple(shlex.split(extra)),
+            python,
+        )
+        arms.append("shim-presets+" + name)
     unknown = (set(scenarios) - set(SCENARIOS)) | (set(arms) - set(ARMS))
     if unknown:
         print(f"scoreboard: unknown {', '.join(sorted(unknown))}", file=sys.stderr)
@@ -564,7 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rate = spec.rate_factor * real_calls
                 print(
                     f"\n== {name}: {spec.title}; capacity {real_calls:.2f} calls/s "
-                    f"(x{speed:.2f} the fitted model), arrivals {rate:.2f}/s for {duration:g} s",
+                    f"({real_tokens:.0f} tokens/s, x{speed:.2f} the fitted model), "
+                    f"arrivals {rate:.2f}/s for {duration:g} s",
                     flush=True,
                 )
                 for seed in seeds:
