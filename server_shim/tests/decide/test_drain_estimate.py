@@ -184,6 +184,31 @@ def test_expected_wait_from_when_the_requests_in_flight_were_admitted() -> None:
     assert est.expected_wait(ahead=0, slots=4, free_slots=0, admitted=together) == 0.0
 
 
+def test_each_slot_frees_at_its_own_class_s_end_and_turns_at_the_waiting_class_s_pace() -> None:
+    # Chats take 0.5 s, long-prompt batch calls 4.5 s: one estimate over every completion
+    # (alpha 1: the last one's, 4.5 s) is right for neither.
+    est, clock = make(initial_service_time=1.0, service_time_alpha=1.0)
+    for _ in range(4):
+        est.observe_completion("interactive", 0.5)
+    est.observe_completion("batch", 4.5)
+    est.observe_completion("interactive", 0.5)
+    assert est.service_time == pytest.approx(0.5)
+    est.observe_completion("batch", 4.5)
+    assert (est.class_service_time("interactive"), est.class_service_time("batch")) == (0.5, 4.5)
+    held = {"interactive": [1000.0, 1000.0], "batch": [1000.0, 1000.0]}
+    clock.advance(0.1)
+    # The two chat slots free at 0.4 s, the batch ones at 4.4 s (by the one estimate: all at 4.4 s).
+    assert est.expected_wait(ahead=1, slots=4, free_slots=0, admitted=held) == pytest.approx(0.4)
+    assert est.expected_wait(ahead=2, slots=4, free_slots=0, admitted=held) == pytest.approx(4.4)
+    # The fifth chat waits for the first lane's second turn: a chat's service time later.
+    chat = est.expected_wait(ahead=4, slots=4, free_slots=0, admitted=held, turn_class="interactive")
+    assert chat == pytest.approx(0.9)
+    # A lower class's turns come at the estimate over every class (chats go first on the lane).
+    assert est.expected_wait(ahead=4, slots=4, free_slots=0, admitted=held) == pytest.approx(0.4 + 4.5)
+    # A plain list is one class at the estimate over every class.
+    assert est.expected_wait(ahead=0, slots=4, free_slots=0, admitted=[1000.0] * 4) == pytest.approx(4.4)
+
+
 def test_refusals_past_a_full_timeline_keep_no_place() -> None:
     # A storm of refusals at one instant: 8 slots of 2 s drain 4/s, so 30 s hold 120 places.
     est, _ = make(initial_service_time=2.0, retry_after_max=30.0)
@@ -267,6 +292,21 @@ def test_expected_service_is_first_byte_for_streams_when_served_at_the_first_tok
     assert est.first_byte_time == pytest.approx(0.4)  # first sample replaces, then EWMA
     assert est.expected_service(stream=True) == pytest.approx(0.4)
     assert est.expected_service(stream=False) == pytest.approx(4.0)
+
+
+def test_a_stream_needs_its_own_class_s_first_byte_once_measured() -> None:
+    est, _ = make(service_time_alpha=1.0)
+    # A long prompt's prefill: its first token after 2.5 s; a chat's after 0.1 s.
+    est.observe_first_byte(2.5, "batch")
+    assert est.expected_service(stream=True, to_start=True, cls="interactive") == pytest.approx(2.5)
+    est.observe_first_byte(0.1, "interactive")
+    est.observe_first_byte(2.5, "batch")
+    assert est.first_byte_time == pytest.approx(2.5)
+    assert est.expected_service(stream=True, to_start=True, cls="interactive") == pytest.approx(0.1)
+    assert est.expected_service(stream=True, to_start=True, cls="batch") == pytest.approx(2.5)
+    # Not measured for a class, or no class: every class's.
+    assert est.expected_service(stream=True, to_start=True, cls="bulk") == pytest.approx(2.5)
+    assert est.expected_service(stream=True, to_start=True) == pytest.approx(2.5)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0])

@@ -22,10 +22,12 @@ chat and batch answers differ by an order of magnitude, and a batch call admitte
 mean with less budget than its own answer takes is cut by its deadline): a caller whose budget is its
 deadline for the whole call (``llm_backoff``'s is) and whose stream is cut by it was not
 served, and the engine's tokens for it were wasted. With ``stream_served_at="first_token"``
-a streaming caller needs only the EWMA of time to first body byte (measured on streaming
-requests only: a non-streaming body's first byte comes with its end), for callers whose
-budget ends once tokens flow; a request that says so itself (``x-request-timeout-scope:
-start``, as ``llm_backoff`` does for a caller with a start deadline) gets that rule alone.
+a streaming caller needs only the EWMA of time to first body byte, its class's once measured
+(measured on streaming requests only: a non-streaming body's first byte comes with its end;
+beside long prompts, whose prefill alone takes seconds, a chat's first token takes a fraction
+of that), for callers whose budget ends once tokens flow; a request that says so itself
+(``x-request-timeout-scope: start``, as ``llm_backoff`` does for a caller with a start
+deadline) gets that rule alone.
 Neither rests on the prior: unmeasured means 0 s needed.
 
 Token rate (:meth:`DrainEstimator.observe_tokens`): output tokens per second of one slot,
@@ -40,14 +42,17 @@ answer's, as the relay counted them; where it could not, what the request asked 
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from llm_backoff_shim.decide.promises import PromiseTimeline
 
 Clock = Callable[[], float]
+#: When the requests holding a slot were admitted, ascending: per class, or all as one.
+Admitted = Mapping[str, Sequence[float]] | Sequence[float]
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,10 @@ class DrainEstimator:
         self._token_seconds = 0.0
         self._token_samples = 0
         self._completions: dict[str, _DecayingRate] = {}
-        # Per class: EWMA of its service times (what one of its requests needs once admitted).
+        # Per class: EWMA of its service times and of its streams' first bytes (what one of its
+        # requests needs once admitted).
         self._class_service: dict[str, float] = {}
+        self._class_first_byte: dict[str, float] = {}
         self._promises = PromiseTimeline(clock, config.retry_after_min)
 
     @property
@@ -172,8 +179,9 @@ class DrainEstimator:
         mine = None if cls is None else self._class_service.get(cls)
         return self._service_time if mine is None else mine
 
-    def observe_first_byte(self, seconds: float) -> None:
-        """Record seconds from admission to a streaming response's first body byte (first token)."""
+    def observe_first_byte(self, seconds: float, cls: str | None = None) -> None:
+        """Record seconds from admission to a streaming response's first body byte (first token)
+        of a request of ``cls``."""
         if not (math.isfinite(seconds) and seconds >= 0):
             return
         if self._first_byte_samples == 0:
@@ -181,6 +189,10 @@ class DrainEstimator:
         else:
             self._first_byte += self._config.service_time_alpha * (seconds - self._first_byte)
         self._first_byte_samples += 1
+        if cls is not None:
+            mine = self._class_first_byte.get(cls)
+            alpha = self._config.service_time_alpha
+            self._class_first_byte[cls] = seconds if mine is None else mine + alpha * (seconds - mine)
 
     def observe_tokens(self, tokens: int, seconds: float) -> None:
         """Record a served request that generated ``tokens`` (or at most that) in ``seconds`` on its slot."""
@@ -221,12 +233,16 @@ class DrainEstimator:
     def expected_service(self, stream: bool, to_start: bool = False, cls: str | None = None) -> float:
         """Seconds an admitted request needs before it has been served (see module docstring
         and :meth:`served_at_first_byte`): the service time of its class (``cls``) once
-        measured, else of every class.
+        measured, else of every class; to the first byte likewise (a chat's first token comes in a
+        fraction of the time a long prompt's prefill takes).
 
         0 when nothing was measured yet, so no caller is refused on the cold-start prior.
         """
         if self.served_at_first_byte(stream, to_start):
-            return self._first_byte if self._first_byte_samples else 0.0
+            if not self._first_byte_samples:
+                return 0.0
+            mine = None if cls is None else self._class_first_byte.get(cls)
+            return self._first_byte if mine is None else mine
         return self.class_service_time(cls) if self._samples else 0.0
 
     def completion_rate(self, cls: str) -> float:
@@ -249,7 +265,8 @@ class DrainEstimator:
         free_slots: int,
         *,
         promised_by: Iterable[str] = (),
-        admitted: Sequence[float] | None = None,
+        admitted: Admitted | None = None,
+        turn_class: str | None = None,
     ) -> float:
         """Seconds until a request with ``ahead`` others queued before it gets a slot.
 
@@ -257,18 +274,26 @@ class DrainEstimator:
         be served, are served before it (returning callers go ahead of fresh arrivals, and
         higher classes ahead of lower ones); each such promise costs one more slot.
 
-        ``admitted``: when the requests in flight were admitted (clock times), ascending; each
-        is expected to end a service time later. Each of the ``slots`` then frees at its own
-        end and every service time after it, so the n-th slot to free is known, not averaged.
-        Without it, slots free evenly at the drain rate, as if the requests in flight had
-        started one after another; after a burst they started together and free together,
-        and the even estimate was wrong by up to a service time: in the tail of a burst of
-        200, callers were refused on a wait of 2.06 s that was 1.45 s.
+        ``admitted``: when the requests in flight were admitted (clock times, ascending), per
+        class; each is expected to end its class's service time later (a plain sequence: one
+        service time for all). Each of the ``slots`` then frees at its own end, so the n-th
+        slot to free is known, not averaged. Without it, slots free evenly at the drain rate,
+        as if the requests in flight had started one after another; after a burst they started
+        together and free together, and the even estimate was wrong by up to a service time:
+        in the tail of a burst of 200, callers were refused on a wait of 2.06 s that was 1.45 s.
+        By class, because one mean over every class is wrong for each: beside long-prompt batch
+        calls the mean was several chat service times, and chats were refused at arrival on
+        waits their queue never reached (served chats' first tokens came by 3.1 s, p90, against
+        a 5 s budget, while 160-200 others were refused on the estimate).
+
+        ``turn_class``: after its first end, a slot serves the requests queued ahead, so it
+        turns over at their service time: ``turn_class``'s when they are all of that class
+        (the highest class waiting), else the mean over every class.
         """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
             return 0.0
-        at = self.slot_times(slots, admitted)
+        at = self.slot_times(slots, admitted, turn_class)
         wait = at(needed)
         classes = tuple(promised_by)
         if classes:
@@ -283,28 +308,44 @@ class DrainEstimator:
                 wait = longer
         return wait
 
-    def slot_times(self, slots: int, admitted: Sequence[float] | None = None) -> Callable[[int], float]:
+    def slot_times(
+        self, slots: int, admitted: Admitted | None = None, turn_class: str | None = None
+    ) -> Callable[[int], float]:
         """``at(n)``: seconds from now until the n-th slot (n >= 1) of ``slots`` frees; see
-        :meth:`expected_wait` for ``admitted``. Built once, it answers for any n as long as the
-        clock, the service time and the requests in flight stay as they are: a walk of the
-        queue asks it once per queued request instead of rebuilding it each time."""
-        service = max(self._service_time, 1e-3)
+        :meth:`expected_wait` for ``admitted`` and ``turn_class``. Built once, it answers for
+        any n as long as the clock, the service times and the requests in flight stay as they
+        are: a walk of the queue asks it once per queued request instead of rebuilding it."""
         lanes = max(1, slots)
         if admitted is None:
+            service = max(self._service_time, 1e-3)
 
             def at(n: int) -> float:
                 return n * service / lanes
 
             return at
-        # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then
-        # the earliest admitted. Only the lanes asked for are computed, not every request.
-        held, now, took = admitted, self._clock(), self._service_time
-        idle = lanes - min(len(held), lanes)
+        turn = max(self.class_service_time(turn_class), 1e-3)
+        now = self._clock()
+        by_class = {"": admitted} if isinstance(admitted, Sequence) else admitted
+        held = sum(len(times) for times in by_class.values())
+        idle = lanes - min(held, lanes)
+
+        def ends_of(cls: str, times: Sequence[float]) -> Iterator[float]:
+            took = self.class_service_time(cls or None)
+            return (max(0.0, t + took - now) for t in times)
+
+        # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then the
+        # soonest ends. A class's times are ascending, so are its ends: a lazy merge computes
+        # only the lanes asked for, not every request in flight.
+        ends = heapq.merge(*(ends_of(cls, times) for cls, times in by_class.items()))
+        known: list[float] = []
 
         def at_lane(n: int) -> float:
-            turn, lane = divmod(n - 1, lanes)
-            end = 0.0 if lane < idle else max(0.0, held[lane - idle] + took - now)
-            return end + turn * service
+            turns, lane = divmod(n - 1, lanes)
+            if lane < idle:
+                return turns * turn
+            while len(known) <= lane - idle:
+                known.append(next(ends))
+            return known[lane - idle] + turns * turn
 
         return at_lane
 

@@ -3,8 +3,8 @@ the cost they hold together (KV-cache tokens, :mod:`llm_backoff_shim.decide.cost
 a cost budget). Every way a ticket ends goes through :meth:`HeldSlots.give_back`, so the cost
 comes back with the slot.
 
-When they were admitted says when their slots free (each is expected to end a service time
-later: :meth:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator.expected_wait`'s
+When they were admitted says when their slots free (each is expected to end its class's
+service time later: :meth:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator.expected_wait`'s
 ``admitted``), so the times are kept sorted as requests come and go, and a wait estimate reads
 the few it needs instead of walking every request in flight (about 100 us a refusal at 256 in
 flight).
@@ -27,8 +27,8 @@ class HeldSlots:
         self.per_class: dict[str, int] = dict.fromkeys(classes, 0)
         # Kept beside the per-class figures: both are read several times per request.
         self.total = 0
-        #: Admission times of the tickets holding a slot, ascending.
-        self.admitted: list[float] = []
+        #: Admission times of the tickets holding a slot, ascending, per class.
+        self.admitted: dict[str, list[float]] = {c: [] for c in classes}
         #: Cost of the requests holding a slot, in KV-cache tokens, in all and per class.
         self.tokens = 0
         self.tokens_per_class: dict[str, int] = dict.fromkeys(classes, 0)
@@ -41,7 +41,7 @@ class HeldSlots:
         self.total += 1
         self.tokens += ticket.request.cost
         self.tokens_per_class[ticket.cls] += ticket.request.cost
-        bisect.insort(self.admitted, now)
+        bisect.insort(self.admitted[ticket.cls], now)
 
     def give_back(self, ticket: Ticket) -> None:
         """``ticket`` (admitted) no longer holds its slot; the caller sets its new state."""
@@ -51,7 +51,8 @@ class HeldSlots:
         self.tokens_per_class[ticket.cls] -= ticket.request.cost
         assert ticket.admitted_at is not None
         # Only the times matter, so any entry equal to this ticket's is the one to drop.
-        del self.admitted[bisect.bisect_left(self.admitted, ticket.admitted_at)]
+        times = self.admitted[ticket.cls]
+        del times[bisect.bisect_left(times, ticket.admitted_at)]
 
     def tokens_of(self, classes: Sequence[str]) -> int:
         """Cost held by the requests of ``classes``."""

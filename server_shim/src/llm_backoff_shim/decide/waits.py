@@ -26,7 +26,7 @@ cannot cover its wait plus that need would only make the engine do work its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
@@ -43,8 +43,8 @@ WaitFn = Callable[[str, int, int, int], float]
 class QueueWaits:
     """Wait estimates for the controller's classes (module docstring).
 
-    ``admitted``: when the requests holding a slot were admitted, ascending; the controller
-    keeps that list up to date in place, and each estimate reads the few entries it needs.
+    ``admitted``: when the requests holding a slot were admitted, ascending, per class; the
+    controller keeps those lists up to date in place, and each estimate reads the few it needs.
     """
 
     def __init__(
@@ -53,7 +53,7 @@ class QueueWaits:
         scheduler: ClassScheduler,
         estimator: DrainEstimator,
         limit: ConcurrencyLimit,
-        admitted: list[float],
+        admitted: Mapping[str, Sequence[float]],
         share_due_in: Callable[[str], float] | None = None,
     ) -> None:
         self._classes = tuple(classes)
@@ -69,9 +69,7 @@ class QueueWaits:
         # Seconds before a class's minimum share is due to serve its queue (0: at once).
         self._share_due_in = share_due_in
 
-    def at(
-        self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1
-    ) -> float:
+    def at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` places served before it under
         strict priority, ``in_class`` of them of its own class, and the promised returns of
         ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`);
@@ -79,10 +77,18 @@ class QueueWaits:
         est = self._estimator
         slots, share = self.lanes(cls, self._limit.limit)
         extra = places - 1
-        wait = est.expected_wait(ahead + extra, slots, 0, promised_by=promised_by, admitted=self._admitted)
+        turns = self._turns(cls)
+        wait = est.expected_wait(
+            ahead + extra, slots, 0, promised_by=promised_by, admitted=self._admitted, turn_class=turns
+        )
         if share > 0:
             wait = min(wait, self._share_delay(cls) + est.expected_wait(in_class + extra, share, 0))
         return wait
+
+    def _turns(self, cls: str) -> str | None:
+        """Whose service time a freed slot turns over at for a request of ``cls``: those served
+        before it are all of its class when it is the highest (strict priority), else a mix."""
+        return cls if self._rank[cls] == 0 else None
 
     def _share_delay(self, cls: str) -> float:
         due_in = self._share_due_in
@@ -107,7 +113,8 @@ class QueueWaits:
                 slots, share = self.lanes(cls, limit)
                 by_share = est.slot_times(share) if share > 0 else None
                 delay = self._share_delay(cls) if share > 0 else 0.0
-                table = tables[cls] = (est.slot_times(slots, self._admitted), by_share, delay)
+                at = est.slot_times(slots, self._admitted, self._turns(cls))
+                table = tables[cls] = (at, by_share, delay)
             at, by_share, delay = table
             needed = ahead + places - free
             if needed <= 0:

@@ -323,7 +323,7 @@ class MixModel:
                 ticket = call.ticket
                 streamed = call.arrival.part.ttft_budget is not None
                 if c is not None and ticket is not None and ticket.admitted_at is not None and streamed:
-                    c.estimator.observe_first_byte(now - ticket.admitted_at)
+                    c.estimator.observe_first_byte(now - ticket.admitted_at, ticket.cls)
             if seq.done:
                 call.done = now
                 if call.outcome == "pending":

@@ -168,7 +168,7 @@ class AdmissionGate:
         controller = self.controller
         seconds = self.clock() - grant.ticket.admitted_at
         if grant.ticket.request.stream:
-            controller.estimator.observe_first_byte(seconds)
+            controller.estimator.observe_first_byte(seconds, grant.ticket.cls)
         if self.on_first_byte is not None:
             self.on_first_byte(seconds, controller.in_flight())
 
