@@ -200,9 +200,13 @@ def test_each_slot_frees_at_its_own_class_s_end_and_turns_at_the_waiting_class_s
     # The two chat slots free at 0.4 s, the batch ones at 4.4 s (by the one estimate: all at 4.4 s).
     assert est.expected_wait(ahead=1, slots=4, free_slots=0, admitted=held) == pytest.approx(0.4)
     assert est.expected_wait(ahead=2, slots=4, free_slots=0, admitted=held) == pytest.approx(4.4)
-    # The fifth chat waits for the first lane's second turn: a chat's service time later.
-    chat = est.expected_wait(ahead=4, slots=4, free_slots=0, admitted=held, turn_class="interactive")
-    assert chat == pytest.approx(0.9)
+
+    # Chats ahead of a chat turn over on the chat lanes, a chat's service time a turn: the
+    # third and fourth do not wait for the batch lanes, nor the fifth.
+    def chat(ahead: int) -> float:
+        return est.expected_wait(ahead=ahead, slots=4, free_slots=0, admitted=held, turn_class="interactive")
+
+    assert [chat(a) for a in range(6)] == pytest.approx([0.4, 0.4, 0.9, 0.9, 1.4, 1.4])
     # A lower class's turns come at the estimate over every class (chats go first on the lane).
     assert est.expected_wait(ahead=4, slots=4, free_slots=0, admitted=held) == pytest.approx(0.4 + 4.5)
     # A plain list is one class at the estimate over every class.

@@ -43,7 +43,9 @@ answer's, as the relay counted them; where it could not, what the request asked 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -333,21 +335,33 @@ class DrainEstimator:
             took = self.class_service_time(cls or None)
             return (max(0.0, t + took - now) for t in times)
 
-        # Lane by lane, soonest end first: the lanes nobody holds are free now (0), then the
-        # soonest ends. A class's times are ascending, so are its ends: a lazy merge computes
-        # only the lanes asked for, not every request in flight.
+        # The first frees are the lanes nobody holds (now), then the soonest ends; a class's
+        # times are ascending, so are its ends, and a lazy merge computes only the lanes asked
+        # for, not every request in flight. Each slot freed serves the next request ahead and
+        # frees again a turn later: those times come in the order they were made, so the n-th
+        # free is the merge of two ascending streams (with one service time for all, this is
+        # lane by lane in turn; with ends by class, a lane held by a long call is not waited
+        # for while the short lanes turn over).
         ends = heapq.merge(*(ends_of(cls, times) for cls, times in by_class.items()))
+        first: Iterator[float] = itertools.chain(
+            itertools.repeat(0.0, idle), itertools.islice(ends, lanes - idle)
+        )
+        next_first = next(first, None)
+        again: deque[float] = deque()
         known: list[float] = []
 
-        def at_lane(n: int) -> float:
-            turns, lane = divmod(n - 1, lanes)
-            if lane < idle:
-                return turns * turn
-            while len(known) <= lane - idle:
-                known.append(next(ends))
-            return known[lane - idle] + turns * turn
+        def at_free(n: int) -> float:
+            nonlocal next_first
+            while len(known) < n:
+                if next_first is not None and (not again or next_first <= again[0]):
+                    freed, next_first = next_first, next(first, None)
+                else:
+                    freed = again.popleft()
+                known.append(freed)
+                again.append(freed + turn)
+            return known[n - 1]
 
-        return at_lane
+        return at_free
 
     def aim(self, delay: float) -> float:
         """The hint that brings a caller back, on average, ``delay`` seconds from now.
