@@ -69,9 +69,7 @@ class QueueWaits:
         # Seconds before a class's minimum share is due to serve its queue (0: at once).
         self._share_due_in = share_due_in
 
-    def at(
-        self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1
-    ) -> float:
+    def at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` places served before it under
         strict priority, ``in_class`` of them of its own class, and the promised returns of
         ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`);
