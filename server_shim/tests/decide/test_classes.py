@@ -427,7 +427,7 @@ def test_the_simulator_serves_a_mixed_flood_through_the_shares(
             sim.url,
             max_concurrency=4,
             max_queue=100,
-            batch_max_queue_wait=60,
+            class_max_queue_wait={"batch": 60},
             ttft_slo="interactive=2",
         )
         with ThreadPoolExecutor(34) as pool:

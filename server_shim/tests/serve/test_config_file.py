@@ -18,7 +18,7 @@ from llm_backoff_shim.serve.config.file import NOT_TOP_LEVEL, example_config, re
 from llm_backoff_shim.serve.config.flags import COMMON, GROUPS
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
-from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError
+from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "shim.toml"
 
@@ -105,12 +105,8 @@ def test_per_class_values_merge_class_by_class_across_sources(
     monkeypatch.setenv("LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE", "batch=20,bulk=3")
     s = load_settings(["--config", path, "--class-max-queue", "batch=64"])
     assert s.class_max_queue == {"interactive": 8, "batch": 64, "bulk": 3}
-    # The single-class aliases are that source's entry of the same map.
-    s = load_settings(["--config", path, "--batch-max-queue", "7", "--interactive-max-queue-wait", "9"])
-    assert s.class_limits()["batch"].max_queue == 7
+    s = load_settings(["--config", path, "--class-max-queue-wait", "interactive=9"])
     assert s.class_max_queue_wait == {"interactive": 9.0, "bulk": 120.0}
-    monkeypatch.setenv("LLM_BACKOFF_SHIM_INTERACTIVE_MAX_QUEUE", "1")
-    assert load_settings(["--config", path]).class_max_queue["interactive"] == 1
 
 
 def test_a_default_per_class_value_holds_until_a_source_names_a_class() -> None:
@@ -205,7 +201,7 @@ def test_the_example_file_names_every_setting_and_loads_as_the_defaults() -> Non
     text = EXAMPLE.read_text(encoding="utf-8")
     data = tomllib.loads(text)
     for name in ShimSettings.model_fields:
-        if name in CLASS_ALIASES or name == "classes":
+        if name == "classes":
             continue
         if name in NOT_TOP_LEVEL:
             key = next(k for k, v in PER_CLASS_KEYS.items() if v == name)

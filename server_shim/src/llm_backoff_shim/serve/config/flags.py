@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.values import CLASS_ALIASES, ENV_PREFIX, env_name, flag_name
+from llm_backoff_shim.serve.config.values import ENV_PREFIX, env_name, flag_name
 
 #: The groups of ``--help``: the settings most deployments set.
 COMMON: dict[str, tuple[str, ...]] = {
@@ -86,7 +86,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "authentication": ("api_key", "api_keys_file", "allow_operator_route"),
     "metrics and logs": ("metrics_port", "metrics_host", "log_level", "log_format", "access_log"),
-    "aliases (one class's entry of a per-class setting)": tuple(CLASS_ALIASES),
 }
 
 #: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).

@@ -105,24 +105,6 @@ class ShimSettings(BaseSettings):
         description="queue wait per class in seconds (class=seconds,...); a class not named uses "
         "--max-queue-wait",
     )
-    interactive_max_queue: int | None = Field(
-        default=None,
-        ge=0,
-        le=1_000_000,
-        description="alias of --class-max-queue interactive=N",
-    )
-    batch_max_queue: int | None = Field(
-        default=None, ge=0, le=1_000_000, description="alias of --class-max-queue batch=N"
-    )
-    interactive_max_queue_wait: float | None = Field(
-        default=None,
-        gt=0,
-        le=86_400,
-        description="alias of --class-max-queue-wait interactive=SECONDS",
-    )
-    batch_max_queue_wait: float | None = Field(
-        default=None, gt=0, le=86_400, description="alias of --class-max-queue-wait batch=SECONDS"
-    )
     classes: Annotated[tuple[str, ...], NoDecode] = Field(
         default=DEFAULT_CLASSES,
         description="traffic classes, highest priority first, comma-separated (x-request-class values)",
@@ -410,8 +392,6 @@ class ShimSettings(BaseSettings):
         "upstream_read_timeout",
         "upstream_stream_read_timeout",
         "upstream_keepalive",
-        "interactive_max_queue_wait",
-        "batch_max_queue_wait",
         "slo_yellow_fraction",
         "slo_trend_window",
         "tenant_requests_per_minute",
@@ -493,26 +473,16 @@ class ShimSettings(BaseSettings):
         return str(self.upstream).rstrip("/")
 
     def class_limits(self) -> dict[str, ClassLimits]:
-        """Queue bound and wait per class, highest priority first.
-
-        A class's entry in ``class_max_queue`` / ``class_max_queue_wait`` wins, then the
-        alias fields (``interactive_max_queue`` ...), then the shared ``max_queue`` /
-        ``max_queue_wait``.
-        """
-        aliases = {
-            "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
-            "batch": (self.batch_max_queue, self.batch_max_queue_wait),
-        }
-        limits = {}
-        for name in self.classes:
-            queue, wait = aliases.get(name, (None, None))
-            queue = self.class_max_queue.get(name, queue)
-            wait = self.class_max_queue_wait.get(name, wait)
-            limits[name] = ClassLimits(
-                max_queue=self.max_queue if queue is None else queue,
-                max_queue_wait=self.max_queue_wait if wait is None else wait,
+        """Queue bound and wait per class, highest priority first: the class's entry in
+        ``class_max_queue`` / ``class_max_queue_wait``, else the shared ``max_queue`` /
+        ``max_queue_wait``."""
+        return {
+            name: ClassLimits(
+                max_queue=self.class_max_queue.get(name, self.max_queue),
+                max_queue_wait=self.class_max_queue_wait.get(name, self.max_queue_wait),
             )
-        return limits
+            for name in self.classes
+        }
 
     def intake_settings(self) -> IntakeSettings:
         """The intake's slice (slices.py)."""
