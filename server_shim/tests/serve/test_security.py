@@ -33,6 +33,7 @@ from llm_backoff_shim.serve.api.auth import (
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.serving import ServerThread, free_socket, shim_server
 
@@ -437,10 +438,8 @@ def test_metrics_and_health_can_live_on_another_interface(upstream: Any) -> None
 def test_the_operations_listener_keeps_the_head_limits_and_stops_with_the_app(upstream: Any) -> None:
     with free_socket() as probe:
         port = probe.getsockname()[1]
-    settings = ShimSettings(
-        upstream=upstream.url, metrics_port=port, max_header_bytes=2048, log_level="warning"
-    )
-    app = create_app(settings)
+    settings = ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning")
+    app = create_app(settings, tuning=Tuning(max_header_bytes=2048))
     with shim_server(app) as shim:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: ops\r\nx-pad: " + b"a" * 4000)

@@ -68,11 +68,11 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
 def shim_serving(app: Starlette) -> Serving:
     """The ASGI app and uvicorn options that serve a shim app (:func:`create_app`) as ``serve`` does."""
     runtime = shim_state(app)
-    settings = runtime.settings
+    settings, tuning = runtime.settings, runtime.tuning
     proxy = runtime.proxy
     limits = Limits(
-        head_timeout=settings.header_read_timeout,
-        max_head_bytes=settings.max_header_bytes,
+        head_timeout=tuning.header_read_timeout,
+        max_head_bytes=tuning.max_header_bytes,
         body_timeout=settings.body_read_timeout,
         on_event=runtime.metrics.bad_request,
     )

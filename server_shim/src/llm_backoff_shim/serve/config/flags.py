@@ -34,31 +34,11 @@ COMMON: dict[str, tuple[str, ...]] = {
 
 #: The groups of ``--help-all``: every field of :class:`ShimSettings`, once.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "upstream": (
-        "upstream",
-        "upstream_connect_timeout",
-        "upstream_read_timeout",
-        "upstream_stream_read_timeout",
-        "upstream_keepalive",
-        "ready_path",
-    ),
+    "upstream": ("upstream", "upstream_read_timeout"),
     "listen address": ("host", "port", "http_path", "trusted_proxies"),
-    "client limits": ("max_body_bytes", "body_read_timeout", "header_read_timeout", "max_header_bytes"),
-    "concurrency": (
-        "max_concurrency",
-        "max_inflight_tokens",
-        "adaptive_concurrency",
-        "min_concurrency",
-    ),
-    "engine metrics": (
-        "engine_metrics",
-        "engine_metrics_path",
-        "engine_poll_interval",
-        "engine_max_waiting",
-        "engine_max_kv_cache",
-        "engine_stale_after",
-    ),
-    "queue": ("max_queue", "class_max_queue", "returning_first", "returning_share", "refuse_from_head"),
+    "client limits": ("max_body_bytes", "body_read_timeout"),
+    "concurrency": ("max_concurrency", "max_inflight_tokens", "adaptive_concurrency", "engine_metrics"),
+    "queue": ("max_queue", "class_max_queue", "returning_first", "refuse_from_head"),
     "queue wait": ("max_queue_wait", "class_max_queue_wait"),
     "classes": (
         "classes",
@@ -68,7 +48,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "forward_priority",
         "class_priority",
     ),
-    "queue-time SLO": ("ttft_slo", "slo_yellow_fraction", "slo_trend_window"),
+    "queue-time SLO": ("ttft_slo",),
     "rejections": (
         "reject_status",
         "retry_after_min",

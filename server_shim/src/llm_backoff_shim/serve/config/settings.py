@@ -129,12 +129,6 @@ class ShimSettings(BaseSettings):
         description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
         "turns on queue-time SLO shedding for the classes named",
     )
-    slo_yellow_fraction: float = Field(
-        default=0.4, gt=0, lt=1, description="estimated wait / budget above which a growing queue is YELLOW"
-    )
-    slo_trend_window: float = Field(
-        default=1.0, gt=0, le=600, description="seconds over which 'the wait keeps growing' is judged"
-    )
     forward_priority: bool = Field(
         default=False,
         description="set vLLM's 'priority' request field from the class (upstream runs "
@@ -185,31 +179,10 @@ class ShimSettings(BaseSettings):
         default=False,
         description="scrape the upstream's /metrics and admit nothing new while the engine is saturated",
     )
-    engine_metrics_path: str = Field(
-        default="/metrics", pattern=r"^/", description="upstream path of the Prometheus metrics"
-    )
-    engine_poll_interval: float = Field(
-        default=0.25, gt=0, le=60, description="seconds between scrapes of the upstream's metrics"
-    )
-    engine_max_waiting: int = Field(
-        default=0, ge=0, description="saturated when the engine reports more waiting requests than this"
-    )
-    engine_max_kv_cache: float = Field(
-        default=0.95, gt=0, le=1, description="saturated when the engine's KV-cache usage (0..1) reaches this"
-    )
-    engine_stale_after: float = Field(
-        default=2.0,
-        gt=0,
-        le=600,
-        description="engine metrics older than this many seconds are ignored (the concurrency cap rules)",
-    )
     adaptive_concurrency: bool = Field(
         default=False,
         description="adapt the concurrency limit to measured time to first byte (gradient), between "
-        "--min-concurrency and --max-concurrency",
-    )
-    min_concurrency: int = Field(
-        default=1, ge=1, le=100_000, description="lower bound of the adaptive concurrency limit"
+        "1 and --max-concurrency",
     )
     reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
     retry_after_min: float = Field(
@@ -228,44 +201,19 @@ class ShimSettings(BaseSettings):
         description="answer a generation request that can only be refused (every slot taken, no queue "
         "place) from its head, before its body is read (a quarter less CPU per refusal)",
     )
-    returning_share: float = Field(
-        default=0.25,
-        ge=0,
-        le=1,
-        description="at most this fraction of --max-queue is kept for returning callers while returns "
-        "are promised",
-    )
     initial_service_time: float = Field(
         default=1.0,
         gt=0,
         le=3_600,
         description="assumed seconds per request until the first completion is measured (Retry-After prior)",
     )
-    upstream_connect_timeout: float = Field(
-        default=5.0, gt=0, le=600, description="seconds to open a connection to the upstream"
-    )
     upstream_read_timeout: float = Field(
         default=600.0,
         gt=0,
         le=86_400,
-        description="seconds the upstream may stay silent mid-response (prefill of a long prompt included)",
-    )
-    upstream_stream_read_timeout: float = Field(
-        default=60.0,
-        gt=0,
-        le=86_400,
-        description="seconds an event stream may stay silent between events once its first one has come "
-        "(before it, --upstream-read-timeout); a stalled engine then frees its slot in a minute",
-    )
-    upstream_keepalive: float = Field(
-        default=4.0,
-        gt=0,
-        le=3_600,
-        description="seconds an idle pooled upstream connection is kept; keep it below the upstream's "
-        "own idle timeout (uvicorn/vLLM: 5 s)",
-    )
-    ready_path: str = Field(
-        default="/health", pattern=r"^/", description="upstream path probed by GET /ready (vLLM: /health)"
+        description="seconds the upstream may stay silent before its answer's head and within a "
+        "non-streaming answer (prefill of a long prompt included); an event stream, once its first event "
+        "has come, may stay silent a minute",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="log level of the shim and uvicorn (request lines are info)"
@@ -293,18 +241,6 @@ class ShimSettings(BaseSettings):
         gt=0,
         le=3_600,
         description="seconds a client may take to send a request body (408 after)",
-    )
-    header_read_timeout: float = Field(
-        default=10.0,
-        gt=0,
-        le=3_600,
-        description="seconds a client may take to send a request line and headers (408 after)",
-    )
-    max_header_bytes: int = Field(
-        default=64 * 1024,
-        ge=1024,
-        le=16 * 1024 * 1024,
-        description="largest request line + headers; larger ones get a 431",
     )
     http_path: Literal["auto", "fast", "public"] = Field(
         default="auto",
@@ -387,18 +323,9 @@ class ShimSettings(BaseSettings):
         "retry_after_min",
         "retry_after_max",
         "initial_service_time",
-        "returning_share",
-        "upstream_connect_timeout",
         "upstream_read_timeout",
-        "upstream_stream_read_timeout",
-        "upstream_keepalive",
-        "slo_yellow_fraction",
-        "slo_trend_window",
         "tenant_requests_per_minute",
         "tenant_tokens_per_minute",
-        "engine_poll_interval",
-        "engine_max_kv_cache",
-        "engine_stale_after",
     )
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
@@ -452,11 +379,6 @@ class ShimSettings(BaseSettings):
                 raise ValueError(f"{name} names unknown classes {unknown}; classes are {list(self.classes)}")
         if sum(self.reserved_share.values()) > 1.0:
             raise ValueError("reserved_share adds up to more than 1")
-        if self.min_concurrency > self.max_concurrency:
-            raise ValueError(
-                f"min_concurrency ({self.min_concurrency}) must be <= "
-                f"max_concurrency ({self.max_concurrency})"
-            )
         if self.tenants_file is not None:
             # Imported here: tenants imports this module's parse helpers.
             from llm_backoff_shim.decide.tenants import TenantsFileError, load_tenants_file
