@@ -81,7 +81,7 @@ def shim_serving(app: Starlette) -> Serving:
         proxy,
         limits,
         requested=settings.http_path,
-        refuse=proxy.refuse_from_head if settings.refuse_from_head else None,
+        refuse=proxy.refuse_from_head if tuning.refuse_from_head else None,
         body_timers=proxy.body_timers,
     )
 

@@ -38,7 +38,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "listen address": ("host", "port", "http_path", "trusted_proxies"),
     "client limits": ("max_body_bytes", "body_read_timeout"),
     "concurrency": ("max_concurrency", "max_inflight_tokens", "adaptive_concurrency", "engine_metrics"),
-    "queue": ("max_queue", "class_max_queue", "returning_first", "refuse_from_head"),
+    "queue": ("max_queue", "class_max_queue", "returning_first"),
     "queue wait": ("max_queue_wait", "class_max_queue_wait"),
     "classes": (
         "classes",

@@ -196,11 +196,6 @@ class ShimSettings(BaseSettings):
         description="serve retries (x-stainless-retry-count >= 1 with an x-request-timeout-ms budget) "
         "before fresh requests of their class, and keep queue places for callers told to come back",
     )
-    refuse_from_head: bool = Field(
-        default=True,
-        description="answer a generation request that can only be refused (every slot taken, no queue "
-        "place) from its head, before its body is read (a quarter less CPU per refusal)",
-    )
     initial_service_time: float = Field(
         default=1.0,
         gt=0,

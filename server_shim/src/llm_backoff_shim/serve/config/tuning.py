@@ -4,7 +4,7 @@ These were settings once; none is a choice a deployment makes, so none is a flag
 variable or a key of the ``--config`` file, and ``--help-all`` and docs/reference.md do
 not list them. Each value says why it is what it is. :data:`TUNING` is what
 ``llm-backoff-shim serve`` runs with; tests hand ``create_app`` another :class:`Tuning`
-to make a scrape or a timeout fast.
+to make a scrape or a timeout fast, or to take a path the defaults skip.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ class Tuning:
     header_read_timeout: float = 10.0
     #: Largest request line + headers (431 above): far above what an API client sends.
     max_header_bytes: int = 64 * 1024
+    #: Answer a generation request that can only be refused (every slot taken, no queue place)
+    #: from its head, before its body is read: the same answer for a quarter less CPU. Off only
+    #: in tests of the refusal after the body, which serves the cases it cannot (a closing
+    #: connection, ``Expect: 100-continue``, a token quota, the fleet's Retry-After).
+    refuse_from_head: bool = True
 
     # -- the engine's metrics (``--engine-metrics``) -----------------------------------------
     #: The engine's Prometheus path (vLLM's).
