@@ -55,7 +55,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "retry_after_max",
         "initial_service_time",
         "fleet_retry_after",
-        "request_start_header",
     ),
     "tenants": (
         "tenants_file",

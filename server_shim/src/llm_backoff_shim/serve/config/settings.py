@@ -159,14 +159,6 @@ class ShimSettings(BaseSettings):
         pattern=r"^(redis|rediss|unix)://",
         description="keep tenant buckets in this Redis so several shims enforce one quota",
     )
-    request_start_header: bool = Field(
-        default=True,
-        description=(
-            "count a caller's x-request-timeout-ms from the X-Request-Start its load balancer "
-            "stamped (nginx $msec, HAProxy date(0,ms)) rather than from the shim's arrival, so "
-            "the time a call spent at other replicas counts against its budget"
-        ),
-    )
     fleet_retry_after: bool = Field(
         default=False,
         description=(
@@ -408,7 +400,6 @@ class ShimSettings(BaseSettings):
             api_keys=self.api_keys(),
             max_body_bytes=self.max_body_bytes,
             body_read_timeout=self.body_read_timeout,
-            request_start_header=self.request_start_header,
         )
 
     def gate_settings(self) -> GateSettings:
