@@ -48,12 +48,10 @@ max_queue = 8
 max_queue_wait = 2
 reserved_share = 0.3
 ttft_slo = 2
-priority = 0
 
 [classes.batch]
 max_queue = 32
 min_share = 0.2
-priority = 5
 
 [classes.bulk]
 max_queue_wait = 120
@@ -71,7 +69,7 @@ def test_a_file_sets_top_level_settings_and_one_table_per_class(tmp_path: Path) 
     assert s.reserved_share == {"interactive": 0.3}
     assert s.min_share == {"batch": 0.2}
     assert s.ttft_slo == {"interactive": 2.0}
-    assert s.vllm_priority() == {"interactive": 0, "batch": 5, "bulk": 2}
+    assert s.vllm_priority() == {"interactive": 0, "batch": 1, "bulk": 2}
 
 
 def test_precedence_is_flag_then_env_then_file_then_default(
@@ -132,7 +130,7 @@ def test_relative_paths_are_read_from_the_files_directory(tmp_path: Path) -> Non
         ("max_queu = 3\n", "shim.toml: max_queu: unknown setting (did you mean 'max_queue'?)"),
         ("[classes.batch]\nmax_queue = 'lots'\n", "shim.toml: classes.batch.max_queue: Input should be a valid integer"),  # noqa: E501
         ("[classes.batch]\nmax_queue = -1\n", "shim.toml: classes.batch.max_queue: Input should be greater than or equal to 0"),  # noqa: E501
-        ("[classes.batch]\nsize = 3\n", "shim.toml: classes.batch.size: unknown per-class setting (one of: max_queue, max_queue_wait, reserved_share, min_share, ttft_slo, priority)"),  # noqa: E501
+        ("[classes.batch]\nsize = 3\n", "shim.toml: classes.batch.size: unknown per-class setting (one of: max_queue, max_queue_wait, reserved_share, min_share, ttft_slo)"),  # noqa: E501
         ("[classes.batch]\nmax_queu = 3\n", "shim.toml: classes.batch.max_queu: unknown per-class setting (did you mean 'max_queue'?)"),  # noqa: E501
         ("[classes.batch]\nttft = 3\n", "classes.batch.ttft: unknown per-class setting (did you mean 'ttft_slo'?)"),  # noqa: E501
         ("max_concurrency = true\n", "shim.toml: max_concurrency: expected a number, got the boolean true"),
@@ -140,7 +138,6 @@ def test_relative_paths_are_read_from_the_files_directory(tmp_path: Path) -> Non
         ("metrics_port = true\n", "shim.toml: metrics_port: expected a number, got the boolean true"),
         ("[classes.batch]\nmax_queue = true\n", "shim.toml: classes.batch.max_queue: expected a number, got the boolean true"),  # noqa: E501
         ("[classes.batch]\nmin_share = true\n", "shim.toml: classes.batch.min_share: expected a number, got the boolean true"),  # noqa: E501
-        ("[classes.batch]\npriority = false\n", "shim.toml: classes.batch.priority: expected a number, got the boolean false"),  # noqa: E501
         ("access_log = 1\n", "shim.toml: access_log: expected true or false, got the number 1"),
         ("[classes.batch]\nreserved_share = 2\n", "shim.toml: classes.batch.reserved_share: a share is a fraction"),  # noqa: E501
         ("max_concurrency = 1.5\n", "shim.toml: max_concurrency: Input should be a valid integer"),

@@ -3,7 +3,7 @@
 Layout: top-level keys are :class:`ShimSettings` field names (``max_queue = 20``);
 per-class values live in one ``[classes.NAME]`` table per class, under the keys of
 :data:`PER_CLASS_KEYS` (``max_queue``, ``max_queue_wait``, ``reserved_share``,
-``min_share``, ``ttft_slo``, ``priority``). The tables' order is the classes' order,
+``min_share``, ``ttft_slo``). The tables' order is the classes' order,
 highest priority first, so ``[classes.*]`` also sets ``classes``. Relative paths
 (``tenants_file``, ``api_keys_file``) are taken from the file's own directory.
 
@@ -238,8 +238,6 @@ def _class_example(key: str, target: str, cls: str, position: int) -> Any:
     fields = ShimSettings.model_fields
     if key in ("max_queue", "max_queue_wait"):
         return fields[key].default
-    if key == "priority":
-        return position
     if target in _CLASS_EXAMPLES:
         examples = _CLASS_EXAMPLES[target]
         return examples[min(position, len(examples) - 1)]

@@ -46,7 +46,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "reserved_share",
         "min_share",
         "forward_priority",
-        "class_priority",
     ),
     "queue-time SLO": ("ttft_slo",),
     "rejections": (

@@ -131,13 +131,8 @@ class ShimSettings(BaseSettings):
     )
     forward_priority: bool = Field(
         default=False,
-        description="set vLLM's 'priority' request field from the class (upstream runs "
-        "--scheduling-policy priority)",
-    )
-    class_priority: Annotated[dict[str, Annotated[int, NotBool]], NoDecode] = Field(
-        default={},
-        description="vLLM priority per class, lower is served first (default: the class's position "
-        "in --classes, 0 for the first)",
+        description="set vLLM's 'priority' request field from the class: its position in --classes, "
+        "0 for the first (upstream runs --scheduling-policy priority)",
     )
     tenants_file: Path | None = Field(
         default=None,
@@ -410,5 +405,6 @@ class ShimSettings(BaseSettings):
         )
 
     def vllm_priority(self) -> dict[str, int]:
-        """The ``priority`` each class sends to vLLM (lower is served first)."""
-        return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
+        """The ``priority`` each class sends to vLLM (lower is served first): its position in
+        ``classes``, which is the shim's own order of the classes."""
+        return {name: index for index, name in enumerate(self.classes)}

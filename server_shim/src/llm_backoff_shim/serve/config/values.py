@@ -32,7 +32,6 @@ PER_CLASS_KEYS: dict[str, str] = {
     "reserved_share": "reserved_share",
     "min_share": "min_share",
     "ttft_slo": "ttft_slo",
-    "priority": "class_priority",
 }
 
 
