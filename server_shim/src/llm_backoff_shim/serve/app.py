@@ -215,7 +215,7 @@ def create_app(
     if settings.metrics_port is not None:
         ops = OpsListener(
             [Route("/health", health, methods=["GET"]), *operator_routes(metrics, controller)],
-            settings.metrics_host or settings.host,
+            settings.host,
             settings.metrics_port,
             head_timeout=tuning.header_read_timeout,
             max_head_bytes=tuning.max_header_bytes,

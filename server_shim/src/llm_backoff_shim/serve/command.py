@@ -6,7 +6,7 @@ settings ask for (``--http-path``; :mod:`llm_backoff_shim.http.paths`): the fast
 when the start-up check passes, else the public path, both with the same request-head
 limits and answers. It runs as one process (uvicorn's ``workers`` is 1 whatever
 ``WEB_CONCURRENCY`` says): the admission state is the process's, so one shim process
-serves one engine. The optional ``--metrics-port`` (on ``--metrics-host``) is served
+serves one engine. The optional ``--metrics-port`` (on ``--host``) is served
 by :class:`~llm_backoff_shim.serve.ops_server.OpsListener` on the same event loop; its
 address is taken before uvicorn starts, so a taken port is a clear error.
 """

@@ -133,7 +133,6 @@ def _read_classes(out: FileValues, tables: Any) -> None:
 #: Values shown, commented out, for settings whose default is "none" or empty.
 EXAMPLES: dict[str, Any] = {
     "metrics_port": 9090,
-    "metrics_host": "0.0.0.0",
     "tenants_file": "tenants.toml",
     "tenant_header": "x-tenant-id",
     "tenant_requests_per_minute": 600,

@@ -29,7 +29,7 @@ COMMON: dict[str, tuple[str, ...]] = {
     "queue wait": ("max_queue_wait", "class_max_queue_wait"),
     "classes": ("classes", "default_class", "reserved_share", "min_share"),
     "rejections": ("reject_status", "retry_after_min", "retry_after_max"),
-    "metrics": ("metrics_port", "metrics_host"),
+    "metrics": ("metrics_port",),
 }
 
 #: The groups of ``--help-all``: every field of :class:`ShimSettings`, once.
@@ -63,7 +63,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "redis_url",
     ),
     "authentication": ("api_key", "api_keys_file", "allow_operator_route"),
-    "metrics and logs": ("metrics_port", "metrics_host", "log_level", "log_format", "access_log"),
+    "metrics and logs": ("metrics_port", "log_level", "log_format", "access_log"),
 }
 
 #: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).

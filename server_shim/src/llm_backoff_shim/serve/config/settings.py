@@ -67,7 +67,8 @@ class ShimSettings(BaseSettings):
         default=None,
         ge=1,
         le=65535,
-        description="serve /metrics and /shim/state on this port instead of the main one (/health too)",
+        description="serve /metrics and /shim/state on this port of --host instead of the main one "
+        "(/health too); firewall it apart from the proxy's port",
     )
     max_concurrency: int = Field(
         default=8, ge=1, le=100_000, description="most generation requests in flight upstream at once"
@@ -208,12 +209,6 @@ class ShimSettings(BaseSettings):
         default=True,
         description="log one line per /v1/ request to stdout (class, outcome, status, timings; never "
         "keys or prompts)",
-    )
-    metrics_host: str | None = Field(
-        default=None,
-        min_length=1,
-        description="address of the --metrics-port listener (default: --host); with --metrics-port set, "
-        "/metrics and /shim/state are served only there",
     )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1, le=1024**3, description="largest request body; larger ones get a 413"

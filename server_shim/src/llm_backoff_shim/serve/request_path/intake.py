@@ -15,7 +15,7 @@ Choices, where the protocol leaves room:
 
 - API keys are checked for every ``/v1/`` path (before queueing); ``/health``,
   ``/ready`` and ``/metrics`` stay open (orchestrators probe them; bind them
-  elsewhere with ``--metrics-port``/``--metrics-host``).
+  on another port with ``--metrics-port``).
 - Generation bodies must be a JSON object. A missing ``Content-Type`` is accepted
   (vLLM's FastAPI does the same); any other non-JSON media type is a 415.
 - The body limit is enforced on the declared ``Content-Length`` before reading, and
