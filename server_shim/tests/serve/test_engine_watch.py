@@ -207,7 +207,7 @@ def test_the_engines_queue_stays_within_max_waiting_between_scrapes(
 ) -> None:
     """The shim is the engine's only client, its cap (16) above the engine's 8 slots. Arrivals,
     completions and scrapes in random order: once a scrape has shown the engine full, no
-    admission makes the engine's own queue longer than --engine-max-waiting."""
+    admission makes the engine's own queue longer than Tuning.engine_max_waiting (none waiting)."""
     rng = random.Random(seed)
     slots, max_waiting = 8, 2
     scheduler = SharedSlots(ClassShares())
