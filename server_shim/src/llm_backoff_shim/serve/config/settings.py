@@ -18,7 +18,6 @@ and the example file print.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -55,7 +54,8 @@ class ShimSettings(BaseSettings):
     Field names are the keys of the ``--config`` file.
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    # A number field refuses inf and nan (as SimConfig does).
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, allow_inf_nan=False)
 
     upstream: AnyHttpUrl = Field(
         default=AnyHttpUrl("http://127.0.0.1:8000"),
@@ -100,7 +100,7 @@ class ShimSettings(BaseSettings):
         )
     )
     class_max_queue_wait: Annotated[
-        dict[str, Annotated[float, NotBool, Field(gt=0, le=86_400, allow_inf_nan=False)]], NoDecode
+        dict[str, Annotated[float, NotBool, Field(gt=0, le=86_400)]], NoDecode
     ] = Field(
         default={},
         description="queue wait per class in seconds (class=seconds,...); a class not named uses "
@@ -293,21 +293,6 @@ class ShimSettings(BaseSettings):
         # A Literal[429, 503] would refuse the string "503" from the environment.
         if value not in (429, 503):
             raise ValueError("must be 429 or 503")
-        return value
-
-    @field_validator(
-        "max_queue_wait",
-        "retry_after_min",
-        "retry_after_max",
-        "initial_service_time",
-        "upstream_read_timeout",
-        "tenant_requests_per_minute",
-        "tenant_tokens_per_minute",
-    )
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
         return value
 
     @field_validator("trusted_proxies", mode="before")
