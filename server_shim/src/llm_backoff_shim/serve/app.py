@@ -1,9 +1,8 @@
 """The composition root: the validated settings in, the whole shim out, built top-down.
 
-``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` (and the fixed
-values of serve/config/tuning.py) here and
-nowhere below: every piece is handed plain values, or its own slice of the settings
-(serve/config/slices.py), and the pieces built before it.
+``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` and the fixed
+values of serve/config/tuning.py here and nowhere below: every piece is handed plain values, or
+its own slice of the settings (serve/config/slices.py), and the pieces built before it.
 
 0. what the settings derive (vLLM's priorities), and the upstream client, which depends on
    nothing built here;

@@ -1,8 +1,8 @@
 """The shim's fixed values: what a deployment does not set.
 
-These were settings once; none is a choice a deployment makes, so none is a flag, a
-variable or a key of the ``--config`` file, and ``--help-all`` and docs/reference.md do
-not list them. Each value says why it is what it is. :data:`TUNING` is what
+None is a choice a deployment makes, so none is a flag, a variable or a key of the
+``--config`` file, and neither ``--help-all`` nor the settings table of docs/reference.md
+lists them. Each value says why it is what it is. :data:`TUNING` is what
 ``llm-backoff-shim serve`` runs with; tests hand ``create_app`` another :class:`Tuning`
 to make a scrape or a timeout fast, or to take a path the defaults skip.
 """
