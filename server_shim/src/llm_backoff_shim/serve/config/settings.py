@@ -165,7 +165,9 @@ class ShimSettings(BaseSettings):
     )
     engine_metrics: bool = Field(
         default=False,
-        description="scrape the upstream's /metrics and admit nothing new while the engine is saturated",
+        description="scrape the upstream's /metrics every 0.25 s and admit nothing new while the engine is "
+        "saturated: a request waiting in it, or its KV-cache usage at 0.95 (docs/shim.md, engine-aware "
+        "admission)",
     )
     adaptive_concurrency: bool = Field(
         default=False,
