@@ -22,9 +22,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 _COMMON = {"database": None, "deadline": None, "print_blob": True}
-settings.register_profile(
-    "ci", derandomize=True, suppress_health_check=[HealthCheck.too_slow], **_COMMON
-)
+settings.register_profile("ci", derandomize=True, suppress_health_check=[HealthCheck.too_slow], **_COMMON)
 settings.register_profile("random", derandomize=False, **_COMMON)
 settings.load_profile(os.environ.get("LLM_BACKOFF_HYPOTHESIS_PROFILE", "ci"))
 

@@ -415,8 +415,8 @@ def run_oracle(args: argparse.Namespace, seeds: list[int]) -> None:
 
 #: calibrate's fresh flags on the real vLLM for the mix: what --mode mix plays by default.
 CALIBRATED_MIX = (
-    "--max-concurrency 8 --max-queue 143 --max-queue-wait 4.76 --interactive-max-queue 34 "
-    "--batch-max-queue 109 --batch-max-queue-wait 15 --retry-after-max 5 --max-inflight-tokens 5312"
+    "--max-concurrency 8 --max-queue 143 --max-queue-wait 4.76 --class-max-queue interactive=34,batch=109 "
+    "--class-max-queue-wait batch=15 --retry-after-max 5 --max-inflight-tokens 5312"
 )
 
 

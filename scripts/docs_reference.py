@@ -22,7 +22,7 @@ from pathlib import Path
 from llm_backoff_shim.serve.api.routes import render_markdown
 from llm_backoff_shim.serve.config.flags import GROUPS, REPEATABLE, _shown_default
 from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, env_name, flag_name
+from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, env_name, flag_name
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
 
@@ -37,9 +37,6 @@ def _cell(text: str) -> str:
 def _file_key(name: str) -> str:
     if name in _CLASS_KEY:
         return f"`[classes.NAME] {_CLASS_KEY[name]}`"
-    if name in CLASS_ALIASES:
-        field, cls = CLASS_ALIASES[name]
-        return f"`[classes.{cls}] {_CLASS_KEY[field]}`"
     return f"`{name}`"
 
 

@@ -49,6 +49,7 @@ from llm_backoff_shim.decide.scheduler import ClassScheduler
 from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import TUNING, Tuning
 from llm_backoff_shim.serve.config.values import env_name
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
@@ -299,11 +300,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = 
 def make_shim() -> Iterator[Callable[..., Shim]]:
     servers: list[ServerThread] = []
 
-    def factory(upstream_url: str, *, serve_protocol: bool = True, **settings: Any) -> Shim:
-        """A shim on loopback, served as ``serve`` serves it; ``serve_protocol=False``: plain uvicorn."""
+    def factory(
+        upstream_url: str, *, serve_protocol: bool = True, tuning: Tuning = TUNING, **settings: Any
+    ) -> Shim:
+        """A shim on loopback, served as ``serve`` serves it; ``serve_protocol=False``: plain uvicorn;
+        ``tuning``: other fixed values (serve/config/tuning.py), to make a scrape or a timeout fast."""
         values: dict[str, Any] = {"upstream": upstream_url, "log_level": "warning"}
         values.update(settings)
-        app = create_app(ShimSettings(**values))
+        app = create_app(ShimSettings(**values), tuning=tuning)
         server = (shim_server(app) if serve_protocol else ServerThread(app)).start()
         servers.append(server)
         return Shim(server, shim_state(app))

@@ -36,6 +36,7 @@ from llm_backoff import wrap
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.loadgen_engine import GENERATED, RUNNING, WAITING, metric_sum
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import Tuning
 
 VLLM_URL = os.environ.get("LLM_BACKOFF_TEST_VLLM_URL", "").rstrip("/")
 SLOTS = 8  # --max-num-seqs
@@ -243,8 +244,7 @@ def test_engine_aware_admission_holds_requests_while_vllm_queues(
         max_queue=32,
         max_queue_wait=WAIT,
         engine_metrics=True,
-        engine_poll_interval=0.1,
-        engine_max_waiting=0,
+        tuning=Tuning(engine_poll_interval=0.1, engine_max_waiting=0),
     )
 
     async def scenario() -> None:
@@ -290,7 +290,7 @@ def test_engine_aware_admission_keeps_vllm_waiting_within_bound_in_a_burst(
     make_shim: Callable[..., Any], model: str, waiter: Callable[..., None]
 ) -> None:
     """A burst arriving between two scrapes: the shim counts what it admitted since the last
-    scrape, so vLLM's waiting queue stays within ``engine_max_waiting``.
+    scrape, so vLLM's waiting queue stays within ``Tuning.engine_max_waiting``.
 
     The engine's slots are not in vLLM's metrics; the shim may learn them from a scrape
     that shows the engine full (requests waiting), so the engine is shown full to it once
@@ -302,8 +302,7 @@ def test_engine_aware_admission_keeps_vllm_waiting_within_bound_in_a_burst(
         max_queue=32,
         max_queue_wait=WAIT,
         engine_metrics=True,
-        engine_poll_interval=0.25,
-        engine_max_waiting=max_waiting,
+        tuning=Tuning(engine_poll_interval=0.25, engine_max_waiting=max_waiting),
     )
     burst = SLOTS + max_waiting + 2  # within vLLM's own in-flight limit, so it never answers 503
 

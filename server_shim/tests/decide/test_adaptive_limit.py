@@ -135,7 +135,7 @@ def sim() -> Iterator[ServerThread]:
 def test_the_shim_runs_with_an_adaptive_limit_and_exports_it(
     sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
 ) -> None:
-    shim = make_shim(sim.url, adaptive_concurrency=True, min_concurrency=1, max_concurrency=16, max_queue=100)
+    shim = make_shim(sim.url, adaptive_concurrency=True, max_concurrency=16, max_queue=100)
     body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
     def call(_: int) -> int:

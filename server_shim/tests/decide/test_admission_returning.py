@@ -19,6 +19,7 @@ from llm_backoff_shim.decide.retry_after import HintRequest, retry_after
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.request_path.intake import parse_retry_count
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 from llm_backoff_shim.testing import ManualClock
@@ -578,10 +579,9 @@ def test_the_serve_flags_switch_returning_first(returning_first: bool) -> None:
         max_concurrency=1,
         max_queue=4,
         returning_first=returning_first,
-        returning_share=0.5,
     )
     now = [0.0]
-    controller = build_controller(shim_settings, lambda: now[0])
+    controller = build_controller(shim_settings, lambda: now[0], tuning=Tuning(returning_share=0.5))
     holder = controller.submit(AdmissionRequest(cls="interactive"))
     assert isinstance(holder, Ticket)
     fresh = controller.submit(AdmissionRequest(cls="interactive", budget=60.0))

@@ -427,7 +427,7 @@ def test_the_simulator_serves_a_mixed_flood_through_the_shares(
             sim.url,
             max_concurrency=4,
             max_queue=100,
-            batch_max_queue_wait=60,
+            class_max_queue_wait={"batch": 60},
             ttft_slo="interactive=2",
         )
         with ThreadPoolExecutor(34) as pool:
@@ -444,7 +444,7 @@ def test_forward_priority_sets_vllm_priority_from_the_class(
     upstream: Any, make_shim: Callable[..., Any]
 ) -> None:
     plain = make_shim(upstream.url)
-    forwarding = make_shim(upstream.url, forward_priority=True, class_priority="batch=10")
+    forwarding = make_shim(upstream.url, forward_priority=True)
     body = {"model": "m", "messages": [], "priority": -100}
     for shim in (plain, forwarding):
         for cls in ("interactive", "batch"):
@@ -453,8 +453,8 @@ def test_forward_priority_sets_vllm_priority_from_the_class(
             )
             assert answer.status_code == 200
     sent = [json.loads(r.body)["priority"] for r in upstream.received]
-    # Off by default: the body goes through untouched; on: the class decides, not the caller.
-    assert sent == [-100, -100, 0, 10]
+    # Off by default: the body goes through untouched; on: the class's position decides, not the caller.
+    assert sent == [-100, -100, 0, 1]
 
 
 # -- a reservation lent while its class's demand is known ----------------------------------

@@ -78,7 +78,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.settings = ShimSettings(
             max_concurrency=limit,
             max_queue=max_queue,
-            batch_max_queue=batch_queue,
+            class_max_queue={"batch": batch_queue},
             max_queue_wait=5.0,
             reserved_share={"interactive": reserved},
             min_share={"batch": minimum},

@@ -1,6 +1,6 @@
 """The shipped nginx and HAProxy configurations stamp each call once with ``X-Request-Start``:
 every replica a call is tried at sees the same stamp, so each shim counts the caller's budget
-from when the load balancer first saw it (``--request-start-header``).
+from when the load balancer first saw it.
 
 Three engines that always answer 503 (busy) record the stamp each try brought; a shim beside
 each passes the 503 on as its refusal, and the load balancer tries the next replica. Bounded:

@@ -26,6 +26,7 @@ from llm_backoff_shim.serve import command
 from llm_backoff_shim.serve.app import create_app
 from llm_backoff_shim.serve.command import shim_serving
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import TUNING, Tuning
 from llm_backoff_shim.serve.serving import ServerThread
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "llm_backoff_shim"
@@ -124,8 +125,11 @@ def test_auto_falls_back_to_the_public_path_with_one_warning(
     assert "serving through the public path" in warnings[0].getMessage()
 
 
-def _public_shim(upstream: Any, **settings: Any) -> tuple[ServerThread, PublicApp]:
-    app = create_app(ShimSettings(upstream=upstream.url, log_level="warning", http_path="public", **settings))
+def _public_shim(upstream: Any, tuning: Tuning = TUNING, **settings: Any) -> tuple[ServerThread, PublicApp]:
+    app = create_app(
+        ShimSettings(upstream=upstream.url, log_level="warning", http_path="public", **settings),
+        tuning=tuning,
+    )
     served = shim_serving(app)
     assert isinstance(served.app, PublicApp)
     return ServerThread(served.app, **served.options), served.app
@@ -145,7 +149,7 @@ def test_the_public_path_forgets_each_connection_when_it_closes(upstream: Any, w
 
 
 def test_the_public_path_answers_its_guard_events_as_the_fast_path_does(upstream: Any) -> None:
-    server, _ = _public_shim(upstream, max_header_bytes=2048)
+    server, _ = _public_shim(upstream, Tuning(max_header_bytes=2048))
     with server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(b"GET /v1/models HTTP/1.1\r\nhost: shim\r\nx-pad: " + b"a" * 4000)
         answer = sock.recv(65536)
@@ -158,7 +162,7 @@ def test_the_public_path_answers_its_guard_events_as_the_fast_path_does(upstream
 
 def test_the_public_path_reads_a_refused_body_as_body_never_as_a_head(upstream: Any, answers: Any) -> None:
     """A 401 sent before the body: the body that follows is read past, not answered as a request."""
-    server, _ = _public_shim(upstream, api_key="k", header_read_timeout=0.5)
+    server, _ = _public_shim(upstream, Tuning(header_read_timeout=0.5), api_key="k")
     body = b"x" * 5000  # no blank line in it: as a head it would be timed out with a 408
     head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: shim\r\ncontent-length: %d\r\n\r\n" % len(body)
     with server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:

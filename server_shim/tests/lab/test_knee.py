@@ -416,7 +416,7 @@ def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> N
     assert (held.max_queue, held.batch_max_queue, held.total_queue) == (7, 80, 87)
     assert held.serve_flags() == [
         "--max-concurrency", "8", "--max-queue", "87", "--max-queue-wait", "0.35",
-        "--interactive-max-queue", "7", "--batch-max-queue", "80", "--batch-max-queue-wait", "4",
+        "--class-max-queue", "interactive=7,batch=80", "--class-max-queue-wait", "batch=4",
         "--retry-after-max", "5",
     ]  # fmt: skip
     shim = load_settings(held.serve_flags())

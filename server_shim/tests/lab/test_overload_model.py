@@ -79,9 +79,7 @@ def test_the_demo_turns_nobody_away_after_a_wait() -> None:
 
 def test_engine_jitter_varies_the_service_and_still_loses_nothing() -> None:
     exact = run(TWICE, 2, start_deadline=True).run()
-    jittered = OverloadModel(
-        TWICE, SHAPE, flags(TWICE), seed=2, start_deadline=True, service_jitter=0.1
-    )
+    jittered = OverloadModel(TWICE, SHAPE, flags(TWICE), seed=2, start_deadline=True, service_jitter=0.1)
     result = jittered.run()  # raises if a call hangs or a slot is left taken
     assert result.summary() != exact.summary()
     services = {round(end - start, 6) for start, end in jittered._busy if end - start > 1.0}

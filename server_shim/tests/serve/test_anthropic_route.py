@@ -24,6 +24,7 @@ import pytest
 from llm_backoff_shim.decide.tickets import Rejection
 from llm_backoff_shim.serve.api.rejection import client_error, in_shape, rejection_response
 from llm_backoff_shim.serve.api.routes import Shape
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.serving import ServerThread, free_socket
 from llm_backoff_shim.sim.runtime import SimRuntime
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
@@ -153,7 +154,7 @@ def _busy_shim(
 def test_with_retries_off_an_overloaded_shim_raises_overloaded_error_with_the_hint(
     make_sim: Callable[..., Sim], make_shim: Callable[..., Any], waiter: Callable[..., None], from_head: bool
 ) -> None:
-    sim, shim, holder = _busy_shim(make_sim, make_shim, refuse_from_head=from_head)
+    sim, shim, holder = _busy_shim(make_sim, make_shim, tuning=Tuning(refuse_from_head=from_head))
     client = anthropic.Anthropic(base_url=shim.url, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.OverloadedError) as caught:
         client.messages.create(model="sim-model", max_tokens=3, messages=HELLO)

@@ -18,7 +18,7 @@ from llm_backoff_shim.serve.config.file import NOT_TOP_LEVEL, example_config, re
 from llm_backoff_shim.serve.config.flags import COMMON, GROUPS
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
-from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError
+from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "shim.toml"
 
@@ -48,12 +48,10 @@ max_queue = 8
 max_queue_wait = 2
 reserved_share = 0.3
 ttft_slo = 2
-priority = 0
 
 [classes.batch]
 max_queue = 32
 min_share = 0.2
-priority = 5
 
 [classes.bulk]
 max_queue_wait = 120
@@ -71,7 +69,7 @@ def test_a_file_sets_top_level_settings_and_one_table_per_class(tmp_path: Path) 
     assert s.reserved_share == {"interactive": 0.3}
     assert s.min_share == {"batch": 0.2}
     assert s.ttft_slo == {"interactive": 2.0}
-    assert s.vllm_priority() == {"interactive": 0, "batch": 5, "bulk": 2}
+    assert s.vllm_priority() == {"interactive": 0, "batch": 1, "bulk": 2}
 
 
 def test_precedence_is_flag_then_env_then_file_then_default(
@@ -105,12 +103,8 @@ def test_per_class_values_merge_class_by_class_across_sources(
     monkeypatch.setenv("LLM_BACKOFF_SHIM_CLASS_MAX_QUEUE", "batch=20,bulk=3")
     s = load_settings(["--config", path, "--class-max-queue", "batch=64"])
     assert s.class_max_queue == {"interactive": 8, "batch": 64, "bulk": 3}
-    # The single-class aliases are that source's entry of the same map.
-    s = load_settings(["--config", path, "--batch-max-queue", "7", "--interactive-max-queue-wait", "9"])
-    assert s.class_limits()["batch"].max_queue == 7
+    s = load_settings(["--config", path, "--class-max-queue-wait", "interactive=9"])
     assert s.class_max_queue_wait == {"interactive": 9.0, "bulk": 120.0}
-    monkeypatch.setenv("LLM_BACKOFF_SHIM_INTERACTIVE_MAX_QUEUE", "1")
-    assert load_settings(["--config", path]).class_max_queue["interactive"] == 1
 
 
 def test_a_default_per_class_value_holds_until_a_source_names_a_class() -> None:
@@ -136,7 +130,7 @@ def test_relative_paths_are_read_from_the_files_directory(tmp_path: Path) -> Non
         ("max_queu = 3\n", "shim.toml: max_queu: unknown setting (did you mean 'max_queue'?)"),
         ("[classes.batch]\nmax_queue = 'lots'\n", "shim.toml: classes.batch.max_queue: Input should be a valid integer"),  # noqa: E501
         ("[classes.batch]\nmax_queue = -1\n", "shim.toml: classes.batch.max_queue: Input should be greater than or equal to 0"),  # noqa: E501
-        ("[classes.batch]\nsize = 3\n", "shim.toml: classes.batch.size: unknown per-class setting (one of: max_queue, max_queue_wait, reserved_share, min_share, ttft_slo, priority)"),  # noqa: E501
+        ("[classes.batch]\nsize = 3\n", "shim.toml: classes.batch.size: unknown per-class setting (one of: max_queue, max_queue_wait, reserved_share, min_share, ttft_slo)"),  # noqa: E501
         ("[classes.batch]\nmax_queu = 3\n", "shim.toml: classes.batch.max_queu: unknown per-class setting (did you mean 'max_queue'?)"),  # noqa: E501
         ("[classes.batch]\nttft = 3\n", "classes.batch.ttft: unknown per-class setting (did you mean 'ttft_slo'?)"),  # noqa: E501
         ("max_concurrency = true\n", "shim.toml: max_concurrency: expected a number, got the boolean true"),
@@ -144,7 +138,6 @@ def test_relative_paths_are_read_from_the_files_directory(tmp_path: Path) -> Non
         ("metrics_port = true\n", "shim.toml: metrics_port: expected a number, got the boolean true"),
         ("[classes.batch]\nmax_queue = true\n", "shim.toml: classes.batch.max_queue: expected a number, got the boolean true"),  # noqa: E501
         ("[classes.batch]\nmin_share = true\n", "shim.toml: classes.batch.min_share: expected a number, got the boolean true"),  # noqa: E501
-        ("[classes.batch]\npriority = false\n", "shim.toml: classes.batch.priority: expected a number, got the boolean false"),  # noqa: E501
         ("access_log = 1\n", "shim.toml: access_log: expected true or false, got the number 1"),
         ("[classes.batch]\nreserved_share = 2\n", "shim.toml: classes.batch.reserved_share: a share is a fraction"),  # noqa: E501
         ("max_concurrency = 1.5\n", "shim.toml: max_concurrency: Input should be a valid integer"),
@@ -205,7 +198,7 @@ def test_the_example_file_names_every_setting_and_loads_as_the_defaults() -> Non
     text = EXAMPLE.read_text(encoding="utf-8")
     data = tomllib.loads(text)
     for name in ShimSettings.model_fields:
-        if name in CLASS_ALIASES or name == "classes":
+        if name == "classes":
             continue
         if name in NOT_TOP_LEVEL:
             key = next(k for k, v in PER_CLASS_KEYS.items() if v == name)

@@ -15,6 +15,7 @@ from llm_backoff_shim.decide.classes import ClassShares, SharedSlots
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.saturation import EngineSample, SaturationConfig, SaturationDetector
 from llm_backoff_shim.decide.tickets import Outcome, Ticket, TicketState
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.policy.engine_watch import parse_engine_metrics
 from llm_backoff_shim.serve.serving import ServerThread
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
@@ -96,7 +97,10 @@ def test_a_saturated_engine_stops_admission_until_it_recovers(
     sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
 ) -> None:
     shim = make_shim(
-        sim.url, max_concurrency=4, engine_metrics=True, engine_poll_interval=0.02, engine_stale_after=5
+        sim.url,
+        max_concurrency=4,
+        engine_metrics=True,
+        tuning=Tuning(engine_poll_interval=0.02, engine_stale_polls=250),  # stale after 5 s
     )
     policy = shim.runtime.policy
     assert policy is not None
@@ -126,7 +130,9 @@ def test_a_saturated_engine_stops_admission_until_it_recovers(
 def test_an_upstream_without_metrics_falls_back_to_the_concurrency_cap(
     upstream: Any, make_shim: Callable[..., Any], waiter: Callable[..., None]
 ) -> None:
-    shim = make_shim(upstream.url, max_concurrency=2, engine_metrics=True, engine_poll_interval=0.02)
+    shim = make_shim(
+        upstream.url, max_concurrency=2, engine_metrics=True, tuning=Tuning(engine_poll_interval=0.02)
+    )
     policy = shim.runtime.policy
     assert policy is not None
     assert policy.watch is not None
@@ -201,7 +207,7 @@ def test_the_engines_queue_stays_within_max_waiting_between_scrapes(
 ) -> None:
     """The shim is the engine's only client, its cap (16) above the engine's 8 slots. Arrivals,
     completions and scrapes in random order: once a scrape has shown the engine full, no
-    admission makes the engine's own queue longer than --engine-max-waiting."""
+    admission makes the engine's own queue longer than Tuning.engine_max_waiting (none waiting)."""
     rng = random.Random(seed)
     slots, max_waiting = 8, 2
     scheduler = SharedSlots(ClassShares())
@@ -264,7 +270,10 @@ def test_through_the_shim_admissions_between_scrapes_do_not_queue_in_the_engine(
     shim, scrapes or not; counted on the scrapes alone, all 4 went."""
     sim = slow_poll_sim
     shim = make_shim(
-        sim.url, max_concurrency=4, engine_metrics=True, engine_poll_interval=0.3, engine_stale_after=30
+        sim.url,
+        max_concurrency=4,
+        engine_metrics=True,
+        tuning=Tuning(engine_poll_interval=0.3, engine_stale_polls=100),  # stale after 30 s
     )
     policy = shim.runtime.policy
     assert policy is not None

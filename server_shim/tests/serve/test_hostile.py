@@ -21,6 +21,7 @@ import pytest
 
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 
 CHAT = "/v1/chat/completions"
@@ -62,11 +63,11 @@ def guarded(upstream: Any) -> Iterator[Callable[..., GuardedShim]]:
             "log_level": "warning",
             "max_body_bytes": 4096,
             "body_read_timeout": 0.5,
-            "header_read_timeout": 0.5,
-            "max_header_bytes": 8192,
         }
         values.update(settings)
-        app = create_app(ShimSettings(**values))
+        app = create_app(
+            ShimSettings(**values), tuning=Tuning(header_read_timeout=0.5, max_header_bytes=8192)
+        )
         server = shim_server(app).start()
         servers.append(server)
         return GuardedShim(server, shim_state(app))

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from llm_backoff_shim.serve.config.tuning import Tuning
+
 CHAT = "/v1/chat/completions"
 GOOD = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -224,7 +226,7 @@ def rss_bytes() -> int:
 def test_an_endless_head_pipelined_behind_a_slow_answer_is_capped_after_that_answer(
     make_shim: Callable[..., Any], recording: RecordingUpstream, waiter: Callable[..., None]
 ) -> None:
-    shim = make_shim(recording.url, max_header_bytes=8192, header_read_timeout=60)
+    shim = make_shim(recording.url, tuning=Tuning(max_header_bytes=8192, header_read_timeout=60))
     sock = connect(shim)
     sock.sendall(b"GET /v1/hold/a HTTP/1.1\r\nhost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: ")
     waiter(lambda: len(recording.requests) == 1, what="the first request upstream")
@@ -252,7 +254,7 @@ def test_an_endless_head_pipelined_behind_a_slow_answer_is_capped_after_that_ans
 def test_a_stalled_head_pipelined_behind_a_slow_answer_is_timed(
     make_shim: Callable[..., Any], recording: RecordingUpstream, waiter: Callable[..., None]
 ) -> None:
-    shim = make_shim(recording.url, header_read_timeout=0.5)
+    shim = make_shim(recording.url, tuning=Tuning(header_read_timeout=0.5))
     with connect(shim) as sock:
         sock.sendall(b"GET /v1/hold/a HTTP/1.1\r\nhost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHo")
         waiter(lambda: len(recording.requests) == 1, what="the first request upstream")
@@ -268,7 +270,7 @@ def test_a_pipelined_request_in_the_same_read_as_a_body_is_still_served(
     make_shim: Callable[..., Any], recording: RecordingUpstream
 ) -> None:
     """The guard's head count restarts inside a read: a small pipelined head is not over any cap."""
-    shim = make_shim(recording.url, max_header_bytes=1024, header_read_timeout=5)
+    shim = make_shim(recording.url, tuning=Tuning(max_header_bytes=1024, header_read_timeout=5))
     body = b"x" * 3000
     first = b"POST /v1/other/a HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
     second = b"GET /v1/models HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
@@ -300,7 +302,7 @@ def test_a_refusal_before_the_body_closes_and_the_body_is_never_a_next_request(
     status: int,
     settings: dict[str, Any],
 ) -> None:
-    shim = make_shim(recording.url, header_read_timeout=0.5, max_header_bytes=4096, **settings)
+    shim = make_shim(recording.url, tuning=Tuning(header_read_timeout=0.5, max_header_bytes=4096), **settings)
     body = b'{"model": "m", "prompt": "' + b"x" * 20_000 + b'"}'  # no blank line in it, past the cap
     head = b"POST %b HTTP/1.1\r\nhost: x\r\n%bcontent-length: %d\r\n\r\n" % (
         target.encode(),
@@ -487,7 +489,7 @@ def test_trusted_proxies_must_be_addresses_or_networks() -> None:
 def test_a_stalled_stream_is_cut_after_the_stream_timeout_and_its_slot_comes_back(
     make_shim: Callable[..., Any], recording: RecordingUpstream, waiter: Callable[..., None]
 ) -> None:
-    shim = make_shim(recording.url, max_concurrency=1, upstream_stream_read_timeout=0.5)
+    shim = make_shim(recording.url, max_concurrency=1, tuning=Tuning(upstream_stream_read_timeout=0.5))
     body = json.dumps({"model": "m", "stream": True, "messages": []}).encode()
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -518,7 +520,7 @@ def test_a_non_streaming_answer_keeps_the_long_read_timeout(
     make_shim: Callable[..., Any], recording: RecordingUpstream, waiter: Callable[..., None]
 ) -> None:
     """Silence longer than the stream timeout before a plain answer is a long generation, not a stall."""
-    shim = make_shim(recording.url, upstream_stream_read_timeout=0.2, upstream_read_timeout=60)
+    shim = make_shim(recording.url, upstream_read_timeout=60, tuning=Tuning(upstream_stream_read_timeout=0.2))
     with connect(shim) as sock:
         sock.sendall(b"GET /v1/hold/x HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         waiter(lambda: len(recording.requests) == 1, what="the request upstream")

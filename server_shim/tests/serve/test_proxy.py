@@ -207,7 +207,7 @@ def test_retry_after_grows_with_queue_depth(
     # One slot and a 1 s service-time prior: the drain rate is 1/s, so the hint for a
     # batch probe (whose queue holds nothing) is about the interactive depth + 1 seconds.
     shim = make_shim(
-        upstream.url, max_concurrency=1, max_queue=20, batch_max_queue=0, initial_service_time=1.0
+        upstream.url, max_concurrency=1, max_queue=20, class_max_queue={"batch": 0}, initial_service_time=1.0
     )
     hints: list[float] = []
     headers: list[int] = []

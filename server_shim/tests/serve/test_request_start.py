@@ -50,11 +50,3 @@ def test_a_budget_spent_before_the_shim_saw_the_call_is_refused_at_once(
         post(shim.url, **{"x-request-timeout-ms": "5000", "x-request-start": "yesterday"}).status_code == 200
     )
     waiter(lambda: shim.runtime.controller.in_flight() == 0, what="every slot back")
-
-
-def test_the_stamp_is_ignored_when_the_operator_says_so(
-    sim: ServerThread, make_shim: Callable[..., Any]
-) -> None:
-    shim = make_shim(sim.url, request_start_header=False)
-    stale = f"t={time.time() - 6:.3f}"
-    assert post(shim.url, **{"x-request-timeout-ms": "5000", "x-request-start": stale}).status_code == 200

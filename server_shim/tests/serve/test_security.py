@@ -33,6 +33,7 @@ from llm_backoff_shim.serve.api.auth import (
 from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.config.values import ConfigError
 from llm_backoff_shim.serve.serving import ServerThread, free_socket, shim_server
 
@@ -390,10 +391,10 @@ def test_no_key_or_prompt_text_reaches_logs_or_metrics(
     assert json.loads(upstream.received[0].body) == body  # the prompt did go upstream
 
 
-# -- metrics and health on another interface -------------------------------------------------
+# -- metrics and health on their own port ----------------------------------------------------
 
 
-def _port_closed_on_the_proxy_interface() -> tuple[int, socket.socket]:
+def _port_closed_on_127_0_0_1() -> tuple[int, socket.socket]:
     """A port free on 127.0.0.2, and a socket bound (not listening) to the same port on 127.0.0.1:
     while it is open nothing else can listen there, so a connection to it is refused."""
     for _ in range(20):
@@ -409,38 +410,33 @@ def _port_closed_on_the_proxy_interface() -> tuple[int, socket.socket]:
     raise AssertionError("no port free on both 127.0.0.1 and 127.0.0.2")
 
 
-def test_metrics_and_health_can_live_on_another_interface(upstream: Any) -> None:
-    port, guard = _port_closed_on_the_proxy_interface()
-    settings = ShimSettings(
-        upstream=upstream.url, metrics_port=port, metrics_host="127.0.0.2", log_level="warning"
-    )
+def test_metrics_and_health_can_live_on_their_own_port(upstream: Any) -> None:
+    with free_socket() as probe:
+        port = probe.getsockname()[1]
+    settings = ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning")
     app = create_app(settings)
-    with guard, shim_server(app) as shim:
+    with shim_server(app) as shim:
         assert http.get(shim.url + "/metrics").status_code == 404
         assert http.get(shim.url + "/shim/state").status_code == 404
         assert http.get(shim.url + "/health").status_code == 200
         assert http.post(shim.url + CHAT, json=GOOD).status_code == 200
-        text = http.get(f"http://127.0.0.2:{port}/metrics").text
+        text = http.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'llm_backoff_shim_requests_total{class="interactive",code="",outcome="completed"} 1.0' in text
-        assert http.get(f"http://127.0.0.2:{port}/health").json() == {"status": "ok"}
-        state = http.get(f"http://127.0.0.2:{port}/shim/state").json()
+        assert http.get(f"http://127.0.0.1:{port}/health").json() == {"status": "ok"}
+        state = http.get(f"http://127.0.0.1:{port}/shim/state").json()
         assert state["classes"]["interactive"] == {"in_flight": 0, "queued": 0}
         # The same document as on the main listener.
         assert set(state) == {"limit", "service_time_s", "overtaken", "classes", "answer_tokens"}
         assert state["overtaken"] == 0
-        assert http.get(f"http://127.0.0.2:{port}/v1/models").status_code == 404
-        assert http.post(f"http://127.0.0.2:{port}/metrics").status_code == 405
-        with pytest.raises(httpx.ConnectError):
-            http.get(f"http://127.0.0.1:{port}/metrics")  # not on the proxy's interface
+        assert http.get(f"http://127.0.0.1:{port}/v1/models").status_code == 404
+        assert http.post(f"http://127.0.0.1:{port}/metrics").status_code == 405
 
 
 def test_the_operations_listener_keeps_the_head_limits_and_stops_with_the_app(upstream: Any) -> None:
     with free_socket() as probe:
         port = probe.getsockname()[1]
-    settings = ShimSettings(
-        upstream=upstream.url, metrics_port=port, max_header_bytes=2048, log_level="warning"
-    )
-    app = create_app(settings)
+    settings = ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning")
+    app = create_app(settings, tuning=Tuning(max_header_bytes=2048))
     with shim_server(app) as shim:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"GET /metrics HTTP/1.1\r\nhost: ops\r\nx-pad: " + b"a" * 4000)
@@ -473,9 +469,10 @@ def test_the_operations_listener_answers_only_while_the_proxys_loop_runs(upstrea
         assert httpx.get(health, timeout=10).status_code == 200
 
 
-def test_serve_binds_metrics_to_metrics_host(upstream: Any) -> None:
-    with free_socket() as a, free_socket("127.0.0.2") as b:
-        port, metrics_port = a.getsockname()[1], b.getsockname()[1]
+def test_serve_serves_the_metrics_port_on_host(upstream: Any) -> None:
+    with free_socket("127.0.0.2") as a:
+        port = a.getsockname()[1]
+    metrics_port, guard = _port_closed_on_127_0_0_1()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -486,10 +483,10 @@ def test_serve_binds_metrics_to_metrics_host(upstream: Any) -> None:
             str(port),
             "--upstream",
             upstream.url,
+            "--host",
+            "127.0.0.2",
             "--metrics-port",
             str(metrics_port),
-            "--metrics-host",
-            "127.0.0.2",
             "--log-level",
             "warning",
         ],
@@ -511,14 +508,17 @@ def test_serve_binds_metrics_to_metrics_host(upstream: Any) -> None:
         deadline = time.monotonic() + 20
         while True:
             try:
-                health = http.get(f"http://127.0.0.1:{port}/health")
+                health = http.get(f"http://127.0.0.2:{port}/health")
                 break
             except httpx.TransportError:
                 assert time.monotonic() < deadline, "proxy listener did not come up"
                 time.sleep(0.05)
         assert health.status_code == 200
-        assert http.get(f"http://127.0.0.1:{port}/metrics").status_code == 404
+        assert http.get(f"http://127.0.0.2:{port}/metrics").status_code == 404
+        with pytest.raises(httpx.ConnectError):
+            http.get(f"http://127.0.0.1:{metrics_port}/metrics")  # only on --host
     finally:
+        guard.close()
         proc.terminate()
         proc.communicate(timeout=15)
 

@@ -135,7 +135,7 @@ class Figures:
     #: log's ``total_ms - body_ms``): the shim's work without the wait for the client's body.
     shim_rejection_after_body_p99: float | None = None
     #: Rejections the shim answered from the request's head, before its body (no ``body_ms``
-    #: in its access log: ``--refuse-from-head``); not in the figure above.
+    #: in its access log: ``Proxy.refuse_from_head``); not in the figure above.
     shim_refused_from_head: int = 0
     #: On the wire (kernel timestamps of the loopback segments, bench/_wire.py, root only):
     #: from the request's last byte to the answer's first, p99 over the rejected attempts

@@ -309,12 +309,10 @@ class Recommendation:
         if held is not None:
             queue, wait = held
             flags += [
-                "--interactive-max-queue",
-                str(self.max_queue),
-                "--batch-max-queue",
-                str(queue),
-                "--batch-max-queue-wait",
-                f"{wait:g}",
+                "--class-max-queue",
+                f"interactive={self.max_queue},batch={queue}",
+                "--class-max-queue-wait",
+                f"batch={wait:g}",
             ]
         if self.retry_after_max is not None:
             flags += ["--retry-after-max", f"{self.retry_after_max:g}"]

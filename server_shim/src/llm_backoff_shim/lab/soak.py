@@ -41,6 +41,7 @@ from llm_backoff_shim.lab.soak_audit import metric_values, on_loop, outcome_coun
 from llm_backoff_shim.lab.soak_report import KINDS, SoakConfig, SoakReport
 from llm_backoff_shim.serve.app import create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
 
@@ -277,10 +278,10 @@ def run_soak(config: SoakConfig, progress: Callable[[str], None] | None = None) 
             max_concurrency=config.max_concurrency,
             max_queue=config.max_queue,
             max_queue_wait=config.max_queue_wait,
-            upstream_keepalive=0.5,
             log_level="warning",
         )
-        app = create_app(settings)
+        # Idle pooled upstream connections close within the audit's settling time.
+        app = create_app(settings, tuning=Tuning(upstream_keepalive=0.5))
         runtime = shim_state(app)
         with shim_server(app, timeout_keep_alive=1, log_level="critical") as shim:
             run = _Run(config, shim.url if config.through_shim else sim.url, report)

@@ -1,8 +1,8 @@
 """The composition root: the validated settings in, the whole shim out, built top-down.
 
-``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` here and
-nowhere below: every piece is handed plain values, or its own slice of the settings
-(serve/config/slices.py), and the pieces built before it.
+``create_app(settings)`` reads :class:`~llm_backoff_shim.serve.config.ShimSettings` and the fixed
+values of serve/config/tuning.py here and nowhere below: every piece is handed plain values, or
+its own slice of the settings (serve/config/slices.py), and the pieces built before it.
 
 0. what the settings derive (vLLM's priorities), and the upstream client, which depends on
    nothing built here;
@@ -42,6 +42,7 @@ from llm_backoff_shim.decide.slo import SloConfig, SloGate, SloTracker
 from llm_backoff_shim.decide.tenants import QuotaGate, TenantDirectory, load_tenants_file
 from llm_backoff_shim.decide.token_budget import TokenBudget
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import TUNING, Tuning
 from llm_backoff_shim.serve.observe.access_log import AccessLog
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
@@ -77,14 +78,16 @@ class Decisions:
     controller: AdmissionController
 
 
-def build_decisions(settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None) -> Decisions:
+def build_decisions(
+    settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None, tuning: Tuning = TUNING
+) -> Decisions:
     """The concurrency limit (``limit`` if given) and the admission controller, without the SLO
     gate (:func:`create_app` adds it)."""
     class_limits = settings.class_limits()
     if limit is None:
         limit = (
             GradientLimit(
-                GradientConfig(min_limit=settings.min_concurrency, max_limit=settings.max_concurrency), clock
+                GradientConfig(min_limit=tuning.min_concurrency, max_limit=settings.max_concurrency), clock
             )
             if settings.adaptive_concurrency
             else FixedLimit(settings.max_concurrency)
@@ -115,22 +118,25 @@ def build_decisions(settings: ShimSettings, clock: Clock, limit: ConcurrencyLimi
         default_class=settings.default_class,
         scheduler=SharedSlots(ClassShares(reserved=settings.reserved_share, minimum=settings.min_share)),
         returning_first=settings.returning_first,
-        returning_share=settings.returning_share,
+        returning_share=tuning.returning_share,
         token_budget=None if (tokens := settings.max_inflight_tokens) is None else TokenBudget(tokens),
     )
     return Decisions(limit, controller)
 
 
 def build_controller(
-    settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None
+    settings: ShimSettings, clock: Clock, limit: ConcurrencyLimit | None = None, tuning: Tuning = TUNING
 ) -> AdmissionController:
     """The admission controller the shim serves with, for the lab's overload model and the
     property tests (:func:`build_decisions`)."""
-    return build_decisions(settings, clock, limit).controller
+    return build_decisions(settings, clock, limit, tuning).controller
 
 
-def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Starlette:
-    """The shim for ``settings``: decide pieces first, then the edge handed them (module docstring)."""
+def create_app(
+    settings: ShimSettings, *, clock: Clock = time.monotonic, tuning: Tuning = TUNING
+) -> Starlette:
+    """The shim for ``settings`` and the fixed values ``tuning`` (config/tuning.py): decide pieces
+    first, then the edge handed them (module docstring)."""
     # What the settings derive (vLLM's priorities), read once.
     vllm_priority = settings.vllm_priority() if settings.forward_priority else None
     tenant_rates = (settings.tenant_requests_per_minute, settings.tenant_tokens_per_minute)
@@ -138,14 +144,14 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
     # The upstream client depends on nothing built here (its URL is parsed as it is made).
     upstream = UpstreamClient(
         settings.upstream_base,
-        connect_timeout=settings.upstream_connect_timeout,
+        connect_timeout=tuning.upstream_connect_timeout,
         read_timeout=settings.upstream_read_timeout,
-        keepalive=settings.upstream_keepalive,
-        stream_read_timeout=settings.upstream_stream_read_timeout,
+        keepalive=tuning.upstream_keepalive,
+        stream_read_timeout=tuning.upstream_stream_read_timeout,
     )
 
     # -- decide/: pure pieces from plain values --------------------------------------------
-    decisions = build_decisions(settings, clock)
+    decisions = build_decisions(settings, clock, tuning=tuning)
     limit, controller = decisions.limit, decisions.controller
     scheduler = controller.scheduler
     slo = None
@@ -153,8 +159,8 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         slo = SloTracker(
             SloConfig(
                 budgets=settings.ttft_slo,
-                yellow_fraction=settings.slo_yellow_fraction,
-                trend_window=settings.slo_trend_window,
+                yellow_fraction=tuning.slo_yellow_fraction,
+                trend_window=tuning.slo_trend_window,
             ),
             controller,
             clock,
@@ -180,18 +186,18 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
     if settings.engine_metrics:
         policy.detector = SaturationDetector(
             SaturationConfig(
-                max_waiting=settings.engine_max_waiting,
-                max_kv_cache=settings.engine_max_kv_cache,
-                stale_after=settings.engine_stale_after,
+                max_waiting=tuning.engine_max_waiting,
+                max_kv_cache=tuning.engine_max_kv_cache,
+                stale_after=tuning.engine_stale_after,
             ),
             clock,
             in_flight=controller.in_flight,
         )
         policy.watch = EngineWatch(
             policy.detector,
-            url=settings.upstream_base + settings.engine_metrics_path,
+            url=settings.upstream_base + tuning.engine_metrics_path,
             session=lambda: upstream.session,
-            interval=settings.engine_poll_interval,
+            interval=tuning.engine_poll_interval,
             on_change=admission.reschedule,
         )
     if directory is not None and directory.limited:
@@ -208,10 +214,10 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
     if settings.metrics_port is not None:
         ops = OpsListener(
             [Route("/health", health, methods=["GET"]), *operator_routes(metrics, controller)],
-            settings.metrics_host or settings.host,
+            settings.host,
             settings.metrics_port,
-            head_timeout=settings.header_read_timeout,
-            max_head_bytes=settings.max_header_bytes,
+            head_timeout=tuning.header_read_timeout,
+            max_head_bytes=tuning.max_header_bytes,
             on_event=metrics.bad_request,
         )
     intake = Intake.from_settings(settings.intake_settings(), hooks=policy.hooks, controller=controller)
@@ -238,7 +244,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
         access_log=AccessLog(settings.log_format, clock=clock) if settings.access_log else None,
         forwarding=Forwarding(settings.trusted_proxies),
     )
-    runtime = ShimRuntime(settings, controller, admission, metrics, upstream, proxy, policy, ops)
+    runtime = ShimRuntime(settings, tuning, controller, admission, metrics, upstream, proxy, policy, ops)
     # The cost budget counts prompts in the engine's tokens, learned from its tokenizer.
     units = None
     if controller.pricing is not None:
@@ -265,9 +271,7 @@ def create_app(settings: ShimSettings, *, clock: Clock = time.monotonic) -> Star
             await upstream.close()
             await gate.close()
 
-    app = shim_app(
-        runtime, ready_path=settings.ready_path, operator_routes_here=ops is None, lifespan=lifespan
-    )
+    app = shim_app(runtime, ready_path=tuning.ready_path, operator_routes_here=ops is None, lifespan=lifespan)
     # Last, the engine watch's hold on the scheduler: lower classes wait while the engine is saturated.
     if policy.detector is not None and isinstance(scheduler, SharedSlots):
         scheduler.add_hold(policy.detector.hold)

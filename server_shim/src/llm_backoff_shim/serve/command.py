@@ -6,7 +6,7 @@ settings ask for (``--http-path``; :mod:`llm_backoff_shim.http.paths`): the fast
 when the start-up check passes, else the public path, both with the same request-head
 limits and answers. It runs as one process (uvicorn's ``workers`` is 1 whatever
 ``WEB_CONCURRENCY`` says): the admission state is the process's, so one shim process
-serves one engine. The optional ``--metrics-port`` (on ``--metrics-host``) is served
+serves one engine. The optional ``--metrics-port`` (on ``--host``) is served
 by :class:`~llm_backoff_shim.serve.ops_server.OpsListener` on the same event loop; its
 address is taken before uvicorn starts, so a taken port is a clear error.
 """
@@ -68,11 +68,11 @@ def uvicorn_options(settings: ShimSettings) -> dict[str, Any]:
 def shim_serving(app: Starlette) -> Serving:
     """The ASGI app and uvicorn options that serve a shim app (:func:`create_app`) as ``serve`` does."""
     runtime = shim_state(app)
-    settings = runtime.settings
+    settings, tuning = runtime.settings, runtime.tuning
     proxy = runtime.proxy
     limits = Limits(
-        head_timeout=settings.header_read_timeout,
-        max_head_bytes=settings.max_header_bytes,
+        head_timeout=tuning.header_read_timeout,
+        max_head_bytes=tuning.max_header_bytes,
         body_timeout=settings.body_read_timeout,
         on_event=runtime.metrics.bad_request,
     )
@@ -81,7 +81,7 @@ def shim_serving(app: Starlette) -> Serving:
         proxy,
         limits,
         requested=settings.http_path,
-        refuse=proxy.refuse_from_head if settings.refuse_from_head else None,
+        refuse=proxy.refuse_from_head if tuning.refuse_from_head else None,
         body_timers=proxy.body_timers,
     )
 

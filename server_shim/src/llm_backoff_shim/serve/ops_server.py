@@ -1,7 +1,7 @@
-"""The operations listener: ``/metrics``, ``/health`` and ``/shim/state`` on their own address.
+"""The operations listener: ``/metrics``, ``/health`` and ``/shim/state`` on their own port.
 
-With ``--metrics-port`` (and optionally ``--metrics-host``, e.g. a private interface
-while the proxy listens publicly) these routes are served here, and the proxy's own
+With ``--metrics-port`` (on ``--host``: a firewall rule on the port keeps it private while
+the proxy's port is open) these routes are served here, and the proxy's own
 listener does not answer ``/metrics`` or ``/shim/state``. ``/health`` says the process
 is up; ``/ready`` (which probes the upstream) stays on the proxy listener, where load
 balancers look for it.

@@ -27,6 +27,7 @@ from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.serve.api.rejection import client_error
 from llm_backoff_shim.serve.api.routes import ROUTES
 from llm_backoff_shim.serve.config.settings import ShimSettings
+from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.observe.metrics import CONTENT_TYPE, ShimMetrics
 from llm_backoff_shim.serve.ops_server import OpsListener
 from llm_backoff_shim.serve.policy.traffic_policy import TrafficPolicy
@@ -45,11 +46,12 @@ class ClassState:
 class ShimRuntime:
     """Everything one shim app owns; reachable as ``app.state.shim``.
 
-    ``settings`` are kept for whoever serves the app (the serving path and its limits,
-    command.py); nothing below the composition root reads them.
+    ``settings`` and ``tuning`` are kept for whoever serves the app (the serving path and its
+    limits, command.py); nothing below the composition root reads them.
     """
 
     settings: ShimSettings
+    tuning: Tuning
     controller: AdmissionController
     admission: AsyncAdmission
     metrics: ShimMetrics

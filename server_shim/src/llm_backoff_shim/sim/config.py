@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llm_backoff_shim.sim.engine import EngineParams
 
@@ -42,7 +42,8 @@ class SimConfig(BaseModel):
       connection after a random number of tokens).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # A number field refuses inf and nan (as ShimSettings does).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     model: str = Field(default="sim-model", min_length=1, description="model name served")
     max_num_seqs: int = Field(default=8, ge=1, le=100_000, description="max sequences running at once")
@@ -98,23 +99,6 @@ class SimConfig(BaseModel):
     slow_first_byte_delay: float = Field(default=1.0, ge=0, le=3600, description="that delay, seconds")
     stream_cut_rate: float = Field(default=0.0, ge=0, le=1, description="fraction of streams cut mid-way")
     seed: int | None = Field(default=None, description="seed of the fault draws (None = random)")
-
-    @field_validator(
-        "ttft",
-        "itl",
-        "itl_batch_factor",
-        "slow_first_byte_delay",
-        "output_tokens_sigma",
-        "prefill_time_per_token",
-        "prefill_attention_time",
-        "admit_time",
-        "decode_attention_time",
-    )
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
 
     @model_validator(mode="after")
     def _rates_fit(self) -> SimConfig:

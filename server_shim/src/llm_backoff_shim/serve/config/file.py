@@ -3,7 +3,7 @@
 Layout: top-level keys are :class:`ShimSettings` field names (``max_queue = 20``);
 per-class values live in one ``[classes.NAME]`` table per class, under the keys of
 :data:`PER_CLASS_KEYS` (``max_queue``, ``max_queue_wait``, ``reserved_share``,
-``min_share``, ``ttft_slo``, ``priority``). The tables' order is the classes' order,
+``min_share``, ``ttft_slo``). The tables' order is the classes' order,
 highest priority first, so ``[classes.*]`` also sets ``classes``. Relative paths
 (``tenants_file``, ``api_keys_file``) are taken from the file's own directory.
 
@@ -25,16 +25,15 @@ from typing import Any
 
 from llm_backoff_shim.serve.config.flags import GROUPS
 from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.values import CLASS_ALIASES, PER_CLASS_KEYS, ConfigError, env_name
+from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, ConfigError, env_name
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-#: Fields that are not keys of the file: the per-class maps (in ``[classes.NAME]``)
-#: and their single-class aliases.
-NOT_TOP_LEVEL = frozenset(PER_CLASS_KEYS.values()) | frozenset(CLASS_ALIASES) | {"classes"}
+#: Fields that are not keys of the file: the per-class maps (in ``[classes.NAME]``).
+NOT_TOP_LEVEL = frozenset(PER_CLASS_KEYS.values()) | {"classes"}
 
 #: Fields holding a path, resolved against the file's directory when relative.
 _PATH_FIELDS = ("tenants_file", "api_keys_file")
@@ -66,13 +65,15 @@ def _unknown(path: str, key: str, known: Iterable[str], what: str) -> ConfigErro
     """
     name = key.rpartition(".")[2]
     hint = ""
-    if name in CLASS_ALIASES and name == key:
-        per_class, name = CLASS_ALIASES[key]
-        short = next(k for k, v in PER_CLASS_KEYS.items() if v == per_class)
-        hint = f" (per-class values go in the class's table: [classes.{name}] {short} = ...)"
-    elif key in PER_CLASS_KEYS.values():
+    # ``batch_max_queue``: one class's value, which goes in that class's table.
+    longest_first = sorted(PER_CLASS_KEYS, key=len, reverse=True)
+    per_class = next((k for k in longest_first if key.endswith("_" + k)), None)
+    if key in PER_CLASS_KEYS.values():
         short = next(k for k, v in PER_CLASS_KEYS.items() if v == key)
         hint = f" (set it per class: [classes.NAME] {short} = ...)"
+    elif per_class is not None and key == name:
+        cls = key.removesuffix("_" + per_class)
+        hint = f" (per-class values go in the class's table: [classes.{cls}] {per_class} = ...)"
     else:
         names = list(known)
         close = difflib.get_close_matches(name, names, n=1)
@@ -132,7 +133,6 @@ def _read_classes(out: FileValues, tables: Any) -> None:
 #: Values shown, commented out, for settings whose default is "none" or empty.
 EXAMPLES: dict[str, Any] = {
     "metrics_port": 9090,
-    "metrics_host": "0.0.0.0",
     "tenants_file": "tenants.toml",
     "tenant_header": "x-tenant-id",
     "tenant_requests_per_minute": 600,
@@ -237,8 +237,6 @@ def _class_example(key: str, target: str, cls: str, position: int) -> Any:
     fields = ShimSettings.model_fields
     if key in ("max_queue", "max_queue_wait"):
         return fields[key].default
-    if key == "priority":
-        return position
     if target in _CLASS_EXAMPLES:
         examples = _CLASS_EXAMPLES[target]
         return examples[min(position, len(examples) - 1)]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.values import CLASS_ALIASES, ENV_PREFIX, env_name, flag_name
+from llm_backoff_shim.serve.config.values import ENV_PREFIX, env_name, flag_name
 
 #: The groups of ``--help``: the settings most deployments set.
 COMMON: dict[str, tuple[str, ...]] = {
@@ -29,36 +29,16 @@ COMMON: dict[str, tuple[str, ...]] = {
     "queue wait": ("max_queue_wait", "class_max_queue_wait"),
     "classes": ("classes", "default_class", "reserved_share", "min_share"),
     "rejections": ("reject_status", "retry_after_min", "retry_after_max"),
-    "metrics": ("metrics_port", "metrics_host"),
+    "metrics": ("metrics_port",),
 }
 
 #: The groups of ``--help-all``: every field of :class:`ShimSettings`, once.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "upstream": (
-        "upstream",
-        "upstream_connect_timeout",
-        "upstream_read_timeout",
-        "upstream_stream_read_timeout",
-        "upstream_keepalive",
-        "ready_path",
-    ),
+    "upstream": ("upstream", "upstream_read_timeout"),
     "listen address": ("host", "port", "http_path", "trusted_proxies"),
-    "client limits": ("max_body_bytes", "body_read_timeout", "header_read_timeout", "max_header_bytes"),
-    "concurrency": (
-        "max_concurrency",
-        "max_inflight_tokens",
-        "adaptive_concurrency",
-        "min_concurrency",
-    ),
-    "engine metrics": (
-        "engine_metrics",
-        "engine_metrics_path",
-        "engine_poll_interval",
-        "engine_max_waiting",
-        "engine_max_kv_cache",
-        "engine_stale_after",
-    ),
-    "queue": ("max_queue", "class_max_queue", "returning_first", "returning_share", "refuse_from_head"),
+    "client limits": ("max_body_bytes", "body_read_timeout"),
+    "concurrency": ("max_concurrency", "max_inflight_tokens", "adaptive_concurrency", "engine_metrics"),
+    "queue": ("max_queue", "class_max_queue", "returning_first"),
     "queue wait": ("max_queue_wait", "class_max_queue_wait"),
     "classes": (
         "classes",
@@ -66,16 +46,14 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "reserved_share",
         "min_share",
         "forward_priority",
-        "class_priority",
     ),
-    "queue-time SLO": ("ttft_slo", "slo_yellow_fraction", "slo_trend_window"),
+    "queue-time SLO": ("ttft_slo",),
     "rejections": (
         "reject_status",
         "retry_after_min",
         "retry_after_max",
         "initial_service_time",
         "fleet_retry_after",
-        "request_start_header",
     ),
     "tenants": (
         "tenants_file",
@@ -85,8 +63,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "redis_url",
     ),
     "authentication": ("api_key", "api_keys_file", "allow_operator_route"),
-    "metrics and logs": ("metrics_port", "metrics_host", "log_level", "log_format", "access_log"),
-    "aliases (one class's entry of a per-class setting)": tuple(CLASS_ALIASES),
+    "metrics and logs": ("metrics_port", "log_level", "log_format", "access_log"),
 }
 
 #: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).

@@ -18,7 +18,6 @@ and the example file print.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -55,7 +54,8 @@ class ShimSettings(BaseSettings):
     Field names are the keys of the ``--config`` file.
     """
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+    # A number field refuses inf and nan (as SimConfig does).
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True, allow_inf_nan=False)
 
     upstream: AnyHttpUrl = Field(
         default=AnyHttpUrl("http://127.0.0.1:8000"),
@@ -67,7 +67,8 @@ class ShimSettings(BaseSettings):
         default=None,
         ge=1,
         le=65535,
-        description="serve /metrics and /shim/state on this port instead of the main one (/health too)",
+        description="serve /metrics and /shim/state on this port of --host instead of the main one "
+        "(/health too); firewall it apart from the proxy's port",
     )
     max_concurrency: int = Field(
         default=8, ge=1, le=100_000, description="most generation requests in flight upstream at once"
@@ -99,29 +100,11 @@ class ShimSettings(BaseSettings):
         )
     )
     class_max_queue_wait: Annotated[
-        dict[str, Annotated[float, NotBool, Field(gt=0, le=86_400, allow_inf_nan=False)]], NoDecode
+        dict[str, Annotated[float, NotBool, Field(gt=0, le=86_400)]], NoDecode
     ] = Field(
         default={},
         description="queue wait per class in seconds (class=seconds,...); a class not named uses "
         "--max-queue-wait",
-    )
-    interactive_max_queue: int | None = Field(
-        default=None,
-        ge=0,
-        le=1_000_000,
-        description="alias of --class-max-queue interactive=N",
-    )
-    batch_max_queue: int | None = Field(
-        default=None, ge=0, le=1_000_000, description="alias of --class-max-queue batch=N"
-    )
-    interactive_max_queue_wait: float | None = Field(
-        default=None,
-        gt=0,
-        le=86_400,
-        description="alias of --class-max-queue-wait interactive=SECONDS",
-    )
-    batch_max_queue_wait: float | None = Field(
-        default=None, gt=0, le=86_400, description="alias of --class-max-queue-wait batch=SECONDS"
     )
     classes: Annotated[tuple[str, ...], NoDecode] = Field(
         default=DEFAULT_CLASSES,
@@ -147,21 +130,10 @@ class ShimSettings(BaseSettings):
         description="time-to-first-token budget per class in seconds (e.g. interactive=2,batch=60); "
         "turns on queue-time SLO shedding for the classes named",
     )
-    slo_yellow_fraction: float = Field(
-        default=0.4, gt=0, lt=1, description="estimated wait / budget above which a growing queue is YELLOW"
-    )
-    slo_trend_window: float = Field(
-        default=1.0, gt=0, le=600, description="seconds over which 'the wait keeps growing' is judged"
-    )
     forward_priority: bool = Field(
         default=False,
-        description="set vLLM's 'priority' request field from the class (upstream runs "
-        "--scheduling-policy priority)",
-    )
-    class_priority: Annotated[dict[str, Annotated[int, NotBool]], NoDecode] = Field(
-        default={},
-        description="vLLM priority per class, lower is served first (default: the class's position "
-        "in --classes, 0 for the first)",
+        description="set vLLM's 'priority' request field from the class: its position in --classes, "
+        "0 for the first (upstream runs --scheduling-policy priority)",
     )
     tenants_file: Path | None = Field(
         default=None,
@@ -183,14 +155,6 @@ class ShimSettings(BaseSettings):
         pattern=r"^(redis|rediss|unix)://",
         description="keep tenant buckets in this Redis so several shims enforce one quota",
     )
-    request_start_header: bool = Field(
-        default=True,
-        description=(
-            "count a caller's x-request-timeout-ms from the X-Request-Start its load balancer "
-            "stamped (nginx $msec, HAProxy date(0,ms)) rather than from the shim's arrival, so "
-            "the time a call spent at other replicas counts against its budget"
-        ),
-    )
     fleet_retry_after: bool = Field(
         default=False,
         description=(
@@ -201,33 +165,14 @@ class ShimSettings(BaseSettings):
     )
     engine_metrics: bool = Field(
         default=False,
-        description="scrape the upstream's /metrics and admit nothing new while the engine is saturated",
-    )
-    engine_metrics_path: str = Field(
-        default="/metrics", pattern=r"^/", description="upstream path of the Prometheus metrics"
-    )
-    engine_poll_interval: float = Field(
-        default=0.25, gt=0, le=60, description="seconds between scrapes of the upstream's metrics"
-    )
-    engine_max_waiting: int = Field(
-        default=0, ge=0, description="saturated when the engine reports more waiting requests than this"
-    )
-    engine_max_kv_cache: float = Field(
-        default=0.95, gt=0, le=1, description="saturated when the engine's KV-cache usage (0..1) reaches this"
-    )
-    engine_stale_after: float = Field(
-        default=2.0,
-        gt=0,
-        le=600,
-        description="engine metrics older than this many seconds are ignored (the concurrency cap rules)",
+        description="scrape the upstream's /metrics every 0.25 s and admit nothing new while the engine is "
+        "saturated: a request waiting in it, or its KV-cache usage at 0.95 (docs/shim.md, engine-aware "
+        "admission)",
     )
     adaptive_concurrency: bool = Field(
         default=False,
         description="adapt the concurrency limit to measured time to first byte (gradient), between "
-        "--min-concurrency and --max-concurrency",
-    )
-    min_concurrency: int = Field(
-        default=1, ge=1, le=100_000, description="lower bound of the adaptive concurrency limit"
+        "1 and --max-concurrency",
     )
     reject_status: int = Field(default=429, description="HTTP status of admission rejections: 429 or 503")
     retry_after_min: float = Field(
@@ -241,49 +186,19 @@ class ShimSettings(BaseSettings):
         description="serve retries (x-stainless-retry-count >= 1 with an x-request-timeout-ms budget) "
         "before fresh requests of their class, and keep queue places for callers told to come back",
     )
-    refuse_from_head: bool = Field(
-        default=True,
-        description="answer a generation request that can only be refused (every slot taken, no queue "
-        "place) from its head, before its body is read (a quarter less CPU per refusal)",
-    )
-    returning_share: float = Field(
-        default=0.25,
-        ge=0,
-        le=1,
-        description="at most this fraction of --max-queue is kept for returning callers while returns "
-        "are promised",
-    )
     initial_service_time: float = Field(
         default=1.0,
         gt=0,
         le=3_600,
         description="assumed seconds per request until the first completion is measured (Retry-After prior)",
     )
-    upstream_connect_timeout: float = Field(
-        default=5.0, gt=0, le=600, description="seconds to open a connection to the upstream"
-    )
     upstream_read_timeout: float = Field(
         default=600.0,
         gt=0,
         le=86_400,
-        description="seconds the upstream may stay silent mid-response (prefill of a long prompt included)",
-    )
-    upstream_stream_read_timeout: float = Field(
-        default=60.0,
-        gt=0,
-        le=86_400,
-        description="seconds an event stream may stay silent between events once its first one has come "
-        "(before it, --upstream-read-timeout); a stalled engine then frees its slot in a minute",
-    )
-    upstream_keepalive: float = Field(
-        default=4.0,
-        gt=0,
-        le=3_600,
-        description="seconds an idle pooled upstream connection is kept; keep it below the upstream's "
-        "own idle timeout (uvicorn/vLLM: 5 s)",
-    )
-    ready_path: str = Field(
-        default="/health", pattern=r"^/", description="upstream path probed by GET /ready (vLLM: /health)"
+        description="seconds the upstream may stay silent before its answer's head and within a "
+        "non-streaming answer (prefill of a long prompt included); an event stream, once its first event "
+        "has come, may stay silent a minute",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         default="info", description="log level of the shim and uvicorn (request lines are info)"
@@ -297,12 +212,6 @@ class ShimSettings(BaseSettings):
         description="log one line per /v1/ request to stdout (class, outcome, status, timings; never "
         "keys or prompts)",
     )
-    metrics_host: str | None = Field(
-        default=None,
-        min_length=1,
-        description="address of the --metrics-port listener (default: --host); with --metrics-port set, "
-        "/metrics and /shim/state are served only there",
-    )
     max_body_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1, le=1024**3, description="largest request body; larger ones get a 413"
     )
@@ -311,18 +220,6 @@ class ShimSettings(BaseSettings):
         gt=0,
         le=3_600,
         description="seconds a client may take to send a request body (408 after)",
-    )
-    header_read_timeout: float = Field(
-        default=10.0,
-        gt=0,
-        le=3_600,
-        description="seconds a client may take to send a request line and headers (408 after)",
-    )
-    max_header_bytes: int = Field(
-        default=64 * 1024,
-        ge=1024,
-        le=16 * 1024 * 1024,
-        description="largest request line + headers; larger ones get a 431",
     )
     http_path: Literal["auto", "fast", "public"] = Field(
         default="auto",
@@ -400,32 +297,6 @@ class ShimSettings(BaseSettings):
             raise ValueError("must be 429 or 503")
         return value
 
-    @field_validator(
-        "max_queue_wait",
-        "retry_after_min",
-        "retry_after_max",
-        "initial_service_time",
-        "returning_share",
-        "upstream_connect_timeout",
-        "upstream_read_timeout",
-        "upstream_stream_read_timeout",
-        "upstream_keepalive",
-        "interactive_max_queue_wait",
-        "batch_max_queue_wait",
-        "slo_yellow_fraction",
-        "slo_trend_window",
-        "tenant_requests_per_minute",
-        "tenant_tokens_per_minute",
-        "engine_poll_interval",
-        "engine_max_kv_cache",
-        "engine_stale_after",
-    )
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be a finite number")
-        return value
-
     @field_validator("trusted_proxies", mode="before")
     @classmethod
     def _address_list(cls, value: Any) -> Any:
@@ -472,11 +343,6 @@ class ShimSettings(BaseSettings):
                 raise ValueError(f"{name} names unknown classes {unknown}; classes are {list(self.classes)}")
         if sum(self.reserved_share.values()) > 1.0:
             raise ValueError("reserved_share adds up to more than 1")
-        if self.min_concurrency > self.max_concurrency:
-            raise ValueError(
-                f"min_concurrency ({self.min_concurrency}) must be <= "
-                f"max_concurrency ({self.max_concurrency})"
-            )
         if self.tenants_file is not None:
             # Imported here: tenants imports this module's parse helpers.
             from llm_backoff_shim.decide.tenants import TenantsFileError, load_tenants_file
@@ -493,26 +359,16 @@ class ShimSettings(BaseSettings):
         return str(self.upstream).rstrip("/")
 
     def class_limits(self) -> dict[str, ClassLimits]:
-        """Queue bound and wait per class, highest priority first.
-
-        A class's entry in ``class_max_queue`` / ``class_max_queue_wait`` wins, then the
-        alias fields (``interactive_max_queue`` ...), then the shared ``max_queue`` /
-        ``max_queue_wait``.
-        """
-        aliases = {
-            "interactive": (self.interactive_max_queue, self.interactive_max_queue_wait),
-            "batch": (self.batch_max_queue, self.batch_max_queue_wait),
-        }
-        limits = {}
-        for name in self.classes:
-            queue, wait = aliases.get(name, (None, None))
-            queue = self.class_max_queue.get(name, queue)
-            wait = self.class_max_queue_wait.get(name, wait)
-            limits[name] = ClassLimits(
-                max_queue=self.max_queue if queue is None else queue,
-                max_queue_wait=self.max_queue_wait if wait is None else wait,
+        """Queue bound and wait per class, highest priority first: the class's entry in
+        ``class_max_queue`` / ``class_max_queue_wait``, else the shared ``max_queue`` /
+        ``max_queue_wait``."""
+        return {
+            name: ClassLimits(
+                max_queue=self.class_max_queue.get(name, self.max_queue),
+                max_queue_wait=self.class_max_queue_wait.get(name, self.max_queue_wait),
             )
-        return limits
+            for name in self.classes
+        }
 
     def intake_settings(self) -> IntakeSettings:
         """The intake's slice (slices.py)."""
@@ -521,7 +377,6 @@ class ShimSettings(BaseSettings):
             api_keys=self.api_keys(),
             max_body_bytes=self.max_body_bytes,
             body_read_timeout=self.body_read_timeout,
-            request_start_header=self.request_start_header,
         )
 
     def gate_settings(self) -> GateSettings:
@@ -532,5 +387,6 @@ class ShimSettings(BaseSettings):
         )
 
     def vllm_priority(self) -> dict[str, int]:
-        """The ``priority`` each class sends to vLLM (lower is served first)."""
-        return {name: self.class_priority.get(name, index) for index, name in enumerate(self.classes)}
+        """The ``priority`` each class sends to vLLM (lower is served first): its position in
+        ``classes``, which is the shim's own order of the classes."""
+        return {name: index for index, name in enumerate(self.classes)}

@@ -16,14 +16,12 @@ from llm_backoff_shim.serve.api.auth import ApiKeys
 @dataclass(frozen=True)
 class IntakeSettings:
     """What the intake (request_path/intake.py) checks against: the operator routes allowed,
-    the API keys, the body's size and time limits, and whether a budget counts from the load
-    balancer's ``X-Request-Start``."""
+    the API keys, and the body's size and time limits."""
 
     allow_operator_route: tuple[str, ...]
     api_keys: ApiKeys
     max_body_bytes: int
     body_read_timeout: float | None
-    request_start_header: bool
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,6 @@ A setting takes the value of the highest source that gives it. A per-class setti
 (:data:`PER_CLASS_KEYS`) is merged class by class: ``--class-max-queue batch=64`` over
 a file's ``[classes.interactive] max_queue = 8`` keeps both entries. The built-in
 default of a per-class setting applies only when no source names any class for it.
-The single-class aliases (``--batch-max-queue``, ``LLM_BACKOFF_SHIM_BATCH_MAX_QUEUE``)
-are that source's entry of the per-class map.
 
 All values reach the model together, so cross-field checks see the final values, and a
 refused value is reported with where it came from: ``--max-queue=-1: ...``,
@@ -24,7 +22,6 @@ from llm_backoff_shim.serve.config.file import FileValues, read_config_file
 from llm_backoff_shim.serve.config.flags import PROG, REPEATABLE, build_parser
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.values import (
-    CLASS_ALIASES,
     ENV_PREFIX,
     PER_CLASS_KEYS,
     ConfigError,
@@ -88,8 +85,6 @@ def settings_from(flags: Mapping[str, str], env: Mapping[str, str], file: FileVa
     _layer(merged, origins, *_strings(flags, "flag"))
     _check_file_classes(merged, origins, file)
     _default_entries_of_the_classes(merged)
-    # The aliases were folded into the maps; None keeps pydantic-settings from reading them again.
-    merged.update(dict.fromkeys(CLASS_ALIASES))
     try:
         return ShimSettings(**merged)
     except ValidationError as exc:
@@ -97,7 +92,7 @@ def settings_from(flags: Mapping[str, str], env: Mapping[str, str], file: FileVa
 
 
 def _strings(values: Mapping[str, str], kind: Kind) -> tuple[dict[str, Any], Origins]:
-    """Flag or variable strings as layer values: maps parsed, aliases made map entries."""
+    """Flag or variable strings as layer values, the per-class maps parsed."""
     out: dict[str, Any] = {}
     origins: Origins = {}
 
@@ -105,11 +100,7 @@ def _strings(values: Mapping[str, str], kind: Kind) -> tuple[dict[str, Any], Ori
         return flag_name(name) if kind == "flag" else env_name(name)
 
     for name, text in values.items():
-        if name in CLASS_ALIASES:
-            target, cls = CLASS_ALIASES[name]
-            out.setdefault(target, {}).setdefault(cls, text)
-            origins.setdefault((target, cls), (kind, label(name)))
-        elif name in _MAPS:
+        if name in _MAPS:
             try:
                 entries = parse_class_map(text)
             except ValueError as exc:

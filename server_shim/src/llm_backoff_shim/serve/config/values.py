@@ -32,15 +32,6 @@ PER_CLASS_KEYS: dict[str, str] = {
     "reserved_share": "reserved_share",
     "min_share": "min_share",
     "ttft_slo": "ttft_slo",
-    "priority": "class_priority",
-}
-
-#: Single-class fields kept as aliases of one map entry: field -> (map field, class).
-CLASS_ALIASES: dict[str, tuple[str, str]] = {
-    "interactive_max_queue": ("class_max_queue", "interactive"),
-    "batch_max_queue": ("class_max_queue", "batch"),
-    "interactive_max_queue_wait": ("class_max_queue_wait", "interactive"),
-    "batch_max_queue_wait": ("class_max_queue_wait", "batch"),
 }
 
 

@@ -15,7 +15,7 @@ Choices, where the protocol leaves room:
 
 - API keys are checked for every ``/v1/`` path (before queueing); ``/health``,
   ``/ready`` and ``/metrics`` stay open (orchestrators probe them; bind them
-  elsewhere with ``--metrics-port``/``--metrics-host``).
+  on another port with ``--metrics-port``).
 - Generation bodies must be a JSON object. A missing ``Content-Type`` is accepted
   (vLLM's FastAPI does the same); any other non-JSON media type is a 415.
 - The body limit is enforced on the declared ``Content-Length`` before reading, and
@@ -29,7 +29,8 @@ Choices, where the protocol leaves room:
   that the load balancer then sends to another replica arrives there with what is left of
   its budget, not all of it (without it, such calls queued again for a whole wait, and
   callers were refused later than they could use: docs/deploy.md, "A fleet"). Unreadable or
-  implausible stamps are ignored; a caller can only shorten its own budget with one.
+  implausible stamps are ignored; a caller can only shorten its own budget with one, so the
+  stamp is believed from any peer.
 """
 
 from __future__ import annotations
@@ -303,12 +304,9 @@ class Intake:
         controller: AdmissionController,
         max_body_bytes: int,
         body_timeout: float | None = None,
-        request_start: bool = True,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.routes = routes
-        # Count a caller's budget from the load balancer's X-Request-Start (module docstring).
-        self.request_start = request_start
         self.wall = wall
         self.api_keys = api_keys
         self.hooks = hooks
@@ -331,7 +329,6 @@ class Intake:
             controller=controller,
             max_body_bytes=settings.max_body_bytes,
             body_timeout=settings.body_read_timeout,
-            request_start=settings.request_start_header,
         )
 
     def head(self, method: str, path: str, headers: RawHeaders) -> Head | Refusal:
@@ -413,7 +410,8 @@ class Intake:
             return client_error(
                 f"invalid {name} header: {exc}", param=name, code="invalid_header", reason="invalid_header"
             )
-        if budget is not None and self.request_start:
+        # A budget counts from the load balancer's X-Request-Start (module docstring).
+        if budget is not None:
             start = parse_request_start(_text_header(headers, b"x-request-start"))
             if start is not None:
                 budget = max(0.0, budget - waited_since(start, self.wall()))
