@@ -48,12 +48,15 @@ from typing import Any
 import openai
 
 from llm_backoff_shim.lab import calibrate
-from llm_backoff_shim.lab.calibrate_driver import Driver, streaming_http_client
-from llm_backoff_shim.lab.calibrate_history import HISTORY_NAME
-from llm_backoff_shim.lab.calibrate_loop import ClosedLoop, measure_level
-from llm_backoff_shim.lab.calibrate_ramp import CalibrateConfig
-from llm_backoff_shim.lab.calibrate_samples import summarize
-from llm_backoff_shim.lab.knee import KneeRule, StepStats, Verdict, judge_level
+from llm_backoff_shim.lab.calibrate.measure import KneeRule, StepStats, Verdict, judge_level, summarize
+from llm_backoff_shim.lab.calibrate.report import HISTORY_NAME
+from llm_backoff_shim.lab.calibrate.run import (
+    CalibrateConfig,
+    ClosedLoop,
+    Driver,
+    measure_level,
+    streaming_http_client,
+)
 from llm_backoff_shim.lab.procs import shim_server, sim_server
 
 FAST_ENGINE = [
