@@ -86,8 +86,8 @@ MAX_MODEL_LEN = 4096
 QUEUED_REQS = 2 * SLOTS
 #: What clients send as ``max_tokens`` (None: nothing), drawn per call.
 SENT_MAX_TOKENS: tuple[int | None, ...] = (4096, None)
-#: The simulator's flags fitted to the CPU vLLM (docs/real-vllm.md: bench/real_vllm/probe.py's
-#: prefill and decode figures, then admit and attention times to closed-loop capacities).
+#: The simulator's flags fitted to the CPU vLLM (docs/real-vllm.md: its prefill and decode costs
+#: probed alone, then admit and attention times fitted to closed-loop capacities).
 FITTED_ENGINE_FLAGS = (
     "--max-num-seqs 8 --ttft 0.018 --itl 0.0056 --itl-batch-factor 0.01 --prefill-time-per-token 0.000025 "
     "--prefill-attention-time 0.000085 --admit-time 0.06 --decode-attention-time 0.0005 "
