@@ -15,8 +15,8 @@ with a 5 s TTFT budget, 20 s deadline), each arm on fresh servers:
   shipped configuration (:class:`llm_backoff_shim.lab.fleet.Fleet`), facing the whole trace.
 
 Callers: plain openai and the SDK's presets. The simulator is the demo's engine (8 slots) at
-``--itl`` s per token, sized so that everything stays inside 2 cores; the CPU of each part is
-sampled every second and a cell whose load generator or machine ran near its limit is flagged.
+``--itl`` s per token, sized so that everything stays inside 2 cores (each cell prints the
+machine's load average when it starts).
 Shim flags: the demo's sizing (``demo.shim_flags``). Writes ``fleet[-quick]-seedN.{png,json,md}``
 into ``--out``.
 
@@ -38,10 +38,8 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -49,7 +47,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _harness import cpu_seconds
 from bench_admission_model import Job, job, schedule
 from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
 from llm_backoff_shim.lab.figures import figures
@@ -66,6 +63,7 @@ from llm_backoff_shim.lab.procs import (
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
 from llm_backoff_shim.serve.observe.access_log import json_records
+from real_vllm.measures import QUEUED_REFUSAL
 from real_vllm.mix import chat_scenario
 
 # -- the figures (pure: records in, numbers out) ---------------------------------------------
@@ -246,10 +244,6 @@ def refused_with_room(
     return RefusalsWithRoom(refused, with_room, dict(sorted(tries.items())))
 
 
-#: A refusal answered later than this came after a wait in the shim's queue, not at arrival.
-QUEUED_REFUSAL = 0.5
-
-
 @dataclass(frozen=True)
 class Requeued:
     """Load-balancer attempts sent on to another replica after a replica had queued them and
@@ -281,32 +275,12 @@ def requeued_after_wait(all_visits: Sequence[Visit]) -> Requeued:
     return Requeued(count, served, sorted(spans))
 
 
-__all__ = [
-    "ADMITTED",
-    "Occupancy",
-    "RefusalsWithRoom",
-    "Requeued",
-    "Visit",
-    "conservation",
-    "oracle_jobs",
-    "prompt_tokens",
-    "refused_with_room",
-    "requeued_after_wait",
-    "split_trace",
-    "visits",
-]
-
-
 # -- the run ----------------------------------------------------------------------------------
 
 REPLICAS = 3
 SLOTS = 8
 #: The shims' access logs, for the refusals a replica with room could have taken.
 LOG_FLAGS = ("--log-level", "info", "--log-format", "json")
-#: A cell whose load generator used more of a core than this (1 s samples, p90), or a machine
-#: busier than this many cores, is flagged: its latencies include the load generator's own lag.
-LOADGEN_LIMIT = 0.7
-MACHINE_LIMIT = 1.8
 
 
 @dataclass(frozen=True)
@@ -321,69 +295,6 @@ ARMS = {
 }
 TARGET_LABELS = {"single": "one replica", "nginx": "nginx fleet", "haproxy": "HAProxy fleet"}
 TARGETS = tuple(TARGET_LABELS)
-
-
-# -- CPU of the parts -----------------------------------------------------------------------------
-
-
-def _own_cpu() -> float:
-    """This process's user + system CPU (all threads, not its children)."""
-    t = os.times()
-    return t.user + t.system
-
-
-def _machine_busy() -> float:
-    """CPU-seconds the whole machine has been busy (``/proc/stat``; 0 where unreadable)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return 0.0
-    ticks = [int(f) for f in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuWatch:
-    """Samples, every second, the CPU of each part (a list of process ids, each with its
-    descendants), this load generator and the whole machine, in cores (1.0: one core busy)."""
-
-    def __init__(self, parts: dict[str, list[int]], every: float = 1.0) -> None:
-        self.parts = parts
-        self.every = every
-        self.series: dict[str, list[float]] = {name: [] for name in [*parts, "load generator", "machine"]}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
-
-    def _read(self) -> dict[str, float]:
-        now = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in self.parts.items()}
-        now["load generator"] = _own_cpu()
-        now["machine"] = _machine_busy()
-        return now
-
-    def _run(self) -> None:
-        last, t0 = self._read(), time.monotonic()
-        while not self._stop.wait(self.every):
-            now, t1 = self._read(), time.monotonic()
-            for name, value in now.items():
-                self.series[name].append(max(0.0, value - last[name]) / (t1 - t0))
-            last, t0 = now, t1
-
-    def __enter__(self) -> CpuWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict[str, tuple[float, float]]:
-        """Per part: (mean, p90) cores over the samples."""
-        out = {}
-        for name, values in self.series.items():
-            if values:
-                ordered = sorted(values)
-                out[name] = (statistics.fmean(values), ordered[int(0.9 * (len(ordered) - 1))])
-        return out
 
 
 # -- one cell ------------------------------------------------------------------------------------
@@ -413,7 +324,7 @@ class Cell:
     #: and how many of those were served there.
     requeued: int
     requeued_served: int
-    cpu: dict[str, tuple[float, float]]
+    load: float
     elapsed: float
     #: Replicas whose work the cell counts: the fleet's, or the thirds one replica ran in turn.
     replicas: int = 1
@@ -426,17 +337,6 @@ class Cell:
     def useful_fraction(self) -> float:
         return self.useful_tokens / self.ceiling if self.ceiling else 0.0
 
-    @property
-    def flagged(self) -> list[str]:
-        notes = []
-        loadgen = self.cpu.get("load generator")
-        if loadgen and loadgen[1] > LOADGEN_LIMIT:
-            notes.append(f"load generator at {loadgen[1]:.2f} cores (p90)")
-        machine = self.cpu.get("machine")
-        if machine and machine[1] > MACHINE_LIMIT:
-            notes.append(f"machine at {machine[1]:.2f} cores (p90): the parts waited for a CPU")
-        return notes
-
 
 @contextlib.contextmanager
 def single_replica(
@@ -448,11 +348,10 @@ def single_replica(
 
 @dataclass
 class Driven:
-    """One load run on fresh servers: the records, the shims' access logs, the CPU of the parts."""
+    """One load run on fresh servers: the records, the shims' access logs, the machine's load."""
 
     result: RunResult
     logs: list[str]
-    cpu: dict[str, tuple[float, float]]
     load: float
 
 
@@ -470,21 +369,12 @@ def drive(
     with contextlib.ExitStack() as stack:
         if target == "single":
             url, engines, shims, servers = stack.enter_context(single_replica(shape, [*flags, *LOG_FLAGS]))
-            parts = {
-                "engines": [s.pid for s in servers[:1] if s.pid],
-                "shims": [s.pid for s in servers[1:] if s.pid],
-            }
             logs = [lambda: servers[1].log_tail(50_000_000)]
         else:
             fleet = stack.enter_context(
                 Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS])
             )
             url, engines, shims = fleet.url, fleet.engine_urls, fleet.shim_urls
-            parts = {
-                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid],
-                "shims": [r.shim.pid for r in fleet.replicas if r.shim.pid],
-                "load balancer": [fleet.lb.pid] if fleet.lb is not None and fleet.lb.pid else [],
-            }
             logs = [(lambda i=i: fleet.shim_log(i, 50_000_000)) for i in range(replicas)]
         load = os.getloadavg()[0]
         label = f"{TARGET_LABELS[target]} / {arm.setup.label}"
@@ -503,11 +393,10 @@ def drive(
             start_deadline=False,
             token_capacity=token_capacity,
         )
-        with CpuWatch(parts) as watch:
-            result = run_load(run)
+        result = run_load(run)
         line.done()
         texts = [read() for read in logs]
-    return Driven(result, texts, watch.summary(), load)
+    return Driven(result, texts, load)
 
 
 def side_by_side(runs: Sequence[Driven]) -> RunResult:
@@ -551,11 +440,6 @@ def run_cell(
     oracle = sum(
         schedule(oracle_jobs(calls, shape, scen), replicas * shape.slots).useful_tokens for calls in traces
     )
-    cpu = {
-        part: (max(r.cpu[part][0] for r in runs), max(r.cpu[part][1] for r in runs))
-        for part in runs[0].cpu
-        if all(part in r.cpu for r in runs)
-    }
     cell = Cell(
         target=target,
         arm=arm.name,
@@ -575,7 +459,7 @@ def run_cell(
         refused_with_room=sum(r.with_room for r in rooms),
         requeued=sum(a.count for a in again),
         requeued_served=sum(a.served for a in again),
-        cpu=cpu,
+        load=max(r.load for r in runs),
         elapsed=result.elapsed,
         replicas=replicas if target != "single" else len(traces),
     )
@@ -599,8 +483,6 @@ def _ratio(value: float | None) -> str:
 
 
 def cell_line(c: Cell) -> str:
-    cores = ", ".join(f"{name} {mean:.2f} (p90 {p90:.2f})" for name, (mean, p90) in c.cpu.items())
-    flags = f"  ** {'; '.join(c.flagged)}" if c.flagged else ""
     return (
         f"useful {c.useful_tokens} tokens ({_pct(c.useful_fraction)} of the ceiling, oracle "
         f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}), interactive "
@@ -608,7 +490,7 @@ def cell_line(c: Cell) -> str:
         f"{c.batch_ok}/{c.batch_calls}, refusal p50/p99 {_s(c.refusal_p50)}/{_s(c.refusal_p99)}, "
         f"wasted {_pct(c.wasted_share)}, {c.refused_with_room}/{c.refused_calls} refused with a replica "
         f"free, {c.requeued} sent on after a queue wait ({c.requeued_served} then served); "
-        f"{c.elapsed:.0f} s\n  cores: {cores}{flags}"
+        f"{c.elapsed:.0f} s"
     )
 
 
@@ -649,9 +531,6 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
                     f"{c.refused_with_room}/{c.refused_calls}",
                     f"{c.requeued} ({c.requeued_served})",
                     _pct(c.wasted_share),
-                    " / ".join(
-                        f"{c.cpu.get(part, (0.0, 0.0))[1]:.2f}" for part in ("load generator", "machine")
-                    ),
                 ]
             )
     return rows
@@ -669,7 +548,6 @@ HEADER = [
     "refused with a replica free",
     "sent on after a queue wait (then served)",
     "engine tokens wasted",
-    "cores p90: loadgen / machine",
 ]
 
 
@@ -690,7 +568,7 @@ def save_plot(
     import matplotlib.pyplot as plt
 
     arms = list(dict.fromkeys(c.arm for c in cells))
-    fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.6))
     colours = {"single": "tab:grey", "nginx": "tab:green", "haproxy": "tab:blue"}
     panels = (
         ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
@@ -729,24 +607,6 @@ def save_plot(
     busy.set_title("requests running in each engine (presets)", fontsize=10)
     busy.set_xlabel("s")
     busy.legend(fontsize=6)
-    cpu = axes.flat[5]
-    names = ["load generator", "shims", "engines", "load balancer", "machine"]
-    for k, target in enumerate(TARGETS):
-        c = next((c for c in cells if c.target == target and c.arm == arms[-1]), None)
-        if c is None:
-            continue
-        cpu.bar(
-            [i + (k - 1) * width for i in range(len(names))],
-            [c.cpu.get(n, (0.0, 0.0))[1] for n in names],
-            width,
-            color=colours[target],
-            label=TARGET_LABELS[target],
-        )
-    cpu.set_xticks(range(len(names)))
-    cpu.set_xticklabels(names, fontsize=8)
-    cpu.set_title(f"cores used, p90 of 1 s samples ({ARMS[arms[-1]].setup.label})", fontsize=10)
-    cpu.axhline(2.0, color="black", linewidth=0.5)
-    cpu.legend(fontsize=8)
     fig.suptitle(textwrap.fill(title, 190), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -826,9 +686,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(one replica: {len(single_calls)})"
     )
     print("\n" + head + "\n\n" + markdown(rows))
-    flagged = [f"{TARGET_LABELS[c.target]} / {c.arm}: {'; '.join(c.flagged)}" for c in cells if c.flagged]
-    if flagged:
-        print("\nflagged (latencies include time spent waiting for a CPU):\n  " + "\n  ".join(flagged))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"fleet{'-quick' if args.quick else ''}-seed{args.seed}"
     png = save_plot(cells, timeline, args.out / f"{stem}.png", head)
