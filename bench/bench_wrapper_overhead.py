@@ -3,9 +3,7 @@
 Both clients talk to the same in-process mock transport (no sockets), so what is
 measured is the client-side cost per call: openai's request building and response
 parsing, plus, for the wrapped client, the retry transport (body replay, deadline
-stamping, JSON buffering, attempt record) and the error-annotation hook. A third
-row times a plain httpx/httpx2 client with and without the retry transport: the
-cost of our layer alone, against a much cheaper baseline.
+stamping, JSON buffering, attempt record) and the error-annotation hook.
 
 Rounds interleave bare and wrapped (order alternating) so machine noise hits both
 alike; each round runs ``--calls`` consecutive calls per client, as an application
@@ -91,23 +89,6 @@ def async_pair() -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
 
 
 CLOCK: Callable[[], float] = time.process_time
-
-
-def transport_pair() -> tuple[Any, Any]:
-    """The retry layer alone: a plain http client on the mock transport, with and without it."""
-    from llm_backoff import transport
-
-    retry_cls = transport.Httpx2RetryTransport if OPENAI3 else transport.HttpxRetryTransport
-    bare = http.Client(transport=http.MockTransport(handler), base_url="http://bench/v1")
-    wrapped = http.Client(transport=retry_cls(http.MockTransport(handler)), base_url="http://bench/v1")
-    return bare, wrapped
-
-
-def time_http(client: Any, calls: int) -> float:
-    start = CLOCK()
-    for _ in range(calls):
-        client.post("/chat/completions", content=b'{"model": "m"}').json()
-    return CLOCK() - start
 
 
 def time_sync(client: openai.OpenAI, calls: int) -> float:
@@ -268,15 +249,6 @@ def main() -> None:
         )
     finally:
         loop.close()
-
-    h_bare, h_wrapped = transport_pair()
-    results["http client only"] = run(
-        "http",
-        lambda: time_http(h_bare, args.calls),
-        lambda: time_http(h_wrapped, args.calls),
-        args.rounds,
-        args.calls,
-    )
 
     print()
     print(
