@@ -39,21 +39,16 @@ import getpass
 import json
 import os
 import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, cast
 
 import httptools
 import uvloop
 
-from llm_backoff_shim.lab.procs import free_port, is_healthy, terminate
-
-__all__ = ["Child", "cpu_seconds", "free_port", "nginx_argv", "nginx_config", "pin_prefix"]
+from llm_backoff_shim.lab.procs import ChildServer
 
 # -- child processes ----------------------------------------------------------------------------
 
@@ -112,69 +107,29 @@ def cpu_seconds(pid: int) -> float:
     return total / _TICKS
 
 
-class Child:
-    """A server process on 127.0.0.1:``port``; stopped with SIGTERM, then SIGKILL."""
+class Child(ChildServer):
+    """A server on 127.0.0.1 (:class:`~llm_backoff_shim.lab.procs.ChildServer`: a fresh port,
+    waited for on ``/health``, stopped with SIGTERM then SIGKILL), pinned to ``cpu``, in a
+    session of its own whose autogroup gets ``nice`` when allowed; its CPU time readable."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], port: int, *, cpu: int | None, nice: int | None = None
+        self, name: str, argv: Callable[[int], Sequence[str]], *, cpu: int | None, nice: int | None = None
     ) -> None:
-        self.name = name
+        super().__init__(name, lambda port: [*pin_prefix(cpu), *argv(port)], new_session=True)
         self.nice = nice
         self.boosted = False
-        self.port = port
-        self.argv = [*pin_prefix(cpu), *argv]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+    def launch(self) -> Child:
+        super().launch()
+        self.boosted = self.nice is not None and self.pid is not None and boost(self.pid, self.nice)
+        return self
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 20.0) -> Child:
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.boosted = self.nice is not None and boost(self.proc.pid, self.nice)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if is_healthy(f"http://{self.address}/health"):
-                return self
-            time.sleep(0.05)
-        tail = self.log_tail()
-        self.stop()
-        raise RuntimeError(f"{self.name} did not start ({' '.join(self.argv)}); its output:\n{tail}")
-
-    def log_tail(self, limit: int = 3000) -> str:
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")[-limit:]
+        return f"{self.host}:{self.port}"
 
     def cpu(self) -> float:
-        return cpu_seconds(self.pid)
-
-    def stop(self, grace: float = 5.0) -> None:
-        proc, self.proc = self.proc, None
-        terminate(proc, grace)
-
-    def __enter__(self) -> Child:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-        self._log.close()
+        return cpu_seconds(self.pid or 0)
 
 
 def nginx_config(workdir: Path, listen_port: int, upstream: str) -> Path:

@@ -42,11 +42,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import _harness as harness
+from llm_backoff_shim.lab.procs import cli_command
 
 HERE = Path(__file__).resolve().parent
 PROXY_CPU = 1
@@ -290,58 +291,36 @@ class Target:
 
 
 def _shim_argv(port: int, upstream: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "llm_backoff_shim.cli",
-        "serve",
-        "--upstream",
-        f"http://{upstream}",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-concurrency",
-        "1000",
-        "--max-queue",
-        "1000",
-        "--log-level",
-        "warning",
-    ]
+    flags = ["--max-concurrency", "1000", "--max-queue", "1000", "--log-level", "warning"]
+    return cli_command(
+        "serve", "--upstream", f"http://{upstream}", "--host", "127.0.0.1", "--port", str(port), *flags
+    )
+
+
+def _harness_argv(role: str, port: int, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / "_harness.py"), role, "--port", str(port), *args]
 
 
 @contextlib.contextmanager
 def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterator[dict[str, Target]]:
     """The fake engine and the proxies in ``wanted``, running until the block ends."""
-    up_port = harness.free_port()
-    upstream = harness.Child(
-        "fake engine",
-        [sys.executable, str(HERE / "_harness.py"), "upstream", "--port", str(up_port)],
-        up_port,
-        cpu=LOAD_CPU,
-        nice=nice,
-    )
     with contextlib.ExitStack() as stack:
+        upstream = harness.Child(
+            "fake engine", lambda port: _harness_argv("upstream", port), cpu=LOAD_CPU, nice=nice
+        )
         children = [stack.enter_context(upstream)]
-        targets = {"direct": Target("direct", upstream.address, None)}
-        if "shim" in wanted:
-            port = harness.free_port()
-            shim = harness.Child("shim", _shim_argv(port, upstream.address), port, cpu=PROXY_CPU, nice=nice)
-            children.append(stack.enter_context(shim))
-            targets["shim"] = Target("shim", shim.address, shim.cpu)
-        if "nginx" in wanted:
-            port = harness.free_port()
-            config = harness.nginx_config(workdir, port, upstream.address)
-            nginx = harness.Child("nginx", harness.nginx_argv(config), port, cpu=PROXY_CPU, nice=nice)
-            children.append(stack.enter_context(nginx))
-            targets["nginx"] = Target("nginx", nginx.address, nginx.cpu)
-        if "relay" in wanted:
-            port = harness.free_port()
-            argv = [sys.executable, str(HERE / "_harness.py"), "relay", "--port", str(port)]
-            argv += ["--upstream", f"http://{upstream.address}"]
-            relay = harness.Child("reference relay", argv, port, cpu=PROXY_CPU, nice=nice)
-            children.append(stack.enter_context(relay))
-            targets["relay"] = Target("relay", relay.address, relay.cpu)
+        up = upstream.address
+        argvs: dict[str, Callable[[int], Sequence[str]]] = {
+            "shim": lambda port: _shim_argv(port, up),
+            "nginx": lambda port: harness.nginx_argv(harness.nginx_config(workdir, port, up)),
+            "relay": lambda port: _harness_argv("relay", port, "--upstream", f"http://{up}"),
+        }
+        targets = {"direct": Target("direct", up, None)}
+        for name in PROXIES:
+            if name in wanted:
+                child = stack.enter_context(harness.Child(name, argvs[name], cpu=PROXY_CPU, nice=nice))
+                children.append(child)
+                targets[name] = Target(name, child.address, child.cpu)
         if nice is not None and not all(child.boosted for child in children):
             print(f"note: could not set nice {nice} (not root?): figures will be noisier", flush=True)
         yield targets
@@ -456,13 +435,6 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
     for conns in CONCURRENCIES:
         for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
             row(
-                f"latency {label} at {conns} conc. (ms)",
-                {t: _http(results, t, conns, attr) for t in targets},
-                ".3f",
-            )
-    for conns in CONCURRENCIES:
-        for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
-            row(
                 f"added {label} at {conns} conc. (ms)",
                 {t: _added(results, t, conns, attr) for t in proxies},
                 ".3f",
@@ -479,19 +451,9 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
         {t: _sse(results, t, "max", "events_per_s") for t in targets},
         ",.0f",
     )
-    row(
-        "  events per read at the client",
-        {t: _sse(results, t, "max", "events_per_read") for t in targets},
-        ".1f",
-    )
     row("  proxy cores used", {t: _sse(results, t, "max", "cores") for t in proxies}, ".2f")
     row(
         "  proxy CPU per event (µs)", {t: _sse(results, t, "max", "cpu_us_per_event") for t in proxies}, ".1f"
-    )
-    row(
-        "  events/s one core could relay (1 / CPU per event)",
-        {t: 1e6 / _sse(results, t, "max", "cpu_us_per_event") for t in proxies},
-        ",.0f",
     )
     row(
         "SSE events/s, 64 streams at 200 tokens/s",
@@ -531,7 +493,6 @@ def main() -> int:
     parser.add_argument(
         "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write every run's raw figures here")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (2.0 if args.quick else 4.0)
@@ -550,12 +511,6 @@ def main() -> int:
     print()
     print(report(results, args.targets))
     print(f"\n(took {time.monotonic() - started:.0f} s)")
-    if args.json is not None:
-        args.json.write_text(
-            json.dumps(
-                {"http": [vars(r) for r in results.http], "sse": [vars(s) for s in results.sse]}, indent=1
-            )
-        )
     return 0
 
 
