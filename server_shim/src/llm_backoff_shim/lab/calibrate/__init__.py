@@ -25,9 +25,11 @@ Calibrate is one package, one concept a module:
   loop and its requests, the engine's gauges;
 - :mod:`~llm_backoff_shim.lab.calibrate.measure`: what is measured and concluded (pure): a
   level's samples, a request's cost, the knee rule and the recommendation;
-- :mod:`~llm_backoff_shim.lab.calibrate.report`: what it leaves behind: the table, JSON and PNG
-  (the PNG needs the ``lab`` extra, matplotlib: without it the rest is printed and the PNG
-  skipped, with a line saying which extra to install), and the runs kept in ``--out``.
+- :mod:`~llm_backoff_shim.lab.calibrate.report`: what it prints and draws: the table, the serve
+  command, JSON and PNG (the PNG needs the ``lab`` extra, matplotlib: without it the rest is
+  printed and the PNG skipped, with a line saying which extra to install);
+- :mod:`~llm_backoff_shim.lab.calibrate.history`: the runs kept in ``--out``, and the
+  confidence earned across them.
 
 Exit status: 0 with a recommendation, 1 without one (SLO unmet at every level, or the
 upstream unusable), 2 on bad flags.
@@ -51,20 +53,9 @@ from typing import TextIO
 
 from ..extra import MissingLabExtraError
 from ..workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
+from .history import HISTORY_NAME, RunRecord, across_runs, append, load, previous
 from .measure import BATCH_QUEUE_WAIT
-from .report import (
-    HISTORY_NAME,
-    RunRecord,
-    across_runs,
-    append,
-    duration_text,
-    load,
-    plot,
-    previous,
-    recommended_config,
-    render_text,
-    to_json,
-)
+from .report import plot, recommended_config, render_text, to_json
 from .run import (
     DEFAULT_LONG_PROMPT_WORDS,
     DEFAULT_TPOT_SLO,
@@ -74,6 +65,7 @@ from .run import (
     CalibrateError,
     Outcome,
     api_base,
+    duration_text,
     run_ramp,
 )
 
@@ -444,7 +436,7 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
 
 def _judge_across_runs(outcome: Outcome, err: TextIO) -> None:
     """Set the confidence from this run and the previous one of the same setup in ``--out``
-    (:mod:`~llm_backoff_shim.lab.calibrate.report`), and keep this run there for the next."""
+    (:mod:`~llm_backoff_shim.lab.calibrate.history`), and keep this run there for the next."""
     rec = outcome.recommendation
     knee = outcome.knee
     if rec is None or knee.level is None:

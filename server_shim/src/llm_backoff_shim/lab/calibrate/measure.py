@@ -59,7 +59,7 @@ not the whole request's latency, which mostly follows how long the answer is. So
    it does not count: whichever of the two is the knee, the recommendation moves by less.
    This is one run's own verdict: every repeat of a run can agree with itself while a second
    run picks another level. ``calibrate`` earns the confidence it prints across runs
-   (:mod:`llm_backoff_shim.lab.calibrate.report`: ``high`` only when two runs agree within
+   (:mod:`llm_backoff_shim.lab.calibrate.history`: ``high`` only when two runs agree within
    :data:`REPRODUCIBLE`).
 
 The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):

@@ -1,36 +1,15 @@
-"""What calibrate leaves behind: what it prints and draws, and the runs it keeps in ``--out``.
-
-**The output.** What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the
+"""What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the
 serve command, JSON, PNG.
 
 Pure functions of an :class:`~llm_backoff_shim.lab.calibrate.run.Outcome` (the PNG aside).
 Figures per level are the medians of its measurements, as the knee rule judges them.
-
-**The history.** Confidence earned across runs: calibrate keeps each run's recommendation in
-``--out`` and compares the next run on the same engine with it.
-
-One run's own repeats cannot tell whether a second run would say the same: on an engine whose
-levels next to the knee are within a few percent of each other, the machine's noise picks
-one, and every repeat of the run agrees with itself (measured: 12 and 8 in flight on one
-engine, both "high"). So ``high`` needs two runs: each run appends a line to ``DIR/calibrate-runs.jsonl``
-(:data:`HISTORY_NAME`) and is compared with the latest earlier run against the same upstream,
-model, SLOs and mix (:func:`same_setup`):
-
-- the two recommended ``--max-concurrency`` within :data:`~.measure.REPRODUCIBLE`
-  (15 %) of each other, and the interactive queues within 15 % or one place: ``high`` (``medium``
-  when this run's own repeats were still ``low``);
-- further apart: ``low``, naming the earlier value;
-- no earlier run: at most ``medium``, saying how to confirm.
-
-:func:`across_runs` is pure; :func:`load` and :func:`append` are the file.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,22 +17,11 @@ from llm_backoff_shim.serve.config.file import render_config
 from llm_backoff_shim.serve.config.settings import ShimSettings
 
 from ..extra import require_plotting
-from .measure import INTERACTIVE_BUDGET, REPRODUCIBLE, Confidence, StepStats, Verdict, queue_waived, rate
+from .measure import INTERACTIVE_BUDGET, StepStats, Verdict, queue_waived, rate
+from .run import duration_text
 
 if TYPE_CHECKING:
     from .run import Outcome
-
-
-# -- the output ----------------------------------------------------------------------------
-
-
-def duration_text(seconds: float) -> str:
-    """``"45 s"``, ``"10 min"``, ``"2.5 h"``: a length of time for people."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 2 * 3600:
-        return f"{seconds / 60:.1f}".removesuffix(".0") + " min"
-    return f"{seconds / 3600:.1f}".removesuffix(".0") + " h"
 
 
 def serve_command(outcome: Outcome) -> str | None:
@@ -351,99 +319,3 @@ def plot(outcome: Outcome, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return path
-
-
-# -- the history ---------------------------------------------------------------------------
-
-#: The runs' file in ``--out``: one JSON object per line, oldest first.
-HISTORY_NAME = "calibrate-runs.jsonl"
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """What one run recommended, and what it was run against."""
-
-    at: str
-    upstream: str
-    model: str
-    ttft_slo: float
-    tpot_slo: float | None
-    mix: str
-    max_concurrency: int
-    max_queue: int
-    max_queue_wait: float
-    knee_tokens_per_s: float
-
-
-def same_setup(a: RunRecord, b: RunRecord) -> bool:
-    """The two runs measured the same thing: upstream, model, SLOs and mix."""
-    return (a.upstream, a.model, a.ttft_slo, a.tpot_slo, a.mix) == (
-        b.upstream,
-        b.model,
-        b.ttft_slo,
-        b.tpot_slo,
-        b.mix,
-    )
-
-
-def within(a: float, b: float, slack: float = 0.0) -> bool:
-    """``a`` and ``b`` within :data:`REPRODUCIBLE` of the larger (or ``slack`` apart)."""
-    return abs(a - b) <= max(slack, REPRODUCIBLE * max(a, b) + 1e-9)
-
-
-def agree(a: RunRecord, b: RunRecord) -> bool:
-    """Two runs' recommendations agree: concurrency within 15 %, interactive queue within 15 % or
-    one place (a queue of 7 or 8 drains in the same wait, give or take a request)."""
-    return within(a.max_concurrency, b.max_concurrency) and within(a.max_queue, b.max_queue, slack=1)
-
-
-def previous(records: Sequence[RunRecord], current: RunRecord) -> RunRecord | None:
-    """The latest earlier run of the same setup."""
-    return next((r for r in reversed(records) if same_setup(r, current)), None)
-
-
-def across_runs(
-    own: Confidence, own_reason: str, current: RunRecord, earlier: RunRecord | None, where: str
-) -> tuple[Confidence, str]:
-    """The confidence line: this run's own (``own``, ``own_reason``) judged against ``earlier``."""
-    mine = f"--max-concurrency {current.max_concurrency}, interactive queue {current.max_queue}"
-    if earlier is None:
-        level: Confidence = "low" if own == "low" else "medium"
-        return level, (
-            f"first run of this setup in {where}; run calibrate again with the same --out: 'high' "
-            f"needs two runs within {REPRODUCIBLE:.0%} of each other (this run: {own}, {own_reason})"
-        )
-    theirs = f"--max-concurrency {earlier.max_concurrency}, interactive queue {earlier.max_queue}"
-    if agree(current, earlier):
-        level = "medium" if own == "low" else "high"
-        return level, (
-            f"the run of {earlier.at} recommended {theirs}, this one {mine}: within "
-            f"{REPRODUCIBLE:.0%} (this run: {own}, {own_reason})"
-        )
-    return "low", (
-        f"the run of {earlier.at} recommended {theirs}, this one {mine}: more than {REPRODUCIBLE:.0%} "
-        "apart on the same setup; run again and use the lower concurrency two runs agree on"
-    )
-
-
-def load(path: Path) -> list[RunRecord]:
-    """The runs kept in ``path`` (none when it cannot be read); lines that do not parse are
-    skipped (an older format, a torn write)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(RunRecord(**json.loads(line)))
-        except (ValueError, TypeError):
-            continue
-    return records
-
-
-def append(path: Path, record: RunRecord) -> None:
-    """Add ``record`` to ``path`` (created with its directory); ``OSError`` if it cannot be written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(asdict(record)) + "\n")

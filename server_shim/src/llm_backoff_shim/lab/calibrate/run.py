@@ -89,6 +89,7 @@ import openai
 
 from ..loadgen_engine import RUNNING, WAITING, metric_sum
 from ..workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist, prompt_text
+from .history import RunRecord
 from .measure import (
     BATCH_QUEUE_WAIT,
     Confidence,
@@ -105,7 +106,6 @@ from .measure import (
     summarize,
     with_confidence,
 )
-from .report import RunRecord, duration_text
 
 # -- the plan ------------------------------------------------------------------------------
 
@@ -244,6 +244,15 @@ def plan_sweep(
         cuts=tuple(cuts),
         fits=seconds <= max_seconds,
     )
+
+
+def duration_text(seconds: float) -> str:
+    """``"45 s"``, ``"10 min"``, ``"2.5 h"``: a length of time for people."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.1f}".removesuffix(".0") + " min"
+    return f"{seconds / 3600:.1f}".removesuffix(".0") + " h"
 
 
 def plan_lines(plan: SweepPlan, probe: str) -> list[str]:
@@ -816,7 +825,7 @@ class Outcome:
     probe: Sample | None = None
     seconds: float = 0.0
     #: This run's own confidence and why, before it was judged across runs
-    #: (:mod:`~llm_backoff_shim.lab.calibrate.report`); None until then.
+    #: (:mod:`~llm_backoff_shim.lab.calibrate.history`); None until then.
     own_confidence: tuple[Confidence, str] | None = None
     #: The previous run of the same setup in ``--out`` (None: the first).
     previous_run: RunRecord | None = None
