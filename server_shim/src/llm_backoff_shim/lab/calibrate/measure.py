@@ -90,7 +90,7 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   to 36 %). ``max_queue`` becomes the bound on
   both queues together (interactive's plus batch's), and interactive keeps its own bound.
 - ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: the
-  mean cost in flight at the knee, :mod:`llm_backoff_shim.lab.calibrate.measure`).
+  mean cost in flight at the knee, :func:`budget_tokens`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
   a batch caller refused past the held queue's wait would otherwise be told a slot 15 s or
   more ahead, and cannot be called back when the work ahead of it melts away (interactive
@@ -121,7 +121,7 @@ Calibrate prices its requests as the shim's cost cap prices them
 
 The recommended ``--max-inflight-tokens`` is the cost in flight the knee's requests stayed at
 or below 95 % of the time (:func:`budget_tokens`,
-:func:`~llm_backoff_shim.lab.calibrate.measure.cost_quantile`): the level's ordinary mix of
+:func:`cost_quantile`): the level's ordinary mix of
 prompts runs together under it, and what it holds back is an unusual pile-up of long ones.
 """
 
@@ -194,7 +194,7 @@ class StepStats:
     #: Mean latency of the successful requests that ended in the window (sizes the next steps).
     mean_latency: float = 0.0
     #: Time-weighted mean cost in flight over the window (as the shim prices requests,
-    #: :mod:`~llm_backoff_shim.lab.calibrate.measure`).
+    #: :class:`CostMeter`).
     inflight_cost: float = 0.0
     #: The cost in flight the window's requests stayed at or below 95 % of its time: what a
     #: budget must hold for the level's requests to run together as they did here.
@@ -726,7 +726,7 @@ class Sample:
     ``first_token`` is None for a failed request or an answer without content;
     ``itl`` is the request's mean gap between tokens after the first (None below two);
     ``token_times`` the arrival of each chunk that carried answer text; ``cost`` what the
-    shim's cost cap counts for it (:mod:`~llm_backoff_shim.lab.calibrate.measure`). ``done``
+    shim's cost cap counts for it (:class:`CostMeter`). ``done``
     False: a request still running when its level's window closed, ``end`` that moment.
     """
 
@@ -824,7 +824,7 @@ def summarize(
       and started at this level, leaving out each worker's first request (its start is the
       burst that opens a level); with none such, of every request that ended in it.
     - ``inflight_cost``: the time-weighted mean of the in-flight requests' cost
-      (as the shim prices it, :mod:`~llm_backoff_shim.lab.calibrate.measure`) over the window;
+      (as the shim prices it, :class:`CostMeter`) over the window;
       ``inflight_cost_high``: the cost they stayed at or below for 95 % of it
       (:func:`cost_quantile`).
     """

@@ -49,7 +49,7 @@ measurement on it.
 The loop runs for the whole sweep: moving to another level adds workers (their first
 requests start together) or cancels the extra ones (their streams close, so the engine
 aborts them); the other workers' requests carry on. :func:`measure_level` then waits out
-the ramp-in (:mod:`~llm_backoff_shim.lab.calibrate.run`: as many completions as the level
+the ramp-in (the plan, above: as many completions as the level
 has workers) and counts the window's completions, and returns what
 :func:`~llm_backoff_shim.lab.calibrate.measure.summarize` needs: the requests that overlap
 the window, the running ones included, and the window's bounds.
@@ -57,16 +57,16 @@ the window, the running ones included, and the window's bounds.
 **The requests.** Streamed chat completions of the mix, timed chunk by chunk.
 
 :class:`Driver` sends the probe and the closed loop's requests
-(:mod:`~llm_backoff_shim.lab.calibrate.run`) through one ``AsyncOpenAI`` client, each
-registered as :class:`~llm_backoff_shim.lab.calibrate.run.Live` while it runs, and returns
+(the closed loop, above) through one ``AsyncOpenAI`` client, each
+registered as :class:`Live` while it runs, and returns
 a :class:`~llm_backoff_shim.lab.calibrate.measure.Sample` when it ends or fails.
 
 **The run.** Its settings, the probe, the plan and the measurement loop over the levels.
 
-:func:`run_ramp` probes one request (:class:`~llm_backoff_shim.lab.calibrate.run.Driver`),
-prints the plan (:mod:`~llm_backoff_shim.lab.calibrate.run`), measures the levels
+:func:`run_ramp` probes one request (:class:`Driver`),
+prints the plan (:func:`plan_sweep`), measures the levels
 :func:`~llm_backoff_shim.lab.calibrate.measure.next_level` asks for on one closed loop
-(:mod:`~llm_backoff_shim.lab.calibrate.run`) within the run's time cap, and returns an
+(:class:`ClosedLoop`) within the run's time cap, and returns an
 :class:`Outcome` for :mod:`llm_backoff_shim.lab.calibrate.report`. The command and its
 flags are :mod:`llm_backoff_shim.lab.calibrate`.
 """
