@@ -4,9 +4,8 @@ Bench-only. Run as a process, it plays one role::
 
     python bench/_harness.py upstream --port 8001          # the fast fake engine
     python bench/_harness.py relay --port 8002 --upstream http://127.0.0.1:8001
-    python bench/_harness.py app429 --port 8003 [--access-log]
     python bench/_harness.py loadgen sse --target 127.0.0.1:8080 --streams 64 --chunks 400 --rate 200
-    python bench/_harness.py loadgen http --target 127.0.0.1:8080 --conns 16 [--status 429]
+    python bench/_harness.py loadgen http --target 127.0.0.1:8080 --conns 16
 
 - **children** (:class:`Child`): each server runs under ``taskset -c CPU`` when taskset exists and
   the machine has that CPU, so the proxy under test owns one core and the fake engine and load
@@ -19,13 +18,11 @@ Bench-only. Run as a process, it plays one role::
 - **loadgen**: ``sse``: every connection asks for a stream of ``--chunks`` events at ``--rate``,
   checks each stream is complete (every event plus ``[DONE]``), then asks for the next on the same
   keep-alive connection; ``http``: closed-loop POSTs of a small chat completion, one in flight per
-  connection, latency from write to last byte, an answer counted when its status is ``--status``.
+  connection, latency from write to last byte, an answer counted when its status is 200.
   Both print ``{"mark": "start"}`` when the warm-up ends and a JSON result when the window ends, so
   the caller reads the proxy's CPU counters at the same two moments;
 - **relay**: the minimal streaming relay (raw ASGI on uvicorn + uvloop + httptools, aiohttp
-  upstream with no pool cap and no read timeout): the reference a proxy's cost is set against;
-- **app429**: the reference for a refusal's cost, an ASGI app answering 429 without reading the
-  body, served by uvicorn as the shim is (uvloop, httptools, no server or date header).
+  upstream with no pool cap and no read timeout): the reference a proxy's cost is set against.
 
 The fake engine and the load generator are hand-written on asyncio protocols and httptools
 rather than an ASGI app or aiohttp because they share a core: an ASGI app under uvicorn costs
@@ -42,21 +39,16 @@ import getpass
 import json
 import os
 import shutil
-import subprocess
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, cast
 
 import httptools
 import uvloop
 
-from llm_backoff_shim.lab.procs import free_port, is_healthy, terminate
-
-__all__ = ["Child", "cpu_seconds", "free_port", "nginx_argv", "nginx_config", "pin_prefix"]
+from llm_backoff_shim.lab.procs import ChildServer
 
 # -- child processes ----------------------------------------------------------------------------
 
@@ -115,69 +107,29 @@ def cpu_seconds(pid: int) -> float:
     return total / _TICKS
 
 
-class Child:
-    """A server process on 127.0.0.1:``port``; stopped with SIGTERM, then SIGKILL."""
+class Child(ChildServer):
+    """A server on 127.0.0.1 (:class:`~llm_backoff_shim.lab.procs.ChildServer`: a fresh port,
+    waited for on ``/health``, stopped with SIGTERM then SIGKILL), pinned to ``cpu``, in a
+    session of its own whose autogroup gets ``nice`` when allowed; its CPU time readable."""
 
     def __init__(
-        self, name: str, argv: Sequence[str], port: int, *, cpu: int | None, nice: int | None = None
+        self, name: str, argv: Callable[[int], Sequence[str]], *, cpu: int | None, nice: int | None = None
     ) -> None:
-        self.name = name
+        super().__init__(name, lambda port: [*pin_prefix(cpu), *argv(port)], new_session=True)
         self.nice = nice
         self.boosted = False
-        self.port = port
-        self.argv = [*pin_prefix(cpu), *argv]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+    def launch(self) -> Child:
+        super().launch()
+        self.boosted = self.nice is not None and self.pid is not None and boost(self.pid, self.nice)
+        return self
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 20.0) -> Child:
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.boosted = self.nice is not None and boost(self.proc.pid, self.nice)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if is_healthy(f"http://{self.address}/health"):
-                return self
-            time.sleep(0.05)
-        tail = self.log_tail()
-        self.stop()
-        raise RuntimeError(f"{self.name} did not start ({' '.join(self.argv)}); its output:\n{tail}")
-
-    def log_tail(self, limit: int = 3000) -> str:
-        self._log.flush()
-        self._log.seek(0)
-        return self._log.read().decode("utf-8", "replace")[-limit:]
+        return f"{self.host}:{self.port}"
 
     def cpu(self) -> float:
-        return cpu_seconds(self.pid)
-
-    def stop(self, grace: float = 5.0) -> None:
-        proc, self.proc = self.proc, None
-        terminate(proc, grace)
-
-    def __enter__(self) -> Child:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-        self._log.close()
+        return cpu_seconds(self.pid or 0)
 
 
 def nginx_config(workdir: Path, listen_port: int, upstream: str) -> Path:
@@ -518,7 +470,7 @@ async def loadgen(args: argparse.Namespace) -> dict[str, object]:
     tally = Tally()
     stop = asyncio.Event()
     tasks = [
-        asyncio.create_task(_connection_loop(host, port, request, tally, (expected, args.status), stop))
+        asyncio.create_task(_connection_loop(host, port, request, tally, (expected, 200), stop))
         for _ in range(conns)
     ]
     await asyncio.sleep(args.warmup)
@@ -549,13 +501,12 @@ async def loadgen(args: argparse.Namespace) -> dict[str, object]:
     return result
 
 
-# -- relay and app429: the references ------------------------------------------------------------
+# -- relay: the reference ------------------------------------------------------------
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade", b"proxy-connection"}
-REFUSAL = b'{"error":{"message":"at capacity","type":"server_overloaded","param":null,"code":"queue_full"}}'
 
 
 def relay_app(upstream: str) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -605,25 +556,13 @@ def relay_app(upstream: str) -> Callable[[Scope, Receive, Send], Awaitable[None]
     return app
 
 
-async def app429(scope: Scope, receive: Receive, send: Send) -> None:
-    if scope["type"] != "http":
-        return
-    status = 200 if scope["path"] == "/health" else 429  # the bench waits for /health
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(REFUSAL))]
-    await send(
-        {"type": "http.response.start", "status": status, "headers": [*headers, (b"retry-after", b"1")]}
-    )
-    await send({"type": "http.response.body", "body": REFUSAL})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     roles = parser.add_subparsers(dest="role", required=True)
-    for role in ("upstream", "relay", "app429"):
+    for role in ("upstream", "relay"):
         sub = roles.add_parser(role)
         sub.add_argument("--port", type=int, required=True)
         sub.add_argument("--upstream", default="", help="relay: the upstream's URL")
-        sub.add_argument("--access-log", action="store_true", help="app429: uvicorn's access log on")
     load = roles.add_parser("loadgen")
     load.add_argument("mode", choices=("sse", "http"))
     load.add_argument("--target", required=True, help="host:port")
@@ -631,7 +570,6 @@ def main() -> None:
     load.add_argument("--chunks", type=int, default=400)
     load.add_argument("--rate", type=float, default=200.0, help="events per second per stream")
     load.add_argument("--conns", type=int, default=1)
-    load.add_argument("--status", type=int, default=200, help="http: the status an answer counts with")
     load.add_argument("--warmup", type=float, default=1.0)
     load.add_argument("--window", type=float, default=5.0)
     args = parser.parse_args()
@@ -642,19 +580,17 @@ def main() -> None:
     else:
         import uvicorn
 
-        app = relay_app(args.upstream) if args.role == "relay" else app429
-        log = args.role == "app429" and args.access_log
         uvicorn.run(
-            app,
+            relay_app(args.upstream),
             host="127.0.0.1",
             port=args.port,
             loop="uvloop",
             http="httptools",
-            log_level="info" if log else "warning",
-            access_log=log,
+            log_level="warning",
+            access_log=False,
             server_header=False,
             date_header=False,
-            lifespan="on" if args.role == "relay" else "off",
+            lifespan="on",
             backlog=4096,
         )
 

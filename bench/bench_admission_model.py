@@ -1,125 +1,455 @@
 """The admission model in virtual time: the shim's real admission decisions, no sockets, no sleeping.
 
-    .venv/bin/python bench/bench_admission_model.py                    # --mode overload, 30 seeds
-    .venv/bin/python bench/bench_admission_model.py --mode oracle      # against the EDF oracle
-    .venv/bin/python bench/bench_admission_model.py --mode mix         # the scoreboard's mix trace
+    .venv/bin/python bench/bench_admission_model.py                               # 30 seeds
+    .venv/bin/python bench/bench_admission_model.py --seeds 20 --lengths 20,0.8,160
 
-``--mode overload`` (:mod:`llm_backoff_shim.lab.overload_model`): the overload scenarios (a
-burst of 200, 2x and 1.2x the engine for 30 s, and the demo's load) against callers making
-llm_backoff's retry decisions, on an engine that takes exactly its service time (with
-``--lengths``, each call's own), about 0.1 s per run. A real run's success count moves by 2-3
-between runs of the same code; this shows a change to admission over 20-100 seeds in seconds.
-Per scenario, over the seeds: calls served within the deadline (and the fewest in one run),
-interactive calls served, attempts per call, first retries admitted, the largest retry wave
-(100 ms), the worst interactive TTFT p99, idle slot-seconds before the last completion, the
-refusals that came after a wait in the queue, the slot-time idle while a caller that could
-still have been served waited, and useful tokens over the capacity bound (medians). A
-before/after: run it again with the other tree's sources first on ``PYTHONPATH``.
+The overload scenarios (a burst of 200, 2x and 1.2x the engine for 30 s, and the demo's load;
+with ``--lengths``, the varied-2x pair) against callers making llm_backoff's retry decisions,
+on an engine that takes exactly its service time (with ``--lengths``, each call's own), about
+0.1 s per run. A real run's success count moves by 2-3 between runs of the same code; this
+shows a change to admission over 20-100 seeds in seconds. Per scenario, over the seeds: calls
+served within the deadline (and the fewest in one run), interactive calls served, attempts
+per call, first retries admitted, the largest retry wave (100 ms), the worst interactive TTFT
+p99, idle slot-seconds before the last completion, the refusals that came after a wait in the
+queue, the slot-time idle while a caller that could still have been served waited, and useful
+tokens over the capacity bound (medians). A before/after: run it again with the other tree's
+sources first on ``PYTHONPATH``.
 
-``--mode oracle``: an upper bound on useful tokens, from a scheduler that knows every
-request's service time in advance (:func:`schedule`), beside what the shim and its callers
-achieve (plain-openai-like callers, the SDK's presets, stated budgets) on the model of the
-real-vLLM comparison (8 slots, 50 ms TTFT, 8 ms per token, answers lognormal median 64, 70 %
-interactive with a 5 s TTFT budget, 20 s deadline). The oracle plays the trace on the model's
-engine (``slots`` slots; a request generating ``n`` tokens holds one for ``ttft + (n - 1) *
-itl``): whenever a slot is free it starts, of the requests that have arrived and can still be
-served usefully (first token within its budget, end within its deadline), the one whose latest
-useful start is soonest, and drops a request whose latest start has passed. With
-``classes_first=("interactive",)`` it serves interactive before any batch (EDF within a class):
-the most interactive calls any scheduler could serve within budget, and what is then left for
-batch. Greedy EDF is not optimal under overload, but it never idles a slot while a servable
-request waits and never serves one uselessly. Pure: no clock, no I/O.
+**The model** (:class:`OverloadModel`): the same
+:class:`~llm_backoff_shim.decide.admission.AdmissionController` the shim builds from its flags
+(:func:`~llm_backoff_shim.serve.app.build_controller`) and the same
+:class:`~llm_backoff.attempts.RetryState` (the SDK's retry decisions: the hint plus its jitter,
+the deadline and start deadline, the retry budget) run on a
+:class:`~llm_backoff_shim.testing.ManualClock` moved from event to event: a burst runs in a
+fraction of a second, and a seed gives the same run every time. Left out on purpose: the
+network and the processes' own delays, the engine's variation unless asked for (every request
+holds its slot exactly its service time; ``service_jitter`` varies it uniformly, and
+:class:`OutputLengths` draws each call's output length, asked as ``max_tokens`` with
+``ignore_eos``, from a capped lognormal), and the shim's asyncio edge
+(:mod:`llm_backoff_shim.serve.request_path.waiting`, replayed step for step: a timer at each
+queued ticket's deadline, a recheck after each request queued). So it measures the admission
+policy, not the machine.
 
-``--mode mix``: the scoreboard's ``mix`` trace (``real_vllm.mix.mix_trace``: 80 % chat with a
-5 s TTFT budget, 20 % prompts of 1.5-3k tokens, batch; ``--scenario chat``: 30 % batch of chat's
-lengths) at ``--rate-factor`` times the fitted
-engine model's capacity, through the shim's admission decisions with ``--flags`` (calibrate's on
-the real vLLM; :mod:`llm_backoff_shim.lab.mix_model`, one attempt per call) in front of the
-simulator's engine model with ``scoreboard.FITTED_ENGINE_FLAGS``. Per seed: chat within budget
-and useful tokens against the oracle's (``real_vllm.mix.oracle``), every refusal's class, code and
-reason (numbers stripped), the queue-wait estimates against the waits, and the slot-time the
-engine left idle while requests were queued in the shim (``--detail``: by the shim's state).
+**The oracle** (:func:`schedule`, used by ``bench_fleet.py``): an upper bound on useful tokens
+from a scheduler that knows every request's service time in advance. It plays a trace on
+``slots`` slots: whenever a slot is free it starts, of the requests that have arrived and can
+still be served usefully (first token within its budget, end within its deadline), the one
+whose latest useful start is soonest, and drops a request whose latest start has passed. With
+``classes_first=("interactive",)`` it serves interactive before any batch (EDF within a class).
+Greedy EDF is not optimal under overload, but it never idles a slot while a servable request
+waits and never serves one uselessly. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import functools
 import heapq
+import itertools
 import json
+import math
 import random
-import re
-import shlex
 import statistics
 import sys
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from statistics import NormalDist
 
-import llm_backoff_shim.lab.overload_model as overload_model
-from llm_backoff import RetryPolicy
-from llm_backoff_shim.decide.admission import AdmissionController
-from llm_backoff_shim.decide.tickets import Outcome, Rejection
+from llm_backoff import RetryBudget
+from llm_backoff.attempts import GiveUp, RetryState
+from llm_backoff.classify import Verdict
+from llm_backoff_shim.decide.requests import AdmissionRequest
+from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
+from llm_backoff_shim.lab.callers import retry_policy
 from llm_backoff_shim.lab.demo import shim_flags
-from llm_backoff_shim.lab.mix_model import MixArrival, MixModel
-from llm_backoff_shim.lab.overload_model import OutputLengths, OverloadModel, service_of
-from llm_backoff_shim.lab.overload_results import ModelResult
-from llm_backoff_shim.lab.scenario import EngineShape, RequestClass, Scenario, demo_scenario
-from llm_backoff_shim.lab.workload import CHAT_AND_LONG, prompt_text
+from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals, demo_scenario
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config.sources import load_settings
-from llm_backoff_shim.sim.server import config_from_args, parse_args
 from llm_backoff_shim.testing import ManualClock
 
+# -- the model ----------------------------------------------------------------------------------
+
+_REFUSED = Verdict(True, "429")
+
+
+@dataclass(frozen=True)
+class OutputLengths:
+    """Output tokens per call: a lognormal with this ``median`` and ``sigma``, rounded, in 1..``cap``.
+
+    Each call asks for its length as ``max_tokens`` with ``ignore_eos`` (as the real-engine
+    benchmark does), so the shim knows the most it will generate and the engine generates
+    exactly that: the call holds its slot ``ttft + (tokens - 1) * itl``.
+    """
+
+    median: float
+    sigma: float
+    cap: int
+
+    def __post_init__(self) -> None:
+        if not (self.median >= 1 and math.isfinite(self.median)):
+            raise ValueError("median must be a finite number >= 1")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError("sigma must be a finite number >= 0")
+        if self.cap < 1:
+            raise ValueError("cap must be >= 1")
+
+    def draw(self, rng: random.Random) -> int:
+        return max(1, min(self.cap, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+    def mean(self) -> float:
+        """The expected draw, the cap included (midpoint rule over 4,000 quantiles)."""
+        normal, n = NormalDist(math.log(self.median), self.sigma or 1e-12), 4000
+        draws = (round(math.exp(normal.inv_cdf((i + 0.5) / n))) for i in range(n))
+        return sum(max(1, min(self.cap, d)) for d in draws) / n
+
+
+def service_of(shape: EngineShape, tokens: int) -> float:
+    """Seconds a call generating ``tokens`` holds its slot: first token at ``ttft``, then one per ``itl``."""
+    return shape.ttft + (tokens - 1) * shape.itl
+
+
+@dataclass
+class ModelCall:
+    """One caller's call: what it sent and what it got, on the virtual clock."""
+
+    arrival: Arrival
+    start: float
+    state: RetryState
+    #: Output tokens it asks for and gets, and the seconds that holds a slot (before jitter).
+    tokens: int = 0
+    service: float = 0.0
+    attempts: list[str] = field(default_factory=list)  # "refused" | "queued" | "admitted"
+    #: Seconds from each refused attempt to its refusal: 0 when refused at once, else the time
+    #: it waited in the queue before being turned away (queue_timeout).
+    refusal_times: list[float] = field(default_factory=list)
+    attempt_at: float = 0.0
+    ticket: Ticket | None = None
+    first_token: float | None = None
+    end: float | None = None
+    outcome: str = "pending"  # "ok" | "gave up" | "deadline"
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "ok"
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    """One run's calls and what the engine did.
+
+    ``idle_while_servable``: slot-seconds a slot stood free while a caller that could still
+    have been served (admitted then, it would have ended within its deadline and, for an
+    interactive caller that states a TTFT budget, begun within it) was waiting, queued or
+    between attempts; at any instant the smaller of the free slots and such callers counts.
+    ``useful_tokens``: tokens of the calls served usefully (:meth:`useful`);
+    ``capacity_tokens``: the most any scheduler could deliver, the engine's tokens per second
+    with every slot busy times the arrival window plus the deadline; ``offered_tokens``:
+    what the callers asked for.
+    """
+
+    calls: tuple[ModelCall, ...]
+    retry_times: tuple[float, ...]
+    idle_slot_seconds: float
+    last_completion: float
+    slots: int = 1
+    idle_while_servable: float = 0.0
+    useful_tokens: int = 0
+    capacity_tokens: float = 0.0
+    offered_tokens: int = 0
+
+    @property
+    def idle_while_servable_share(self) -> float:
+        """:attr:`idle_while_servable` over the engine's slot-time up to its last completion."""
+        span = self.slots * self.last_completion
+        return self.idle_while_servable / span if span > 0 else 0.0
+
+    @property
+    def useful_share(self) -> float:
+        """Useful tokens over the capacity bound ("of what the engine could have")."""
+        return self.useful_tokens / self.capacity_tokens if self.capacity_tokens > 0 else 0.0
+
+    @property
+    def successes(self) -> int:
+        return sum(c.ok for c in self.calls)
+
+    @property
+    def attempts(self) -> int:
+        return sum(len(c.attempts) for c in self.calls)
+
+    @property
+    def refused_after_a_wait(self) -> list[float]:
+        """How long each attempt turned away after queueing had waited (seconds)."""
+        return [t for c in self.calls for t in c.refusal_times if t > 0]
+
+    @property
+    def largest_retry_wave(self) -> int:
+        """The most retries sent within any 100 ms window."""
+        times = sorted(self.retry_times)
+        most, lo = 0, 0
+        for hi, t in enumerate(times):
+            while t - times[lo] >= 0.1:
+                lo += 1
+            most = max(most, hi - lo + 1)
+        return most
+
+    @property
+    def first_retry_admitted(self) -> tuple[int, int]:
+        """(admitted, retried): of calls refused first that retried, how many were not refused again."""
+        retried = [c for c in self.calls if len(c.attempts) >= 2 and c.attempts[0] == "refused"]
+        return sum(c.attempts[1] in ("queued", "admitted") for c in retried), len(retried)
+
+    def ttft_p99(self, cls: str = "interactive") -> float | None:
+        """p99 time to first token of the served calls of ``cls`` (nearest rank)."""
+        ttfts = sorted(
+            c.first_token - c.start
+            for c in self.calls
+            if c.ok and c.first_token is not None and c.arrival.cls == cls
+        )
+        return ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)] if ttfts else None
+
+    def summary(self) -> str:
+        admitted, retried = self.first_retry_admitted
+        share = f"{admitted / retried:.0%}" if retried else "-"
+        ttft = self.ttft_p99()
+        p99 = "-" if ttft is None else f"{ttft:.2f}"
+        served = sum(c.ok for c in self.calls if c.arrival.cls == "interactive")
+        return (
+            f"{self.successes}/{len(self.calls)} ok ({served} interactive, TTFT p99 {p99} s), "
+            f"{self.attempts / len(self.calls):.2f} attempts/call, "
+            f"first retry admitted {share} of {retried}, wave {self.largest_retry_wave}, "
+            f"idle {self.idle_slot_seconds:.1f} slot-s to {self.last_completion:.1f} s"
+        )
+
+
+class OverloadModel:
+    """One scenario, one seed: :meth:`run` plays it to the end."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        shape: EngineShape,
+        shim_flags: Sequence[str],
+        *,
+        seed: int = 1,
+        service_jitter: float = 0.0,
+        lengths: OutputLengths | None = None,
+        start_deadline: bool | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.shape = shape
+        self.clock = ManualClock(0.0)
+        settings = load_settings(["--upstream", "http://127.0.0.1:9", *shim_flags])
+        self.controller = build_controller(settings, self.clock)
+        # Whether interactive callers state their TTFT budget: the scenario's choice by default.
+        self.start_deadline = scenario.start_deadline if start_deadline is None else start_deadline
+        # Each call's output length: fixed (the shape's), or drawn (its own Random, so that the
+        # arrivals of a seed are those of the fixed runs at the same rate factor).
+        self.lengths = lengths
+        mean_tokens = shape.output_tokens if lengths is None else lengths.mean()
+        mean_service = service_of(shape, 1) + (mean_tokens - 1) * shape.itl
+        #: Completions per second and tokens per second with every slot busy.
+        self.capacity = shape.slots / mean_service
+        self.token_rate = self.capacity * mean_tokens
+        self._lengths_rng = random.Random(seed + 3)
+        # The load generator's arrivals for this seed (the loopback load seeds its Random alike).
+        self.arrivals = arrivals(scenario, self.capacity, random.Random(seed))
+        self._rng = random.Random(seed + 1)
+        # The engine's own variation: each request holds its slot service_time x U(1 - j, 1 + j).
+        self._service_jitter = service_jitter
+        self._engine_rng = random.Random(seed + 2)
+        # One budget per class client, as the load generator's clients share theirs.
+        self._budget = RetryBudget(ratio=1.0, min_per_second=2.0, ttl=scenario.deadline, clock=self.clock)
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._calls: list[ModelCall] = []
+        self._by_ticket: dict[int, ModelCall] = {}
+        self._retry_times: list[float] = []
+        self._busy: list[tuple[float, float]] = []  # (admitted, released) of every slot held
+
+    def run(self) -> ModelResult:
+        for arrival in self.arrivals:
+            self._at(arrival.at, functools.partial(self._begin, arrival))
+        while self._events:
+            when, _, action = heapq.heappop(self._events)
+            self.clock.now = max(self.clock.now, when)
+            action()
+        # Nothing may be left hanging: every call ended, every slot and queue place came back.
+        pending = [c for c in self._calls if c.outcome == "pending"]
+        if pending or self.controller.in_flight() or self.controller.queued():
+            raise AssertionError(
+                f"{len(pending)} calls unresolved, {self.controller.in_flight()} in flight, "
+                f"{self.controller.queued()} queued at the end"
+            )
+        idle, last = self._idle()
+        return ModelResult(
+            tuple(self._calls),
+            tuple(self._retry_times),
+            idle,
+            last,
+            slots=self.shape.slots,
+            idle_while_servable=self._idle_while_servable(),
+            useful_tokens=sum(c.tokens for c in self._calls if self.useful(c)),
+            capacity_tokens=self.token_rate * (self.scenario.duration + self.scenario.deadline),
+            offered_tokens=sum(c.tokens for c in self._calls),
+        )
+
+    def useful(self, call: ModelCall) -> bool:
+        """Served within its deadline, and an interactive caller that states a TTFT budget
+        got its first token within it."""
+        if not call.ok:
+            return False
+        if call.arrival.cls != "interactive" or not self.start_deadline:
+            return True
+        return call.first_token is not None and call.first_token - call.start <= self.scenario.ttft_budget
+
+    # -- events ------------------------------------------------------------------------------
+    def _at(self, when: float, action: Callable[[], None]) -> int:
+        seq = next(self._seq)
+        heapq.heappush(self._events, (when, seq, action))
+        return seq
+
+    def _begin(self, arrival: Arrival) -> None:
+        policy = retry_policy(arrival.cls, self.scenario, start_deadline=self.start_deadline)
+        state = RetryState(policy, clock=self.clock, rng=self._rng, budget=self._budget)
+        tokens = self.shape.output_tokens if self.lengths is None else self.lengths.draw(self._lengths_rng)
+        service = service_of(self.shape, tokens)
+        call = ModelCall(arrival, self.clock.now, state, tokens=tokens, service=service)
+        self._calls.append(call)
+        self._budget.record_request()
+        self._attempt(call)
+
+    def _attempt(self, call: ModelCall) -> None:
+        if call.attempts:
+            self._retry_times.append(self.clock.now)
+        call.attempt_at = self.clock.now
+        left = call.state.time_to_start()
+        assert left is not None  # every caller has a deadline
+        budget = max(1, int(max(left, 0.001) * 1000)) / 1000
+        request = AdmissionRequest(
+            call.arrival.cls,
+            budget=budget,
+            stream=True,
+            retry=len(call.attempts),
+            max_tokens=call.tokens,
+            budget_to_start=call.state.start_bound,
+        )
+        decision = self.controller.submit(request)
+        moved = self.controller.take_moved()
+        if moved is not None:
+            self._apply(moved)
+        if isinstance(decision, Rejection):
+            call.attempts.append("refused")
+            self._refused(call, decision)
+            return
+        call.ticket = decision
+        self._by_ticket[decision.id] = call
+        if decision.state is TicketState.ADMITTED:
+            call.attempts.append("admitted")
+            self._serve(call)
+            return
+        call.attempts.append("queued")
+        ticket = decision
+        # The shim's timer at the ticket's deadline (a no-op if it left the queue before).
+        self._at(ticket.deadline, lambda: self._expire(ticket))
+        # The caller's own timeout while queued: it hangs up at its start budget.
+        self._at(self.clock.now + left, lambda: self._hang_up(call, ticket))
+        self._apply(self.controller.recheck())
+
+    def _refused(self, call: ModelCall, rejection: Rejection) -> None:
+        call.refusal_times.append(self.clock.now - call.attempt_at)
+        if call.attempts[-1] == "queued":
+            call.attempts[-1] = "queued, refused"
+        hint = max(1, round(rejection.retry_after * 1000)) / 1000  # retry-after-ms, as rendered
+        decision = call.state.decide(_REFUSED, attempt_started=call.attempt_at, status=429, hint=hint)
+        if isinstance(decision, GiveUp):
+            self._finish(call, "gave up")
+            return
+        self._at(self.clock.now + decision.wait, lambda: self._attempt(call))
+
+    def _serve(self, call: ModelCall) -> None:
+        ticket = call.ticket
+        assert ticket is not None
+        assert ticket.admitted_at is not None
+        start = ticket.admitted_at
+        deadline = call.start + self.scenario.deadline
+        first_token = start + self.shape.ttft
+        if first_token <= deadline:
+            call.first_token = first_token
+            # The shim measures each stream's first body byte after admission, as its relay does.
+            self._at(first_token, lambda: self.controller.estimator.observe_first_byte(self.shape.ttft))
+        spread = self._service_jitter
+        end = start + call.service * (1 + self._engine_rng.uniform(-spread, spread))
+        if end <= deadline:
+            self._at(end, lambda: self._release(call, Outcome.COMPLETED, "ok"))
+        else:  # the SDK's deadline cuts the stream; the engine's work for it is lost
+            self._at(deadline, lambda: self._release(call, Outcome.ABORTED, "deadline"))
+
+    def _release(self, call: ModelCall, outcome: Outcome, how: str) -> None:
+        ticket = call.ticket
+        assert ticket is not None
+        assert ticket.admitted_at is not None
+        self._busy.append((ticket.admitted_at, self.clock.now))
+        self._finish(call, how)
+        self._apply(self.controller.release(ticket, outcome))
+
+    def _expire(self, ticket: Ticket) -> None:
+        rejection = self.controller.expire(ticket)
+        if rejection is not None:
+            self._refused(self._by_ticket[ticket.id], rejection)
+
+    def _hang_up(self, call: ModelCall, ticket: Ticket) -> None:
+        if ticket.state is TicketState.QUEUED and call.ticket is ticket:
+            self._apply(self.controller.cancel(ticket))
+            self._finish(call, "deadline")
+
+    def _apply(self, dispatch: Dispatch) -> None:
+        for ticket in dispatch.admitted:
+            self._serve(self._by_ticket[ticket.id])
+        for ticket in dispatch.expired:
+            assert ticket.rejection is not None
+            self._refused(self._by_ticket[ticket.id], ticket.rejection)
+
+    def _finish(self, call: ModelCall, outcome: str) -> None:
+        call.outcome = outcome
+        call.end = self.clock.now
+
+    def _idle_while_servable(self) -> float:
+        """See :attr:`ModelResult.idle_while_servable`: one sweep over the slots' and callers' changes."""
+        changes: list[tuple[float, int, int]] = []  # (when, free slots +-, servable callers +-)
+        for start, end in self._busy:
+            changes += [(start, -1, 0), (end, 1, 0)]
+        scenario = self.scenario
+        for call in self._calls:
+            ticket = call.ticket
+            admitted = None if ticket is None else ticket.admitted_at
+            waited_to = admitted if admitted is not None else call.end
+            assert waited_to is not None  # every call ended (run checks)
+            last = call.start + scenario.deadline - call.service
+            if call.arrival.cls == "interactive" and self.start_deadline:
+                last = min(last, call.start + scenario.ttft_budget - self.shape.ttft)
+            until = min(waited_to, last)
+            if until > call.start:
+                changes += [(call.start, 0, 1), (until, 0, -1)]
+        changes.sort()
+        free, waiting, idle, before = self.shape.slots, 0, 0.0, 0.0
+        for when, slots, callers in changes:
+            idle += min(max(free, 0), waiting) * (when - before)
+            free, waiting, before = free + slots, waiting + callers, when
+        return idle
+
+    def _idle(self) -> tuple[float, float]:
+        """Slot-seconds no request held, up to the last completion."""
+        if not self._busy:
+            return 0.0, 0.0
+        last = max(end for _, end in self._busy)
+        held = sum(end - start for start, end in self._busy)
+        return self.shape.slots * last - held, last
+
+
 # -- the oracle ---------------------------------------------------------------------------------
-
-#: Interactive callers' policies for the achieved column; batch callers get `RetryPolicy.batch`.
-POLICIES: dict[str, Callable[[float, float], RetryPolicy]] = {
-    "presets": lambda budget, deadline: RetryPolicy.interactive(start_deadline=budget),
-    "budgets": lambda budget, deadline: RetryPolicy(deadline=deadline, start_deadline=budget),
-}
-#: Like plain openai (both classes): 2 retries, every hint honoured as given, no budget sent
-#: (see `plain_controller`), the call's deadline as its timeout.
-PLAIN = "plain-like"
-
-
-def plain_policy(budget: float, deadline: float) -> RetryPolicy:
-    return RetryPolicy(deadline=deadline, max_attempts=3, retry_after_jitter=0.0, max_retry_after=60.0)
-
-
-def plain_controller(flags: Sequence[str]) -> Callable[[ManualClock], AdmissionController]:
-    """The shim's controller for ``flags``, whose callers send no ``x-request-timeout-ms`` (as
-    plain openai does): every request reaches it with no budget, so none is served as returning."""
-
-    def make(clock: ManualClock) -> AdmissionController:
-        controller = build_controller(load_settings(["--upstream", "http://127.0.0.1:9", *flags]), clock)
-        submit = controller.submit
-        controller.submit = lambda request: submit(dataclasses.replace(request, budget=None))  # type: ignore[method-assign]
-        return controller
-
-    return make
-
-
-@contextlib.contextmanager
-def policy_in_model(make: Callable[[float, float], RetryPolicy]) -> Iterator[None]:
-    """The overload model's callers use ``make`` (interactive) and the batch preset meanwhile."""
-
-    def policy(cls: RequestClass, scenario: Scenario, *, start_deadline: bool = True) -> RetryPolicy:
-        if cls == "interactive" or make is plain_policy:
-            return make(scenario.ttft_budget, scenario.deadline_of(cls))
-        return RetryPolicy.batch(deadline=scenario.deadline_of(cls))
-
-    # The model looks the policy up in its own namespace on every call.
-    saved = getattr(overload_model, "retry_policy")  # noqa: B009
-    setattr(overload_model, "retry_policy", policy)  # noqa: B010
-    try:
-        yield
-    finally:
-        setattr(overload_model, "retry_policy", saved)  # noqa: B010
 
 
 @dataclass(frozen=True)
@@ -206,39 +536,7 @@ def schedule(jobs: Sequence[Job], slots: int, *, classes_first: Sequence[str] = 
     return OracleResult(useful, count, served, offered, busy)
 
 
-# -- the traces: the virtual-time model's and the real-vLLM benchmark's --------------------------
-
-
-def model_jobs(
-    scenario: Scenario, shape: EngineShape, lengths: OutputLengths, seed: int, jitter: float
-) -> list[Job]:
-    """The trace :class:`~llm_backoff_shim.lab.overload_model.OverloadModel` plays for ``seed``: the
-    same arrivals and output lengths (drawn in arrival order from the same seeded sources), each
-    service time varied by ``U(1 - jitter, 1 + jitter)`` as the model's engine does."""
-    played = OverloadModel(
-        scenario, shape, ["--max-concurrency", str(shape.slots)], seed=seed, lengths=lengths
-    )
-    draw, engine = random.Random(seed + 3), random.Random(seed + 2)
-    jobs = []
-    for arrival in played.arrivals:
-        tokens = lengths.draw(draw)
-        spread = 1 + engine.uniform(-jitter, jitter)
-        base = job(
-            arrival.at,
-            tokens,
-            arrival.cls,
-            ttft=shape.ttft,
-            itl=shape.itl,
-            deadline=scenario.deadline_of(arrival.cls),
-            ttft_budget=scenario.ttft_budget if arrival.cls == "interactive" else None,
-        )
-        service = base.service * spread
-        latest = min(base.arrived + scenario.deadline_of(arrival.cls) - service, base.latest_start)
-        jobs.append(Job(base.arrived, tokens, service, latest, base.cls))
-    return jobs
-
-
-# -- --mode overload ----------------------------------------------------------------------------
+# -- the overload scenarios ----------------------------------------------------------------------
 
 
 def scenarios() -> list[Scenario]:
@@ -308,8 +606,6 @@ def run_overload(args: argparse.Namespace, seeds: list[int]) -> None:
     chosen = [(s, shim_flags(shape, s, hold_batch=False)) for s in [*scenarios(), demo_scenario(quick=False)]]
     if lengths is not None:
         chosen += varied_scenarios(shape, lengths)
-    if args.start_deadline_everywhere:
-        chosen = [(dataclasses.replace(s, start_deadline=True), f) for s, f in chosen]
     if args.only:
         chosen = [(s, f) for s, f in chosen if s.name in set(args.only.split(","))]
     rows, runs = [], {}
@@ -320,7 +616,7 @@ def run_overload(args: argparse.Namespace, seeds: list[int]) -> None:
             model = OverloadModel(
                 scenario,
                 shape,
-                [*sizing, *args.shim_flag],
+                sizing,
                 seed=seed,
                 service_jitter=args.service_jitter,
                 lengths=lengths,
@@ -343,316 +639,31 @@ def run_overload(args: argparse.Namespace, seeds: list[int]) -> None:
         args.json.write_text(json.dumps(runs, indent=1) + "\n")
 
 
-# -- --mode oracle ------------------------------------------------------------------------------
-
-
-def run_oracle(args: argparse.Namespace, seeds: list[int]) -> None:
-    # The real vLLM's shape as the benchmark measured it: 8 slots, ~1000 answer tokens/s
-    # together (itl 8 ms per sequence), a first token ~50 ms after admission.
-    shape = EngineShape(slots=8, ttft=0.05, itl=0.008, output_tokens=64)
-    lengths = OutputLengths(64, 0.8, 512)
-    print(
-        "| arrivals | policy | oracle useful / capacity | achieved useful / capacity | achieved / oracle | "
-        "oracle interactive in budget | achieved interactive in budget | oracle batch served | "
-        "achieved batch served | interactive p90 time to failure |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
-    )
-    for duration in (float(d) for d in args.durations.split(",")):
-        scenario = Scenario(
-            "real-vllm-like",
-            burst=0,
-            rate_factor=args.rate_factor,
-            duration=duration,
-            deadline=20,
-            ttft_budget=5,
-            interactive_share=0.7,
-            start_deadline=True,
-        )
-        for name, policy in {PLAIN: plain_policy, **POLICIES}.items():
-            bounds, achieved, o_inb, a_inb, o_b, a_b, p90s = [], [], [], [], [], [], []
-            for seed in seeds:
-                flags = shlex.split(args.flags)
-                played = OverloadModel(
-                    scenario,
-                    shape,
-                    flags,
-                    seed=seed,
-                    service_jitter=args.service_jitter,
-                    lengths=lengths,
-                    controller=plain_controller(flags) if name == PLAIN else None,
-                )
-                with policy_in_model(policy):
-                    result = played.run()
-                oracle = schedule(
-                    model_jobs(scenario, shape, lengths, seed, args.service_jitter), shape.slots
-                )
-                bounds.append(oracle.useful_tokens / result.capacity_tokens)
-                achieved.append(result.useful_share)
-                o_inb.append(oracle.served_by_class.get("interactive", 0))
-                a_inb.append(sum(played.useful(c) for c in result.calls if c.arrival.cls == "interactive"))
-                batch_calls = [c for c in result.calls if c.arrival.cls == "batch"]
-                o_b.append(
-                    oracle.served_by_class.get("batch", 0) / max(1, oracle.offered_by_class.get("batch", 0))
-                )
-                a_b.append(sum(c.ok for c in batch_calls) / max(1, len(batch_calls)))
-                failed = sorted(
-                    c.end - c.start
-                    for c in result.calls
-                    if c.arrival.cls == "interactive" and not c.ok and c.end is not None
-                )
-                p90s.append(failed[int(0.9 * (len(failed) - 1))] if failed else 0.0)
-            b, a = statistics.median(bounds), statistics.median(achieved)
-            print(
-                f"| {duration:g} s at {args.rate_factor:g}x | {name} | {b:.2f} | {a:.2f} | {a / b:.2f} | "
-                f"{statistics.median(o_inb):.0f} | {statistics.median(a_inb):.0f} | "
-                f"{statistics.median(o_b):.0%} | {statistics.median(a_b):.0%} | "
-                f"{statistics.median(p90s):.2f} s |",
-                flush=True,
-            )
-
-
-# -- --mode mix ---------------------------------------------------------------------------------
-
-#: calibrate's fresh flags on the real vLLM for the mix: what --mode mix plays by default.
-CALIBRATED_MIX = (
-    "--max-concurrency 8 --max-queue 143 --max-queue-wait 4.76 --class-max-queue interactive=34,batch=109 "
-    "--class-max-queue-wait batch=15 --retry-after-max 5 --max-inflight-tokens 5312"
-)
-
-
-def _reason(message: str) -> str:
-    return re.sub(r"[0-9.]+", "N", message)
-
-
-class DiagModel(MixModel):
-    """:class:`MixModel` that keeps every refusal's reason, the queue-wait estimate each queued
-    request got at arrival, and the engine's idle slot-time while requests waited in the shim.
-
-    It wraps the controller's methods (and the placement's arrival check) on this instance only;
-    the decisions are the shim's own."""
-
-    #: As the scoreboard's callers on the wire: each closes its stream once its answer has its
-    #: length, so the shim sees every call end as a client disconnect (ABORTED): it learns no
-    #: service time and no answer length, and prices every request on the cold-start prior.
-    wire_hangups = False
-
-    def __init__(self, *args: Any, slots: int, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.slots = slots
-        self.reasons: Counter[str] = Counter()
-        self.idle: Counter[str] = Counter()
-        self.service_at_refusal: list[float] = []
-        self.estimates: dict[int, float] = {}  # ticket id -> estimated wait at arrival
-        c = self.controller
-        assert c is not None
-        submit, recheck = c.submit, c.recheck
-
-        def logged(request: Any) -> Any:
-            decision = submit(request)
-            if isinstance(decision, Rejection):
-                self.service_at_refusal.append(c.estimator.service_time)
-                self.reasons[f"{request.cls}:{decision.code}:{_reason(decision.message)}"] += 1
-            return decision
-
-        def rechecked() -> Any:
-            dispatch = recheck()
-            for t in dispatch.expired:
-                assert t.rejection is not None
-                self.reasons[
-                    f"{t.request.cls}:{t.rejection.code}(recheck):{_reason(t.rejection.message)}"
-                ] += 1
-            return dispatch
-
-        placement = c._placement
-        refusal = placement.arrival_refusal
-
-        def estimated(ticket: Any, ahead: Any, in_class: Any) -> Any:
-            above = placement._queues.above(ticket.cls)
-            promised_by = above if ticket.returning else (*above, ticket.cls)
-            if placement._estimator.samples:
-                wait = placement._waits.at(ticket.cls, ahead, in_class, promised_by, ticket.places)
-                self.estimates[ticket.id] = wait
-            return refusal(ticket, ahead, in_class)
-
-        c.submit, c.recheck = logged, rechecked  # type: ignore[method-assign]
-        placement.arrival_refusal = estimated  # type: ignore[method-assign]
-
-    def _tokens(self, touched: Any) -> Any:
-        if not self.wire_hangups:
-            return super()._tokens(touched)
-        c = self.controller
-        assert c is not None
-        release, observe = c.release, c.estimator.observe_first_byte
-        c.release = lambda ticket, outcome, answer_tokens=None: release(ticket, Outcome.ABORTED)  # type: ignore[method-assign]
-        c.estimator.observe_first_byte = lambda seconds: None  # type: ignore[method-assign]
-        try:
-            return super()._tokens(touched)
-        finally:
-            c.release, c.estimator.observe_first_byte = release, observe  # type: ignore[method-assign]
-
-    def _send(self, call: Any) -> None:
-        c = self.controller
-        if c is not None and call.arrival.part.cls == "batch":
-            if self.clock.now < self.duration:
-                flood = "while chat queued" if c.queued("interactive") else "no chat queued"
-                self.reasons[f"(long admitted {flood}, t<{self.duration:g})"] += 1
-            else:
-                self.reasons["(long admitted after arrivals)"] += 1
-        super()._send(call)
-
-    def _advance(self, when: float) -> None:
-        now, c = self.clock.now, self.controller
-        if c is not None and when > now:
-            free = self.slots - self.engine.num_running
-            # During the arrivals and the chat budget after them (chat could still be served),
-            # and in the tail after.
-            edge = self.duration + 5.0
-            for lo, hi, tag in ((now, min(when, edge), "peak"), (max(now, edge), when, "tail")):
-                if hi > lo:
-                    if free > 0 and c.queued() and c.in_flight() < self.slots:
-                        heads = ",".join(
-                            f"{h}={c.queued(h)}" for h in ("interactive", "batch") if c.queued(h)
-                        )
-                        why = f"shim holds {c.in_flight()}, queued {heads}, tokens {c.in_flight_tokens()}"
-                        self.idle[f"{tag}:{why}"] += free * (hi - lo)
-                    self.idle[f"_slot_time:{tag}"] += self.slots * (hi - lo)
-        super()._advance(when)
-
-
-def run_mix(args: argparse.Namespace, seeds: list[int]) -> None:
-    import scoreboard
-    from real_vllm.mix import Budgets, Mix, capacity, mix_trace, oracle
-
-    params = config_from_args(parse_args(shlex.split(scoreboard.FITTED_ENGINE_FLAGS))).engine_params()
-    if args.scenario == "chat":  # the scoreboard's short chat beside batch of chat's lengths
-        mix = Mix(long_share=0.3, tokens_per_word=1.3, long_prompts=False)
-        budgets = Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0)
-    else:
-        mix = Mix(long_share=0.2, tokens_per_word=1.3)
-        budgets = Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=30.0)
-    rate = args.rate_factor * capacity(params, mix)[0]
-    parts = {"chat": CHAT_AND_LONG.part("chat"), "long": CHAT_AND_LONG.part("long")}
-    for seed in seeds:
-        trace = mix_trace(mix, seed, rate=rate, duration=args.duration)
-        rng = random.Random(seed + 1000)
-        arrivals = [
-            MixArrival(c.at, parts[c.kind], c.prompt_tokens, prompt_text(c.prompt_words, rng), c.max_tokens)
-            for c in trace
-        ]
-        best = oracle(trace, params, budgets)
-        model = DiagModel(
-            arrivals, params, shlex.split(args.flags), duration=args.duration, slots=scoreboard.SLOTS
-        )
-        model.wire_hangups = args.wire_hangups
-        result = model.run()
-        chats, longs = result.by_part.get("chat", []), result.by_part.get("long", [])
-        slot_time = {tag: model.idle.pop(f"_slot_time:{tag}", 0.0) for tag in ("peak", "tail")}
-        idle = {tag: sum(v for k, v in model.idle.items() if k.startswith(tag)) for tag in slot_time}
-        chat_ok, long_ok = sum(c.useful for c in chats), sum(c.useful for c in longs)
-        o_chat, o_long = best.served.get("chat", 0), best.served.get("long", 0)
-        print(
-            f"seed {seed}: {rate:.2f} calls/s; chat within budget {chat_ok}/{len(chats)} (oracle {o_chat}, "
-            f"{chat_ok / max(1, o_chat):.2f}), useful {result.useful_tokens} (oracle {best.useful_tokens}), "
-            f"long served {long_ok}/{len(longs)} (oracle {o_long}); slots idle while the shim queued: "
-            f"{idle['peak'] / max(1e-9, slot_time['peak']):.0%} of the slot-time until 5 s after the "
-            f"arrivals, {idle['tail'] / max(1e-9, slot_time['tail']):.0%} after"
-        )
-        for part, mine in (("chat", chats), ("long", longs)):
-            outcomes = Counter(
-                c.outcome
-                + ("/engine" if c.at_engine else "")
-                + ("/useful" if c.useful else "")
-                + (":" + c.code if c.code else "")
-                for c in mine
-            )
-            print(f"  {part}: {dict(outcomes)}; wasted tokens {sum(c.wasted for c in mine)}")
-            pairs = [
-                (model.estimates[c.ticket.id], c.ticket.admitted_at - c.ticket.arrived)
-                for c in mine
-                if c.ticket is not None
-                and c.ticket.admitted_at is not None
-                and c.ticket.id in model.estimates
-            ]
-            if pairs:
-                print(
-                    f"  {part} queued then admitted: {len(pairs)}, estimated wait at arrival mean "
-                    f"{statistics.mean(p[0] for p in pairs):.2f} s, actual mean "
-                    f"{statistics.mean(p[1] for p in pairs):.2f} s"
-                )
-        if model.service_at_refusal:
-            median = statistics.median(model.service_at_refusal)
-            print(f"  the estimator's service time at refusals, median {median:.2f} s")
-        for why, n in model.reasons.most_common(8):
-            print(f"  {n:4d} {why}")
-        if args.detail:
-            for why, v in model.idle.most_common(12):
-                print(f"  idle {v:6.2f} slot-s  {why}")
-
-
 # -- main ---------------------------------------------------------------------------------------
-
-MODES: dict[str, tuple[Callable[[argparse.Namespace, list[int]], None], dict[str, Any]]] = {
-    "overload": (run_overload, {"seeds": "30", "service_jitter": 0.0}),
-    "oracle": (
-        run_oracle,
-        {
-            "seeds": "5",
-            "service_jitter": 0.3,
-            "rate_factor": 2.0,
-            "flags": "--max-concurrency 8 --max-queue 24 --max-queue-wait 1.93",
-        },
-    ),
-    "mix": (run_mix, {"seeds": "11,12", "rate_factor": 3.0, "flags": CALIBRATED_MIX}),
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=MODES, default="overload")
-    p.add_argument("--seeds", help="a count N (seeds 1..N) or a comma-separated list (default: per mode)")
-    p.add_argument("--flags", help="oracle, mix: the shim's flags (default: calibrate's on the real vLLM)")
-    p.add_argument("--rate-factor", type=float, help="oracle, mix: arrivals over the engine's capacity")
-    p.add_argument("--service-jitter", type=float, help="overload, oracle: service time x U(1 - j, 1 + j)")
-    p.add_argument("--only", default="", help="overload: comma-separated scenario names (default: all)")
-    p.add_argument(
-        "--start-deadline-everywhere",
-        action="store_true",
-        help="overload: interactive callers state their TTFT budget in the burst too",
-    )
-    p.add_argument("--shim-flag", action="append", default=[], help="overload: an extra shim flag (repeat)")
+    p.add_argument("--seeds", default="30", help="a count N (seeds 1..N) or a comma-separated list")
+    p.add_argument("--service-jitter", type=float, default=0.0, help="service time x U(1 - j, 1 + j)")
+    p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     p.add_argument(
         "--lengths",
         default="",
         metavar="MEDIAN,SIGMA,CAP",
-        help="overload: output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens "
-        "with ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)",
+        help="output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens with "
+        "ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)",
     )
-    p.add_argument("--json", type=Path, help="overload: write each scenario's per-seed measures here")
-    p.add_argument("--durations", default="10,30", help="oracle: seconds of arrivals, comma-separated")
-    p.add_argument("--duration", type=float, default=20.0, help="mix: seconds of arrivals")
-    p.add_argument(
-        "--wire-hangups",
-        action="store_true",
-        help="mix: callers close their stream at their answer's length (as on the wire): the shim learns "
-        "no service time and no answer length",
-    )
-    p.add_argument(
-        "--scenario", choices=("mix", "chat"), default="mix", help="mix: 'chat' is short chat beside batch"
-    )
-    p.add_argument("--detail", action="store_true", help="mix: idle slot-time by the shim's state")
+    p.add_argument("--json", type=Path, help="write each scenario's per-seed measures here")
     args = p.parse_args(argv)
-    run, defaults = MODES[args.mode]
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.service_jitter is not None and not 0 <= args.service_jitter < 1:
+    if not 0 <= args.service_jitter < 1:
         p.error("--service-jitter must be in [0, 1)")
     seeds = (
         [int(s) for s in args.seeds.split(",") if s]
         if "," in args.seeds
         else list(range(1, int(args.seeds) + 1))
     )
-    run(args, seeds)
+    run_overload(args, seeds)
     return 0
 
 

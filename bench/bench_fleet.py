@@ -1,55 +1,32 @@
-"""Work conserved across replicas: three simulated engines, a shim each, behind nginx and HAProxy.
+"""Does a fleet behind a load balancer conserve work? Three simulated engines, a shim each,
+behind nginx and HAProxy, against one replica alone on each third of the same calls.
 
-    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py            # ~7 min
-    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # another trace
+    flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # ~7 min
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --quick    # ~3 min
 
-One seeded trace of the real-engine benchmark's mix (``real_vllm.mix.chat_scenario``: Poisson arrivals
-at ``--rate-factor`` x the fleet's capacity, answers lognormal with median 64 tokens and
-``ignore_eos``, prompts of 5-200 words, 70 % interactive with a 5 s TTFT budget, 20 s deadline
-per call), measured side by side in one run, each arm on fresh servers:
+One seeded trace (``real_vllm.mix.chat_scenario``: Poisson arrivals at ``--rate-factor`` x the
+fleet's capacity, answers lognormal with median 64 tokens and ``ignore_eos``, 70 % interactive
+with a 5 s TTFT budget, 20 s deadline), each arm on fresh servers:
 
-- **one replica**: one simulator and its shim, no load balancer, facing a random third of the
-  fleet's calls (:func:`split_trace`): the per-replica load. It runs each of the
-  three thirds in turn, on fresh servers, and the three count together, so the reference is
-  the very calls the fleet gets (``--single-parts 1``: one third, and x3);
-- **nginx** / **HAProxy**: ``--replicas`` simulators, a shim each, and the load balancer
-  running the shipped configuration (``server_shim/deploy/``, through
-  :class:`llm_backoff_shim.lab.fleet.Fleet`; HAProxy's shims refuse with 503), facing the
-  whole trace.
+- **one replica**: one simulator and its shim, no load balancer, running each random third of
+  the fleet's calls (:func:`split_trace`) in turn; the three count together, so the reference
+  is the very calls the fleet gets;
+- **nginx** / **HAProxy**: three simulators, a shim each, and the load balancer running the
+  shipped configuration (:class:`llm_backoff_shim.lab.fleet.Fleet`), facing the whole trace.
 
-Arms (the same clients as the scoreboard): plain openai (``AsyncOpenAI``, 2 retries, the call's
-deadline as timeout) and the SDK's presets (``wrap(client, request_class=cls)``); ``--setups``
-adds ``budgets`` (``RetryPolicy(deadline=..., start_deadline=5)`` for interactive callers).
+Callers: plain openai and the SDK's presets. The simulator is the demo's engine (8 slots) at
+``--itl`` s per token, sized so that everything stays inside 2 cores (each cell prints the
+machine's load average when it starts).
+Shim flags: the demo's sizing (``demo.shim_flags``). Writes ``fleet[-quick]-seedN.{png,json,md}``
+into ``--out``.
 
-The simulator is the demo's engine (8 slots, 0.1 s to a first token) at ``--itl`` s per token
-per sequence, sized so that the shims, the load balancer and this load generator stay well
-inside 2 cores; the CPU each part used is sampled every second and printed per cell, and a
-cell whose load generator or machine ran near its limit is flagged. Shim flags: the demo's
-sizing for this engine and these callers (``demo.shim_flags``, what calibrate recommends).
-
-Prints progress and a table; writes ``fleet[-quick]-seedN.{png,json,md}`` into ``--out``.
-Figures: useful tokens (calls served within budget; interactive: first token within 5 s) of
-the ceiling (the engines' answer tokens/s at full load x (arrival window + deadline)); **work
-conserved** = useful tokens of the fleet / (replicas x one replica's); calls within budget;
-refusal latency (client side, over refused attempts: through a load balancer, after every
-replica it tried refused); engine tokens wasted (generated for callers who had left); slot-time
-idle while a caller waited; calls refused while a replica had a free slot (the shims' access
-logs); and the earliest-deadline oracle (``bench_admission_model.py``) on the same trace, all slots pooled.
-
-The figures (pure functions of the records, tested without load):
-
-- **the per-replica trace**: one replica alone faces a random third of the fleet's arrivals
-  (:func:`split_trace`: each call goes to one of ``n`` parts with equal chance, from a seeded
-  RNG), so its load is a Poisson process at the fleet's rate / ``n`` with the same mix;
-- **work conserved**: useful tokens of the fleet over ``n`` times those of one replica alone
-  under its share of the load (:func:`conservation`), 1.0 when the load balancer loses nothing;
-- **the oracle's bound**: the earliest-deadline-first scheduler of ``bench_admission_model.py`` on
-  the same trace, with every request's service time known in advance and all ``n x slots`` slots in
-  one pool (:func:`oracle_jobs`): no fleet of ``n`` engines serves more usefully than that pool;
-- **refused while a replica had room**: from the shims' JSON access logs, the calls the fleet
-  turned away (every replica the load balancer tried refused) at a moment when some replica had
-  fewer than ``slots`` requests in its engine (:func:`refused_with_room`).
+The figures (pure functions of the records, tested without load): useful tokens (calls served
+within budget) of the ceiling; **work conserved**, the fleet's useful tokens over three times
+one replica's (:func:`conservation`); the earliest-deadline oracle of
+``bench_admission_model.py`` on the same calls, all slots pooled (:func:`oracle_jobs`); refusal
+latency at the client; calls refused while some replica had a free slot, from the shims' JSON
+access logs (:func:`refused_with_room`); attempts a shim queued, refused and the load balancer
+sent on (:func:`requeued_after_wait`); engine tokens wasted on callers who had left.
 """
 
 from __future__ import annotations
@@ -61,18 +38,15 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from _harness import cpu_seconds
 from bench_admission_model import Job, job, schedule
 from llm_backoff_shim.lab.demo import ProgressLine, shim_flags
 from llm_backoff_shim.lab.figures import figures
@@ -89,7 +63,7 @@ from llm_backoff_shim.lab.procs import (
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
 from llm_backoff_shim.serve.observe.access_log import json_records
-from real_vllm.measures import idle_slot_share
+from real_vllm.measures import QUEUED_REFUSAL
 from real_vllm.mix import chat_scenario
 
 # -- the figures (pure: records in, numbers out) ---------------------------------------------
@@ -270,10 +244,6 @@ def refused_with_room(
     return RefusalsWithRoom(refused, with_room, dict(sorted(tries.items())))
 
 
-#: A refusal answered later than this came after a wait in the shim's queue, not at arrival.
-QUEUED_REFUSAL = 0.5
-
-
 @dataclass(frozen=True)
 class Requeued:
     """Load-balancer attempts sent on to another replica after a replica had queued them and
@@ -305,119 +275,26 @@ def requeued_after_wait(all_visits: Sequence[Visit]) -> Requeued:
     return Requeued(count, served, sorted(spans))
 
 
-def spread(values: Sequence[float]) -> float | None:
-    """Largest over smallest of ``values`` (1.0 when even); None without a positive smallest."""
-    if not values or min(values) <= 0:
-        return None
-    return max(values) / min(values)
-
-
-__all__ = [
-    "ADMITTED",
-    "Occupancy",
-    "RefusalsWithRoom",
-    "Requeued",
-    "Visit",
-    "conservation",
-    "oracle_jobs",
-    "prompt_tokens",
-    "refused_with_room",
-    "requeued_after_wait",
-    "split_trace",
-    "spread",
-    "visits",
-]
-
-
 # -- the run ----------------------------------------------------------------------------------
 
 REPLICAS = 3
 SLOTS = 8
 #: The shims' access logs, for the refusals a replica with room could have taken.
 LOG_FLAGS = ("--log-level", "info", "--log-format", "json")
-#: A cell whose load generator used more of a core than this (1 s samples, p90), or a machine
-#: busier than this many cores, is flagged: its latencies include the load generator's own lag.
-LOADGEN_LIMIT = 0.7
-MACHINE_LIMIT = 1.8
 
 
 @dataclass(frozen=True)
 class Arm:
     name: str
     setup: Setup
-    start_deadline: bool
 
 
 ARMS = {
-    "plain": Arm("plain", Setup("plain openai", "shim", "plain"), False),
-    "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets"), False),
-    "budgets": Arm("budgets", Setup("llm_backoff + budgets", "shim", "llm_backoff"), True),
+    "plain": Arm("plain", Setup("plain openai", "shim", "plain")),
+    "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets")),
 }
 TARGET_LABELS = {"single": "one replica", "nginx": "nginx fleet", "haproxy": "HAProxy fleet"}
 TARGETS = tuple(TARGET_LABELS)
-
-
-# -- CPU of the parts -----------------------------------------------------------------------------
-
-
-def _own_cpu() -> float:
-    """This process's user + system CPU (all threads, not its children)."""
-    t = os.times()
-    return t.user + t.system
-
-
-def _machine_busy() -> float:
-    """CPU-seconds the whole machine has been busy (``/proc/stat``; 0 where unreadable)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return 0.0
-    ticks = [int(f) for f in fields]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-class CpuWatch:
-    """Samples, every second, the CPU of each part (a list of process ids, each with its
-    descendants), this load generator and the whole machine, in cores (1.0: one core busy)."""
-
-    def __init__(self, parts: dict[str, list[int]], every: float = 1.0) -> None:
-        self.parts = parts
-        self.every = every
-        self.series: dict[str, list[float]] = {name: [] for name in [*parts, "load generator", "machine"]}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
-
-    def _read(self) -> dict[str, float]:
-        now = {name: sum(cpu_seconds(pid) for pid in pids) for name, pids in self.parts.items()}
-        now["load generator"] = _own_cpu()
-        now["machine"] = _machine_busy()
-        return now
-
-    def _run(self) -> None:
-        last, t0 = self._read(), time.monotonic()
-        while not self._stop.wait(self.every):
-            now, t1 = self._read(), time.monotonic()
-            for name, value in now.items():
-                self.series[name].append(max(0.0, value - last[name]) / (t1 - t0))
-            last, t0 = now, t1
-
-    def __enter__(self) -> CpuWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict[str, tuple[float, float]]:
-        """Per part: (mean, p90) cores over the samples."""
-        out = {}
-        for name, values in self.series.items():
-            if values:
-                ordered = sorted(values)
-                out[name] = (statistics.fmean(values), ordered[int(0.9 * (len(ordered) - 1))])
-        return out
 
 
 # -- one cell ------------------------------------------------------------------------------------
@@ -438,33 +315,19 @@ class Cell:
     useful_tokens: int
     ceiling: float
     oracle_useful: int
-    rejections: int
     refusal_p50: float | None
     refusal_p99: float | None
-    failed: int
-    failed_fast_share: float | None
-    failure_p90: float | None
-    attempts_per_success: float | None
-    tokens_generated: int
     wasted_share: float
-    idle_share: float | None
-    engine_tokens: list[int]
-    refused_calls: int | None
-    refused_with_room: int | None
-    tries: dict[int, int]
-    hints_p50: float | None
-    cpu: dict[str, tuple[float, float]]
-    load_average: float
+    refused_calls: int
+    refused_with_room: int
+    #: Load-balancer attempts a replica queued, then refused, that went on to another replica,
+    #: and how many of those were served there.
+    requeued: int
+    requeued_served: int
+    load: float
     elapsed: float
-    errors: dict[str, int] = field(default_factory=dict)
     #: Replicas whose work the cell counts: the fleet's, or the thirds one replica ran in turn.
     replicas: int = 1
-    #: Load-balancer attempts a replica queued, then refused, that went on to another replica;
-    #: of those, how many were served there; p50 / max of their time in the fleet.
-    requeued: int = 0
-    requeued_served: int = 0
-    requeued_span_p50: float | None = None
-    requeued_span_max: float | None = None
 
     @property
     def within_budget(self) -> int:
@@ -473,17 +336,6 @@ class Cell:
     @property
     def useful_fraction(self) -> float:
         return self.useful_tokens / self.ceiling if self.ceiling else 0.0
-
-    @property
-    def flagged(self) -> list[str]:
-        notes = []
-        loadgen = self.cpu.get("load generator")
-        if loadgen and loadgen[1] > LOADGEN_LIMIT:
-            notes.append(f"load generator at {loadgen[1]:.2f} cores (p90)")
-        machine = self.cpu.get("machine")
-        if machine and machine[1] > MACHINE_LIMIT:
-            notes.append(f"machine at {machine[1]:.2f} cores (p90): the parts waited for a CPU")
-        return notes
 
 
 @contextlib.contextmanager
@@ -496,11 +348,10 @@ def single_replica(
 
 @dataclass
 class Driven:
-    """One load run on fresh servers: the records, the shims' access logs, the CPU of the parts."""
+    """One load run on fresh servers: the records, the shims' access logs, the machine's load."""
 
     result: RunResult
     logs: list[str]
-    cpu: dict[str, tuple[float, float]]
     load: float
 
 
@@ -518,21 +369,12 @@ def drive(
     with contextlib.ExitStack() as stack:
         if target == "single":
             url, engines, shims, servers = stack.enter_context(single_replica(shape, [*flags, *LOG_FLAGS]))
-            parts = {
-                "engines": [s.pid for s in servers[:1] if s.pid],
-                "shims": [s.pid for s in servers[1:] if s.pid],
-            }
             logs = [lambda: servers[1].log_tail(50_000_000)]
         else:
             fleet = stack.enter_context(
                 Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS])
             )
             url, engines, shims = fleet.url, fleet.engine_urls, fleet.shim_urls
-            parts = {
-                "engines": [r.engine.pid for r in fleet.replicas if r.engine is not None and r.engine.pid],
-                "shims": [r.shim.pid for r in fleet.replicas if r.shim.pid],
-                "load balancer": [fleet.lb.pid] if fleet.lb is not None and fleet.lb.pid else [],
-            }
             logs = [(lambda i=i: fleet.shim_log(i, 50_000_000)) for i in range(replicas)]
         load = os.getloadavg()[0]
         label = f"{TARGET_LABELS[target]} / {arm.setup.label}"
@@ -548,14 +390,13 @@ def drive(
             shim_urls=shims,
             capacity=capacity,
             progress=line,
-            start_deadline=arm.start_deadline,
+            start_deadline=False,
             token_capacity=token_capacity,
         )
-        with CpuWatch(parts) as watch:
-            result = run_load(run)
+        result = run_load(run)
         line.done()
         texts = [read() for read in logs]
-    return Driven(result, texts, watch.summary(), load)
+    return Driven(result, texts, load)
 
 
 def side_by_side(runs: Sequence[Driven]) -> RunResult:
@@ -590,40 +431,15 @@ def run_cell(
 ) -> tuple[RunResult, Cell]:
     """``traces``: the fleet's trace; for one replica, each part of it it runs alone, in turn."""
     replicas = 1 if target == "single" else REPLICAS
-    scen = dataclasses.replace(scen, start_deadline=arm.start_deadline)
     runs = [drive(target, arm, scen, calls, shape, flags) for calls in traces]
     result = runs[0].result if len(runs) == 1 else side_by_side(runs)
     figs = figures(result)
-    refused = with_room = 0
-    tries: dict[int, int] = {}
-    hints: list[float] = []
-    again = requeued_after_wait([])
-    for run in runs:
-        seen = [v for i, text in enumerate(run.logs) for v in visits(i, json_records(text))]
-        room = refused_with_room(seen, replicas, shape.slots)
-        refused, with_room = refused + room.refused, with_room + room.with_room
-        for k, n in room.tries.items():
-            tries[k] = tries.get(k, 0) + n
-        hints += [v.retry_after for v in seen if v.outcome == "rejected" and v.retry_after is not None]
-        more = requeued_after_wait(seen)
-        again = dataclasses.replace(
-            again,
-            count=again.count + more.count,
-            served=again.served + more.served,
-            spans=sorted(again.spans + more.spans),
-        )
-    hints.sort()
-    stats = result.engine_stats
-    per_engine = [int(e.get("tokens_generated", 0)) for e in stats.get("engines", [stats])]
+    seen = [[v for i, text in enumerate(run.logs) for v in visits(i, json_records(text))] for run in runs]
+    rooms = [refused_with_room(visited, replicas, shape.slots) for visited in seen]
+    again = [requeued_after_wait(visited) for visited in seen]
     oracle = sum(
         schedule(oracle_jobs(calls, shape, scen), replicas * shape.slots).useful_tokens for calls in traces
     )
-    idle = [idle_slot_share(r.result, replicas * shape.slots) for r in runs]
-    cpu = {
-        part: (max(r.cpu[part][0] for r in runs), max(r.cpu[part][1] for r in runs))
-        for part in runs[0].cpu
-        if all(part in r.cpu for r in runs)
-    }
     cell = Cell(
         target=target,
         arm=arm.name,
@@ -636,30 +452,16 @@ def run_cell(
         useful_tokens=figs.useful_tokens,
         ceiling=figs.useful_ceiling or 0.0,
         oracle_useful=oracle,
-        rejections=figs.rejections,
         refusal_p50=figs.rejection_p50,
         refusal_p99=figs.rejection_p99,
-        failed=figs.calls - figs.ok,
-        failed_fast_share=figs.failed_fast_share,
-        failure_p90=figs.failure_p90,
-        attempts_per_success=figs.attempts_per_success,
-        tokens_generated=figs.tokens_generated,
         wasted_share=figs.wasted_fraction,
-        idle_share=None if None in idle else statistics.fmean(i for i in idle if i is not None),
-        engine_tokens=per_engine,
-        refused_calls=refused,
-        refused_with_room=with_room,
-        tries=dict(sorted(tries.items())),
-        hints_p50=hints[len(hints) // 2] if hints else None,
-        cpu=cpu,
-        load_average=min(r.load for r in runs),
+        refused_calls=sum(r.refused for r in rooms),
+        refused_with_room=sum(r.with_room for r in rooms),
+        requeued=sum(a.count for a in again),
+        requeued_served=sum(a.served for a in again),
+        load=max(r.load for r in runs),
         elapsed=result.elapsed,
-        errors=figs.errors,
         replicas=replicas if target != "single" else len(traces),
-        requeued=again.count,
-        requeued_served=again.served,
-        requeued_span_p50=again.spans[len(again.spans) // 2] if again.spans else None,
-        requeued_span_max=again.spans[-1] if again.spans else None,
     )
     print("  " + cell_line(cell), flush=True)
     return result, cell
@@ -680,35 +482,16 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def cpu_text(cpu: dict[str, tuple[float, float]]) -> str:
-    return ", ".join(f"{name} {mean:.2f} (p90 {p90:.2f})" for name, (mean, p90) in cpu.items())
-
-
 def cell_line(c: Cell) -> str:
-    room = (
-        ""
-        if c.refused_calls is None
-        else f", {c.refused_with_room}/{c.refused_calls} refused with a replica free"
-    )
-    flags = f"  ** {'; '.join(c.flagged)}" if c.flagged else ""
-    if c.requeued:
-        room += (
-            f", {c.requeued} sent on after a queue wait ({c.requeued_served} then served; in the fleet "
-            f"p50 {_s(c.requeued_span_p50)}, max {_s(c.requeued_span_max)})"
-        )
     return (
         f"useful {c.useful_tokens} tokens ({_pct(c.useful_fraction)} of the ceiling, oracle "
         f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}), interactive "
         f"{c.interactive_within_budget}/{c.interactive_calls} within budget, batch "
-        f"{c.batch_ok}/{c.batch_calls}, refusal p50/p99 "
-        f"{_s(c.refusal_p50)}/{_s(c.refusal_p99)}, wasted {_pct(c.wasted_share)}, idle {_pct(c.idle_share)}"
-        f"{room}; engine tokens {c.engine_tokens} (max/min {_ratio(spread(c.engine_tokens))}, "
-        f"{c.elapsed:.0f} s)\n  cores: {cpu_text(c.cpu)}{flags}"
+        f"{c.batch_ok}/{c.batch_calls}, refusal p50/p99 {_s(c.refusal_p50)}/{_s(c.refusal_p99)}, "
+        f"wasted {_pct(c.wasted_share)}, {c.refused_with_room}/{c.refused_calls} refused with a replica "
+        f"free, {c.requeued} sent on after a queue wait ({c.requeued_served} then served); "
+        f"{c.elapsed:.0f} s"
     )
-
-
-def _p90(c: Cell, part: str) -> float:
-    return c.cpu.get(part, (0.0, 0.0))[1]
 
 
 def find(cells: Sequence[Cell], target: str, arm: str) -> Cell | None:
@@ -735,7 +518,6 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
                 if plain is None or arm == "plain" or not plain.useful_tokens
                 else c.useful_tokens / plain.useful_tokens
             )
-            room = "-" if c.refused_calls is None else f"{c.refused_with_room}/{c.refused_calls}"
             rows.append(
                 [
                     TARGET_LABELS[target],
@@ -746,13 +528,9 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
                     f"{c.interactive_within_budget}/{c.interactive_calls}",
                     f"{c.batch_ok}/{c.batch_calls}",
                     f"{_s(c.refusal_p50)} / {_s(c.refusal_p99)}",
-                    _pct(c.failed_fast_share),
-                    _pct(c.wasted_share),
-                    _pct(c.idle_share),
-                    room,
+                    f"{c.refused_with_room}/{c.refused_calls}",
                     f"{c.requeued} ({c.requeued_served})",
-                    f"{_pct(c.oracle_useful / c.ceiling if c.ceiling else None)}",
-                    f"{_p90(c, 'load generator'):.2f} / {_p90(c, 'machine'):.2f}",
+                    _pct(c.wasted_share),
                 ]
             )
     return rows
@@ -767,27 +545,15 @@ HEADER = [
     "interactive within 5 s",
     "batch served",
     "refusal p50 / p99",
-    "failures known < 1 s",
-    "engine tokens wasted",
-    "slot-time idle, caller waiting",
     "refused with a replica free",
     "sent on after a queue wait (then served)",
-    "EDF oracle (of ceiling)",
-    "cores p90: loadgen / machine",
+    "engine tokens wasted",
 ]
 
 
 def markdown(rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def text_table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADER)]
-    out = []
-    for row in [HEADER, *rows]:
-        out.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)))
-    return "\n".join(out)
 
 
 def save_plot(
@@ -802,7 +568,7 @@ def save_plot(
     import matplotlib.pyplot as plt
 
     arms = list(dict.fromkeys(c.arm for c in cells))
-    fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
+    fig, axes = plt.subplots(1, 5, figsize=(24, 4.6))
     colours = {"single": "tab:grey", "nginx": "tab:green", "haproxy": "tab:blue"}
     panels = (
         ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
@@ -841,24 +607,6 @@ def save_plot(
     busy.set_title("requests running in each engine (presets)", fontsize=10)
     busy.set_xlabel("s")
     busy.legend(fontsize=6)
-    cpu = axes.flat[5]
-    names = ["load generator", "shims", "engines", "load balancer", "machine"]
-    for k, target in enumerate(TARGETS):
-        c = next((c for c in cells if c.target == target and c.arm == arms[-1]), None)
-        if c is None:
-            continue
-        cpu.bar(
-            [i + (k - 1) * width for i in range(len(names))],
-            [c.cpu.get(n, (0.0, 0.0))[1] for n in names],
-            width,
-            color=colours[target],
-            label=TARGET_LABELS[target],
-        )
-    cpu.set_xticks(range(len(names)))
-    cpu.set_xticklabels(names, fontsize=8)
-    cpu.set_title(f"cores used, p90 of 1 s samples ({ARMS[arms[-1]].setup.label})", fontsize=10)
-    cpu.axhline(2.0, color="black", linewidth=0.5)
-    cpu.legend(fontsize=8)
     fig.suptitle(textwrap.fill(title, 190), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -875,33 +623,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--quick", action="store_true", help="8 s of arrivals instead of 20")
     add("--seed", type=int, default=1)
     add("--duration", type=float, help="seconds of arrivals (default 20, 8 with --quick)")
-    add(
-        "--rate-factor",
-        type=float,
-        default=2.0,
-        help="arrival rate / the fleet's capacity (default %(default)s)",
-    )
-    add(
-        "--itl",
-        type=float,
-        default=0.02,
-        help="the simulator's seconds per token per sequence (default %(default)s)",
-    )
-    add(
-        "--setups",
-        default="plain,presets",
-        help=f"comma-separated, of {', '.join(ARMS)} (default %(default)s)",
-    )
+    add("--rate-factor", type=float, default=2.0, help="arrival rate / the fleet's capacity")
+    add("--itl", type=float, default=0.02, help="the simulator's seconds per token per sequence")
+    add("--setups", default="plain,presets", help=f"comma-separated, of {', '.join(ARMS)}")
     add("--targets", default=",".join(TARGETS), help=f"comma-separated, of {', '.join(TARGETS)}")
-    add(
-        "--single-parts",
-        type=int,
-        default=REPLICAS,
-        choices=range(1, REPLICAS + 1),
-        help="one replica alone runs this many of the trace's thirds, in turn, and they count "
-        "together as 'one replica' x that many (default %(default)s: the whole trace, the same calls "
-        "as the fleet; 1: a random third, a third of the time)",
-    )
     add("--out", type=Path, default=Path("docs/img"), help="folder for the PNG, JSON and Markdown")
     return p
 
@@ -924,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     flags = shim_flags(shape, base)
     per_replica = shape.capacity_for(base.workload)
     fleet_calls = arrivals(base, REPLICAS * per_replica, random.Random(args.seed))
-    thirds = split_trace(fleet_calls, REPLICAS, random.Random(args.seed + 1))[: args.single_parts]
+    thirds = split_trace(fleet_calls, REPLICAS, random.Random(args.seed + 1))
     single_calls = [c for part in thirds for c in part]
     print(
         f"engine: simulator, {SLOTS} slots, ttft {shape.ttft:g} s, itl {shape.itl:g} s "
@@ -960,10 +685,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{base.describe(REPLICAS * per_replica)}; seed {args.seed}; {len(fleet_calls)} calls "
         f"(one replica: {len(single_calls)})"
     )
-    print("\n" + head + "\n" + text_table(rows))
-    flagged = [f"{TARGET_LABELS[c.target]} / {c.arm}: {'; '.join(c.flagged)}" for c in cells if c.flagged]
-    if flagged:
-        print("\nflagged (latencies include time spent waiting for a CPU):\n  " + "\n  ".join(flagged))
+    print("\n" + head + "\n\n" + markdown(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"fleet{'-quick' if args.quick else ''}-seed{args.seed}"
     png = save_plot(cells, timeline, args.out / f"{stem}.png", head)

@@ -2,16 +2,13 @@
 
     .venv/bin/python bench/bench_proxy.py            # full run, about 3 minutes
     .venv/bin/python bench/bench_proxy.py --quick    # one short round of everything, about 1 minute
-    .venv/bin/python bench/bench_proxy.py --targets shim,shim-log,relay   # what the access log costs
-    .venv/bin/python bench/bench_proxy.py --mode refusals [--quick]       # what a refusal costs
 
 Processes, all on 127.0.0.1 (``_harness.py``):
 
 - a fast fake engine (fixed JSON at once, or paced SSE);
 - the shim (``llm-backoff-shim serve --max-concurrency 1000 --max-queue 1000``, so
-  admission never rejects), ``shim-log`` (the same with its access log on, lines to a file),
-  nginx (``proxy_pass``, ``proxy_buffering off``, upstream keep-alive, one worker) and
-  "relay", the reference for requests/s (a minimal uvicorn + aiohttp relay), all
+  admission never rejects), nginx (``proxy_pass``, ``proxy_buffering off``, upstream
+  keep-alive, one worker) and "relay", the reference for requests/s (a minimal uvicorn + aiohttp relay), all
   pinned to CPU 1 with taskset;
 - the load generator: ``wrk`` (Debian package ``wrk``) for the request phases when
   installed, else the harness's ``loadgen http``; always ``loadgen sse`` for streams. It and
@@ -31,51 +28,38 @@ Proxy CPU is utime+stime from /proc/<pid>/stat (nginx: master + worker) over the
 measuring window. The shared machines have 2 cores and other users: unless
 ``--nice 0``, every process of the run gets a raised scheduling priority (its own
 autogroup at nice -10, needs root) so neighbours disturb the figures less.
-
-``--mode refusals``: CPU per refusal, the same measuring loop at 32 connections. The shim (one
-slot held by a request its upstream never answers, no queue: every answer a 429 ``queue_full``)
-with its access log on and off, against the harness's ``app429`` (an ASGI app answering 429
-without reading the body, on the same server: uvicorn, uvloop, httptools) with uvicorn's access
-log off and on. Targets: a refusal with the log on within 2.5x the 429 app's CPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import _harness as harness
+from llm_backoff_shim.lab.procs import cli_command
 
 HERE = Path(__file__).resolve().parent
 PROXY_CPU = 1
 LOAD_CPU = 0
 CONCURRENCIES = (1, 16, 64)
-TARGETS = ("direct", "shim", "shim-log", "nginx", "relay")
-PROXIES = ("shim", "shim-log", "nginx", "relay")
-DEFAULT_TARGETS = ("direct", "shim", "nginx", "relay")
-REFUSERS = ("shim log on", "shim log off", "429 app", "429 app + uvicorn log")
+TARGETS = ("direct", "shim", "nginx", "relay")
+PROXIES = ("shim", "nginx", "relay")
 SSE_STREAMS = 64
 SSE_MAX_RATE = 1000.0  # events/s per stream: 64,000/s offered, more than any target relays
 SSE_MAX_CHUNKS = 2000
 TOKEN_RATE = 200.0
 TOKEN_CHUNKS = 400  # 2 s streams, then a new request on the same connection
-
-#: A refusal with the shim's access log on, at most this many times the 429 app's CPU.
-TARGET_REFUSAL_VS_429 = 2.5
 
 _REQUEST_BODY = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
 _WRK_SCRIPT = (
@@ -184,9 +168,8 @@ class Runner:
         conns: int,
         seconds: float,
         cpu: Callable[[], float] | None,
-        status: int = 200,
     ) -> HttpRun:
-        if self.loadgen == "wrk" and status == 200:
+        if self.loadgen == "wrk":
             argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "-s", str(self.wrk_script)]
             before = cpu() if cpu else 0.0
             proc = self._popen([*argv, f"http://{address}/v1/chat/completions"])
@@ -207,8 +190,6 @@ class Runner:
         argv += [
             "--conns",
             str(conns),
-            "--status",
-            str(status),
             "--warmup",
             "0.5",
             "--window",
@@ -309,60 +290,37 @@ class Target:
     cpu: Callable[[], float] | None
 
 
-def _shim_argv(port: int, upstream: str, *flags: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "llm_backoff_shim.cli",
-        "serve",
-        "--upstream",
-        f"http://{upstream}",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *(flags or ("--max-concurrency", "1000", "--max-queue", "1000")),
-        "--log-level",
-        "warning",
-    ]
+def _shim_argv(port: int, upstream: str) -> list[str]:
+    flags = ["--max-concurrency", "1000", "--max-queue", "1000", "--log-level", "warning"]
+    return cli_command(
+        "serve", "--upstream", f"http://{upstream}", "--host", "127.0.0.1", "--port", str(port), *flags
+    )
+
+
+def _harness_argv(role: str, port: int, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / "_harness.py"), role, "--port", str(port), *args]
 
 
 @contextlib.contextmanager
 def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterator[dict[str, Target]]:
     """The fake engine and the proxies in ``wanted``, running until the block ends."""
-    up_port = harness.free_port()
-    upstream = harness.Child(
-        "fake engine",
-        [sys.executable, str(HERE / "_harness.py"), "upstream", "--port", str(up_port)],
-        up_port,
-        cpu=LOAD_CPU,
-        nice=nice,
-    )
     with contextlib.ExitStack() as stack:
+        upstream = harness.Child(
+            "fake engine", lambda port: _harness_argv("upstream", port), cpu=LOAD_CPU, nice=nice
+        )
         children = [stack.enter_context(upstream)]
-        targets = {"direct": Target("direct", upstream.address, None)}
-        for name in ("shim", "shim-log"):
+        up = upstream.address
+        argvs: dict[str, Callable[[int], Sequence[str]]] = {
+            "shim": lambda port: _shim_argv(port, up),
+            "nginx": lambda port: harness.nginx_argv(harness.nginx_config(workdir, port, up)),
+            "relay": lambda port: _harness_argv("relay", port, "--upstream", f"http://{up}"),
+        }
+        targets = {"direct": Target("direct", up, None)}
+        for name in PROXIES:
             if name in wanted:
-                port = harness.free_port()
-                argv = _shim_argv(port, upstream.address)
-                if name == "shim-log":
-                    argv = [*argv, "--log-level", "info", "--access-log", "true"]
-                shim = harness.Child(name, argv, port, cpu=PROXY_CPU, nice=nice)
-                children.append(stack.enter_context(shim))
-                targets[name] = Target(name, shim.address, shim.cpu)
-        if "nginx" in wanted:
-            port = harness.free_port()
-            config = harness.nginx_config(workdir, port, upstream.address)
-            nginx = harness.Child("nginx", harness.nginx_argv(config), port, cpu=PROXY_CPU, nice=nice)
-            children.append(stack.enter_context(nginx))
-            targets["nginx"] = Target("nginx", nginx.address, nginx.cpu)
-        if "relay" in wanted:
-            port = harness.free_port()
-            argv = [sys.executable, str(HERE / "_harness.py"), "relay", "--port", str(port)]
-            argv += ["--upstream", f"http://{upstream.address}"]
-            relay = harness.Child("reference relay", argv, port, cpu=PROXY_CPU, nice=nice)
-            children.append(stack.enter_context(relay))
-            targets["relay"] = Target("relay", relay.address, relay.cpu)
+                child = stack.enter_context(harness.Child(name, argvs[name], cpu=PROXY_CPU, nice=nice))
+                children.append(child)
+                targets[name] = Target(name, child.address, child.cpu)
         if nice is not None and not all(child.boosted for child in children):
             print(f"note: could not set nice {nice} (not root?): figures will be noisier", flush=True)
         yield targets
@@ -462,8 +420,8 @@ def _fmt(value: float, spec: str) -> str:
 
 def report(results: Results, targets: tuple[str, ...]) -> str:
     proxies = [t for t in PROXIES if t in targets]
-    # shim / nginx: the proxy against the reference proxy; shim-log / shim: what the access log costs
-    pairs = [(a, b) for a, b in (("shim", "nginx"), ("shim-log", "shim")) if a in targets and b in targets]
+    # shim / nginx: the proxy against the reference proxy
+    pairs = [("shim", "nginx")] if {"shim", "nginx"} <= set(targets) else []
     header = "| measure | " + " | ".join(targets) + " |" + "".join(f" {a} / {b} |" for a, b in pairs)
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
 
@@ -474,13 +432,6 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
             cells.append(_fmt(top / bottom if bottom else float("nan"), ".2f"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
-    for conns in CONCURRENCIES:
-        for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
-            row(
-                f"latency {label} at {conns} conc. (ms)",
-                {t: _http(results, t, conns, attr) for t in targets},
-                ".3f",
-            )
     for conns in CONCURRENCIES:
         for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
             row(
@@ -500,19 +451,9 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
         {t: _sse(results, t, "max", "events_per_s") for t in targets},
         ",.0f",
     )
-    row(
-        "  events per read at the client",
-        {t: _sse(results, t, "max", "events_per_read") for t in targets},
-        ".1f",
-    )
     row("  proxy cores used", {t: _sse(results, t, "max", "cores") for t in proxies}, ".2f")
     row(
         "  proxy CPU per event (µs)", {t: _sse(results, t, "max", "cpu_us_per_event") for t in proxies}, ".1f"
-    )
-    row(
-        "  events/s one core could relay (1 / CPU per event)",
-        {t: 1e6 / _sse(results, t, "max", "cpu_us_per_event") for t in proxies},
-        ",.0f",
     )
     row(
         "SSE events/s, 64 streams at 200 tokens/s",
@@ -531,117 +472,10 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------
-# --mode refusals
-# ---------------------------------------------------------------------------------------
-class HoldingUpstream:
-    """An upstream that reads requests and never answers: whatever reaches it holds its slot."""
-
-    def __init__(self) -> None:
-        self.port = harness.free_port()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-
-    async def _serve(self) -> asyncio.AbstractServer:
-        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while await reader.read(65536):
-                pass
-            writer.close()
-
-        return await asyncio.start_server(hold, "127.0.0.1", self.port)
-
-    def __enter__(self) -> HoldingUpstream:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(5)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-
-
-def _hold_slot(child: harness.Child) -> socket.socket:
-    """Take the shim's one slot with a request its upstream never answers."""
-    body = _REQUEST_BODY.encode()
-    holder = socket.create_connection(("127.0.0.1", child.port), timeout=10)
-    holder.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: shim\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%b" % (len(body), body)
-    )
-    time.sleep(0.5)
-    return holder
-
-
-@contextlib.contextmanager
-def refusers(nice: int | None) -> Iterator[dict[str, harness.Child]]:
-    with HoldingUpstream() as upstream, contextlib.ExitStack() as stack:
-        held = ("--max-concurrency", "1", "--max-queue", "0")
-        children = {}
-        for name, log in (("shim log on", "true"), ("shim log off", "false")):
-            port = harness.free_port()
-            argv = _shim_argv(port, f"127.0.0.1:{upstream.port}", *held)
-            argv += ["--log-level", "info" if log == "true" else "warning", "--access-log", log]
-            children[name] = harness.Child(name, argv, port, cpu=PROXY_CPU, nice=nice)
-        for name, flags in (("429 app", []), ("429 app + uvicorn log", ["--access-log"])):
-            port = harness.free_port()
-            argv = [sys.executable, str(HERE / "_harness.py"), "app429", "--port", str(port), *flags]
-            children[name] = harness.Child(name, argv, port, cpu=PROXY_CPU, nice=nice)
-        for name, child in children.items():
-            stack.enter_context(child)
-            if name.startswith("shim"):
-                stack.callback(_hold_slot(child).close)
-        yield children
-
-
-def run_refusals(args: argparse.Namespace) -> list[HttpRun]:
-    nice = None if args.nice == 0 else args.nice
-    runs: list[HttpRun] = []
-    with tempfile.TemporaryDirectory(prefix="bench-refusals-") as tmp, refusers(nice) as children:
-        runner = Runner(Path(tmp), nice=nice, loadgen=args.loadgen)
-        for name, child in children.items():
-            runner.http(name, child.address, 32, 1.0, None, status=429)  # warm-up
-        for rnd in range(args.rounds):
-            for name in rotated(REFUSERS, rnd):
-                child = children[name]
-                r = runner.http(name, child.address, 32, args.seconds, child.cpu, status=429)
-                runs.append(r)
-                print(
-                    f"round {rnd + 1} {name:<22} {r.rps:9,.0f} refusals/s  p99 {r.p99_ms:6.3f} ms  "
-                    f"{r.cpu_us_per_request:6.1f} us of CPU each  errors {r.errors}",
-                    flush=True,
-                )
-    return runs
-
-
-def refusals_report(runs: list[HttpRun]) -> str:
-    lines = ["| server | refusals/s | p99 (ms) | CPU per refusal (µs) |", "| --- | ---: | ---: | ---: |"]
-    for name in REFUSERS:
-        mine = [r for r in runs if r.target == name]
-        cpu = _median([v for r in mine if (v := r.cpu_us_per_request) is not None])
-        rps, p99 = _median([r.rps for r in mine]), _median([r.p99_ms for r in mine])
-        lines.append(f"| {name} | {rps:,.0f} | {p99:.3f} | {cpu:.1f} |")
-    lines += [
-        "",
-        "| ratio of CPU per refusal (same round, median) | measured | target | met |",
-        "| --- | ---: | ---: | --- |",
-    ]
-    # runs hold the rounds one after another, each with every refuser once
-    size = len(REFUSERS)
-    cells = [
-        {r.target: r.cpu_us_per_request or 0.0 for r in runs[k : k + size]} for k in range(0, len(runs), size)
-    ]
-    for bottom in ("429 app", "429 app + uvicorn log"):
-        per_round = [cell["shim log on"] / cell[bottom] for cell in cells if cell.get(bottom)]
-        ratio = _median(per_round)
-        met = "yes" if ratio <= TARGET_REFUSAL_VS_429 else "NO"
-        lines.append(f"| shim log on / {bottom} | {ratio:.2f} | <= {TARGET_REFUSAL_VS_429:g} | {met} |")
-    return "\n".join(lines)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=("overhead", "refusals"), default="overhead")
     parser.add_argument("--quick", action="store_true", help="one round of 2 s windows (a smoke run)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per measure (default 3)")
     parser.add_argument(
@@ -657,21 +491,15 @@ def main() -> int:
         help="request-phase load generator (default: wrk when installed)",
     )
     parser.add_argument(
-        "--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
+        "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
     )
-    parser.add_argument("--json", type=Path, default=None, help="also write every run's raw figures here")
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (2.0 if args.quick else 4.0)
     args.targets = tuple(t for t in TARGETS if t in args.targets.split(","))
-    if args.mode == "overhead" and "nginx" in args.targets and not Path(harness.NGINX).exists():
+    if "nginx" in args.targets and not Path(harness.NGINX).exists():
         print(f"{harness.NGINX} not found: install nginx or pass --targets direct,shim", file=sys.stderr)
         return 2
-    if args.mode == "refusals":
-        refusals = run_refusals(args)
-        print()
-        print(refusals_report(refusals))
-        return 0
     pinned = bool(harness.pin_prefix(PROXY_CPU))
     print(
         f"load generator: {args.loadgen}; proxies pinned to CPU {PROXY_CPU}: {'yes' if pinned else 'no'}; "
@@ -683,12 +511,6 @@ def main() -> int:
     print()
     print(report(results, args.targets))
     print(f"\n(took {time.monotonic() - started:.0f} s)")
-    if args.json is not None:
-        args.json.write_text(
-            json.dumps(
-                {"http": [vars(r) for r in results.http], "sse": [vars(s) for s in results.sse]}, indent=1
-            )
-        )
     return 0
 
 

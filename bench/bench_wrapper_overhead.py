@@ -3,9 +3,7 @@
 Both clients talk to the same in-process mock transport (no sockets), so what is
 measured is the client-side cost per call: openai's request building and response
 parsing, plus, for the wrapped client, the retry transport (body replay, deadline
-stamping, JSON buffering, attempt record) and the error-annotation hook. A third
-row times a plain httpx/httpx2 client with and without the retry transport: the
-cost of our layer alone, against a much cheaper baseline.
+stamping, JSON buffering, attempt record) and the error-annotation hook.
 
 Rounds interleave bare and wrapped (order alternating) so machine noise hits both
 alike; each round runs ``--calls`` consecutive calls per client, as an application
@@ -26,18 +24,6 @@ it tells whether a change removed work; the CPU-time ratio says what the work co
 
     .venv/bin/python bench/bench_wrapper_overhead.py [--rounds 41] [--calls 200] [--clock cpu|wall]
     .venv/bin/python bench/bench_wrapper_overhead.py --mode opcodes
-    .venv/bin/python bench/bench_wrapper_overhead.py --mode dead-engine [--aged 20] [--down 3]
-
-``--mode dead-engine``: how soon a call gives up when no one can serve it, on real processes on
-loopback: a closed port (a dead server), and ``llm-backoff-shim serve`` whose ``--upstream`` is a
-closed port (its engine is down). For each, one chat completion by plain ``openai`` (its own two
-retries), by ``llm_backoff.wrap(client)`` (the default policy) and by the interactive preset: the
-time until it raises, the attempts made and why it gave up. Each call gets a fresh shim, so its
-outage starts with the call (the shim's hint is the outage's length so far: 1 s at first);
-``--aged S`` adds a run where the shim has seen the outage for ``S`` seconds already. Then the
-batch preset through a shim in front of the simulator, whose engine is killed (SIGKILL) under the
-call and started again ``--down`` seconds later on the same port: the call is expected to succeed.
-(The batch preset waits out its 10-minute deadline against a dead server, so it runs only there.)
 """
 
 from __future__ import annotations
@@ -49,7 +35,6 @@ import math
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +42,6 @@ from typing import Any
 import openai
 
 import llm_backoff
-from llm_backoff_shim.lab.procs import free_port, shim_server, sim_server
 
 OPENAI3 = openai.__version__.startswith("3.")
 if OPENAI3:
@@ -105,23 +89,6 @@ def async_pair() -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
 
 
 CLOCK: Callable[[], float] = time.process_time
-
-
-def transport_pair() -> tuple[Any, Any]:
-    """The retry layer alone: a plain http client on the mock transport, with and without it."""
-    from llm_backoff import transport
-
-    retry_cls = transport.Httpx2RetryTransport if OPENAI3 else transport.HttpxRetryTransport
-    bare = http.Client(transport=http.MockTransport(handler), base_url="http://bench/v1")
-    wrapped = http.Client(transport=retry_cls(http.MockTransport(handler)), base_url="http://bench/v1")
-    return bare, wrapped
-
-
-def time_http(client: Any, calls: int) -> float:
-    start = CLOCK()
-    for _ in range(calls):
-        client.post("/chat/completions", content=b'{"model": "m"}').json()
-    return CLOCK() - start
 
 
 def time_sync(client: openai.OpenAI, calls: int) -> float:
@@ -236,102 +203,15 @@ def opcodes_report() -> None:
         loop.close()
 
 
-# -- --mode dead-engine -------------------------------------------------------------------------
-
-
-def dead_engine_clients() -> dict[str, Callable[[str], Any]]:
-    return {
-        "plain openai (max_retries=2)": lambda url: openai.OpenAI(base_url=url, api_key="x"),
-        "wrap(client)": lambda url: llm_backoff.wrap(openai.OpenAI(base_url=url, api_key="x")),
-        "wrap(client, request_class='interactive')": lambda url: llm_backoff.wrap(
-            openai.OpenAI(base_url=url, api_key="x"), request_class="interactive"
-        ),
-    }
-
-
-def time_call(client: Any, max_tokens: int = 4) -> tuple[float, str]:
-    """(seconds, what the call ended with) of one chat completion."""
-
-    def attempts(history: tuple[llm_backoff.Attempt, ...] | None) -> str:
-        if history is None:
-            return "attempts -"
-        return f"attempts {len(history)} [{' '.join(str(a.status or 'conn') for a in history)}]"
-
-    started = time.monotonic()
-    try:
-        raw = client.chat.completions.with_raw_response.create(
-            model="sim-model", messages=MESSAGES, max_tokens=max_tokens
-        )
-    except Exception as exc:
-        seconds = time.monotonic() - started
-        reason = getattr(exc, "_llm_backoff_reason", None) or ""
-        history = getattr(exc, "llm_backoff_attempts", None)
-        return seconds, f"{type(exc).__name__}, {attempts(history)} {reason[:90]}"
-    history = raw.http_response.extensions.get("llm_backoff.attempts")
-    return time.monotonic() - started, f"status {raw.http_response.status_code}, {attempts(history)}"
-
-
-def dead_engine(aged: float, down: float) -> None:
-    print(f"{'target':34s} {'client':44s} {'seconds':>8s}  outcome")
-    for name, make in dead_engine_clients().items():
-        seconds, outcome = time_call(make(f"http://127.0.0.1:{free_port()}/v1"))
-        print(f"{'dead server (closed port)':34s} {name:44s} {seconds:8.2f}  {outcome}", flush=True)
-        with shim_server(f"http://127.0.0.1:{free_port()}", ()) as shim:
-            seconds, outcome = time_call(make(shim.url + "/v1"))
-        print(f"{'shim, engine down (fresh outage)':34s} {name:44s} {seconds:8.2f}  {outcome}", flush=True)
-    for name, make in dead_engine_clients().items() if aged > 0 else ():
-        with shim_server(f"http://127.0.0.1:{free_port()}", ()) as shim:
-            time_call(openai.OpenAI(base_url=shim.url + "/v1", api_key="x", max_retries=0))
-            time.sleep(aged)
-            seconds, outcome = time_call(make(shim.url + "/v1"))
-        label = f"shim, engine down {aged:g} s already"
-        print(f"{label:34s} {name:44s} {seconds:8.2f}  {outcome}", flush=True)
-    if down < 0:
-        return
-    sim_flags = ("--ttft", "0.1", "--itl", "0.02", "--output-tokens", "100", "--output-tokens-sigma", "0")
-    with sim_server(sim_flags) as engine, shim_server(engine, ()) as shim:
-        client = llm_backoff.wrap(
-            openai.OpenAI(base_url=shim.url + "/v1", api_key="x"), request_class="batch"
-        )
-        result: list[tuple[float, str]] = []
-        caller = threading.Thread(target=lambda: result.append(time_call(client, max_tokens=100)))
-        started = time.monotonic()
-        caller.start()
-        time.sleep(0.5)  # the call is in the engine (100 tokens at 20 ms: 2 s)
-        engine.kill()
-        killed = time.monotonic() - started
-        time.sleep(down)
-        engine.restart()
-        back = time.monotonic() - started
-        caller.join()
-    seconds, outcome = result[0]
-    print(
-        f"batch preset through a shim, engine SIGKILLed at {killed:.2f} s, back at {back:.2f} s: "
-        f"{outcome} after {seconds:.2f} s"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--mode", choices=("overhead", "opcodes", "dead-engine"), default="overhead")
+    parser.add_argument("--mode", choices=("overhead", "opcodes"), default="overhead")
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=200, help="calls per client per round")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
-    parser.add_argument(
-        "--aged", type=float, default=20.0, help="dead-engine: also an outage this old (0: no)"
-    )
-    parser.add_argument(
-        "--down",
-        type=float,
-        default=3.0,
-        help="dead-engine: seconds the engine is down under the batch call (negative: no restart run)",
-    )
     args = parser.parse_args()
-    if args.mode == "dead-engine":
-        dead_engine(args.aged, args.down)
-        return
     if args.mode == "opcodes":
         versions = f"openai {openai.__version__} on {http.__name__} {http.__version__}"
         print(f"{versions}, Python {platform.python_version()}")
@@ -369,15 +249,6 @@ def main() -> None:
         )
     finally:
         loop.close()
-
-    h_bare, h_wrapped = transport_pair()
-    results["http client only"] = run(
-        "http",
-        lambda: time_http(h_bare, args.calls),
-        lambda: time_http(h_wrapped, args.calls),
-        args.rounds,
-        args.calls,
-    )
 
     print()
     print(

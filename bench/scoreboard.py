@@ -75,7 +75,7 @@ from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
 from real_vllm.capacity import full_load_tokens_per_s
 from real_vllm.engine import DEFAULT_ENV, DEFAULT_MODEL, ensure_setup, ready, vllm_server
-from real_vllm.measures import engine_pace, idle_places, idle_slot_share, interactive_failure_paths
+from real_vllm.measures import engine_pace, idle_slot_share, interactive_failure_paths
 from real_vllm.mix import Budgets, Mix, MixCall, MixWorkload, capacity, mix_trace, oracle
 
 LOAD_CPU = 0
@@ -86,8 +86,8 @@ MAX_MODEL_LEN = 4096
 QUEUED_REQS = 2 * SLOTS
 #: What clients send as ``max_tokens`` (None: nothing), drawn per call.
 SENT_MAX_TOKENS: tuple[int | None, ...] = (4096, None)
-#: The simulator's flags fitted to the CPU vLLM (docs/real-vllm.md: bench/real_vllm/probe.py's
-#: prefill and decode figures, then admit and attention times to closed-loop capacities).
+#: The simulator's flags fitted to the CPU vLLM (docs/real-vllm.md: its prefill and decode costs
+#: probed alone, then admit and attention times fitted to closed-loop capacities).
 FITTED_ENGINE_FLAGS = (
     "--max-num-seqs 8 --ttft 0.018 --itl 0.0056 --itl-batch-factor 0.01 --prefill-time-per-token 0.000025 "
     "--prefill-attention-time 0.000085 --admit-time 0.06 --decode-attention-time 0.0005 "
@@ -294,7 +294,6 @@ def diagnose(result: RunResult) -> dict[str, object]:
         "interactive_served_late": late,
         "refusals": refusals,
         "idle_caller_waiting": idle_slot_share(result, SLOTS),
-        "idle_where": {k: round(v, 3) for k, v in (idle_places(result, SLOTS) or {}).items()},
         "engine_pace": engine_pace(result, SLOTS),
         "served_chat_ttft_p50_p90_max": [
             None if v is None else round(v, 2)

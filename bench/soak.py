@@ -29,8 +29,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from llm_backoff_shim.lab.soak import run_soak
-from llm_backoff_shim.lab.soak_report import SoakConfig, SoakReport
+from llm_backoff_shim.lab.soak import SoakConfig, SoakReport, run_soak
 
 SDK_ONLY = (("sdk", 0.5), ("sdk_stream", 0.5))
 

@@ -7,7 +7,7 @@ calls all at ``burst_at``. Lengths are drawn per call from a seeded ``random.Ran
 every configuration of one run plays the very same calls.
 
 The engine model is :class:`llm_backoff_shim.sim.engine.SimEngine` with the flags fitted to
-the real engine (``bench/real_vllm/probe.py``), run in virtual time (no sleeping):
+the real engine (``scoreboard.FITTED_ENGINE_FLAGS``), run in virtual time (no sleeping):
 
 - :func:`capacity` keeps every slot busy with calls drawn from the mix (closed loop) and
   reads the calls and answer tokens per second it completes: the "1x" of the load;

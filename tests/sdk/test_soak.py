@@ -18,8 +18,7 @@ import pytest
 @pytest.mark.timeout(120)
 def test_sdk_under_faults_never_hangs_duplicates_or_retries_a_started_stream() -> None:
     soak = pytest.importorskip("llm_backoff_shim.lab.soak")
-    soak_report = pytest.importorskip("llm_backoff_shim.lab.soak_report")
-    config = soak_report.SoakConfig(
+    config = soak.SoakConfig(
         requests=600,
         seconds=30.0,
         warmup=30,

@@ -29,9 +29,8 @@ from starlette.routing import Route
 from llm_backoff_shim import cli
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.calibrate import doubling_levels, parse_steps
-from llm_backoff_shim.lab.calibrate_cost import budget_tokens
-from llm_backoff_shim.lab.calibrate_plan import Sizing
-from llm_backoff_shim.lab.calibrate_ramp import api_base
+from llm_backoff_shim.lab.calibrate.measure import budget_tokens
+from llm_backoff_shim.lab.calibrate.run import Sizing, api_base
 from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, WORDS, LengthDist
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings

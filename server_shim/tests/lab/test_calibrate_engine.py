@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from llm_backoff_shim.lab.calibrate_engine import EngineGauges, parse_gauges, window_medians
+from llm_backoff_shim.lab.calibrate.run import EngineGauges, parse_gauges, window_medians
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

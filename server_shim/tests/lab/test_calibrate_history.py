@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from llm_backoff_shim.lab.calibrate_history import (
+from llm_backoff_shim.lab.calibrate.history import (
     RunRecord,
     across_runs,
     agree,

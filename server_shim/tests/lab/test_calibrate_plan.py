@@ -11,8 +11,16 @@ import math
 
 import pytest
 
-from llm_backoff_shim.lab.calibrate_cost import CostMeter, budget_tokens
-from llm_backoff_shim.lab.calibrate_plan import (
+from llm_backoff_shim.lab.calibrate.measure import (
+    CostMeter,
+    Sample,
+    StepStats,
+    budget_tokens,
+    cost_quantile,
+    summarize,
+    tokens_in,
+)
+from llm_backoff_shim.lab.calibrate.run import (
     COARSE,
     Sizing,
     expected_duration,
@@ -22,8 +30,6 @@ from llm_backoff_shim.lab.calibrate_plan import (
     thin,
     time_to_go,
 )
-from llm_backoff_shim.lab.calibrate_samples import Sample, cost_quantile, summarize, tokens_in
-from llm_backoff_shim.lab.knee import StepStats
 from llm_backoff_shim.testing import ManualClock
 
 # -- step sizing --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from llm_backoff_shim.lab import demo
-from llm_backoff_shim.lab.knee import HELD_RETRY_AFTER_MAX
+from llm_backoff_shim.lab.calibrate.measure import HELD_RETRY_AFTER_MAX
 from llm_backoff_shim.lab.scenario import DEMO_SETUPS, DEMO_SHAPE, varied_demo_scenario
 from llm_backoff_shim.serve.config.sources import load_settings
 

@@ -21,7 +21,6 @@ from bench_fleet import (
     refused_with_room,
     requeued_after_wait,
     split_trace,
-    spread,
     visits,
 )
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals
@@ -139,13 +138,6 @@ def test_a_refusal_counts_against_the_fleet_only_when_another_replica_had_a_free
 def test_a_slot_freeing_at_the_instant_of_the_refusal_is_not_room() -> None:
     seen = [busy(0, 0.0, 2.0, "a-1"), busy(0, 2.002, 4.0, "b-1"), refusal(0, 1.9995, "c-1")]
     assert refused_with_room(seen, replicas=1, slots=1).with_room == 0
-
-
-def test_spread_is_largest_over_smallest() -> None:
-    assert spread([100, 120, 110]) == pytest.approx(1.2)
-    assert spread([5, 5]) == 1.0
-    assert spread([]) is None
-    assert spread([0, 3]) is None
 
 
 def test_an_attempt_sent_on_after_a_queue_wait_is_counted_with_its_time_in_the_fleet() -> None:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_backoff import RetryPolicy
-from llm_backoff_shim.lab.knee import (
+from llm_backoff_shim.lab.calibrate.measure import (
     BATCH_QUEUE_WAIT,
     HELD_RETRY_AFTER_MAX,
     INTERACTIVE_BUDGET,

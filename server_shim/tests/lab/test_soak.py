@@ -12,8 +12,7 @@ import json
 
 import pytest
 
-from llm_backoff_shim.lab.soak import run_soak
-from llm_backoff_shim.lab.soak_report import KINDS, SoakConfig, SoakReport
+from llm_backoff_shim.lab.soak import KINDS, SoakConfig, SoakReport, run_soak
 
 #: Stated bound on resident-memory growth of the process (sim + shim + clients) over the
 #: CI soak, measured after a warm-up. Observed: a few MiB. A per-request leak of even

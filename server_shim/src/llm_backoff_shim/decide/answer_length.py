@@ -13,7 +13,7 @@ the class's recent answers, capped by the request's own ``max_tokens``.
   run; the long answers are the ones that hold the cache longest, so a mean would let the
   budget be passed whenever a few long answers run together. The 90th percentile covers all
   but the longest tenth; calibrate prices its own requests the same way, so the budget it
-  recommends is in the same units (:mod:`llm_backoff_shim.lab.calibrate_cost`).
+  recommends is in the same units (:mod:`llm_backoff_shim.lab.calibrate.measure`).
 - **Per class**: chat and batch jobs ask for different lengths.
 - **Recent**: the last :data:`WINDOW` answers of the class within :data:`HORIZON` seconds, so a
   change of traffic or model is followed within a few hundred answers.

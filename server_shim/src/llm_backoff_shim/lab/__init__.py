@@ -1,4 +1,4 @@
-"""Lab tools: load generator, calibration and its knee, demo, soak, overload model, reports, plots.
+"""Lab tools: load generator, calibrate, demo, soak, fleet, reports, plots.
 
 Drives the shim (``llm_backoff_shim.serve``) and the simulator (``llm_backoff_shim.sim``) from
 the outside; nothing in the shim or the simulator imports from here. The plots need the

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
+from llm_backoff_shim.lab.calibrate.measure import HELD_RETRY_AFTER_MAX, Recommendation
 from llm_backoff_shim.lab.extra import MissingLabExtraError, require_plotting
 from llm_backoff_shim.lab.figures import Figures, figures
-from llm_backoff_shim.lab.knee import HELD_RETRY_AFTER_MAX, Recommendation
 from llm_backoff_shim.lab.load_records import Progress, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
 from llm_backoff_shim.lab.plots import save_plot
@@ -71,7 +71,7 @@ def shim_flags(shape: EngineShape, scenario: Scenario, *, hold_batch: bool = Tru
 
     As many slots as the engine has; an interactive queue of two batches (a couple of seconds
     of work) that nobody waits in longer than the interactive TTFT budget. ``hold_batch``
-    (calibrate's recommendation, :func:`llm_backoff_shim.lab.knee.recommend`): batch callers
+    (calibrate's recommendation, :func:`llm_backoff_shim.lab.calibrate.measure.recommend`): batch callers
     wait in the shim for up to half their deadline, in a queue of what the engine drains in
     that time, and hints are capped at ``HELD_RETRY_AFTER_MAX``. Without it every class shares
     the interactive bounds, and a plain client's batch calls are told to come back after 2 s

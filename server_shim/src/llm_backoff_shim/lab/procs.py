@@ -147,8 +147,12 @@ class ChildServer:
         start_timeout: float = 20.0,
         env: dict[str, str] | None = None,
         port: int = 0,
+        new_session: bool = False,
     ) -> None:
         self.name = name
+        #: Start the child in a session of its own (so that a scheduling priority set on its
+        #: autogroup is its own).
+        self.new_session = new_session
         #: Nonzero: always this port (a load balancer's configuration names it), never a fresh one.
         self.fixed_port = port
         self._command = command
@@ -183,6 +187,7 @@ class ChildServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
+            start_new_session=self.new_session,
         )
         return self
 

@@ -13,8 +13,8 @@ streaming). The simulator injects 500s, connection resets, slow first bytes and 
 streams. Every call runs under a watchdog of its deadline plus a grace: one that
 trips it is counted as a hang.
 
-Audit after the load (:mod:`llm_backoff_shim.lab.soak_audit`; its findings are a
-:class:`~llm_backoff_shim.lab.soak_report.SoakReport`), once clients are closed and idle
+Audit after the load (:func:`settle`, :func:`metric_values`; its findings are a
+:class:`SoakReport`), once clients are closed and idle
 connections have expired: shim gauges (controller, ``/metrics``) at zero, no future left
 waiting, asyncio tasks and file descriptors back to their post-warm-up baseline, and
 resident memory growth measured against the post-warm-up figure (the caller decides the
@@ -26,10 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import json
+import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -37,13 +41,233 @@ import openai
 from pydantic import AnyHttpUrl
 
 import llm_backoff
-from llm_backoff_shim.lab.soak_audit import metric_values, on_loop, outcome_counts, rss_mib, settle
-from llm_backoff_shim.lab.soak_report import KINDS, SoakConfig, SoakReport
-from llm_backoff_shim.serve.app import create_app, shim_state
+from llm_backoff_shim.serve.app import ShimRuntime, create_app, shim_state
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.tuning import Tuning
 from llm_backoff_shim.serve.serving import ServerThread, shim_server
 from llm_backoff_shim.sim.server import SimConfig, create_sim_app
+
+# -- the configuration and the report ------------------------------------------------------
+# What a soak is asked to do (:class:`SoakConfig`) and what it found (:class:`SoakReport`).
+#
+# The report's :meth:`~SoakReport.leaks` is the audit's verdict: everything that did not come
+# back after the load; :meth:`~SoakReport.summary` the figures as JSON-ready values.
+
+KINDS: dict[str, float] = {
+    "plain": 0.30,
+    "plain_budget": 0.10,
+    "stream": 0.15,
+    "leave_queued": 0.10,
+    "leave_streaming": 0.10,
+    "sdk": 0.15,
+    "sdk_stream": 0.10,
+}
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    requests: int = 2000
+    seconds: float | None = None
+    concurrency: int = 48
+    seed: int = 7
+    sdk_deadline: float = 3.0
+    grace: float = 2.0
+    raw_limit: float = 15.0
+    warmup: int = 150
+    error_rate: float = 0.04
+    reset_rate: float = 0.03
+    slow_first_byte_rate: float = 0.03
+    slow_first_byte_delay: float = 0.3
+    stream_cut_rate: float = 0.10
+    output_tokens: int = 12
+    long_output_tokens: int = 200
+    max_concurrency: int = 8
+    max_queue: int = 16
+    max_queue_wait: float = 1.5
+    settle_timeout: float = 20.0
+    #: (kind, weight) pairs; default :data:`KINDS`.
+    kinds: tuple[tuple[str, float], ...] = tuple(KINDS.items())
+    #: False: clients call the simulator directly (the SDK alone against the faults).
+    through_shim: bool = True
+
+
+@dataclass
+class Snapshot:
+    tasks_shim: int
+    tasks_sim: int
+    fds: int
+    rss_mib: float
+    #: open client connections of the shim's and the simulator's HTTP servers
+    connections_shim: int = 0
+    connections_sim: int = 0
+
+
+@dataclass
+class SoakReport:
+    config: SoakConfig
+    requests: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    faults: dict[str, int] = field(default_factory=dict)
+    hangs: int = 0
+    late: int = 0
+    untyped: list[str] = field(default_factory=list)
+    duplicate_streams: int = 0
+    retries_after_stream_start: int = 0
+    shim_errors_without_retry_after: int = 0
+    seconds: float = 0.0
+    baseline: Snapshot | None = None
+    after: Snapshot | None = None
+    gauges_after: dict[str, float] = field(default_factory=dict)
+    waiting_futures_after: int = -1
+    bad_requests: dict[str, float] = field(default_factory=dict)
+    shim_counts: dict[str, float] = field(default_factory=dict)
+    #: (requests sent, resident MiB) every tenth of the run: flat means no growth per request.
+    rss_samples: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def disconnects(self) -> int:
+        return self.outcomes["client_left"] + self.outcomes["client_left_stream"]
+
+    def leaks(self) -> list[str]:
+        """Everything the audit found wrong; empty when nothing leaked."""
+        found: list[str] = []
+        if any(self.gauges_after.values()):
+            found.append(f"gauges not at zero: {self.gauges_after}")
+        if self.waiting_futures_after != 0:
+            found.append(f"{self.waiting_futures_after} admission futures still waiting")
+        if self.baseline is not None and self.after is not None:
+            b, a = self.baseline, self.after
+            if a.tasks_shim > b.tasks_shim:
+                found.append(f"shim tasks {b.tasks_shim} -> {a.tasks_shim}")
+            if a.tasks_sim > b.tasks_sim:
+                found.append(f"sim tasks {b.tasks_sim} -> {a.tasks_sim}")
+            if a.fds > b.fds:
+                found.append(f"file descriptors {b.fds} -> {a.fds}")
+            if a.connections_shim or a.connections_sim:
+                found.append(f"open connections: shim {a.connections_shim}, sim {a.connections_sim}")
+        return found
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "seconds": round(self.seconds, 1),
+            "by_kind": dict(sorted(self.by_kind.items())),
+            "outcomes": dict(sorted(self.outcomes.items())),
+            "faults_injected": self.faults,
+            "disconnects": self.disconnects,
+            "hangs": self.hangs,
+            "late": self.late,
+            "untyped_errors": len(self.untyped),
+            "duplicate_streams": self.duplicate_streams,
+            "retries_after_stream_start": self.retries_after_stream_start,
+            "shim_rejections_without_retry_after": self.shim_errors_without_retry_after,
+            "shim_counts": self.shim_counts,
+            "bad_requests": self.bad_requests,
+            "gauges_after": self.gauges_after,
+            "baseline": None if self.baseline is None else vars(self.baseline),
+            "after": None if self.after is None else vars(self.after),
+            "rss_samples": self.rss_samples,
+            "leaks": self.leaks(),
+        }
+
+
+# -- the audit -----------------------------------------------------------------------------
+# The soak's leak audit: looking inside the shim and the simulator once the load is over.
+#
+# Both servers run in this process, each in its own thread and event loop, so the audit
+# counts their asyncio tasks and open connections on their own loops (:func:`on_loop`),
+# and this process's file descriptors and resident memory; the shim's counters come from
+# its ``/metrics``.
+
+
+def rss_mib() -> float:
+    """This process's resident memory in MiB (Linux ``/proc``); NaN where it is not reported."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def fd_count() -> int:
+    """This process's open file descriptors (Linux ``/proc``)."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def on_loop(server: ServerThread, fn: Callable[[], Any]) -> Any:
+    """``fn()`` run on ``server``'s own event loop (its thread), waited for up to 10 s."""
+    loop = server.loop
+    assert loop is not None
+
+    async def call() -> Any:
+        return fn()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+
+def task_count(server: ServerThread) -> int:
+    """The asyncio tasks alive on ``server``'s event loop."""
+    # Minus one: the task that does the counting.
+    return int(on_loop(server, lambda: len(asyncio.all_tasks()))) - 1
+
+
+def settle(
+    shim: ServerThread, sim: ServerThread, runtime: ShimRuntime, baseline: Snapshot | None, timeout: float
+) -> Snapshot:
+    """Wait (bounded) until the shim is idle and idle connections have closed; then measure."""
+    end = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        idle = on_loop(shim, lambda: runtime.controller.in_flight() + runtime.controller.queued()) == 0
+        snap = Snapshot(
+            task_count(shim),
+            task_count(sim),
+            fd_count(),
+            rss_mib(),
+            on_loop(shim, lambda: len(shim.server.server_state.connections)),
+            on_loop(sim, lambda: len(sim.server.server_state.connections)),
+        )
+        settled = idle and (
+            baseline is None
+            or (
+                snap.tasks_shim <= baseline.tasks_shim
+                and snap.tasks_sim <= baseline.tasks_sim
+                and snap.fds <= baseline.fds
+                and snap.connections_shim == 0
+                and snap.connections_sim == 0
+            )
+        )
+        if settled or time.monotonic() > end:
+            return snap
+        time.sleep(0.1)
+
+
+def metric_values(url: str) -> dict[str, float]:
+    """Every sample of ``url``/metrics as {"name,label=value,...": value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[key] = sample.value
+    return values
+
+
+def outcome_counts(values: dict[str, float]) -> dict[str, float]:
+    """``llm_backoff_shim_requests_total`` as {"outcome" or "outcome:code": count}."""
+    counts: Counter[str] = Counter()
+    for key, value in values.items():
+        if key.startswith("llm_backoff_shim_requests_total,"):
+            labels = dict(part.split("=", 1) for part in key.split(",")[1:])
+            name = labels["outcome"] + (f":{labels['code']}" if labels.get("code") else "")
+            counts[name] += int(value)
+    return dict(sorted(counts.items()))
+
+
+# -- the run -------------------------------------------------------------------------------
 
 _call_id: contextvars.ContextVar[int | None] = contextvars.ContextVar("soak_call_id", default=None)
 

@@ -2,7 +2,7 @@
 
 A :class:`Workload` says how long the prompts (in words) and the answers (``max_tokens``)
 of a load are. The load generator (:mod:`llm_backoff_shim.lab.loadgen`), ``demo``,
-``calibrate`` and the overload benchmark draw every request's lengths from one, with a
+``calibrate`` and the benchmarks draw every request's lengths from one, with a
 ``random.Random`` the caller seeds, so every configuration of one run sends the very same
 requests.
 
@@ -170,82 +170,3 @@ class Workload:
     def describe(self) -> str:
         eos = ", ignore_eos" if self.ignore_eos else ""
         return f"prompt {self.prompt_words} words, max_tokens {self.output_tokens}{eos}"
-
-
-@dataclass(frozen=True)
-class MixPart:
-    """One kind of request in a :class:`Mix`: its share of the calls, its lengths, the traffic
-    class it is sent as (``x-request-class``) and, for a caller that waits for its answer to
-    begin, its time-to-first-token budget in seconds (None: a patient batch caller)."""
-
-    name: str
-    share: float
-    workload: Workload
-    cls: str
-    ttft_budget: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (0 < self.share <= 1 and math.isfinite(self.share)):
-            raise ValueError(f"{self.name}: share must be in (0, 1], got {self.share!r}")
-        if self.ttft_budget is not None and not self.ttft_budget > 0:
-            raise ValueError(f"{self.name}: ttft_budget must be > 0")
-
-
-@dataclass(frozen=True)
-class Mix:
-    """Several kinds of request in one load, each call drawn as one of them by its share
-    (the shares add up to 1). The realistic mix of chat beside long prompts is :data:`CHAT_AND_LONG`."""
-
-    parts: tuple[MixPart, ...]
-
-    def __post_init__(self) -> None:
-        if not self.parts:
-            raise ValueError("a mix needs at least one part")
-        if abs(sum(p.share for p in self.parts) - 1.0) > 1e-9:
-            raise ValueError("the shares of a mix must add up to 1")
-        if len({p.name for p in self.parts}) != len(self.parts):
-            raise ValueError("the parts of a mix need distinct names")
-
-    def part(self, name: str) -> MixPart:
-        for part in self.parts:
-            if part.name == name:
-                return part
-        raise KeyError(name)
-
-    def pick(self, rng: random.Random) -> MixPart:
-        """One part, by share (one draw of ``rng``)."""
-        x, total = rng.random(), 0.0
-        for part in self.parts:
-            total += part.share
-            if x < total:
-                return part
-        return self.parts[-1]
-
-    def draw(self, rng: random.Random) -> tuple[MixPart, str, int]:
-        """One call: its part, its prompt text and its ``max_tokens``."""
-        part = self.pick(rng)
-        text, max_tokens = part.workload.draw(rng)
-        return part, text, max_tokens
-
-    def describe(self) -> str:
-        return "; ".join(
-            f"{p.share:.0%} {p.name} ({p.cls}"
-            + (f", {p.ttft_budget:g} s TTFT budget" if p.ttft_budget is not None else "")
-            + f"): {p.workload.describe()}"
-            for p in self.parts
-        )
-
-
-#: Long prompts of retrieval-augmented and agent calls: 1,150-2,300 words, about 1.5-3k tokens
-#: by the simulator's count (1.3 a word; the shim's cost estimate says about 1.2 a word).
-LONG_PROMPT_WORDS = LengthDist.uniform(1150, 2300)
-#: Their answers: lognormal, median 128 tokens, at most 512.
-LONG_OUTPUT_TOKENS = LengthDist.lognormal(128, 0.6, 16, 512)
-
-#: 80 % chat (the default lengths, interactive, 5 s TTFT budget) and 20 % long prompts (batch).
-CHAT_AND_LONG = Mix(
-    (
-        MixPart("chat", 0.8, Workload(), "interactive", ttft_budget=5.0),
-        MixPart("long", 0.2, Workload(LONG_PROMPT_WORDS, LONG_OUTPUT_TOKENS), "batch"),
-    )
-)

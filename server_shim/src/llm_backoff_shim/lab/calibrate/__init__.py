@@ -4,7 +4,7 @@
 
 First a probe: one request of the mix's mean lengths, alone, measures how long a request
 takes; from it calibrate sizes each level's measurement in request durations
-(:mod:`llm_backoff_shim.lab.calibrate_plan`), prints how long the sweep will take and what
+(:mod:`llm_backoff_shim.lab.calibrate.run`), prints how long the sweep will take and what
 it cuts to fit ``--max-seconds``. Then a closed loop of N workers (N = 1, 2, 4, ... up to
 ``--max-level``, or a ``--steps`` list) runs the whole sweep; each worker sends a streaming
 chat completion (``stream_options.include_usage``, vLLM's ``ignore_eos``) whose prompt and
@@ -13,16 +13,23 @@ answer lengths are drawn (seeded) from the mix (``--prompt-words``, ``--output-t
 level waits out its ramp-in, counts its completions in a steady window and reports TTFT,
 time per output token (TPOT), throughput and the cost in flight.
 
-Which level to measure next, when to stop and where the knee is are
-:mod:`llm_backoff_shim.lab.knee` (pure): the ramp climbs while the SLOs hold and throughput
-rises, then repeats the levels next to the knee until the verdict is stable, and the
-recommendation says how confident it is. The whole run never exceeds ``--max-seconds``
-(requests still running then are cancelled). This module is the command and its flags;
-:mod:`llm_backoff_shim.lab.calibrate_ramp` the load generator and the measurement loop,
-:mod:`llm_backoff_shim.lab.calibrate_samples` the statistics of one step,
-:mod:`llm_backoff_shim.lab.calibrate_report` the table, JSON and PNG (the PNG needs the
-``lab`` extra, matplotlib: without it the rest is printed and the PNG skipped, with a
-line saying which extra to install).
+Which level to measure next, when to stop and where the knee is are the knee rule (pure):
+the ramp climbs while the SLOs hold and throughput rises, then repeats the levels next to the
+knee until the verdict is stable, and the recommendation says how confident it is. The whole
+run never exceeds ``--max-seconds`` (requests still running then are cancelled).
+
+Calibrate is one package, one concept a module:
+
+- this module: the command and its flags;
+- :mod:`~llm_backoff_shim.lab.calibrate.run`: one run (I/O): the probe, the plan, the closed
+  loop and its requests, the engine's gauges;
+- :mod:`~llm_backoff_shim.lab.calibrate.measure`: what is measured and concluded (pure): a
+  level's samples, a request's cost, the knee rule and the recommendation;
+- :mod:`~llm_backoff_shim.lab.calibrate.report`: what it prints and draws: the table, the serve
+  command, JSON and PNG (the PNG needs the ``lab`` extra, matplotlib: without it the rest is
+  printed and the PNG skipped, with a line saying which extra to install);
+- :mod:`~llm_backoff_shim.lab.calibrate.history`: the runs kept in ``--out``, and the
+  confidence earned across them.
 
 Exit status: 0 with a recommendation, 1 without one (SLO unmet at every level, or the
 upstream unusable), 2 on bad flags.
@@ -44,9 +51,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
-from .calibrate_history import HISTORY_NAME, RunRecord, across_runs, append, load, previous
-from .calibrate_plan import duration_text
-from .calibrate_ramp import (
+from ..extra import MissingLabExtraError
+from ..workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
+from .history import HISTORY_NAME, RunRecord, across_runs, append, load, previous
+from .measure import BATCH_QUEUE_WAIT
+from .report import plot, recommended_config, render_text, to_json
+from .run import (
     DEFAULT_LONG_PROMPT_WORDS,
     DEFAULT_TPOT_SLO,
     DEFAULT_TTFT_SLO,
@@ -55,12 +65,9 @@ from .calibrate_ramp import (
     CalibrateError,
     Outcome,
     api_base,
+    duration_text,
     run_ramp,
 )
-from .calibrate_report import plot, recommended_config, render_text, to_json
-from .extra import MissingLabExtraError
-from .knee import BATCH_QUEUE_WAIT
-from .workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
 
 PNG_NAME = "calibrate.png"  # written into --out
 
@@ -429,7 +436,7 @@ def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None
 
 def _judge_across_runs(outcome: Outcome, err: TextIO) -> None:
     """Set the confidence from this run and the previous one of the same setup in ``--out``
-    (:mod:`~llm_backoff_shim.lab.calibrate_history`), and keep this run there for the next."""
+    (:mod:`~llm_backoff_shim.lab.calibrate.history`), and keep this run there for the next."""
     rec = outcome.recommendation
     knee = outcome.knee
     if rec is None or knee.level is None:

@@ -1,6 +1,6 @@
-# Over ~600 lines on purpose: one rule (judge, climb, repeat, say how sure, recommend) read as a whole;
-# some 50 of its lines are the rule stated below.
-"""Where to cap concurrency: the knee of a load ramp, judged by what LLM users feel (pure).
+"""What calibrate measures and concludes (pure): the samples of a level, a request's cost, the knee.
+
+**The knee.** Where to cap concurrency: the knee of a load ramp, judged by what LLM users feel.
 
 Input: the :class:`StepStats` of a closed-loop ramp, one or more measurements per
 concurrency level (what ``llm-backoff-shim calibrate`` measures). Output: a :class:`Knee`,
@@ -59,7 +59,7 @@ not the whole request's latency, which mostly follows how long the answer is. So
    it does not count: whichever of the two is the knee, the recommendation moves by less.
    This is one run's own verdict: every repeat of a run can agree with itself while a second
    run picks another level. ``calibrate`` earns the confidence it prints across runs
-   (:mod:`llm_backoff_shim.lab.calibrate_history`: ``high`` only when two runs agree within
+   (:mod:`llm_backoff_shim.lab.calibrate.history`: ``high`` only when two runs agree within
    :data:`REPRODUCIBLE`).
 
 The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
@@ -71,7 +71,7 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   a request admitted after waiting that long still gets its first token within the caller's
   budget. Not ``S - TTFT_p99(K)``: the SLO judges the engine (where the knee is); the queue
   serves callers, and in the virtual-time model of the real-vLLM comparison (2.5x capacity,
-  70 % interactive, 5 s budget, ``bench/bench_interactive_queue.py`` at 658ce04) the SDK's presets got
+  70 % interactive, 5 s budget) the SDK's presets got
   313 chat calls within budget with a 4.5 s wait against 288 at 0.9 s and 197 at 0.18 s
   (waits sized from the TTFT SLO's headroom), plain-openai-like callers 248, 238 and 214. An
   SDK caller sends its budget (``x-request-timeout-ms``) and the shim caps its wait by it;
@@ -90,13 +90,39 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   to 36 %). ``max_queue`` becomes the bound on
   both queues together (interactive's plus batch's), and interactive keeps its own bound.
 - ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: the
-  mean cost in flight at the knee, :mod:`llm_backoff_shim.lab.calibrate_cost`).
+  mean cost in flight at the knee, :func:`budget_tokens`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
   a batch caller refused past the held queue's wait would otherwise be told a slot 15 s or
   more ahead, and cannot be called back when the work ahead of it melts away (interactive
   callers giving up, answers shorter than estimated); at the end of an overload the engine
   then idles while it sleeps. Capped, it asks again within a few seconds and is told again
   on the queue as it is then (a refusal costs the shim about 0.1 ms).
+
+**The samples.** One request as the client saw it, one level's statistics from its steady window.
+
+Percentiles interpolate linearly between ranks, as numpy's default does, with the stdlib
+alone: calibrate runs where only the shim is installed (its PNG aside).
+
+**The cost.** What a request costs the engine, and the in-flight cost budget calibrate recommends.
+
+Calibrate prices its requests as the shim's cost cap prices them
+(:mod:`llm_backoff_shim.decide.pricing`), so the budget it recommends is in the shim's units:
+
+- the prompt in the engine's own tokens: the upstream's ``usage.prompt_tokens`` (while a
+  request runs, its words at the tokens per word the upstream has counted so far); the shim
+  counts prompts at the bytes per token the engine's ``/tokenize`` reports, the same units;
+- the answer at what this engine's recent answers were: the same estimator the shim uses
+  (:class:`~llm_backoff_shim.decide.answer_length.AnswerLengths`, 90th percentile of the
+  answers seen so far in the run), **not capped by the request's own** ``max_tokens``. The
+  shim prices a request asking for more than that (4096, or none) at that quantile, so the
+  budget is made of requests priced as such a client's: with K in flight (the knee) it holds
+  K such requests of the mix's prompts, and a client naming ``max_tokens: 4096`` or none is
+  never priced above the requests the budget was measured with.
+
+The recommended ``--max-inflight-tokens`` is the cost in flight the knee's requests stayed at
+or below 95 % of the time (:func:`budget_tokens`,
+:func:`cost_quantile`): the level's ordinary mix of
+prompts runs together under it, and what it holds back is an unusual pile-up of long ones.
 """
 
 from __future__ import annotations
@@ -108,6 +134,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from llm_backoff.policy import INTERACTIVE_START_DEADLINE
+from llm_backoff_shim.decide.answer_length import AnswerLengths, Clock
+
+# -- the knee ------------------------------------------------------------------------------
 
 #: What bounded the knee: the level above missed the SLO, kept a queue inside the engine, added no
 #: throughput, or was not measured.
@@ -165,7 +194,7 @@ class StepStats:
     #: Mean latency of the successful requests that ended in the window (sizes the next steps).
     mean_latency: float = 0.0
     #: Time-weighted mean cost in flight over the window (as the shim prices requests,
-    #: :mod:`~llm_backoff_shim.lab.calibrate_cost`).
+    #: :class:`CostMeter`).
     inflight_cost: float = 0.0
     #: The cost in flight the window's requests stayed at or below 95 % of its time: what a
     #: budget must hold for the level's requests to run together as they did here.
@@ -683,3 +712,188 @@ def recommend(
         retry_after_max=HELD_RETRY_AFTER_MAX,
         max_inflight_tokens=inflight_budget,
     )
+
+
+# -- the samples ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One request as the client saw it. Times are clock readings, seconds.
+
+    ``first_token`` is None for a failed request or an answer without content;
+    ``itl`` is the request's mean gap between tokens after the first (None below two);
+    ``token_times`` the arrival of each chunk that carried answer text; ``cost`` what the
+    shim's cost cap counts for it (:class:`CostMeter`). ``done``
+    False: a request still running when its level's window closed, ``end`` that moment.
+    """
+
+    worker: int
+    seq: int
+    start: float
+    end: float
+    ok: bool
+    first_token: float | None = None
+    itl: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+    cost: int = 0
+    token_times: tuple[float, ...] = ()
+    done: bool = True
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method: between the two nearest ranks of
+    ``(n - 1) * q / 100``); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(float(v) for v in values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def tokens_in(sample: Sample, low: float, high: float) -> float:
+    """Answer tokens of ``sample`` that arrived in ``(low, high]``.
+
+    Each streamed chunk's arrival time is kept; when the upstream's ``usage`` counted
+    more tokens than chunks (several tokens per chunk), each chunk weighs its share.
+    """
+    times = sample.token_times
+    if not times:
+        return 0.0
+    weight = sample.output_tokens / len(times) if sample.done and sample.output_tokens > len(times) else 1.0
+    return weight * sum(1 for t in times if low < t <= high)
+
+
+def _overlap(sample: Sample, low: float, high: float) -> float:
+    return max(0.0, min(sample.end, high) - max(sample.start, low))
+
+
+#: The share of the window's time a budget sized from it holds the cost in flight
+#: (:attr:`StepStats.inflight_cost_high`).
+COST_QUANTILE = 0.95
+
+
+def cost_quantile(samples: Sequence[Sample], low: float, high: float, q: float = COST_QUANTILE) -> float:
+    """The cost in flight that the requests in ``samples`` stayed at or below for ``q`` of the
+    window ``(low, high]``'s time (0 for an empty window)."""
+    steps: dict[float, int] = {}
+    for s in samples:
+        start, end = max(s.start, low), min(s.end, high)
+        if end > start and s.cost:
+            steps[start] = steps.get(start, 0) + s.cost
+            steps[end] = steps.get(end, 0) - s.cost
+    if high <= low or not steps:
+        return 0.0
+    level, at, spans = 0, low, []
+    for t in sorted(steps):
+        spans.append((level, t - at))
+        level, at = level + steps[t], t
+    spans.append((level, high - at))
+    spans.sort()
+    covered, need = 0.0, q * (high - low)
+    for cost, seconds in spans:
+        covered += seconds
+        if covered >= need:
+            return float(cost)
+    return float(spans[-1][0])
+
+
+def summarize(
+    concurrency: int, samples: Sequence[Sample], *, level_start: float, window: tuple[float, float]
+) -> StepStats:
+    """The statistics of one level from its steady window ``(low, high]`` (clock readings).
+
+    ``samples`` holds every request that overlaps the window: finished ones, and the ones
+    still running when it closed (``done`` False, ``end`` the closing time). The window
+    opens once the level has turned over (see :mod:`llm_backoff_shim.lab.calibrate.run`),
+    so its ramp-in (requests carried in from the level before, the burst of new workers)
+    is not in it.
+
+    - Throughput counts what happened inside the window: requests/s is the requests that
+      *ended* in it over its length; answer tokens/s the tokens that *arrived* in it,
+      running requests' included. Neither depends on how long a request is compared with
+      the window, so a level where a request outlasts the window is measured as well as
+      one of short requests.
+    - Latency figures (TTFT, TPOT, latency) are of the requests that ended in the window
+      and started at this level, leaving out each worker's first request (its start is the
+      burst that opens a level); with none such, of every request that ended in it.
+    - ``inflight_cost``: the time-weighted mean of the in-flight requests' cost
+      (as the shim prices it, :class:`CostMeter`) over the window;
+      ``inflight_cost_high``: the cost they stayed at or below for 95 % of it
+      (:func:`cost_quantile`).
+    """
+    low, high = window
+    length = high - low
+    ended = [s for s in samples if s.done and low < s.end <= high]
+    errors = sum(1 for s in ended if not s.ok)
+    ok = [s for s in ended if s.ok]
+    if length <= 0 or not ok:
+        return StepStats(
+            concurrency, 0, errors, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, window=max(0.0, length)
+        )
+    judged = [s for s in ok if s.start >= level_start and s.seq > 0] or ok
+    latencies = [s.end - s.start for s in judged]
+    ttfts = [(s.first_token if s.first_token is not None else s.end) - s.start for s in judged]
+    itls = [s.itl for s in judged if s.itl is not None]
+    tokens = sum(tokens_in(s, low, high) for s in samples if s.ok or not s.done)
+    cost = sum(s.cost * _overlap(s, low, high) for s in samples) / length
+    return StepStats(
+        concurrency=concurrency,
+        requests=len(ok),
+        errors=errors,
+        throughput=len(ok) / length,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p99=percentile(ttfts, 99),
+        itl_p50=percentile(itls, 50),
+        itl_p99=percentile(itls, 99),
+        latency_p50=percentile(latencies, 50),
+        latency_p99=percentile(latencies, 99),
+        output_tokens_per_s=tokens / length,
+        mean_prompt_tokens=statistics.fmean([s.prompt_tokens for s in ok]),
+        mean_output_tokens=statistics.fmean([s.output_tokens for s in ok]),
+        ttft_p90=percentile(ttfts, 90),
+        latency_p90=percentile(latencies, 90),
+        mean_latency=statistics.fmean([s.end - s.start for s in ok]),
+        inflight_cost=cost,
+        inflight_cost_high=cost_quantile(samples, low, high),
+        window=length,
+    )
+
+
+# -- the cost ------------------------------------------------------------------------------
+
+#: The class calibrate's requests are learned under (it sends one class).
+CLASS = "calibrate"
+
+
+class CostMeter:
+    """Prices calibrate's requests as the shim does (module docstring), learning the answers as
+    they end; ``prior``: the answer length assumed before enough have ended (the mix's mean)."""
+
+    def __init__(self, clock: Clock, prior: int) -> None:
+        self.answers = AnswerLengths((CLASS,), clock)
+        self.prior = max(0, prior)
+
+    def answer(self) -> int:
+        """The answer tokens a request is priced at now."""
+        return self.answers.expected(CLASS, None, self.prior)
+
+    def cost(self, prompt_tokens: int) -> int:
+        """A request's cost: its prompt tokens plus :meth:`answer`."""
+        return max(0, prompt_tokens) + self.answer()
+
+    def observe(self, completion_tokens: int) -> None:
+        """A request ended with ``completion_tokens`` of answer."""
+        self.answers.observe(CLASS, completion_tokens)
+
+
+def budget_tokens(inflight_cost: float) -> int:
+    """The recommended ``--max-inflight-tokens``: the knee's in-flight cost (module docstring),
+    rounded up to a multiple of 64 tokens (finer than any request's cost varies, coarser than noise)."""
+    if not (math.isfinite(inflight_cost) and inflight_cost > 0):
+        raise ValueError(f"expected a positive in-flight cost, got {inflight_cost!r}")
+    return 64 * math.ceil(inflight_cost / 64)

@@ -1,6 +1,7 @@
-"""What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the serve command, JSON, PNG.
+"""What ``llm-backoff-shim calibrate`` prints and draws: the levels' table, the
+serve command, JSON, PNG.
 
-Pure functions of an :class:`~llm_backoff_shim.lab.calibrate_ramp.Outcome` (the PNG aside).
+Pure functions of an :class:`~llm_backoff_shim.lab.calibrate.run.Outcome` (the PNG aside).
 Figures per level are the medians of its measurements, as the knee rule judges them.
 """
 
@@ -15,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 from llm_backoff_shim.serve.config.file import render_config
 from llm_backoff_shim.serve.config.settings import ShimSettings
 
-from .calibrate_plan import duration_text
-from .extra import require_plotting
-from .knee import INTERACTIVE_BUDGET, StepStats, Verdict, queue_waived, rate
+from ..extra import require_plotting
+from .measure import INTERACTIVE_BUDGET, StepStats, Verdict, queue_waived, rate
+from .run import duration_text
 
 if TYPE_CHECKING:
-    from .calibrate_ramp import Outcome
+    from .run import Outcome
 
 
 def serve_command(outcome: Outcome) -> str | None:

@@ -1,5 +1,5 @@
-"""Confidence earned across runs: calibrate keeps each run's recommendation in ``--out`` and
-compares the next run on the same engine with it.
+"""Confidence earned across runs: calibrate keeps each run's recommendation in
+``--out`` and compares the next run on the same engine with it.
 
 One run's own repeats cannot tell whether a second run would say the same: on an engine whose
 levels next to the knee are within a few percent of each other, the machine's noise picks
@@ -8,7 +8,7 @@ engine, both "high"). So ``high`` needs two runs: each run appends a line to ``D
 (:data:`HISTORY_NAME`) and is compared with the latest earlier run against the same upstream,
 model, SLOs and mix (:func:`same_setup`):
 
-- the two recommended ``--max-concurrency`` within :data:`~llm_backoff_shim.lab.knee.REPRODUCIBLE`
+- the two recommended ``--max-concurrency`` within :data:`~.measure.REPRODUCIBLE`
   (15 %) of each other, and the interactive queues within 15 % or one place: ``high`` (``medium``
   when this run's own repeats were still ``low``);
 - further apart: ``low``, naming the earlier value;
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .knee import REPRODUCIBLE, Confidence
+from .measure import REPRODUCIBLE, Confidence
 
 #: The runs' file in ``--out``: one JSON object per line, oldest first.
 HISTORY_NAME = "calibrate-runs.jsonl"
