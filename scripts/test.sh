@@ -111,14 +111,15 @@ lane_a() {  # each lane draws child servers' ports from its own block (conftest.
   step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
   step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
   step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
+  step shim-floors-public env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
 }
 lane_b() {
   export LLM_BACKOFF_TEST_PORT_LANE=1
   # shellcheck disable=SC2086
   step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
-  step shim-floors env LLM_BACKOFF_XDIST=3 bash scripts/test-shim-floors.sh
+  step shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
 }
-echo "== pytest: two lanes (main, openai2, sdk-floors | public, shim-floors)"
+echo "== pytest: two lanes (main, openai2, sdk-floors, shim-floors-public | public, shim-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
@@ -126,7 +127,7 @@ LANE_B=$!
 wait "$LANE_A" "$LANE_B"
 
 FAILED=()
-for name in main public shim-floors openai2 openai2-integrations sdk-floors; do
+for name in main public shim-floors shim-floors-public openai2 openai2-integrations sdk-floors; do
   read -r status seconds <"$LOGS/status-$name"
   echo "== pytest $name (${seconds} s, exit $status)"
   cat "$LOGS/step-$name.log"

@@ -261,6 +261,22 @@ def test_the_wait_estimate_counts_the_share_from_when_it_is_due(delay: float) ->
     assert walked == pytest.approx(walked_at_once + delay)
 
 
+def test_the_highest_class_waits_on_its_own_turns_a_lower_one_on_every_class_s() -> None:
+    """Chats queued ahead of a chat free their lanes at chat's pace once the chat lanes end; a
+    batch request waits behind chats and batch alike, at the mean over every class."""
+    clock = ManualClock(1000.0)
+    estimator = DrainEstimator(EstimatorConfig(service_time_alpha=1.0), clock)
+    estimator.observe_completion("interactive", 0.5)
+    estimator.observe_completion("batch", 4.5)  # the mean over every class: the last, 4.5 s
+    held = {"interactive": [1000.0, 1000.0], "batch": [1000.0, 1000.0]}
+    waits = QueueWaits(("interactive", "batch"), SharedSlots(ClassShares()), estimator, FixedLimit(4), held)
+    clock.advance(0.1)
+    assert waits.at("interactive", 4, 4, ()) == pytest.approx(1.4)  # 0.4, 0.4, 0.9, 0.9, 1.4
+    assert waits.walk()("interactive", 4, 4, 1) == pytest.approx(1.4)
+    assert waits.at("batch", 4, 0, ()) == pytest.approx(0.4 + 4.5)  # 0.4, 0.4, 4.4, 4.4, 4.9
+    assert waits.walk()("batch", 4, 0, 1) == pytest.approx(0.4 + 4.5)
+
+
 def test_minimum_share_applies_even_when_the_reservation_covers_every_slot(make: Make) -> None:
     c, _ = make(1, reserved=1.0, minimum=0.1)
     assert submit(c, "batch").state is TicketState.ADMITTED

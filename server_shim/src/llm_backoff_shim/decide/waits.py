@@ -26,9 +26,9 @@ cannot cover its wait plus that need would only make the engine do work its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
-from llm_backoff_shim.decide.drain_estimate import DrainEstimator
+from llm_backoff_shim.decide.drain_estimate import Admitted, DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, ReservedShares
@@ -53,7 +53,7 @@ class QueueWaits:
         scheduler: ClassScheduler,
         estimator: DrainEstimator,
         limit: ConcurrencyLimit,
-        admitted: Mapping[str, Sequence[float]],
+        admitted: Admitted,
         share_due_in: Callable[[str], float] | None = None,
     ) -> None:
         self._classes = tuple(classes)
