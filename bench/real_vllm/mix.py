@@ -1,29 +1,17 @@
 """The long-prompt mix: its trace, and the simulator's engine model playing capacity and the oracle.
 
-The trace (:func:`mix_trace`): chat calls (interactive: short prompts, lognormal answers)
-and long-prompt calls (batch: 1.5-3k tokens of prompt, short answers), Poisson arrivals in
-the proportion ``long_share`` (by count) for ``duration`` s, and ``burst`` more long-prompt
-calls all at ``burst_at``. Lengths are drawn per call from a seeded ``random.Random``, so
-every configuration of one run plays the very same calls.
-
-The engine model is :class:`llm_backoff_shim.sim.engine.SimEngine` with the flags fitted to
-the real engine (``scoreboard.FITTED_ENGINE_FLAGS``), run in virtual time (no sleeping):
-
-- :func:`capacity` keeps every slot busy with calls drawn from the mix (closed loop) and
-  reads the calls and answer tokens per second it completes: the "1x" of the load;
-- :func:`oracle` is a scheduler in front of that engine that knows every call's cost: when
-  a slot is free it admits, of the calls that have arrived and can still be useful, the
-  one whose latest useful start is soonest (earliest deadline first), drops a call whose
-  latest start has passed, and aborts a running call as soon as it can no longer be
-  useful (its first token later than its budget, or its end past its deadline). Its
-  useful tokens are the benchmark's reference. Greedy EDF is not optimal under overload,
-  so it is a reference, not a proof of the maximum.
+:func:`mix_trace`: chat calls (interactive: short prompts, lognormal answers) and long-prompt
+calls (batch: 1.5-3k prompt tokens, short answers), Poisson at ``rate`` in the proportion
+``long_share``, plus ``burst`` calls at ``burst_at``; seeded, so every configuration plays the
+same calls. On :class:`~llm_backoff_shim.sim.engine.SimEngine` in virtual time: :func:`capacity`
+(every slot busy, closed loop: the "1x" of the load) and :func:`oracle` (earliest latest-useful
+start first, dropping and aborting what can no longer be useful; greedy EDF, so a reference,
+not a proof of the maximum).
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -257,13 +245,6 @@ def oracle(calls: Iterable[MixCall], params: EngineParams, budgets: Budgets) -> 
         if not due:
             return out
         now[0] = min(due)
-
-
-def p99(values: list[float]) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def chat_scenario(duration: float, rate_factor: float) -> Scenario:
