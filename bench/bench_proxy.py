@@ -45,12 +45,8 @@ SSE_MAX_CHUNKS = 2000
 TOKEN_RATE = 200.0
 TOKEN_CHUNKS = 400  # 2 s streams, then a new request on the same connection
 
-_REQUEST_BODY = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
-_WRK_SCRIPT = (
-    """wrk.method = "POST"
-wrk.body = '"""
-    + _REQUEST_BODY
-    + """'
+_WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
 wrk.headers["Content-Type"] = "application/json"
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -60,7 +56,6 @@ done = function(summary, latency, requests)
     e.connect + e.read + e.write + e.status + e.timeout))
 end
 """
-)
 
 
 # -- results ---------------------------------------------------------------------------------------
@@ -124,8 +119,7 @@ class Runner:
     """Starts load-generator processes pinned and boosted like the servers."""
 
     def __init__(self, workdir: Path, *, nice: int | None, loadgen: str) -> None:
-        self.nice = nice
-        self.loadgen = loadgen
+        self.nice, self.loadgen = nice, loadgen
         self.wrk_script = workdir / "post.lua"
         self.wrk_script.write_text(_WRK_SCRIPT)
 
@@ -150,7 +144,8 @@ class Runner:
             d = _last_json(out, err, "wrk")
             p50, p99, took = d["p50_us"] / 1e3, d["p99_us"] / 1e3, d["duration_us"] / 1e6
             return HttpRun(target, conns, int(d["requests"]), took, p50, p99, int(d["errors"]), cpu_s)
-        argv = _loadgen("http", address, "--conns", str(conns), "--warmup", "0.5", "--window", f"{seconds:g}")
+        argv = _harness("loadgen", "http", "--target", address, "--conns", str(conns), "--warmup", "0.5")
+        argv += ["--window", f"{seconds:g}"]
         d, cpu_s = self._marked(argv, seconds, cpu)
         p50, p99, took = float(d["p50_ms"]), float(d["p99_ms"]), float(d["elapsed"])
         return HttpRun(target, conns, int(d["completed"]), took, p50, p99, int(d["errors"]), cpu_s)
@@ -159,8 +154,8 @@ class Runner:
         self, target: str, phase: str, address: str, *, chunks: int, rate: float, seconds: float,
         cpu: Callable[[], float] | None,
     ) -> SseRun:  # fmt: skip
-        argv = _loadgen("sse", address, "--streams", str(SSE_STREAMS), "--chunks", str(chunks))
-        argv += ["--rate", str(rate), "--warmup", "1", "--window", f"{seconds:g}"]
+        argv = _harness("loadgen", "sse", "--target", address, "--streams", str(SSE_STREAMS))
+        argv += ["--chunks", str(chunks), "--rate", str(rate), "--warmup", "1", "--window", f"{seconds:g}"]
         d, cpu_s = self._marked(argv, seconds, cpu)
         counts = int(d["events"]), int(d["reads"]), int(d["completed"])
         return SseRun(target, phase, *counts, float(d["elapsed"]), int(d["errors"]), cpu_s)
@@ -212,12 +207,8 @@ def _shim_argv(port: int, upstream: str) -> list[str]:
     )
 
 
-def _loadgen(mode: str, address: str, *args: str) -> list[str]:
-    return [sys.executable, str(HERE / "_harness.py"), "loadgen", mode, "--target", address, *args]
-
-
-def _harness_argv(role: str, port: int, *args: str) -> list[str]:
-    return [sys.executable, str(HERE / "_harness.py"), role, "--port", str(port), *args]
+def _harness(role: str, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / "_harness.py"), role, *args]
 
 
 @contextlib.contextmanager
@@ -225,14 +216,14 @@ def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterato
     """The fake engine and the proxies in ``wanted``, running until the block ends."""
     with contextlib.ExitStack() as stack:
         upstream = harness.Child(
-            "fake engine", lambda port: _harness_argv("upstream", port), cpu=LOAD_CPU, nice=nice
+            "fake engine", lambda port: _harness("upstream", "--port", str(port)), cpu=LOAD_CPU, nice=nice
         )
         children = [stack.enter_context(upstream)]
         up = upstream.address
         argvs: dict[str, Callable[[int], Sequence[str]]] = {
             "shim": lambda port: _shim_argv(port, up),
             "nginx": lambda port: harness.nginx_argv(harness.nginx_config(workdir, port, up)),
-            "relay": lambda port: _harness_argv("relay", port, "--upstream", f"http://{up}"),
+            "relay": lambda port: _harness("relay", "--port", str(port), "--upstream", f"http://{up}"),
         }
         targets = {"direct": Target("direct", up, None)}
         for name in PROXIES:

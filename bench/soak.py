@@ -27,11 +27,7 @@ SDK_ONLY = (("sdk", 0.5), ("sdk_stream", 0.5))
 
 def _progress(name: str) -> Any:
     started = time.monotonic()
-
-    def say(line: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f} s] {name}: {line}", flush=True)
-
-    return say
+    return lambda line: print(f"[{time.monotonic() - started:6.1f} s] {name}: {line}", flush=True)
 
 
 def _share(report: SoakReport, prefix: str) -> str:
@@ -105,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs: dict[str, SoakReport] = {}
     for name, config in plans.items():
-        print(
-            f"== {name}: {config.requests} requests, at most {config.seconds:g} s, "
-            f"concurrency {config.concurrency}",
-            flush=True,
-        )
+        limits = f"at most {config.seconds:g} s, concurrency {config.concurrency}"
+        print(f"== {name}: {config.requests} requests, {limits}", flush=True)
         runs[name] = run_soak(config, progress=_progress(name))
         print(json.dumps(runs[name].summary(), indent=1), flush=True)
     print()

@@ -70,13 +70,12 @@ class Mix:
     def draw(self, index: int, at: float, kind: Kind, rng: random.Random, *, burst: bool = False) -> MixCall:
         if kind == "chat" or not self.long_prompts:
             words = CHAT_PROMPT_WORDS.draw(rng)
-            tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
             answer = CHAT_ANSWER_TOKENS.draw(rng)
         else:
             target = LONG_PROMPT_TOKENS.draw(rng)
             words = max(1, round((target - TEMPLATE_TOKENS) / self.tokens_per_word))
-            tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
             answer = LONG_ANSWER_TOKENS.draw(rng)
+        tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
         return MixCall(index, at, kind, words, tokens, answer, burst)
 
     def kind(self, rng: random.Random) -> Kind:
@@ -102,13 +101,10 @@ class MixWorkload:
         return call.prompt(rng), call.max_tokens
 
     def mean_answer_tokens(self) -> float:
-        if self.only == "chat":
-            return CHAT_ANSWER_TOKENS.mean()
-        if self.only == "long" and self.mix.long_prompts:
-            return LONG_ANSWER_TOKENS.mean()
-        if self.only == "long":
-            return CHAT_ANSWER_TOKENS.mean()
-        return self.mix.mean_answer_tokens()
+        if self.only is None:
+            return self.mix.mean_answer_tokens()
+        long = self.only == "long" and self.mix.long_prompts
+        return (LONG_ANSWER_TOKENS if long else CHAT_ANSWER_TOKENS).mean()
 
 
 def mix_trace(
@@ -143,9 +139,6 @@ class Outcome:
     generated: int = 0
     chat_ttfts: list[float] = field(default_factory=list)
 
-    def add_served(self, kind: str) -> None:
-        self.served[kind] = self.served.get(kind, 0) + 1
-
 
 def capacity(
     params: EngineParams, mix: Mix, *, seconds: float = 600.0, seed: int = 0, only: Kind | None = None
@@ -155,8 +148,7 @@ def capacity(
     now = [0.0]
     engine = SimEngine(params, clock=lambda: now[0])
     rng = random.Random(seed)
-    n = 0
-    done_calls = done_tokens = 0
+    n = done_calls = done_tokens = 0
 
     def add() -> None:
         nonlocal n
@@ -214,7 +206,7 @@ def oracle(calls: Iterable[MixCall], params: EngineParams, budgets: Budgets) -> 
                 useful = useful and ttft <= budgets.chat_ttft
             if useful:
                 out.useful_tokens += seq.generated
-                out.add_served(c.kind)
+                out.served[c.kind] = out.served.get(c.kind, 0) + 1
         while i < len(pending) and pending[i].at <= now[0]:
             c = pending[i]
             first, end = _estimate(params, c)
