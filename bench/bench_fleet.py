@@ -4,14 +4,12 @@ behind nginx and HAProxy, against one replica alone on each third of the same ca
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # ~7 min
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --quick    # ~3 min
 
-One seeded trace (``real_vllm.mix.chat_scenario`` at ``--rate-factor`` x the fleet's capacity),
-each arm on fresh servers: **one replica** (a simulator and its shim, running each random third
-of the fleet's calls in turn, :func:`split_trace`) and **nginx** / **HAProxy** (three of them
-behind the shipped configuration, :class:`~llm_backoff_shim.lab.fleet.Fleet`); callers plain
-openai and the SDK's presets; the demo's engine (8 slots) and shim sizing. The figures (pure,
-tested without load; docs/benchmarks.md reads them): :func:`conservation`, the EDF oracle on the
-same calls (:func:`oracle_jobs`), :func:`refused_with_room` and :func:`requeued_after_wait` from
-the shims' JSON access logs. Writes ``fleet[-quick]-seedN.{png,json,md}`` into ``--out``.
+One seeded trace (``real_vllm.mix.chat_scenario``), each arm on fresh servers: **one replica**
+(running each random third of the calls in turn, :func:`split_trace`) and **nginx** / **HAProxy**
+(:class:`~llm_backoff_shim.lab.fleet.Fleet`); callers plain openai and the SDK's presets. The
+figures are pure and tested without load: :func:`conservation`, the EDF oracle (:func:`oracle_jobs`),
+:func:`refused_with_room` and :func:`requeued_after_wait` from the shims' JSON access logs.
+Writes ``fleet[-quick]-seedN.{png,json,md}`` into ``--out``.
 """
 
 from __future__ import annotations

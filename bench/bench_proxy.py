@@ -3,13 +3,11 @@
     .venv/bin/python bench/bench_proxy.py            # full run, about 3 minutes
     .venv/bin/python bench/bench_proxy.py --quick    # one short round of everything, about 1 minute
 
-On 127.0.0.1 (``_harness.py``): the fake engine and the load generator (``wrk`` for the request
-phases when installed, else ``loadgen http``; ``loadgen sse`` for streams) on CPU 0; the shim
-(admission never rejects), nginx (one worker, ``proxy_buffering off``) and the relay on CPU 1.
-Targets interleaved round by round: latency p50/p99 (added = proxy minus direct in the same
-round, median over rounds) and requests/s at 1, 16 and 64 connections; SSE events/s with 64
-streams flat out; proxy CPU for 64 streams at 200 tokens/s. Unless ``--nice 0`` every process
-gets its own autogroup at nice -10 (needs root) so neighbours disturb the figures less.
+On 127.0.0.1 (``_harness.py``): the fake engine and the load generator (``wrk`` when installed,
+else ``loadgen``) on CPU 0; the shim (never rejecting), nginx and the relay on CPU 1. Targets
+interleaved round by round: added p50/p99 (proxy minus direct in the same round) and requests/s
+at 1, 16, 64 connections; SSE events/s with 64 streams flat out; proxy CPU at 200 tokens/s.
+Unless ``--nice 0`` every process gets its own autogroup at nice -10 (needs root).
 """
 
 from __future__ import annotations

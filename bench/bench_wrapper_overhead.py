@@ -3,12 +3,10 @@
     .venv/bin/python bench/bench_wrapper_overhead.py [--rounds 41] [--calls 200] [--clock cpu|wall]
     .venv/bin/python bench/bench_wrapper_overhead.py --mode opcodes
 
-Both clients on one in-process mock transport (no sockets): the client-side cost per call.
-Rounds of ``--calls`` calls interleave bare and wrapped (order alternating). Reported: the median
-round's wrapped/bare ratio with its IQR and distribution-free 95 % CI, the pooled ratio and the
-ratio of the fastest rounds; time is this process's CPU time (``--clock wall`` for quiet machines).
-``--mode opcodes`` counts the Python bytecode instructions per call instead (``sys.settrace``):
-blind to C code, but exact on a loaded machine.
+Both clients on one in-process mock transport; rounds of ``--calls`` calls interleave bare and
+wrapped. Reported: the median round's wrapped/bare ratio (IQR, distribution-free 95 % CI), the
+pooled ratio and the ratio of the fastest rounds, in process CPU time (``--clock wall`` for quiet
+machines). ``--mode opcodes`` counts bytecode instructions per call: blind to C, exact under load.
 """
 
 from __future__ import annotations

@@ -241,9 +241,7 @@ def oracle(calls: Iterable[MixCall], params: EngineParams, budgets: Budgets) -> 
 
 def chat_scenario(duration: float, rate_factor: float) -> Scenario:
     """Short chat beside batch as the load generator's :class:`Scenario` (the fleet benchmark's
-    and the virtual-time bound's load): Poisson at ``rate_factor`` x capacity for ``duration``
-    s, 70 % interactive with a 5 s time-to-first-token budget, 20 s deadline, the default
-    workload's lengths (prompts lognormal around 40 words, answers around 64 tokens)."""
+    load): Poisson at ``rate_factor`` x capacity for ``duration`` s, the default workload."""
     return Scenario(
         "real-vllm",
         burst=0,
