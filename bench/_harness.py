@@ -7,27 +7,16 @@ Bench-only. Run as a process, it plays one role::
     python bench/_harness.py loadgen sse --target 127.0.0.1:8080 --streams 64 --chunks 400 --rate 200
     python bench/_harness.py loadgen http --target 127.0.0.1:8080 --conns 16
 
-- **children** (:class:`Child`): each server runs under ``taskset -c CPU`` when taskset exists and
-  the machine has that CPU, so the proxy under test owns one core and the fake engine and load
-  generator share the other; CPU time comes from /proc/<pid>/stat (utime + stime, all threads)
-  summed over the child and its descendants, which covers nginx's worker under its master;
-- **upstream**: any request gets a fixed ~300-byte chat-completion JSON at once, unless it carries
-  ``x-bench-chunks: N``: then an SSE stream of N token events plus ``data: [DONE]``, one event per
-  write, ``x-bench-rate`` events per second (absolute schedule, so the average rate holds when the
-  loop runs late). ``GET /health`` answers 200;
-- **loadgen**: ``sse``: every connection asks for a stream of ``--chunks`` events at ``--rate``,
-  checks each stream is complete (every event plus ``[DONE]``), then asks for the next on the same
-  keep-alive connection; ``http``: closed-loop POSTs of a small chat completion, one in flight per
-  connection, latency from write to last byte, an answer counted when its status is 200.
-  Both print ``{"mark": "start"}`` when the warm-up ends and a JSON result when the window ends, so
-  the caller reads the proxy's CPU counters at the same two moments;
-- **relay**: the minimal streaming relay (raw ASGI on uvicorn + uvloop + httptools, aiohttp
-  upstream with no pool cap and no read timeout): the reference a proxy's cost is set against.
+- :class:`Child`: a server under ``taskset -c CPU`` (when possible), its CPU time (utime + stime of
+  it and its descendants, e.g. nginx's worker) from /proc;
+- **upstream**: a fixed ~300-byte chat completion at once, or with ``x-bench-chunks: N`` an SSE
+  stream of N events plus ``[DONE]`` at ``x-bench-rate`` events/s (absolute schedule);
+- **loadgen** ``sse`` (streams checked complete, next request on the same connection) or ``http``
+  (closed-loop POSTs, latency write to last byte); prints ``{"mark": "start"}`` after the warm-up
+  and a JSON result at the window's end, so the caller reads the proxy's CPU at those moments;
+- **relay**: the minimal uvicorn + aiohttp streaming relay, the reference a proxy is set against.
 
-The fake engine and the load generator are hand-written on asyncio protocols and httptools
-rather than an ASGI app or aiohttp because they share a core: an ASGI app under uvicorn costs
-several times more CPU per request and per event, and the benchmark would then measure its own
-equipment rather than the proxies. Loopback-only: no pipelining, no request-body limits, no TLS.
+Upstream and loadgen share a core, hence raw asyncio protocols and httptools, not ASGI. Loopback-only.
 """
 
 from __future__ import annotations
@@ -64,13 +53,9 @@ def pin_prefix(cpu: int | None) -> list[str]:
 
 
 def boost(pid: int, nice: int) -> bool:
-    """Give ``pid``'s scheduling group ``nice``; False when not permitted.
-
-    With autogroup scheduling (Linux's default for desktop-like kernels) a nice value
-    only ranks processes inside one session, and every other shell session on a
-    shared machine is a group of equal weight. So each child starts in a session of
-    its own and the nice value goes on that session's autogroup.
-    """
+    """Give ``pid``'s scheduling group ``nice``; False when not permitted. Under autogroup scheduling a
+    nice value only ranks processes within a session, so each child has its own session and the
+    value goes on that session's autogroup."""
     try:
         Path(f"/proc/{pid}/autogroup").write_text(str(nice))
     except OSError:
@@ -181,23 +166,11 @@ def nginx_argv(config: Path) -> list[str]:
 
 # -- upstream: the fast fake engine -------------------------------------------------------------
 
-_JSON_BODY = json.dumps(
-    {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "bench",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "ok " * 40},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {"prompt_tokens": 8, "completion_tokens": 40, "total_tokens": 48},
-    },
-    separators=(",", ":"),
-).encode()
+_JSON_BODY = (
+    b'{"id":"chatcmpl-bench","object":"chat.completion","created":0,"model":"bench","choices":[{"index":0,'
+    b'"message":{"role":"assistant","content":"' + b"ok " * 40 + b'"},"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":8,"completion_tokens":40,"total_tokens":48}}'
+)
 
 _JSON_RESPONSE = (
     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
@@ -227,13 +200,10 @@ class _Stream:
     """One paced SSE response; each event is written by its own timer callback."""
 
     def __init__(self, conn: _Connection, chunks: int, rate: float) -> None:
-        self.conn = conn
-        self.left = chunks
+        self.conn, self.left, self.sent = conn, chunks, 0
         self.gap = 1.0 / rate if rate > 0 else 0.0
-        loop = asyncio.get_running_loop()
-        self.loop = loop
-        self.start = loop.time()
-        self.sent = 0
+        self.loop = asyncio.get_running_loop()
+        self.start = self.loop.time()
         conn.transport.write(_SSE_HEAD)
         self._next()
 
@@ -262,9 +232,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport
         self.closed = False
         self.stream: _Stream | None = None
-        self.url = b""
-        self.chunks = 0
-        self.rate = 0.0
+        self.url, self.chunks, self.rate = b"", 0, 0.0
         self.pending: list[bytes] = []
 
     # -- asyncio.Protocol
@@ -359,17 +327,11 @@ class _Client(asyncio.Protocol):
     """One keep-alive connection with at most one request in flight."""
 
     def __init__(self, tally: Tally, expected_events: int, expected_status: int) -> None:
-        self.tally = tally
-        self.expected_status = expected_status
-        self.expected_events = expected_events
+        self.tally, self.expected_status, self.expected_events = tally, expected_status, expected_events
         self.parser = httptools.HttpResponseParser(self)
         self.transport: asyncio.Transport | None = None
         self.done: asyncio.Future[bool] | None = None
-        self.sent_ns = 0
-        self.events = 0
-        self.last_newline = False
-        self.status = 0
-        self.closed = False
+        self.sent_ns, self.events, self.last_newline, self.status, self.closed = 0, 0, False, 0, False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.

@@ -3,41 +3,20 @@
     .venv/bin/python bench/bench_admission_model.py                               # 30 seeds
     .venv/bin/python bench/bench_admission_model.py --seeds 20 --lengths 20,0.8,160
 
-The overload scenarios (a burst of 200, 2x and 1.2x the engine for 30 s, and the demo's load;
-with ``--lengths``, the varied-2x pair) against callers making llm_backoff's retry decisions,
-on an engine that takes exactly its service time (with ``--lengths``, each call's own), about
-0.1 s per run. A real run's success count moves by 2-3 between runs of the same code; this
-shows a change to admission over 20-100 seeds in seconds. Per scenario, over the seeds: calls
-served within the deadline (and the fewest in one run), interactive calls served, attempts
-per call, first retries admitted, the largest retry wave (100 ms), the worst interactive TTFT
-p99, idle slot-seconds before the last completion, the refusals that came after a wait in the
-queue, the slot-time idle while a caller that could still have been served waited, and useful
-tokens over the capacity bound (medians). A before/after: run it again with the other tree's
-sources first on ``PYTHONPATH``.
+The overload scenarios (a burst of 200, 2x and 1.2x the engine for 30 s, the demo's load; with
+``--lengths``, the varied-2x pair), ~0.1 s a run, so a change to admission shows over 20-100
+seeds in seconds (docs/benchmarks.md). Before/after: rerun with the other tree first on ``PYTHONPATH``.
 
-**The model** (:class:`OverloadModel`): the same
-:class:`~llm_backoff_shim.decide.admission.AdmissionController` the shim builds from its flags
-(:func:`~llm_backoff_shim.serve.app.build_controller`) and the same
-:class:`~llm_backoff.attempts.RetryState` (the SDK's retry decisions: the hint plus its jitter,
-the deadline and start deadline, the retry budget) run on a
-:class:`~llm_backoff_shim.testing.ManualClock` moved from event to event: a burst runs in a
-fraction of a second, and a seed gives the same run every time. Left out on purpose: the
-network and the processes' own delays, the engine's variation unless asked for (every request
-holds its slot exactly its service time; ``service_jitter`` varies it uniformly, and
-:class:`OutputLengths` draws each call's output length, asked as ``max_tokens`` with
-``ignore_eos``, from a capped lognormal), and the shim's asyncio edge
-(:mod:`llm_backoff_shim.serve.request_path.waiting`, replayed step for step: a timer at each
-queued ticket's deadline, a recheck after each request queued). So it measures the admission
-policy, not the machine.
+**The model** (:class:`OverloadModel`): the shim's ``AdmissionController`` built from its flags
+(``build_controller``) and the SDK's ``RetryState`` on a ``ManualClock`` moved event to event;
+the shim's asyncio edge (``serve.request_path.waiting``) replayed step for step. Left out: the
+network, the processes' delays, and the engine's variation unless asked (``service_jitter``;
+:class:`OutputLengths` per-call lengths asked as ``max_tokens`` with ``ignore_eos``).
 
-**The oracle** (:func:`schedule`, used by ``bench_fleet.py``): an upper bound on useful tokens
-from a scheduler that knows every request's service time in advance. It plays a trace on
-``slots`` slots: whenever a slot is free it starts, of the requests that have arrived and can
-still be served usefully (first token within its budget, end within its deadline), the one
-whose latest useful start is soonest, and drops a request whose latest start has passed. With
-``classes_first=("interactive",)`` it serves interactive before any batch (EDF within a class).
-Greedy EDF is not optimal under overload, but it never idles a slot while a servable request
-waits and never serves one uselessly. Pure: no clock, no I/O.
+**The oracle** (:func:`schedule`, also used by ``bench_fleet.py``): an upper bound on useful
+tokens from greedy EDF on each request's latest useful start over ``slots`` slots, knowing every
+service time (greedy EDF is not optimal under overload, but never idles a slot while a servable
+request waits nor serves one uselessly). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -47,7 +26,6 @@ import dataclasses
 import functools
 import heapq
 import itertools
-import json
 import math
 import random
 import statistics
@@ -55,7 +33,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from statistics import NormalDist
 
 from llm_backoff import RetryBudget
@@ -65,6 +42,7 @@ from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.tickets import Dispatch, Outcome, Rejection, Ticket, TicketState
 from llm_backoff_shim.lab.callers import retry_policy
 from llm_backoff_shim.lab.demo import shim_flags
+from llm_backoff_shim.lab.figures import max_in_window, percentile
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, arrivals, demo_scenario
 from llm_backoff_shim.serve.app import build_controller
 from llm_backoff_shim.serve.config.sources import load_settings
@@ -77,12 +55,8 @@ _REFUSED = Verdict(True, "429")
 
 @dataclass(frozen=True)
 class OutputLengths:
-    """Output tokens per call: a lognormal with this ``median`` and ``sigma``, rounded, in 1..``cap``.
-
-    Each call asks for its length as ``max_tokens`` with ``ignore_eos`` (as the real-engine
-    benchmark does), so the shim knows the most it will generate and the engine generates
-    exactly that: the call holds its slot ``ttft + (tokens - 1) * itl``.
-    """
+    """Output tokens per call: a lognormal with this ``median`` and ``sigma``, rounded, in 1..``cap``;
+    asked as ``max_tokens`` with ``ignore_eos``, so the call holds its slot ``ttft + (tokens - 1) * itl``."""
 
     median: float
     sigma: float
@@ -122,8 +96,7 @@ class ModelCall:
     tokens: int = 0
     service: float = 0.0
     attempts: list[str] = field(default_factory=list)  # "refused" | "queued" | "admitted"
-    #: Seconds from each refused attempt to its refusal: 0 when refused at once, else the time
-    #: it waited in the queue before being turned away (queue_timeout).
+    #: Seconds from each refused attempt to its refusal: 0 when at once, else its wait in the queue.
     refusal_times: list[float] = field(default_factory=list)
     attempt_at: float = 0.0
     ticket: Ticket | None = None
@@ -138,17 +111,11 @@ class ModelCall:
 
 @dataclass(frozen=True)
 class ModelResult:
-    """One run's calls and what the engine did.
-
-    ``idle_while_servable``: slot-seconds a slot stood free while a caller that could still
-    have been served (admitted then, it would have ended within its deadline and, for an
-    interactive caller that states a TTFT budget, begun within it) was waiting, queued or
-    between attempts; at any instant the smaller of the free slots and such callers counts.
-    ``useful_tokens``: tokens of the calls served usefully (:meth:`useful`);
-    ``capacity_tokens``: the most any scheduler could deliver, the engine's tokens per second
-    with every slot busy times the arrival window plus the deadline; ``offered_tokens``:
-    what the callers asked for.
-    """
+    """One run's calls and what the engine did. ``idle_while_servable``: slot-seconds free while a
+    caller that could still have been served usefully waited (queued or between attempts), the
+    smaller of the two counts at each instant; ``useful_tokens``: of the calls served usefully
+    (:meth:`OverloadModel.useful`); ``capacity_tokens``: the engine's full-load tokens/s times the
+    arrival window plus the deadline; ``offered_tokens``: what the callers asked for."""
 
     calls: tuple[ModelCall, ...]
     retry_times: tuple[float, ...]
@@ -187,13 +154,7 @@ class ModelResult:
     @property
     def largest_retry_wave(self) -> int:
         """The most retries sent within any 100 ms window."""
-        times = sorted(self.retry_times)
-        most, lo = 0, 0
-        for hi, t in enumerate(times):
-            while t - times[lo] >= 0.1:
-                lo += 1
-            most = max(most, hi - lo + 1)
-        return most
+        return max_in_window(self.retry_times, 0.1)
 
     @property
     def first_retry_admitted(self) -> tuple[int, int]:
@@ -203,12 +164,8 @@ class ModelResult:
 
     def ttft_p99(self, cls: str = "interactive") -> float | None:
         """p99 time to first token of the served calls of ``cls`` (nearest rank)."""
-        ttfts = sorted(
-            c.first_token - c.start
-            for c in self.calls
-            if c.ok and c.first_token is not None and c.arrival.cls == cls
-        )
-        return ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)] if ttfts else None
+        served = [c for c in self.calls if c.ok and c.arrival.cls == cls]
+        return percentile([c.first_token - c.start for c in served if c.first_token is not None], 99)
 
     def summary(self) -> str:
         admitted, retried = self.first_retry_admitted
@@ -238,8 +195,7 @@ class OverloadModel:
         lengths: OutputLengths | None = None,
         start_deadline: bool | None = None,
     ) -> None:
-        self.scenario = scenario
-        self.shape = shape
+        self.scenario, self.shape = scenario, shape
         self.clock = ManualClock(0.0)
         settings = load_settings(["--upstream", "http://127.0.0.1:9", *shim_flags])
         self.controller = build_controller(settings, self.clock)
@@ -493,12 +449,9 @@ def job(
 
 
 def schedule(jobs: Sequence[Job], slots: int, *, classes_first: Sequence[str] = ()) -> OracleResult:
-    """Greedy EDF on the latest useful start (see the module docstring) over ``slots`` slots.
-
-    ``classes_first``: strict priority instead, these classes in this order before the rest
-    (EDF within a class): the most of the first class's calls any scheduler serves usefully,
-    and what is left for the others.
-    """
+    """Greedy EDF on the latest useful start (see the module docstring) over ``slots`` slots;
+    ``classes_first``: strict priority, these classes in this order before the rest (EDF within a
+    class): the most of the first class's calls any scheduler serves usefully, and what is left."""
     if slots < 1:
         raise ValueError("slots must be >= 1")
     pending = sorted(jobs, key=lambda j: j.arrived)
@@ -540,9 +493,8 @@ def schedule(jobs: Sequence[Job], slots: int, *, classes_first: Sequence[str] = 
 
 
 def scenarios() -> list[Scenario]:
-    """A burst of 200 judged by success within a 30 s deadline (with a 10 s budget to begin, 140
-    interactive callers at once cannot all start: the engine starts ~67 in 10 s, so the burst's
-    callers state no start deadline), and 2x and 1.2x the engine's capacity for 30 s."""
+    """A burst of 200 judged by success within a 30 s deadline (stating no start deadline: the engine
+    starts ~67 in 10 s), and 2x and 1.2x the engine's capacity for 30 s."""
     return [
         Scenario(
             "burst", burst=200, rate_factor=0, duration=0, deadline=30, ttft_budget=10, start_deadline=False
@@ -553,10 +505,9 @@ def scenarios() -> list[Scenario]:
 
 
 def varied_scenarios(shape: EngineShape, lengths: OutputLengths) -> list[tuple[Scenario, list[str]]]:
-    """A load like the real-engine comparison's: 2x capacity for 30 s, 70 % interactive callers
-    that must begin within 5 s, a 20 s deadline per call; once behind the demo's sizing (a
-    queue of two batches, nobody waits longer than the TTFT budget), once behind a sizing like
-    ``calibrate``'s on that engine (5 queue places, a queue wait of one mean service time)."""
+    """2x capacity for 30 s, 70 % interactive callers that must begin within 5 s, a 20 s deadline;
+    behind the demo's sizing, and behind a sizing like ``calibrate``'s (5 queue places, a queue
+    wait of one mean service time)."""
     scenario = Scenario("varied-2x", burst=0, rate_factor=2.0, duration=30, deadline=20, ttft_budget=5)
     mean = f"{service_of(shape, 1) + (lengths.mean() - 1) * shape.itl:.2f}"
     calibrated = ["--max-concurrency", str(shape.slots), "--max-queue", "5"]
@@ -608,38 +559,23 @@ def run_overload(args: argparse.Namespace, seeds: list[int]) -> None:
         chosen += varied_scenarios(shape, lengths)
     if args.only:
         chosen = [(s, f) for s, f in chosen if s.name in set(args.only.split(","))]
-    rows, runs = [], {}
+    rows = []
     started = time.monotonic()
     for scenario, sizing in chosen:
         results = []
         for seed in seeds:
             model = OverloadModel(
-                scenario,
-                shape,
-                sizing,
-                seed=seed,
-                service_jitter=args.service_jitter,
-                lengths=lengths,
+                scenario, shape, sizing, seed=seed, service_jitter=args.service_jitter, lengths=lengths
             )
             results.append(model.run())
             print(f"\r{scenario.name}: seed {seed}", end="", file=sys.stderr, flush=True)
         print(file=sys.stderr)
         rows.append(summarize(scenario, results))
-        runs[scenario.name] = {
-            "idle_while_servable": [r.idle_while_servable_share for r in results],
-            "useful": [r.useful_share for r in results],
-            "served": [r.successes / len(r.calls) for r in results],
-        }
     print(f"{len(seeds)} seeds per scenario, {time.monotonic() - started:.1f} s\n")
     print(f"| {OVERLOAD_HEADER} |")
     print("|---|" + "---:|" * OVERLOAD_HEADER.count("|"))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    if args.json is not None:
-        args.json.write_text(json.dumps(runs, indent=1) + "\n")
-
-
-# -- main ---------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -647,23 +583,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="30", help="a count N (seeds 1..N) or a comma-separated list")
     p.add_argument("--service-jitter", type=float, default=0.0, help="service time x U(1 - j, 1 + j)")
     p.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
-    p.add_argument(
-        "--lengths",
-        default="",
-        metavar="MEDIAN,SIGMA,CAP",
-        help="output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens with "
-        "ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)",
-    )
-    p.add_argument("--json", type=Path, help="write each scenario's per-seed measures here")
+    lengths = "output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens with "
+    lengths += "ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)"
+    p.add_argument("--lengths", default="", metavar="MEDIAN,SIGMA,CAP", help=lengths)
     args = p.parse_args(argv)
     if not 0 <= args.service_jitter < 1:
         p.error("--service-jitter must be in [0, 1)")
-    seeds = (
-        [int(s) for s in args.seeds.split(",") if s]
-        if "," in args.seeds
-        else list(range(1, int(args.seeds) + 1))
-    )
-    run_overload(args, seeds)
+    listed = [int(s) for s in args.seeds.split(",") if s]
+    run_overload(args, listed if "," in args.seeds else list(range(1, int(args.seeds) + 1)))
     return 0
 
 

@@ -3,13 +3,11 @@
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_calibrate.py --out /tmp/calbench  # ~8 min
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_calibrate.py --quick               # ~4 min
 
-The simulator set up as a fast engine (8 sequences, 8 ms per token alone, steps 10 % slower per
-extra sequence, prefill per prompt token, natural answers lognormal around 64 tokens; a request
-takes about a second). calibrate runs ``--seeds`` times with its defaults and the SLOs below;
-then a reference sweep measures every level of ``REFERENCE_LEVELS`` ``--rounds`` times (levels
-interleaved, so the machine's drift falls on all of them) with calibrate's own load generator
-and lengths. Reported: each choice's reference throughput against the best in-SLO level (the
-target: no more than 10 % left unused), a table, and a JSON in ``--out``.
+On the simulator as a fast engine (``FAST_ENGINE``, answers lognormal around 64 tokens),
+calibrate runs ``--seeds`` times with the SLOs below; then every level of ``REFERENCE_LEVELS`` is
+measured ``--rounds`` times (levels interleaved) with calibrate's own load generator. Reported:
+each choice's reference throughput against the best in-SLO level (target: at most 10 % left
+unused), the tables, and a JSON in ``--out``.
 """
 
 from __future__ import annotations

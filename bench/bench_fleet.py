@@ -4,29 +4,12 @@ behind nginx and HAProxy, against one replica alone on each third of the same ca
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --seed 2   # ~7 min
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/bench_fleet.py --quick    # ~3 min
 
-One seeded trace (``real_vllm.mix.chat_scenario``: Poisson arrivals at ``--rate-factor`` x the
-fleet's capacity, answers lognormal with median 64 tokens and ``ignore_eos``, 70 % interactive
-with a 5 s TTFT budget, 20 s deadline), each arm on fresh servers:
-
-- **one replica**: one simulator and its shim, no load balancer, running each random third of
-  the fleet's calls (:func:`split_trace`) in turn; the three count together, so the reference
-  is the very calls the fleet gets;
-- **nginx** / **HAProxy**: three simulators, a shim each, and the load balancer running the
-  shipped configuration (:class:`llm_backoff_shim.lab.fleet.Fleet`), facing the whole trace.
-
-Callers: plain openai and the SDK's presets. The simulator is the demo's engine (8 slots) at
-``--itl`` s per token, sized so that everything stays inside 2 cores (each cell prints the
-machine's load average when it starts).
-Shim flags: the demo's sizing (``demo.shim_flags``). Writes ``fleet[-quick]-seedN.{png,json,md}``
-into ``--out``.
-
-The figures (pure functions of the records, tested without load): useful tokens (calls served
-within budget) of the ceiling; **work conserved**, the fleet's useful tokens over three times
-one replica's (:func:`conservation`); the earliest-deadline oracle of
-``bench_admission_model.py`` on the same calls, all slots pooled (:func:`oracle_jobs`); refusal
-latency at the client; calls refused while some replica had a free slot, from the shims' JSON
-access logs (:func:`refused_with_room`); attempts a shim queued, refused and the load balancer
-sent on (:func:`requeued_after_wait`); engine tokens wasted on callers who had left.
+One seeded trace (``real_vllm.mix.chat_scenario``), each arm on fresh servers: **one replica**
+(running each random third of the calls in turn, :func:`split_trace`) and **nginx** / **HAProxy**
+(:class:`~llm_backoff_shim.lab.fleet.Fleet`); callers plain openai and the SDK's presets. The
+figures are pure and tested without load: :func:`conservation`, the EDF oracle (:func:`oracle_jobs`),
+:func:`refused_with_room` and :func:`requeued_after_wait` from the shims' JSON access logs.
+Writes ``fleet[-quick]-seedN.{png,json,md}`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -41,7 +24,7 @@ import random
 import sys
 import textwrap
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -54,13 +37,7 @@ from llm_backoff_shim.lab.fleet import Fleet
 from llm_backoff_shim.lab.fleet_configs import lb_binary
 from llm_backoff_shim.lab.load_records import RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
-from llm_backoff_shim.lab.procs import (
-    ChildServer,
-    ServerStartError,
-    shim_server,
-    sigterm_as_interrupt,
-    sim_server,
-)
+from llm_backoff_shim.lab.procs import ServerStartError, shim_server, sigterm_as_interrupt, sim_server
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
 from llm_backoff_shim.serve.observe.access_log import json_records
 from real_vllm.measures import QUEUED_REFUSAL
@@ -155,31 +132,16 @@ def visits(replica: int, records: Iterable[dict[str, Any]]) -> list[Visit]:
     """The generation requests of one shim's parsed JSON access records (others are skipped)."""
     found = []
     for r in records:
-        total = _seconds(r, "total_ms")
-        if (
-            not isinstance(r.get("time"), str)
-            or total is None
-            or not str(r.get("path", "")).startswith("/v1/")
-        ):
+        total, path = _seconds(r, "total_ms"), str(r.get("path", ""))
+        if not isinstance(r.get("time"), str) or total is None or not path.startswith("/v1/"):
             continue
         end = _wall(r["time"])
         arrival = end - total
         outcome = str(r.get("outcome"))
-        admitted = None
-        if outcome in ADMITTED:
-            admitted = arrival + (_seconds(r, "queue_ms") or 0.0)
-        hint = r.get("retry_after_s")
+        admitted = arrival + (_seconds(r, "queue_ms") or 0.0) if outcome in ADMITTED else None
+        hint = float(h) if isinstance(h := r.get("retry_after_s"), (int, float)) else None
         found.append(
-            Visit(
-                replica,
-                arrival,
-                end,
-                admitted,
-                outcome,
-                r.get("code"),
-                float(hint) if isinstance(hint, (int, float)) else None,
-                r.get("request_id"),
-            )
+            Visit(replica, arrival, end, admitted, outcome, r.get("code"), hint, r.get("request_id"))
         )
     return found
 
@@ -202,6 +164,14 @@ class Occupancy:
         return bisect.bisect_right(self._starts[replica], t) - bisect.bisect_right(self._ends[replica], t)
 
 
+def _by_request(all_visits: Iterable[Visit]) -> dict[str, list[Visit]]:
+    by_id: dict[str, list[Visit]] = {}
+    for v in all_visits:
+        if v.request_id:
+            by_id.setdefault(v.request_id, []).append(v)
+    return by_id
+
+
 @dataclass(frozen=True)
 class RefusalsWithRoom:
     """Calls the fleet refused (every replica tried refused them), and how many of those were
@@ -219,15 +189,11 @@ class RefusalsWithRoom:
 def refused_with_room(
     all_visits: Sequence[Visit], replicas: int, slots: int, *, margin: float = 0.005
 ) -> RefusalsWithRoom:
-    """Among the request ids whose every visit was refused, those for which some replica had
-    fewer than ``slots`` requests holding a slot from ``margin`` s before the last refusal's
-    answer to ``margin`` s after (a slot freed for that whole span, not one freeing at the
-    instant). Visits without a request id are left out."""
+    """Among the request ids whose every visit was refused, those for which some replica had fewer
+    than ``slots`` requests holding a slot from ``margin`` s before the last refusal's answer to
+    ``margin`` s after (free for that whole span). Visits without a request id are left out."""
     occupancy = Occupancy(all_visits, replicas)
-    by_id: dict[str, list[Visit]] = {}
-    for v in all_visits:
-        if v.request_id:
-            by_id.setdefault(v.request_id, []).append(v)
+    by_id = _by_request(all_visits)
     refused = with_room = 0
     tries: dict[int, int] = {}
     for group in by_id.values():
@@ -258,10 +224,7 @@ class Requeued:
 def requeued_after_wait(all_visits: Sequence[Visit]) -> Requeued:
     """Among the request ids visiting several replicas, those whose visit before the last was a
     refusal after a queue wait (the load balancer tried again after the shim's wait ran out)."""
-    by_id: dict[str, list[Visit]] = {}
-    for v in all_visits:
-        if v.request_id:
-            by_id.setdefault(v.request_id, []).append(v)
+    by_id = _by_request(all_visits)
     count = served = 0
     spans = []
     for group in by_id.values():
@@ -283,21 +246,12 @@ SLOTS = 8
 LOG_FLAGS = ("--log-level", "info", "--log-format", "json")
 
 
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    setup: Setup
-
-
 ARMS = {
-    "plain": Arm("plain", Setup("plain openai", "shim", "plain")),
-    "presets": Arm("presets", Setup("llm_backoff presets", "shim", "llm_backoff_presets")),
+    "plain": Setup("plain openai", "shim", "plain"),
+    "presets": Setup("llm_backoff presets", "shim", "llm_backoff_presets"),
 }
 TARGET_LABELS = {"single": "one replica", "nginx": "nginx fleet", "haproxy": "HAProxy fleet"}
 TARGETS = tuple(TARGET_LABELS)
-
-
-# -- one cell ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -330,20 +284,8 @@ class Cell:
     replicas: int = 1
 
     @property
-    def within_budget(self) -> int:
-        return self.interactive_within_budget + self.batch_ok
-
-    @property
     def useful_fraction(self) -> float:
         return self.useful_tokens / self.ceiling if self.ceiling else 0.0
-
-
-@contextlib.contextmanager
-def single_replica(
-    shape: EngineShape, flags: Sequence[str]
-) -> Iterator[tuple[str, list[str], list[str], list[ChildServer]]]:
-    with sim_server(shape.sim_flags()) as sim, shim_server(sim, flags) as shim:
-        yield shim.url, [sim.url], [shim.url], [sim, shim]
 
 
 @dataclass
@@ -356,32 +298,30 @@ class Driven:
 
 
 def drive(
-    target: str,
-    arm: Arm,
-    scen: Scenario,
-    calls: Sequence[Arrival],
-    shape: EngineShape,
-    flags: Sequence[str],
+    target: str, arm: Setup, scen: Scenario, calls: Sequence[Arrival], shape: EngineShape, flags: list[str]
 ) -> Driven:
     replicas = 1 if target == "single" else REPLICAS
     capacity = replicas * shape.capacity_for(scen.workload)
     token_capacity = replicas * shape.token_capacity_for(scen.workload)
+    logged = [*flags, *LOG_FLAGS]
     with contextlib.ExitStack() as stack:
         if target == "single":
-            url, engines, shims, servers = stack.enter_context(single_replica(shape, [*flags, *LOG_FLAGS]))
-            logs = [lambda: servers[1].log_tail(50_000_000)]
+            sim = stack.enter_context(sim_server(shape.sim_flags()))
+            shim = stack.enter_context(shim_server(sim, logged))
+            url, engines, shims = shim.url, [sim.url], [shim.url]
+            logs = [lambda: shim.log_tail(50_000_000)]
         else:
             fleet = stack.enter_context(
-                Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS])
+                Fleet(replicas, target, sim_flags=shape.sim_flags(), shim_flags=logged)
             )
             url, engines, shims = fleet.url, fleet.engine_urls, fleet.shim_urls
             logs = [(lambda i=i: fleet.shim_log(i, 50_000_000)) for i in range(replicas)]
         load = os.getloadavg()[0]
-        label = f"{TARGET_LABELS[target]} / {arm.setup.label}"
+        label = f"{TARGET_LABELS[target]} / {arm.label}"
         print(f"- {label}: {len(calls)} calls (machine load {load:.1f})", flush=True)
         line = ProgressLine(sys.stderr, label)
         run = LoadRun(
-            arm.setup,
+            arm,
             scen,
             calls,
             target_url=url,
@@ -408,41 +348,33 @@ def side_by_side(runs: Sequence[Driven]) -> RunResult:
         key: sum(int(e.get(key, 0)) for e in engines) for key in ("tokens_generated", "aborted_tokens")
     }
     stats["engines"] = engines
-    return RunResult(
-        first.setup,
-        first.scenario,
-        sum(r.result.capacity for r in runs),
-        [c for r in runs for c in r.result.calls],
-        [],
-        stats,
-        max(r.result.elapsed for r in runs),
-        sum(r.result.token_capacity or 0.0 for r in runs),
-    )
+    calls, elapsed = [c for r in runs for c in r.result.calls], max(r.result.elapsed for r in runs)
+    capacity, tokens = sum(r.result.capacity for r in runs), sum(r.result.token_capacity or 0.0 for r in runs)
+    return RunResult(first.setup, first.scenario, capacity, calls, [], stats, elapsed, tokens)
 
 
 def run_cell(
     target: str,
-    arm: Arm,
+    arm: str,
     scen: Scenario,
     traces: Sequence[Sequence[Arrival]],
     shape: EngineShape,
-    flags: Sequence[str],
+    flags: list[str],
     seed: int,
 ) -> tuple[RunResult, Cell]:
     """``traces``: the fleet's trace; for one replica, each part of it it runs alone, in turn."""
     replicas = 1 if target == "single" else REPLICAS
-    runs = [drive(target, arm, scen, calls, shape, flags) for calls in traces]
+    runs = [drive(target, ARMS[arm], scen, calls, shape, flags) for calls in traces]
     result = runs[0].result if len(runs) == 1 else side_by_side(runs)
     figs = figures(result)
     seen = [[v for i, text in enumerate(run.logs) for v in visits(i, json_records(text))] for run in runs]
     rooms = [refused_with_room(visited, replicas, shape.slots) for visited in seen]
     again = [requeued_after_wait(visited) for visited in seen]
-    oracle = sum(
-        schedule(oracle_jobs(calls, shape, scen), replicas * shape.slots).useful_tokens for calls in traces
-    )
+    slots = replicas * shape.slots
+    oracle = sum(schedule(oracle_jobs(calls, shape, scen), slots).useful_tokens for calls in traces)
     cell = Cell(
         target=target,
-        arm=arm.name,
+        arm=arm,
         seed=seed,
         calls=figs.calls,
         interactive_calls=figs.interactive_calls,
@@ -509,19 +441,16 @@ def ratio_rows(cells: Sequence[Cell], arms: Sequence[str], targets: Sequence[str
             conserved = oracle_conserved = None
             if single is not None and target != "single":
                 conserved = conservation(c.useful_tokens, single.useful_tokens / single.replicas, REPLICAS)
-                oracle_conserved = conservation(
-                    c.oracle_useful, single.oracle_useful / single.replicas, REPLICAS
-                )
+                oracle_one = single.oracle_useful / single.replicas
+                oracle_conserved = conservation(c.oracle_useful, oracle_one, REPLICAS)
             plain = find(cells, target, "plain")
-            vs_plain = (
-                None
-                if plain is None or arm == "plain" or not plain.useful_tokens
-                else c.useful_tokens / plain.useful_tokens
-            )
+            vs_plain = None
+            if plain is not None and arm != "plain" and plain.useful_tokens:
+                vs_plain = c.useful_tokens / plain.useful_tokens
             rows.append(
                 [
                     TARGET_LABELS[target],
-                    ARMS[arm].setup.label,
+                    ARMS[arm].label,
                     f"{c.useful_tokens / 1000:.1f}k ({_pct(c.useful_fraction)})",
                     "-" if conserved is None else f"{conserved:.3f} (oracle {_ratio(oracle_conserved)})",
                     "-" if vs_plain is None else f"{vs_plain:.2f}",
@@ -574,7 +503,7 @@ def save_plot(
         ("useful tokens per replica", lambda c: c.useful_tokens / c.replicas),
         (
             "calls within budget per replica",
-            lambda c: c.within_budget / c.replicas,
+            lambda c: (c.interactive_within_budget + c.batch_ok) / c.replicas,
         ),
         ("refusal p99 (s)", lambda c: c.refusal_p99 or 0.0),
         ("engine tokens wasted", lambda c: c.wasted_share),
@@ -590,7 +519,7 @@ def save_plot(
                     ys.append(value(c))
             ax.bar(xs, ys, width, color=colours[target], label=TARGET_LABELS[target])
         ax.set_xticks(range(len(arms)))
-        ax.set_xticklabels([ARMS[a].setup.label for a in arms], fontsize=8)
+        ax.set_xticklabels([ARMS[a].label for a in arms], fontsize=8)
         ax.set_title(name, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
     axes.flat[0].legend(fontsize=8)
@@ -598,12 +527,8 @@ def save_plot(
     for label, result in timeline:
         samples = [s for s in result.samples if s.replicas]
         for r in range(REPLICAS):
-            busy.plot(
-                [s.t for s in samples],
-                [s.replicas[r][0] or 0 for s in samples],
-                linewidth=0.8,
-                label=f"{label}, engine {r + 1}",
-            )
+            running = [s.replicas[r][0] or 0 for s in samples]
+            busy.plot([s.t for s in samples], running, linewidth=0.8, label=f"{label}, engine {r + 1}")
     busy.set_title("requests running in each engine (presets)", fontsize=10)
     busy.set_xlabel("s")
     busy.legend(fontsize=6)
@@ -612,9 +537,6 @@ def save_plot(
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
-
-
-# -- main ----------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -665,13 +587,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         with sigterm_as_interrupt():
-            for arm_name in arms:
-                arm = ARMS[arm_name]
+            for arm in arms:
                 for target in targets:
                     traces = thirds if target == "single" else [fleet_calls]
                     result, cell = run_cell(target, arm, base, traces, shape, flags, args.seed)
                     cells.append(cell)
-                    if target != "single" and arm_name == arms[-1]:
+                    if target != "single" and arm == arms[-1]:
                         timeline.append((TARGET_LABELS[target], result))
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped", file=sys.stderr)
@@ -689,12 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"fleet{'-quick' if args.quick else ''}-seed{args.seed}"
     png = save_plot(cells, timeline, args.out / f"{stem}.png", head)
-    (args.out / f"{stem}.json").write_text(
-        json.dumps(
-            {"head": head, "shim_flags": flags, "cells": [dataclasses.asdict(c) for c in cells]}, indent=1
-        )
-        + "\n"
-    )
+    record = {"head": head, "shim_flags": flags, "cells": [dataclasses.asdict(c) for c in cells]}
+    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     (args.out / f"{stem}.md").write_text(head + "\n\n" + markdown(rows) + "\n")
     print(f"\nplot: {png}\nMarkdown: {args.out / f'{stem}.md'}\ntotal {time.monotonic() - started:.0f} s")
     return 0

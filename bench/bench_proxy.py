@@ -3,31 +3,11 @@
     .venv/bin/python bench/bench_proxy.py            # full run, about 3 minutes
     .venv/bin/python bench/bench_proxy.py --quick    # one short round of everything, about 1 minute
 
-Processes, all on 127.0.0.1 (``_harness.py``):
-
-- a fast fake engine (fixed JSON at once, or paced SSE);
-- the shim (``llm-backoff-shim serve --max-concurrency 1000 --max-queue 1000``, so
-  admission never rejects), nginx (``proxy_pass``, ``proxy_buffering off``, upstream
-  keep-alive, one worker) and "relay", the reference for requests/s (a minimal uvicorn + aiohttp relay), all
-  pinned to CPU 1 with taskset;
-- the load generator: ``wrk`` (Debian package ``wrk``) for the request phases when
-  installed, else the harness's ``loadgen http``; always ``loadgen sse`` for streams. It and
-  the fake engine share CPU 0.
-
-Measured for every target (direct = load generator straight to the engine), with the
-targets interleaved round by round so drifting machine load hits all three alike:
-
-1. latency p50/p99 and requests/s of a small non-streaming chat completion at 1, 16
-   and 64 concurrent connections; the added latency is the proxy's percentile minus
-   direct's in the same round (median over rounds);
-2. SSE events relayed per second with 64 streams asking for far more events than one
-   core can relay (1 ms apart per stream), and proxy CPU per event;
-3. proxy CPU (cores) for 64 streams at 200 events (tokens)/s each.
-
-Proxy CPU is utime+stime from /proc/<pid>/stat (nginx: master + worker) over the
-measuring window. The shared machines have 2 cores and other users: unless
-``--nice 0``, every process of the run gets a raised scheduling priority (its own
-autogroup at nice -10, needs root) so neighbours disturb the figures less.
+On 127.0.0.1 (``_harness.py``): the fake engine and the load generator (``wrk`` when installed,
+else ``loadgen``) on CPU 0; the shim (never rejecting), nginx and the relay on CPU 1. Targets
+interleaved round by round: added p50/p99 (proxy minus direct in the same round) and requests/s
+at 1, 16, 64 connections; SSE events/s with 64 streams flat out; proxy CPU at 200 tokens/s.
+Unless ``--nice 0`` every process gets its own autogroup at nice -10 (needs root).
 """
 
 from __future__ import annotations
@@ -42,8 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from argparse import RawDescriptionHelpFormatter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import _harness as harness
@@ -61,12 +43,8 @@ SSE_MAX_CHUNKS = 2000
 TOKEN_RATE = 200.0
 TOKEN_CHUNKS = 400  # 2 s streams, then a new request on the same connection
 
-_REQUEST_BODY = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
-_WRK_SCRIPT = (
-    """wrk.method = "POST"
-wrk.body = '"""
-    + _REQUEST_BODY
-    + """'
+_WRK_SCRIPT = """wrk.method = "POST"
+wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
 wrk.headers["Content-Type"] = "application/json"
 done = function(summary, latency, requests)
   local e = summary.errors
@@ -76,12 +54,9 @@ done = function(summary, latency, requests)
     e.connect + e.read + e.write + e.status + e.timeout))
 end
 """
-)
 
 
-# ---------------------------------------------------------------------------------------
-# results
-# ---------------------------------------------------------------------------------------
+# -- results ---------------------------------------------------------------------------------------
 @dataclass
 class HttpRun:
     target: str
@@ -137,116 +112,51 @@ class Results:
     sse: list[SseRun] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------------------------------
-# load generation
-# ---------------------------------------------------------------------------------------
+# -- load generation -------------------------------------------------------------------------------
 class Runner:
     """Starts load-generator processes pinned and boosted like the servers."""
 
     def __init__(self, workdir: Path, *, nice: int | None, loadgen: str) -> None:
-        self.nice = nice
-        self.loadgen = loadgen
+        self.nice, self.loadgen = nice, loadgen
         self.wrk_script = workdir / "post.lua"
         self.wrk_script.write_text(_WRK_SCRIPT)
 
     def _popen(self, argv: list[str]) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [*harness.pin_prefix(LOAD_CPU), *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+            [*harness.pin_prefix(LOAD_CPU), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )  # fmt: skip
         if self.nice is not None:
             harness.boost(proc.pid, self.nice)
         return proc
 
     def http(
-        self,
-        target: str,
-        address: str,
-        conns: int,
-        seconds: float,
-        cpu: Callable[[], float] | None,
+        self, target: str, address: str, conns: int, seconds: float, cpu: Callable[[], float] | None
     ) -> HttpRun:
         if self.loadgen == "wrk":
             argv = ["wrk", "-t1", f"-c{conns}", f"-d{seconds:g}s", "-s", str(self.wrk_script)]
             before = cpu() if cpu else 0.0
             proc = self._popen([*argv, f"http://{address}/v1/chat/completions"])
             out, err = proc.communicate(timeout=seconds + 30)
-            after = cpu() if cpu else 0.0
-            data = _last_json(out, err, "wrk")
-            return HttpRun(
-                target,
-                conns,
-                int(data["requests"]),
-                data["duration_us"] / 1e6,
-                data["p50_us"] / 1e3,
-                data["p99_us"] / 1e3,
-                int(data["errors"]),
-                after - before if cpu else None,
-            )
-        argv = [sys.executable, str(HERE / "_harness.py"), "loadgen", "http", "--target", address]
-        argv += [
-            "--conns",
-            str(conns),
-            "--warmup",
-            "0.5",
-            "--window",
-            f"{seconds:g}",
-        ]
-        data, cpu_s = self._marked(argv, seconds, cpu)
-        return HttpRun(
-            target,
-            conns,
-            int(data["completed"]),
-            float(data["elapsed"]),
-            float(data["p50_ms"]),
-            float(data["p99_ms"]),
-            int(data["errors"]),
-            cpu_s,
-        )
+            cpu_s = cpu() - before if cpu else None
+            d = _last_json(out, err, "wrk")
+            p50, p99, took = d["p50_us"] / 1e3, d["p99_us"] / 1e3, d["duration_us"] / 1e6
+            return HttpRun(target, conns, int(d["requests"]), took, p50, p99, int(d["errors"]), cpu_s)
+        argv = _harness("loadgen", "http", "--target", address, "--conns", str(conns), "--warmup", "0.5")
+        argv += ["--window", f"{seconds:g}"]
+        d, cpu_s = self._marked(argv, seconds, cpu)
+        p50, p99, took = float(d["p50_ms"]), float(d["p99_ms"]), float(d["elapsed"])
+        return HttpRun(target, conns, int(d["completed"]), took, p50, p99, int(d["errors"]), cpu_s)
 
     def sse(
-        self,
-        target: str,
-        phase: str,
-        address: str,
-        *,
-        chunks: int,
-        rate: float,
-        seconds: float,
+        self, target: str, phase: str, address: str, *, chunks: int, rate: float, seconds: float,
         cpu: Callable[[], float] | None,
-    ) -> SseRun:
-        argv = [
-            sys.executable,
-            str(HERE / "_harness.py"),
-            "loadgen",
-            "sse",
-            "--target",
-            address,
-            "--streams",
-            str(SSE_STREAMS),
-            "--chunks",
-            str(chunks),
-            "--rate",
-            str(rate),
-            "--warmup",
-            "1",
-            "--window",
-            f"{seconds:g}",
-        ]
-        data, cpu_s = self._marked(argv, seconds, cpu)
-        return SseRun(
-            target,
-            phase,
-            int(data["events"]),
-            int(data["reads"]),
-            int(data["completed"]),
-            float(data["elapsed"]),
-            int(data["errors"]),
-            cpu_s,
-        )
+    ) -> SseRun:  # fmt: skip
+        argv = _harness("loadgen", "sse", "--target", address, "--streams", str(SSE_STREAMS))
+        argv += ["--chunks", str(chunks), "--rate", str(rate), "--warmup", "1", "--window", f"{seconds:g}"]
+        d, cpu_s = self._marked(argv, seconds, cpu)
+        counts = int(d["events"]), int(d["reads"]), int(d["completed"])
+        return SseRun(target, phase, *counts, float(d["elapsed"]), int(d["errors"]), cpu_s)
 
     def _marked(
         self, argv: list[str], seconds: float, cpu: Callable[[], float] | None
@@ -280,9 +190,7 @@ def _last_json(out: str, err: str, name: str) -> dict[str, float]:
     raise RuntimeError(f"{name} printed no result:\n{out[-1500:]}\n{err[-1500:]}")
 
 
-# ---------------------------------------------------------------------------------------
-# the run
-# ---------------------------------------------------------------------------------------
+# -- the run ---------------------------------------------------------------------------------------
 @dataclass
 class Target:
     name: str
@@ -297,8 +205,8 @@ def _shim_argv(port: int, upstream: str) -> list[str]:
     )
 
 
-def _harness_argv(role: str, port: int, *args: str) -> list[str]:
-    return [sys.executable, str(HERE / "_harness.py"), role, "--port", str(port), *args]
+def _harness(role: str, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / "_harness.py"), role, *args]
 
 
 @contextlib.contextmanager
@@ -306,14 +214,14 @@ def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterato
     """The fake engine and the proxies in ``wanted``, running until the block ends."""
     with contextlib.ExitStack() as stack:
         upstream = harness.Child(
-            "fake engine", lambda port: _harness_argv("upstream", port), cpu=LOAD_CPU, nice=nice
+            "fake engine", lambda port: _harness("upstream", "--port", str(port)), cpu=LOAD_CPU, nice=nice
         )
         children = [stack.enter_context(upstream)]
         up = upstream.address
         argvs: dict[str, Callable[[int], Sequence[str]]] = {
             "shim": lambda port: _shim_argv(port, up),
             "nginx": lambda port: harness.nginx_argv(harness.nginx_config(workdir, port, up)),
-            "relay": lambda port: _harness_argv("relay", port, "--upstream", f"http://{up}"),
+            "relay": lambda port: _harness("relay", "--port", str(port), "--upstream", f"http://{up}"),
         }
         targets = {"direct": Target("direct", up, None)}
         for name in PROXIES:
@@ -326,16 +234,17 @@ def servers(workdir: Path, nice: int | None, wanted: tuple[str, ...]) -> Iterato
         yield targets
 
 
-def rotated(items: tuple[str, ...], by: int) -> list[str]:
-    by %= len(items)
-    return list(items[by:] + items[:by])
+def interleaved(names: tuple[str, ...], rounds: int) -> Iterator[str]:
+    """Each name once a round, the order rotated by one each round."""
+    for by in range(rounds):
+        yield from names[by % len(names) :] + names[: by % len(names)]
 
 
 def run(args: argparse.Namespace) -> Results:
     results = Results()
     nice = None if args.nice == 0 else args.nice
-    targets_order = tuple(t for t in TARGETS if t in args.targets)
-    total = len(targets_order) * args.rounds * (len(CONCURRENCIES) + 2)
+    names = tuple(t for t in TARGETS if t in args.targets)
+    total = len(names) * args.rounds * (len(CONCURRENCIES) + 2)
     step = 0
 
     def progress(text: str) -> None:
@@ -346,70 +255,59 @@ def run(args: argparse.Namespace) -> Results:
     with tempfile.TemporaryDirectory(prefix="bench-proxy-") as tmp:
         workdir = Path(tmp)
         runner = Runner(workdir, nice=nice, loadgen=args.loadgen)
-        with servers(workdir, nice, targets_order) as targets:
-            print(f"warming up {', '.join(targets_order)} ...", flush=True)
-            for name in targets_order:
+        with servers(workdir, nice, names) as targets:
+            print(f"warming up {', '.join(names)} ...", flush=True)
+            for name in names:
                 runner.http(name, targets[name].address, 16, 1.0, None)
             for conns in CONCURRENCIES:
-                for rnd in range(args.rounds):
-                    for name in rotated(targets_order, rnd):
-                        target = targets[name]
-                        r = runner.http(name, target.address, conns, args.seconds, target.cpu)
-                        results.http.append(r)
-                        cpu = "" if r.cpu_s is None else f"  cpu {r.cpu_s / r.seconds:.2f} core"
-                        progress(
-                            f"{conns:>2} conns  {name:<6} p50 {r.p50_ms:7.3f} ms  p99 {r.p99_ms:7.3f} ms"
-                            f"  {r.rps:9,.0f} req/s  errors {r.errors}{cpu}"
-                        )
+                for name in interleaved(names, args.rounds):
+                    r = runner.http(name, targets[name].address, conns, args.seconds, targets[name].cpu)
+                    results.http.append(r)
+                    cpu = "" if r.cpu_s is None else f"  cpu {r.cpu_s / r.seconds:.2f} core"
+                    progress(
+                        f"{conns:>2} conns  {name:<6} p50 {r.p50_ms:7.3f} ms  p99 {r.p99_ms:7.3f} ms"
+                        f"  {r.rps:9,.0f} req/s  errors {r.errors}{cpu}"
+                    )
             for phase, chunks, rate in (
                 ("max", SSE_MAX_CHUNKS, SSE_MAX_RATE),
                 ("200tok", TOKEN_CHUNKS, TOKEN_RATE),
             ):
-                for rnd in range(args.rounds):
-                    for name in rotated(targets_order, rnd):
-                        target = targets[name]
-                        s = runner.sse(
-                            name,
-                            phase,
-                            target.address,
-                            chunks=chunks,
-                            rate=rate,
-                            seconds=args.seconds,
-                            cpu=target.cpu,
-                        )
-                        results.sse.append(s)
-                        cpu = (
-                            ""
-                            if s.cpu_s is None
-                            else f"  cpu {s.cores:.2f} core, {s.cpu_us_per_event:.1f} us/event"
-                        )
-                        progress(
-                            f"sse {phase:<6} {name:<6} {s.events_per_s:9,.0f} events/s"
-                            f"  {s.events_per_read:4.1f} events/read  errors {s.errors}{cpu}"
-                        )
+                for name in interleaved(names, args.rounds):
+                    address, cpu_of = targets[name].address, targets[name].cpu
+                    s = runner.sse(
+                        name, phase, address, chunks=chunks, rate=rate, seconds=args.seconds, cpu=cpu_of
+                    )
+                    results.sse.append(s)
+                    cpu = (
+                        ""
+                        if s.cpu_s is None
+                        else f"  cpu {s.cores:.2f} core, {s.cpu_us_per_event:.1f} us/event"
+                    )
+                    progress(
+                        f"sse {phase:<6} {name:<6} {s.events_per_s:9,.0f} events/s"
+                        f"  {s.events_per_read:4.1f} events/read  errors {s.errors}{cpu}"
+                    )
     return results
 
 
-# ---------------------------------------------------------------------------------------
-# report
-# ---------------------------------------------------------------------------------------
+# -- report ----------------------------------------------------------------------------------------
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def _added(results: Results, name: str, conns: int, attr: str) -> float:
+def _added(results: Results, conns: int, attr: str, name: str) -> float:
     """Median over rounds of (target percentile - direct percentile in the same round)."""
     mine = [r for r in results.http if r.target == name and r.conns == conns]
     direct = [r for r in results.http if r.target == "direct" and r.conns == conns]
     return _median([getattr(a, attr) - getattr(b, attr) for a, b in zip(mine, direct, strict=False)])
 
 
-def _http(results: Results, name: str, conns: int, attr: str) -> float:
+def _http(results: Results, conns: int, attr: str, name: str) -> float:
     runs = [r for r in results.http if r.target == name and r.conns == conns]
     return _median([v for r in runs if (v := getattr(r, attr)) is not None])
 
 
-def _sse(results: Results, name: str, phase: str, attr: str) -> float:
+def _sse(results: Results, phase: str, attr: str, name: str) -> float:
     runs = [s for s in results.sse if s.target == name and s.phase == phase]
     return _median([v for s in runs if (v := getattr(s, attr)) is not None])
 
@@ -420,12 +318,12 @@ def _fmt(value: float, spec: str) -> str:
 
 def report(results: Results, targets: tuple[str, ...]) -> str:
     proxies = [t for t in PROXIES if t in targets]
-    # shim / nginx: the proxy against the reference proxy
-    pairs = [("shim", "nginx")] if {"shim", "nginx"} <= set(targets) else []
+    pairs = [("shim", "nginx")] if {"shim", "nginx"} <= set(targets) else []  # against the reference proxy
     header = "| measure | " + " | ".join(targets) + " |" + "".join(f" {a} / {b} |" for a, b in pairs)
     lines = [header, "|" + " --- |" * (header.count("|") - 1)]
 
-    def row(label: str, values: dict[str, float], spec: str) -> None:
+    def row(label: str, spec: str, names: Sequence[str], value: Callable[[str], float]) -> None:
+        values = {t: value(t) for t in names}
         cells = [_fmt(values.get(t, float("nan")), spec) for t in targets]
         for a, b in pairs:
             top, bottom = values.get(a, float("nan")), values.get(b, float("nan"))
@@ -433,66 +331,35 @@ def report(results: Results, targets: tuple[str, ...]) -> str:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     for conns in CONCURRENCIES:
-        for attr, label in (("p50_ms", "p50"), ("p99_ms", "p99")):
-            row(
-                f"added {label} at {conns} conc. (ms)",
-                {t: _added(results, t, conns, attr) for t in proxies},
-                ".3f",
-            )
+        for attr in ("p50_ms", "p99_ms"):
+            added = partial(_added, results, conns, attr)
+            row(f"added {attr[:3]} at {conns} conc. (ms)", ".3f", proxies, added)
     for conns in CONCURRENCIES:
-        row(f"requests/s at {conns} conc.", {t: _http(results, t, conns, "rps") for t in targets}, ",.0f")
-    row(
-        "proxy CPU per request at 64 conc. (µs)",
-        {t: _http(results, t, 64, "cpu_us_per_request") for t in proxies},
-        ",.0f",
-    )
-    row(
-        "SSE events/s relayed, 64 streams flat out",
-        {t: _sse(results, t, "max", "events_per_s") for t in targets},
-        ",.0f",
-    )
-    row("  proxy cores used", {t: _sse(results, t, "max", "cores") for t in proxies}, ".2f")
-    row(
-        "  proxy CPU per event (µs)", {t: _sse(results, t, "max", "cpu_us_per_event") for t in proxies}, ".1f"
-    )
-    row(
-        "SSE events/s, 64 streams at 200 tokens/s",
-        {t: _sse(results, t, "200tok", "events_per_s") for t in targets},
-        ",.0f",
-    )
-    row("  proxy cores used", {t: _sse(results, t, "200tok", "cores") for t in proxies}, ".3f")
-    row(
-        "  proxy CPU per event (µs)",
-        {t: _sse(results, t, "200tok", "cpu_us_per_event") for t in proxies},
-        ".1f",
-    )
+        row(f"requests/s at {conns} conc.", ",.0f", targets, partial(_http, results, conns, "rps"))
+    per_request = partial(_http, results, 64, "cpu_us_per_request")
+    row("proxy CPU per request at 64 conc. (µs)", ",.0f", proxies, per_request)
+    for phase, label, cores in (
+        ("max", "SSE events/s relayed, 64 streams flat out", ".2f"),
+        ("200tok", "SSE events/s, 64 streams at 200 tokens/s", ".3f"),
+    ):
+        row(label, ",.0f", targets, partial(_sse, results, phase, "events_per_s"))
+        row("  proxy cores used", cores, proxies, partial(_sse, results, phase, "cores"))
+        row("  proxy CPU per event (µs)", ".1f", proxies, partial(_sse, results, phase, "cpu_us_per_event"))
     errors = sum(r.errors for r in results.http) + sum(s.errors for s in results.sse)
-    lines.append("")
-    lines.append(f"errors (non-200, incomplete streams, socket errors) over the whole run: {errors}")
+    lines += ["", f"errors (non-200, incomplete streams, socket errors) over the whole run: {errors}"]
     return "\n".join(lines)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="one round of 2 s windows (a smoke run)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds per measure (default 3)")
-    parser.add_argument(
-        "--seconds", type=float, default=None, help="measuring window of each run (default 4)"
-    )
-    parser.add_argument(
-        "--nice", type=int, default=-10, help="autogroup nice of every process of the run (0: leave alone)"
-    )
-    parser.add_argument(
-        "--loadgen",
-        choices=("wrk", "python"),
-        default="wrk" if shutil.which("wrk") else "python",
-        help="request-phase load generator (default: wrk when installed)",
-    )
-    parser.add_argument(
-        "--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS)
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--quick", action="store_true", help="one round of 2 s windows (a smoke run)")
+    add("--rounds", type=int, default=None, help="interleaved rounds per measure (default 3)")
+    add("--seconds", type=float, default=None, help="measuring window of each run (default 4)")
+    add("--nice", type=int, default=-10, help="autogroup nice of every process of the run (0: leave alone)")
+    wrk = "wrk" if shutil.which("wrk") else "python"
+    add("--loadgen", choices=("wrk", "python"), default=wrk, help="load generator of the request phases")
+    add("--targets", default=",".join(TARGETS), help="comma-separated subset of " + ",".join(TARGETS))
     args = parser.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.seconds = args.seconds or (2.0 if args.quick else 4.0)

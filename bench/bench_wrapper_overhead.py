@@ -1,42 +1,26 @@
 """Overhead of llm_backoff.wrap() on successful calls, against a bare openai client.
 
-Both clients talk to the same in-process mock transport (no sockets), so what is
-measured is the client-side cost per call: openai's request building and response
-parsing, plus, for the wrapped client, the retry transport (body replay, deadline
-stamping, JSON buffering, attempt record) and the error-annotation hook.
-
-Rounds interleave bare and wrapped (order alternating) so machine noise hits both
-alike; each round runs ``--calls`` consecutive calls per client, as an application
-uses one client at a time. Reported are the median over rounds of wrapped/bare time with its
-interquartile range (the spread of single rounds) and its 95 % confidence interval
-(order statistics: how well the median itself is known), the pooled ratio (all
-wrapped time over all bare time), and the ratio of the fastest rounds, which is
-the least disturbed by other processes (as timeit reports minima). Time is
-this process's CPU time by default (``--clock cpu``): on a shared machine, wall
-time also counts the moments other processes held the CPU, which swamps a few
-percent; ``--clock wall`` is there for quiet machines.
-
-``--mode opcodes`` counts instead of timing: the Python bytecode instructions executed
-per call (``sys.settrace`` with opcode events), bare and wrapped, sync and async. It
-does not see work done in C (JSON parsing, pydantic-core) and does not weigh one
-instruction against another, but it is exact and the same on a loaded machine, so
-it tells whether a change removed work; the CPU-time ratio says what the work costs.
-
     .venv/bin/python bench/bench_wrapper_overhead.py [--rounds 41] [--calls 200] [--clock cpu|wall]
     .venv/bin/python bench/bench_wrapper_overhead.py --mode opcodes
+
+Both clients on one in-process mock transport; rounds of ``--calls`` calls interleave bare and
+wrapped. Reported: the median round's wrapped/bare ratio (IQR, distribution-free 95 % CI), the
+pooled ratio and the ratio of the fastest rounds, in process CPU time (``--clock wall`` for quiet
+machines). ``--mode opcodes`` counts bytecode instructions per call: blind to C, exact under load.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import platform
 import statistics
 import sys
 import time
+from argparse import RawDescriptionHelpFormatter
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import openai
@@ -49,18 +33,11 @@ if OPENAI3:
 else:  # pragma: no cover - openai 2.x environment
     import httpx as http  # type: ignore[no-redef]
 
-COMPLETION = json.dumps(
-    {
-        "id": "c1",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "m",
-        "choices": [
-            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hello"}}
-        ],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-    }
-).encode()
+COMPLETION = (
+    b'{"id": "c1", "object": "chat.completion", "created": 0, "model": "m", "choices": [{"index": 0, '
+    b'"finish_reason": "stop", "message": {"role": "assistant", "content": "hello"}}], '
+    b'"usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}}'
+)
 MESSAGES: Any = [{"role": "user", "content": "Say hello in one word."}]
 
 
@@ -68,23 +45,16 @@ def handler(request: Any) -> Any:
     return http.Response(200, headers={"content-type": "application/json"}, content=COMPLETION)
 
 
+CLIENT: Any = {"api_key": "sk-bench", "base_url": "http://bench/v1", "max_retries": 0}
+
+
 def sync_pair() -> tuple[openai.OpenAI, openai.OpenAI]:
-    bare = openai.OpenAI(
-        api_key="sk-bench",
-        base_url="http://bench/v1",
-        max_retries=0,
-        http_client=http.Client(transport=http.MockTransport(handler)),
-    )
+    bare = openai.OpenAI(**CLIENT, http_client=http.Client(transport=http.MockTransport(handler)))
     return bare, llm_backoff.wrap(bare)
 
 
 def async_pair() -> tuple[openai.AsyncOpenAI, openai.AsyncOpenAI]:
-    bare = openai.AsyncOpenAI(
-        api_key="sk-bench",
-        base_url="http://bench/v1",
-        max_retries=0,
-        http_client=http.AsyncClient(transport=http.MockTransport(handler)),
-    )
+    bare = openai.AsyncOpenAI(**CLIENT, http_client=http.AsyncClient(transport=http.MockTransport(handler)))
     return bare, llm_backoff.wrap(bare)
 
 
@@ -118,11 +88,9 @@ def run(
         ratios.append(w / b)
         bare_t.append(b)
         wrapped_t.append(w)
+        per_call = f"bare {b / calls * 1e6:7.1f} us/call, wrapped {w / calls * 1e6:7.1f} us/call"
         print(
-            f"  {name} round {r + 1:>2}/{rounds}: bare {b / calls * 1e6:7.1f} us/call, "
-            f"wrapped {w / calls * 1e6:7.1f} us/call, ratio {w / b:.3f}",
-            file=sys.stderr,
-            flush=True,
+            f"  {name} round {r + 1:>2}/{rounds}: {per_call}, ratio {w / b:.3f}", file=sys.stderr, flush=True
         )
     quartiles = statistics.quantiles(ratios, n=4)
     low, high = median_interval(ratios)
@@ -193,60 +161,43 @@ def opcodes_report() -> None:
             ("sync", sync_call(s_bare), sync_call(s_wrapped)),
             ("async", async_call(a_bare), async_call(a_wrapped)),
         ):
-            bare = count_opcodes(bare_call)
-            wrapped = count_opcodes(wrapped_call)
-            print(
-                f"| {name} | {bare:.0f} | {wrapped:.0f} | {wrapped - bare:+.0f} | "
-                f"{(wrapped / bare - 1) * 100:+.2f} % |"
-            )
+            bare, wrapped = count_opcodes(bare_call), count_opcodes(wrapped_call)
+            extra = f"{wrapped - bare:+.0f} | {(wrapped / bare - 1) * 100:+.2f} %"
+            print(f"| {name} | {bare:.0f} | {wrapped:.0f} | {extra} |")
     finally:
         loop.close()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("overhead", "opcodes"), default="overhead")
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=200, help="calls per client per round")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     args = parser.parse_args()
+    python = platform.python_version()
+    versions = f"openai {openai.__version__} on {http.__name__} {http.__version__}, Python {python}"
     if args.mode == "opcodes":
-        versions = f"openai {openai.__version__} on {http.__name__} {http.__version__}"
-        print(f"{versions}, Python {platform.python_version()}")
+        print(versions)
         opcodes_report()
         return
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-
-    print(
-        f"openai {openai.__version__} on {http.__name__} {http.__version__}, "
-        f"Python {platform.python_version()}, {args.rounds} rounds x {args.calls} calls per client, "
-        f"{args.clock} time",
-        flush=True,
-    )
+    calls = args.calls
+    print(f"{versions}, {args.rounds} rounds x {calls} calls per client, {args.clock} time", flush=True)
     results: dict[str, dict[str, float]] = {}
-
     s_bare, s_wrapped = sync_pair()
     results["sync"] = run(
-        "sync",
-        lambda: time_sync(s_bare, args.calls),
-        lambda: time_sync(s_wrapped, args.calls),
-        args.rounds,
-        args.calls,
+        "sync", partial(time_sync, s_bare, calls), partial(time_sync, s_wrapped, calls), args.rounds, calls
     )
+    loop = asyncio.new_event_loop()
+
+    def timed(client: openai.AsyncOpenAI) -> Callable[[], float]:
+        return lambda: loop.run_until_complete(time_async(client, calls))
 
     a_bare, a_wrapped = async_pair()
-    loop = asyncio.new_event_loop()
     try:
-        results["async"] = run(
-            "async",
-            lambda: loop.run_until_complete(time_async(a_bare, args.calls)),
-            lambda: loop.run_until_complete(time_async(a_wrapped, args.calls)),
-            args.rounds,
-            args.calls,
-        )
+        results["async"] = run("async", timed(a_bare), timed(a_wrapped), args.rounds, calls)
     finally:
         loop.close()
 

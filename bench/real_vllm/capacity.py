@@ -1,12 +1,7 @@
-"""The engine's answer tokens/s with every slot busy, for this workload's lengths.
-
-A closed loop of ``slots`` workers straight at the engine, each sending the next request
-(lengths drawn from the workload, seeded) when its last one ends. After a warm-up second
-the rate is read from vLLM's own counter (``vllm:generation_tokens_total``) over a window of
-``seconds``, then every request still running is dropped. The window is fixed, so a long
-answer still running at its end neither stretches nor shortens it. It is what the engine
-does at full load, read independently of ``calibrate``'s knee, so the load can be set at a
-true multiple of it.
+"""The engine's answer tokens/s with every slot busy, for this workload's lengths: ``slots``
+workers straight at the engine, each sending its next request (seeded lengths) when the last
+ends; after a warm-up second, vLLM's ``vllm:generation_tokens_total`` over a fixed window of
+``seconds``. Read independently of ``calibrate``'s knee, so the load can be a true multiple of it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``vllm serve`` as a child process, pinned to one CPU, set up first when it is missing.
 
-The layout that works on a 2-core machine: the engine on one core with one OpenMP thread,
-everything else (the shim, the load generator, calibrate) on the other. vLLM's API server
-and its engine-core process both inherit the pinning. KV-cache memory is given explicitly
-(``--kv-cache-memory-bytes``): the CPU backend otherwise reserves a share of the node's
-memory (``--gpu-memory-utilization``, 0.92 by default) and refuses to start when other
-processes hold more than the rest.
+On 2 cores: the engine (API server and engine core inherit the pinning) on one core with one
+OpenMP thread, everything else on the other. ``--kv-cache-memory-bytes`` is explicit: the CPU
+backend otherwise reserves a share of the node's memory and refuses to start when others hold more.
 """
 
 from __future__ import annotations

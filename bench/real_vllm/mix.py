@@ -1,29 +1,17 @@
 """The long-prompt mix: its trace, and the simulator's engine model playing capacity and the oracle.
 
-The trace (:func:`mix_trace`): chat calls (interactive: short prompts, lognormal answers)
-and long-prompt calls (batch: 1.5-3k tokens of prompt, short answers), Poisson arrivals in
-the proportion ``long_share`` (by count) for ``duration`` s, and ``burst`` more long-prompt
-calls all at ``burst_at``. Lengths are drawn per call from a seeded ``random.Random``, so
-every configuration of one run plays the very same calls.
-
-The engine model is :class:`llm_backoff_shim.sim.engine.SimEngine` with the flags fitted to
-the real engine (``scoreboard.FITTED_ENGINE_FLAGS``), run in virtual time (no sleeping):
-
-- :func:`capacity` keeps every slot busy with calls drawn from the mix (closed loop) and
-  reads the calls and answer tokens per second it completes: the "1x" of the load;
-- :func:`oracle` is a scheduler in front of that engine that knows every call's cost: when
-  a slot is free it admits, of the calls that have arrived and can still be useful, the
-  one whose latest useful start is soonest (earliest deadline first), drops a call whose
-  latest start has passed, and aborts a running call as soon as it can no longer be
-  useful (its first token later than its budget, or its end past its deadline). Its
-  useful tokens are the benchmark's reference. Greedy EDF is not optimal under overload,
-  so it is a reference, not a proof of the maximum.
+:func:`mix_trace`: chat calls (interactive: short prompts, lognormal answers) and long-prompt
+calls (batch: 1.5-3k prompt tokens, short answers), Poisson at ``rate`` in the proportion
+``long_share``, plus ``burst`` calls at ``burst_at``; seeded, so every configuration plays the
+same calls. On :class:`~llm_backoff_shim.sim.engine.SimEngine` in virtual time: :func:`capacity`
+(every slot busy, closed loop: the "1x" of the load) and :func:`oracle` (earliest latest-useful
+start first, dropping and aborting what can no longer be useful; greedy EDF, so a reference,
+not a proof of the maximum).
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -82,13 +70,12 @@ class Mix:
     def draw(self, index: int, at: float, kind: Kind, rng: random.Random, *, burst: bool = False) -> MixCall:
         if kind == "chat" or not self.long_prompts:
             words = CHAT_PROMPT_WORDS.draw(rng)
-            tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
             answer = CHAT_ANSWER_TOKENS.draw(rng)
         else:
             target = LONG_PROMPT_TOKENS.draw(rng)
             words = max(1, round((target - TEMPLATE_TOKENS) / self.tokens_per_word))
-            tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
             answer = LONG_ANSWER_TOKENS.draw(rng)
+        tokens = round(words * self.tokens_per_word) + TEMPLATE_TOKENS
         return MixCall(index, at, kind, words, tokens, answer, burst)
 
     def kind(self, rng: random.Random) -> Kind:
@@ -114,13 +101,10 @@ class MixWorkload:
         return call.prompt(rng), call.max_tokens
 
     def mean_answer_tokens(self) -> float:
-        if self.only == "chat":
-            return CHAT_ANSWER_TOKENS.mean()
-        if self.only == "long" and self.mix.long_prompts:
-            return LONG_ANSWER_TOKENS.mean()
-        if self.only == "long":
-            return CHAT_ANSWER_TOKENS.mean()
-        return self.mix.mean_answer_tokens()
+        if self.only is None:
+            return self.mix.mean_answer_tokens()
+        long = self.only == "long" and self.mix.long_prompts
+        return (LONG_ANSWER_TOKENS if long else CHAT_ANSWER_TOKENS).mean()
 
 
 def mix_trace(
@@ -155,9 +139,6 @@ class Outcome:
     generated: int = 0
     chat_ttfts: list[float] = field(default_factory=list)
 
-    def add_served(self, kind: str) -> None:
-        self.served[kind] = self.served.get(kind, 0) + 1
-
 
 def capacity(
     params: EngineParams, mix: Mix, *, seconds: float = 600.0, seed: int = 0, only: Kind | None = None
@@ -167,8 +148,7 @@ def capacity(
     now = [0.0]
     engine = SimEngine(params, clock=lambda: now[0])
     rng = random.Random(seed)
-    n = 0
-    done_calls = done_tokens = 0
+    n = done_calls = done_tokens = 0
 
     def add() -> None:
         nonlocal n
@@ -226,7 +206,7 @@ def oracle(calls: Iterable[MixCall], params: EngineParams, budgets: Budgets) -> 
                 useful = useful and ttft <= budgets.chat_ttft
             if useful:
                 out.useful_tokens += seq.generated
-                out.add_served(c.kind)
+                out.served[c.kind] = out.served.get(c.kind, 0) + 1
         while i < len(pending) and pending[i].at <= now[0]:
             c = pending[i]
             first, end = _estimate(params, c)
@@ -259,18 +239,9 @@ def oracle(calls: Iterable[MixCall], params: EngineParams, budgets: Budgets) -> 
         now[0] = min(due)
 
 
-def p99(values: list[float]) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
 def chat_scenario(duration: float, rate_factor: float) -> Scenario:
     """Short chat beside batch as the load generator's :class:`Scenario` (the fleet benchmark's
-    and the virtual-time bound's load): Poisson at ``rate_factor`` x capacity for ``duration``
-    s, 70 % interactive with a 5 s time-to-first-token budget, 20 s deadline, the default
-    workload's lengths (prompts lognormal around 40 words, answers around 64 tokens)."""
+    load): Poisson at ``rate_factor`` x capacity for ``duration`` s, the default workload."""
     return Scenario(
         "real-vllm",
         burst=0,
