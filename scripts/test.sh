@@ -110,7 +110,6 @@ lane_a() {  # each lane draws child servers' ports from its own block (conftest.
   step main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
   step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
   step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
-  step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
   step shim-floors-public env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
 }
 lane_b() {
@@ -118,8 +117,9 @@ lane_b() {
   # shellcheck disable=SC2086
   step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
   step shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
+  step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
 }
-echo "== pytest: two lanes (main, openai2, sdk-floors, shim-floors-public | public, shim-floors)"
+echo "== pytest: two lanes (main, openai2, shim-floors-public | public, shim-floors, sdk-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &

@@ -660,12 +660,12 @@ def test_an_engine_slower_than_the_step_is_measured_by_completions_with_the_mix(
         per_level.setdefault(step["concurrency"], []).append(step)
     # Long prompts were sent: the upstream counted far more prompt tokens than 10 words make (17).
     assert statistics.fmean(s["mean_prompt_tokens"] for s in result["steps"]) > 60
-    # Past the engine's 4 slots the extra workers only queue: counted in a steady window, 8
-    # workers deliver no more than 4 do (the fixed-step sweep read 5 times more at such a level).
-    # Half again is the windows' noise on a loaded machine; a tighter bound tests the machine.
-    best4 = max(s["output_tokens_per_s"] for s in per_level[4])
-    assert all(s["output_tokens_per_s"] < 1.5 * best4 for s in per_level[8])
-    assert all(s["throughput"] < 1.5 * max(x["throughput"] for x in per_level[4]) for s in per_level[8])
+    # Past the engine's 4 slots the extra workers only queue, as the engine's own gauges say over
+    # each level-8 window: its 4 slots busy and the rest waiting. (Throughputs of two levels are
+    # windows taken at different times, so on a shared machine their ratio tests the machine.)
+    for step in per_level[8]:
+        assert step["engine_running"] == 4, step
+        assert step["engine_waiting"] >= 1, step
     rec = result["recommendation"]
     knee = result["knee"]
     assert rec["max_inflight_tokens"] == budget_tokens(knee["inflight_cost_high"])
