@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from llm_backoff_shim.lab.procs import free_port
 from llm_backoff_shim.serve.api.auth import (
     ApiKeys,
     KeysFileError,
@@ -398,8 +399,7 @@ def _port_closed_on_127_0_0_1() -> tuple[int, socket.socket]:
     """A port free on 127.0.0.2, and a socket bound (not listening) to the same port on 127.0.0.1:
     while it is open nothing else can listen there, so a connection to it is refused."""
     for _ in range(20):
-        with free_socket("127.0.0.2") as probe:
-            port = probe.getsockname()[1]
+        port = free_port("127.0.0.2")
         guard = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             guard.bind(("127.0.0.1", port))
@@ -411,8 +411,7 @@ def _port_closed_on_127_0_0_1() -> tuple[int, socket.socket]:
 
 
 def test_metrics_and_health_can_live_on_their_own_port(upstream: Any) -> None:
-    with free_socket() as probe:
-        port = probe.getsockname()[1]
+    port = free_port()
     settings = ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning")
     app = create_app(settings)
     with shim_server(app) as shim:
@@ -433,8 +432,7 @@ def test_metrics_and_health_can_live_on_their_own_port(upstream: Any) -> None:
 
 
 def test_the_operations_listener_keeps_the_head_limits_and_stops_with_the_app(upstream: Any) -> None:
-    with free_socket() as probe:
-        port = probe.getsockname()[1]
+    port = free_port()
     settings = ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning")
     app = create_app(settings, tuning=Tuning(max_header_bytes=2048))
     with shim_server(app) as shim:
@@ -452,8 +450,7 @@ def test_the_operations_listener_keeps_the_head_limits_and_stops_with_the_app(up
 
 def test_the_operations_listener_answers_only_while_the_proxys_loop_runs(upstream: Any) -> None:
     """It is served by the proxy's own event loop: a stuck loop fails its health probe."""
-    with free_socket() as probe:
-        port = probe.getsockname()[1]
+    port = free_port()
     app = create_app(ShimSettings(upstream=upstream.url, metrics_port=port, log_level="warning"))
     health = f"http://127.0.0.1:{port}/health"
     with shim_server(app) as shim:
@@ -470,8 +467,7 @@ def test_the_operations_listener_answers_only_while_the_proxys_loop_runs(upstrea
 
 
 def test_serve_serves_the_metrics_port_on_host(upstream: Any) -> None:
-    with free_socket("127.0.0.2") as a:
-        port = a.getsockname()[1]
+    port = free_port("127.0.0.2")
     metrics_port, guard = _port_closed_on_127_0_0_1()
     proc = subprocess.Popen(
         [
@@ -556,9 +552,9 @@ def test_hop_by_hop_fields_of_the_upstream_response_are_dropped() -> None:
 
 
 def test_serve_refuses_a_taken_metrics_port_with_a_clear_error(upstream: Any) -> None:
-    with free_socket() as a, free_socket() as taken:
-        port, metrics_port = a.getsockname()[1], taken.getsockname()[1]
-        a.close()
+    port = free_port()
+    with free_socket() as taken:
+        metrics_port = taken.getsockname()[1]
         result = subprocess.run(
             [
                 sys.executable,
