@@ -91,6 +91,11 @@ class EstimatorConfig:
             raise ValueError("return_jitter must be between 0 and 1")
 
 
+def _ewma(average: float | None, sample: float, alpha: float) -> float:
+    """``average`` moved ``alpha`` of the way to ``sample``; the first sample (None) starts it."""
+    return sample if average is None else average + alpha * (sample - average)
+
+
 class _DecayingRate:
     """Events per second with exponential forgetting (time constant ``tau``).
 
@@ -172,8 +177,7 @@ class DrainEstimator:
             else:
                 self._service_time += alpha * (service_time - self._service_time)
             self._samples += 1
-            mine = self._class_service.get(cls)
-            self._class_service[cls] = service_time if mine is None else mine + alpha * (service_time - mine)
+            self._class_service[cls] = _ewma(self._class_service.get(cls), service_time, alpha)
         self._rate(cls).add(now)
 
     def class_service_time(self, cls: str | None) -> float:
@@ -192,9 +196,8 @@ class DrainEstimator:
             self._first_byte += self._config.service_time_alpha * (seconds - self._first_byte)
         self._first_byte_samples += 1
         if cls is not None:
-            mine = self._class_first_byte.get(cls)
             alpha = self._config.service_time_alpha
-            self._class_first_byte[cls] = seconds if mine is None else mine + alpha * (seconds - mine)
+            self._class_first_byte[cls] = _ewma(self._class_first_byte.get(cls), seconds, alpha)
 
     def observe_tokens(self, tokens: int, seconds: float) -> None:
         """Record a served request that generated ``tokens`` (or at most that) in ``seconds`` on its slot."""
