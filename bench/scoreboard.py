@@ -23,8 +23,9 @@ What a user does, in order, and so what this does:
    - ``direct-plain``: plain openai straight at vLLM (its own bound answers 503);
    - ``direct-presets``: ``llm_backoff.wrap(client, request_class=cls)`` straight at vLLM;
    - ``shim-plain``, ``shim-presets``: the same two through the shim;
-   - the oracle: earliest deadline first on the engine model fitted to this vLLM, at the speed
-     vLLM showed in this run, knowing every call's service time (``real_vllm.mix.oracle``).
+   - the oracle: earliest deadline first on the engine model fitted to this vLLM, at the decode
+     and prefill speeds vLLM showed in this run (chat calls alone and long prompts alone with
+     every slot busy, :func:`fit_speeds`), knowing every call's service time (``real_vllm.mix.oracle``).
 
 Scenarios (``--scenarios``): ``chat`` (short chat beside batch at 2.5x capacity, 70 %
 interactive with a 5 s time-to-first-token budget, 20 s deadline), ``mix`` (80 % chat, 20 %
@@ -42,6 +43,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import shlex
@@ -178,17 +180,56 @@ def engine_params(flags: str) -> EngineParams:
     return config_from_args(parse_args(shlex.split(flags))).engine_params()
 
 
-def at_speed(params: EngineParams, speed: float) -> EngineParams:
-    """``params`` ``speed`` times as fast: the oracle on the engine this run measured."""
+def at_speed(params: EngineParams, decode: float, prefill: float) -> EngineParams:
+    """``params`` with its per-step and per-request costs ``decode`` times as fast and its
+    per-prompt-token costs ``prefill`` times as fast: the oracle on the engine this run measured."""
     return dataclasses.replace(
         params,
-        ttft=params.ttft / speed,
-        itl=params.itl / speed,
-        prefill_time_per_token=params.prefill_time_per_token / speed,
-        prefill_attention_time=params.prefill_attention_time / speed,
-        admit_time=params.admit_time / speed,
-        decode_attention_time=params.decode_attention_time / speed,
+        ttft=params.ttft / decode,
+        itl=params.itl / decode,
+        admit_time=params.admit_time / decode,
+        decode_attention_time=params.decode_attention_time / decode,
+        prefill_time_per_token=params.prefill_time_per_token / prefill,
+        prefill_attention_time=params.prefill_attention_time / prefill,
     )
+
+
+#: Full-load windows per workload (their median is taken) and each window's seconds.
+SPEED_WINDOWS = 3
+
+
+def measured_tokens(url: str, model: str, workload: MixWorkload, seconds: float) -> float:
+    """The engine's answer tokens/s with every slot busy on ``workload``: the median of
+    :data:`SPEED_WINDOWS` windows (one window moved by 10-15 % on this shared machine)."""
+    return statistics.median(
+        full_load_tokens_per_s(url, model, workload, slots=SLOTS, seconds=seconds, seed=i)  # type: ignore[arg-type]
+        for i in range(SPEED_WINDOWS)
+    )
+
+
+def fit_speeds(
+    params: EngineParams, mix: Mix, chat_tokens: float, long_tokens: float | None
+) -> tuple[float, float]:
+    """The model's decode and prefill speeds that reproduce the engine's full-load answer tokens/s
+    on chat calls alone (``chat_tokens``) and on long-prompt calls alone (``long_tokens``; None:
+    the mix has none, and prefill keeps decode's speed).
+
+    Two speeds, not one: on the CPU vLLM the fitted model prices a long prompt's prefill about
+    1.4x too dear against decode (chat alone ran at 1.25-1.4x the model, long prompts alone at
+    1.8x), so one speed fitted on the mix made the oracle's chats faster than the engine's.
+    Decode is fitted on chat (its prefill is a few dozen tokens), then prefill on long prompts
+    by bisection (the model's capacity rises with it)."""
+    decode = chat_tokens / capacity(params, mix, only="chat" if mix.long_prompts else None)[1]
+    if long_tokens is None:
+        return decode, decode
+    low, high = decode / 8, decode * 8
+    for _ in range(30):
+        mid = math.sqrt(low * high)
+        if capacity(at_speed(params, decode, mid), mix, only="long")[1] < long_tokens:
+            low = mid
+        else:
+            high = mid
+    return decode, math.sqrt(low * high)
 
 
 def queued_tokens_bound(params: EngineParams, budgets: Budgets) -> int:
@@ -564,7 +605,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, {LOAD_CPU})
     rows: list[Row] = []
     calibrations: dict[str, Calibration] = {}
-    speeds: dict[str, float] = {}
+    speeds: dict[str, dict[str, float]] = {}
+    fitted: dict[Mix, tuple[float, float]] = {}
     queued_tokens = queued_tokens_bound(params, SCENARIOS["chat"].budgets)
     try:
         with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
@@ -591,22 +633,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     c = calibrations[spec.calibration]
                     print(f"calibrate ({c.kind}, {c.seconds:.0f} s, {c.confidence}): {' '.join(c.flags)}")
                 flags = calibrations[spec.calibration].flags
-                model_calls, _ = capacity(params, mix)
-                real_tokens = full_load_tokens_per_s(
-                    url,
-                    model,
-                    MixWorkload(mix),
-                    slots=SLOTS,
-                    seconds=5.0 if args.quick else 8.0,  # type: ignore[arg-type]
-                )
-                real_calls = real_tokens / mix.mean_answer_tokens()
-                speed = real_calls / model_calls
-                speeds[name] = speed
+                if mix not in fitted:
+                    window = 4.0 if args.quick else 6.0
+                    chat_tokens = measured_tokens(
+                        url, model, MixWorkload(mix, "chat" if mix.long_prompts else None), window
+                    )
+                    long_tokens = (
+                        measured_tokens(url, model, MixWorkload(mix, "long"), window)
+                        if mix.long_prompts
+                        else None
+                    )
+                    fitted[mix] = fit_speeds(params, mix, chat_tokens, long_tokens)
+                decode, prefill = fitted[mix]
+                engine = at_speed(params, decode, prefill)
+                real_calls, real_tokens = capacity(engine, mix)
+                speeds[name] = {"decode": decode, "prefill": prefill}
                 rate = spec.rate_factor * real_calls
                 print(
                     f"\n== {name}: {spec.title}; capacity {real_calls:.2f} calls/s "
-                    f"({real_tokens:.0f} tokens/s, x{speed:.2f} the fitted model), "
-                    f"arrivals {rate:.2f}/s for {duration:g} s",
+                    f"({real_tokens:.0f} tokens/s: the fitted model at x{decode:.2f} its decode speed, "
+                    f"x{prefill:.2f} its prefill speed), arrivals {rate:.2f}/s for {duration:g} s",
                     flush=True,
                 )
                 for seed in seeds:
@@ -619,7 +665,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         burst_at=duration / 3,
                         burst_kind="long" if spec.mix.long_prompts else None,
                     )
-                    best = oracle(trace, at_speed(params, speed), spec.budgets)
+                    best = oracle(trace, engine, spec.budgets)
                     print(
                         f"- seed {seed}: {len(trace)} calls; oracle {best.useful_tokens} useful tokens, chat "
                         f"{best.served.get('chat', 0)}/{best.offered.get('chat', 0)}, batch "
