@@ -203,7 +203,7 @@ def test_the_example_file_names_every_setting_and_loads_as_the_defaults() -> Non
         if name in NOT_TOP_LEVEL:
             key = next(k for k, v in PER_CLASS_KEYS.items() if v == name)
             assert all(
-                f"\n{key} =" in part or f"\n# {key} =" in part for part in text.split("[classes.")[1:]
+                f"\n{key} =" in part or f"\n# {key} =" in part for part in text.split("\n[classes.")[1:]
             ), name
         else:
             assert f"\n{name} =" in text or f"\n# {name} =" in text, name
