@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -118,9 +119,12 @@ def read_config_file(path: str | Path) -> FileValues:
     except OSError as exc:
         raise ConfigError(f"{label}: cannot read the file: {exc.strerror or exc}") from None
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+        data = tomllib.loads(text)
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{label}: not valid TOML: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{label}: not valid TOML: {exc}{_both_hint(text)}") from None
     out = FileValues(label)
     directory = Path(path).parent
     top_level = [name for name in ShimSettings.model_fields if name not in NOT_TOP_LEVEL]
@@ -146,6 +150,19 @@ def read_config_file(path: str | Path) -> FileValues:
         else:
             raise _unknown(label, key, [*top_level, "classes"], "setting")
     return out
+
+
+#: Names that are a setting and a group's table (``upstream``): TOML refuses a file with both.
+_BOTH = sorted(set(SECTIONS.values()) & set(SECTION_OF))
+
+
+def _both_hint(text: str) -> str:
+    """Why TOML refused ``upstream = ...`` at the top level next to an ``[upstream]`` table."""
+    head = re.split(r"^\s*\[", text, maxsplit=1, flags=re.M)[0]
+    for name in _BOTH:
+        if re.search(rf"^\s*{name}\s*=", head, re.M) and re.search(rf"^\s*\[\s*{name}\s*\]", text, re.M):
+            return f" ({name} is set at the top level and [{name}] is a table: move {name} = ... into it)"
+    return ""
 
 
 def _placed(where: str) -> str:
