@@ -98,8 +98,9 @@ _DESCRIPTION = (
 
 _EPILOG = (
     f"Every setting can also be given as the environment variable {ENV_PREFIX}<FLAG> "
-    f"(e.g. {ENV_PREFIX}MAX_QUEUE=50) and in the --config file (max_queue = 50; per-class values "
-    "in one [classes.NAME] table per class). Precedence: flag > environment > file > default. "
+    f"(e.g. {ENV_PREFIX}MAX_QUEUE=50) and in the --config file (max_queue = 50 in the table of "
+    "its group, [queue]; per-class values in one [classes.NAME] table per class). "
+    "Precedence: flag > environment > file > default. "
     "--help shows the common settings; --help-all lists all of them (docs/shim.md, Configuration)."
 )
 
