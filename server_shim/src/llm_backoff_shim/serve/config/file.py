@@ -6,10 +6,9 @@ Layout: one table per group of ``--help-all`` (:data:`~.flags.GROUPS`), named in
 table per class, under the keys of :data:`PER_CLASS_KEYS` (``max_queue``,
 ``max_queue_wait``, ``reserved_share``, ``min_share``, ``ttft_slo``). The class tables'
 order is the classes' order, highest priority first, so ``[classes.*]`` also sets
-``classes``. Files of the first layout, every setting a top-level key
-(``max_queue = 20``), are read as they are; a file may mix both, but sets a setting
-once. Relative paths (``tenants_file``, ``api_keys_file``) are taken from the file's
-own directory.
+``classes``. A file with settings as top-level keys (``max_queue = 20``, no group
+tables) is read as well; a file may mix both, but sets a setting once. Relative paths
+(``tenants_file``, ``api_keys_file``) are taken from the file's own directory.
 
 Reading checks the file's shape (valid TOML, known keys, each in its table, tables where
 tables go) and raises :class:`ConfigError` naming the key's path; types and ranges are
