@@ -3,7 +3,8 @@
 Two tables are generated, each between its pair of HTML comment markers:
 
 - ``settings``: every setting of ``llm-backoff-shim serve``, in the groups of
-  ``--help-all`` (``serve/config/flags.py``), with its flag, variable, default and the
+  ``--help-all`` (``serve/config/flags.py``), with its flag, variable, table and key in
+  the ``--config`` file (``serve/config/file.py``), default and the
   description its field carries in ``ShimSettings`` (the one definition that ``--help``,
   ``--help-all`` and ``server_shim/deploy/shim.toml`` print too);
 - ``routes``: the route table of ``serve/api/routes.py``.
@@ -20,14 +21,12 @@ import sys
 from pathlib import Path
 
 from llm_backoff_shim.serve.api.routes import render_markdown
+from llm_backoff_shim.serve.config.file import file_key
 from llm_backoff_shim.serve.config.flags import GROUPS, REPEATABLE, _shown_default
 from llm_backoff_shim.serve.config.settings import ShimSettings
-from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, env_name, flag_name
+from llm_backoff_shim.serve.config.values import env_name, flag_name
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference.md"
-
-#: The per-class settings: field -> key in a ``[classes.NAME]`` table of the file.
-_CLASS_KEY = {field: key for key, field in PER_CLASS_KEYS.items()}
 
 
 def _cell(text: str) -> str:
@@ -35,13 +34,14 @@ def _cell(text: str) -> str:
 
 
 def _file_key(name: str) -> str:
-    if name in _CLASS_KEY:
-        return f"`[classes.NAME] {_CLASS_KEY[name]}`"
-    return f"`{name}`"
+    """The setting's table and key in the file, as the file's reader and writer place it."""
+    if name == "classes":
+        return f"`{file_key(name)}` tables, in order"
+    return f"`{file_key(name)}`"
 
 
 def settings_markdown() -> str:
-    """One table per group of ``--help-all``: flag, variable, file key, default, meaning."""
+    """One table per group of ``--help-all``: flag, variable, file table and key, default, meaning."""
     parts: list[str] = []
     for title, names in GROUPS.items():
         parts.append(f"### {title[0].upper()}{title[1:]}\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from llm_backoff_shim.serve.config.file import NOT_TOP_LEVEL, example_config, render_config
-from llm_backoff_shim.serve.config.flags import COMMON, GROUPS
+from llm_backoff_shim.serve.config.file import (
+    NOT_TOP_LEVEL,
+    SECTION_OF,
+    example_config,
+    read_config_file,
+    render_config,
+)
+from llm_backoff_shim.serve.config.flags import COMMON, GROUPS, SECTIONS
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.sources import load_settings
 from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, ConfigError
@@ -159,6 +166,113 @@ def test_an_invalid_file_names_the_keys_path(tmp_path: Path, text: str, expected
     assert "\n" not in message
 
 
+# --------------------------------------------------------------------------- tables per group
+
+SECTIONED = """
+[upstream]
+upstream = "http://10.0.0.7:8000"
+
+[concurrency]
+max_concurrency = 16
+
+[queue]
+max_queue = 40
+
+[queue_wait]
+max_queue_wait = 5.0
+
+[rejections]
+reject_status = 503
+
+[classes.interactive]
+max_queue = 8
+max_queue_wait = 2
+reserved_share = 0.3
+ttft_slo = 2
+
+[classes.batch]
+max_queue = 32
+min_share = 0.2
+
+[classes.bulk]
+max_queue_wait = 120
+"""
+
+
+def test_each_group_has_one_table_name_a_bare_toml_key() -> None:
+    assert list(SECTIONS) == list(GROUPS)
+    names = list(SECTIONS.values())
+    assert len(set(names)) == len(names)
+    assert all(re.fullmatch(r"[a-z][a-z_]*", name) for name in names)
+    # [classes.NAME] holds the per-class values; no group's table may take its name.
+    assert "classes" not in names
+    top_level = [name for name in ShimSettings.model_fields if name not in NOT_TOP_LEVEL]
+    assert sorted(SECTION_OF) == sorted(top_level)
+
+
+def test_a_file_in_tables_reads_as_the_same_file_of_top_level_keys(tmp_path: Path) -> None:
+    sectioned = load_settings(["--config", write(tmp_path, SECTIONED, "sectioned.toml")])
+    flat = load_settings(["--config", write(tmp_path, FILE, "flat.toml")])
+    assert sectioned == flat
+    assert (sectioned.upstream_base, sectioned.max_concurrency, sectioned.max_queue) == (
+        "http://10.0.0.7:8000", 16, 40,
+    )  # fmt: skip
+    assert sectioned.classes == ("interactive", "batch", "bulk")
+    assert sectioned.class_max_queue == {"interactive": 8, "batch": 32}
+    # A value refused by the model is named by its path in the table.
+    path = write(tmp_path, "[queue]\nmax_queue = 'lots'\n")
+    with pytest.raises(ConfigError, match=r"shim.toml: queue.max_queue: Input should be a valid integer"):
+        load_settings(["--config", path])
+
+
+def test_a_file_may_mix_top_level_keys_and_tables(tmp_path: Path) -> None:
+    text = 'upstream = "http://10.0.0.9:8000"\nmax_queue = 7\n\n[concurrency]\nmax_concurrency = 3\n'
+    values = read_config_file(write(tmp_path, text))
+    assert values.values == {"upstream": "http://10.0.0.9:8000", "max_queue": 7, "max_concurrency": 3}
+    assert values.where[("max_concurrency", None)] == "concurrency.max_concurrency"
+    assert values.where[("max_queue", None)] == "max_queue"
+
+
+def test_relative_paths_in_tables_are_read_from_the_files_directory(tmp_path: Path) -> None:
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "keys").write_text("secret-key\n")
+    (tmp_path / "conf" / "tenants.toml").write_text("")
+    text = '[auth]\napi_keys_file = "keys"\n\n[tenants]\ntenants_file = "tenants.toml"\n'
+    values = read_config_file(write(tmp_path / "conf", text))
+    assert values.values["tenants_file"] == str(tmp_path / "conf" / "tenants.toml")
+    s = load_settings(["--config", write(tmp_path / "conf", '[auth]\napi_keys_file = "keys"\n')])
+    assert s.api_keys_file == str(tmp_path / "conf" / "keys")
+    assert s.api_keys().check(b"secret-key")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[concurrency]\nmax_queue = 3\n", "shim.toml: concurrency.max_queue: max_queue belongs in [queue]"),
+        ("[upstream]\nhost = '0.0.0.0'\n", "shim.toml: upstream.host: host belongs in [listen]"),
+        ("[classes.batch]\nupstream = 'http://a'\n", "shim.toml: classes.batch.upstream: not a per-class setting: upstream belongs in [upstream]"),  # noqa: E501
+        ("[queue]\nmax_queu = 3\n", "shim.toml: queue.max_queu: unknown setting (did you mean 'max_queue'?)"),
+        ("[queue]\nmax_concurency = 3\n", "shim.toml: queue.max_concurency: unknown setting (did you mean 'max_concurrency', in [concurrency]?)"),  # noqa: E501
+        ("[queue]\nbatch_max_queue = 3\n", "queue.batch_max_queue: unknown setting (per-class values go in the class's table: [classes.batch] max_queue = ...)"),  # noqa: E501
+        ("[slo]\nttft_slo = 2\n", "shim.toml: slo.ttft_slo: unknown setting (set it per class: [classes.NAME] ttft_slo = ...)"),  # noqa: E501
+        ("[queu]\nmax_queue = 3\n", "shim.toml: queu: unknown table (did you mean 'queue'?)"),
+        ("[interactive]\nmax_queue = 3\n", "interactive: unknown table (one of: upstream, listen, limits, "),
+        ("queue = 3\n", "shim.toml: queue: expected a table ([queue] with key = value lines)"),
+        ("max_queue = 3\n[queue]\nmax_queue = 4\n", "shim.toml: queue.max_queue: max_queue is set twice (at the top level and in [queue]): keep one"),  # noqa: E501
+        # TOML itself refuses a key and a table of the same name; the message says why.
+        ("upstream = 'http://a'\n[upstream]\nupstream_read_timeout = 9\n", "(upstream is set at the top level and [upstream] is a table: move upstream = ... into it)"),  # noqa: E501
+        ("max_body_bytes = 5\n[limits]\nmax_body_bytes = 6\n", "shim.toml: limits.max_body_bytes: max_body_bytes is set twice (at the top level and in [limits]): keep one"),  # noqa: E501
+    ],
+)  # fmt: skip
+def test_a_key_in_the_wrong_table_or_set_twice_is_refused(tmp_path: Path, text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(["--config", write(tmp_path, text)])
+    message = str(info.value)
+    assert message.startswith("invalid configuration: ")
+    assert expected.replace("shim.toml", str(tmp_path / "shim.toml")) in message
+    assert "\n" not in message
+
+
 def test_a_class_of_the_file_must_be_one_of_the_classes_a_flag_sets(tmp_path: Path) -> None:
     path = write(tmp_path, "[classes.interactive]\n[classes.bulk]\nmax_queue = 3\n")
     with pytest.raises(
@@ -203,12 +317,33 @@ def test_the_example_file_names_every_setting_and_loads_as_the_defaults() -> Non
         if name in NOT_TOP_LEVEL:
             key = next(k for k, v in PER_CLASS_KEYS.items() if v == name)
             assert all(
-                f"\n{key} =" in part or f"\n# {key} =" in part for part in text.split("[classes.")[1:]
+                f"\n{key} =" in part or f"\n# {key} =" in part for part in text.split("\n[classes.")[1:]
             ), name
         else:
             assert f"\n{name} =" in text or f"\n# {name} =" in text, name
     assert list(data["classes"]) == list(ShimSettings.model_fields["classes"].default)
     assert load_settings(["--config", str(EXAMPLE)]) == ShimSettings()
+
+
+def test_the_generated_example_puts_every_setting_in_its_table_and_reads_back_as_the_defaults(
+    tmp_path: Path,
+) -> None:
+    text = example_config()
+    table = ""
+    placed: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("["):
+            table = line.strip("[]")
+        elif match := re.fullmatch(r"(?:# )?([a-z_]+) =.*", line):
+            placed.setdefault(f"{table}.{match[1]}", table)
+    top_level = {name: table for key, table in placed.items() if not table.startswith("classes.")
+                 for name in [key.rpartition(".")[2]]}  # fmt: skip
+    assert top_level == SECTION_OF
+    data = tomllib.loads(text)
+    assert data["queue"]["max_queue"] == ShimSettings.model_fields["max_queue"].default
+    assert data["upstream"]["upstream"] == "http://127.0.0.1:8000"
+    assert "max_queue" not in data
+    assert load_settings(["--config", write(tmp_path, text)]) == ShimSettings()
 
 
 def test_every_commented_example_value_is_valid(tmp_path: Path) -> None:

@@ -1,15 +1,18 @@
 """The ``--config`` TOML file: read it into settings values, and write one.
 
-Layout: top-level keys are :class:`ShimSettings` field names (``max_queue = 20``);
-per-class values live in one ``[classes.NAME]`` table per class, under the keys of
-:data:`PER_CLASS_KEYS` (``max_queue``, ``max_queue_wait``, ``reserved_share``,
-``min_share``, ``ttft_slo``). The tables' order is the classes' order,
-highest priority first, so ``[classes.*]`` also sets ``classes``. Relative paths
+Layout: one table per group of ``--help-all`` (:data:`~.flags.GROUPS`), named in
+:data:`~.flags.SECTIONS`, whose keys are :class:`ShimSettings` field names
+(``[queue]`` then ``max_queue = 20``); per-class values live in one ``[classes.NAME]``
+table per class, under the keys of :data:`PER_CLASS_KEYS` (``max_queue``,
+``max_queue_wait``, ``reserved_share``, ``min_share``, ``ttft_slo``). The class tables'
+order is the classes' order, highest priority first, so ``[classes.*]`` also sets
+``classes``. A file with settings as top-level keys (``max_queue = 20``, no group
+tables) is read as well; a file may mix both, but sets a setting once. Relative paths
 (``tenants_file``, ``api_keys_file``) are taken from the file's own directory.
 
-Reading checks the file's shape (valid TOML, known keys, tables where tables go) and
-raises :class:`ConfigError` naming the key's path; types and ranges are checked by the
-model, and :mod:`.sources` names the path of a value it refuses from
+Reading checks the file's shape (valid TOML, known keys, each in its table, tables where
+tables go) and raises :class:`ConfigError` naming the key's path; types and ranges are
+checked by the model, and :mod:`.sources` names the path of a value it refuses from
 :attr:`FileValues.where`.
 """
 
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llm_backoff_shim.serve.config.flags import GROUPS
+from llm_backoff_shim.serve.config.flags import GROUPS, SECTIONS
 from llm_backoff_shim.serve.config.settings import ShimSettings
 from llm_backoff_shim.serve.config.values import PER_CLASS_KEYS, ConfigError, env_name
 
@@ -35,8 +39,25 @@ else:  # pragma: no cover - Python 3.10
 #: Fields that are not keys of the file: the per-class maps (in ``[classes.NAME]``).
 NOT_TOP_LEVEL = frozenset(PER_CLASS_KEYS.values()) | {"classes"}
 
+#: The table of every setting that is not per class: field -> table (``max_queue`` -> ``queue``).
+SECTION_OF: dict[str, str] = {
+    name: SECTIONS[title] for title, names in GROUPS.items() for name in names if name not in NOT_TOP_LEVEL
+}
+
+#: The per-class settings: field -> key in a ``[classes.NAME]`` table.
+_CLASS_KEY = {target: key for key, target in PER_CLASS_KEYS.items()}
+
 #: Fields holding a path, resolved against the file's directory when relative.
 _PATH_FIELDS = ("tenants_file", "api_keys_file")
+
+
+def file_key(name: str) -> str:
+    """Where setting ``name`` goes in the file: ``[queue] max_queue``, ``[classes.NAME] max_queue``."""
+    if name == "classes":
+        return "[classes.NAME]"
+    if name in _CLASS_KEY:
+        return f"[classes.NAME] {_CLASS_KEY[name]}"
+    return f"[{SECTION_OF[name]}] {name}"
 
 
 @dataclass
@@ -56,30 +77,35 @@ def _fail(path: str, key: str, message: str) -> ConfigError:
 _LISTED = 10
 
 
-def _unknown(path: str, key: str, known: Iterable[str], what: str) -> ConfigError:
+def _unknown(
+    path: str, key: str, known: Iterable[str], what: str, *, section: str | None = None
+) -> ConfigError:
     """An unknown key, with a hint: where a per-class value goes, or the closest known key.
 
     ``key`` is the key's dotted path; the suggestion compares its last part
-    (``classes.batch.max_queu`` -> ``max_queue``). Without a close match, a short list of
-    known keys (the per-class ones) is given whole.
+    (``classes.batch.max_queu`` -> ``max_queue``) and, for a key of a group's table
+    (``section``), names the closest key's table when it is another. Without a close
+    match, a short list of known keys (the per-class ones) is given whole.
     """
     name = key.rpartition(".")[2]
     hint = ""
     # ``batch_max_queue``: one class's value, which goes in that class's table.
     longest_first = sorted(PER_CLASS_KEYS, key=len, reverse=True)
-    per_class = next((k for k in longest_first if key.endswith("_" + k)), None)
-    if key in PER_CLASS_KEYS.values():
-        short = next(k for k, v in PER_CLASS_KEYS.items() if v == key)
-        hint = f" (set it per class: [classes.NAME] {short} = ...)"
-    elif per_class is not None and key == name:
-        cls = key.removesuffix("_" + per_class)
+    per_class = next((k for k in longest_first if name.endswith("_" + k)), None)
+    a_setting = what == "setting"
+    if a_setting and name in _CLASS_KEY:
+        hint = f" (set it per class: [classes.NAME] {_CLASS_KEY[name]} = ...)"
+    elif a_setting and per_class is not None:
+        cls = name.removesuffix("_" + per_class)
         hint = f" (per-class values go in the class's table: [classes.{cls}] {per_class} = ...)"
     else:
         names = list(known)
         close = difflib.get_close_matches(name, names, n=1)
-        if close:
+        if close and section is not None and SECTION_OF.get(close[0], section) != section:
+            hint = f" (did you mean {close[0]!r}, in [{SECTION_OF[close[0]]}]?)"
+        elif close:
             hint = f" (did you mean {close[0]!r}?)"
-        elif len(names) <= _LISTED:
+        elif len(names) <= _LISTED or what == "table":
             hint = f" (one of: {', '.join(names)})"
     return ConfigError(f"{path}: {key}: unknown {what}{hint}")
 
@@ -92,22 +118,66 @@ def read_config_file(path: str | Path) -> FileValues:
     except OSError as exc:
         raise ConfigError(f"{label}: cannot read the file: {exc.strerror or exc}") from None
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+        data = tomllib.loads(text)
+    except UnicodeDecodeError as exc:
         raise ConfigError(f"{label}: not valid TOML: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{label}: not valid TOML: {exc}{_both_hint(text)}") from None
     out = FileValues(label)
+    directory = Path(path).parent
     top_level = [name for name in ShimSettings.model_fields if name not in NOT_TOP_LEVEL]
+    tables = list(dict.fromkeys(SECTIONS.values()))
     for key, value in data.items():
         if key == "classes":
             _read_classes(out, value)
-        elif key in top_level:
-            if key in _PATH_FIELDS and isinstance(value, str) and not Path(value).is_absolute():
-                value = str(Path(path).parent / value)
-            out.values[key] = value
-            out.where[(key, None)] = key
+        elif key in tables and isinstance(value, dict):
+            # A group's table. ``upstream`` is a table and a setting: a table's value is a dict.
+            for name, item in value.items():
+                where = f"{key}.{name}"
+                if name not in SECTION_OF:
+                    raise _unknown(label, where, top_level, "setting", section=key)
+                if SECTION_OF[name] != key:
+                    raise _fail(label, where, f"{name} belongs in [{SECTION_OF[name]}]")
+                _set(out, directory, name, item, where)
+        elif key in SECTION_OF:
+            _set(out, directory, key, value, key)
+        elif key in tables:
+            raise _fail(label, key, f"expected a table ([{key}] with key = value lines)")
+        elif isinstance(value, dict):
+            raise _unknown(label, key, [*tables, "classes"], "table")
         else:
             raise _unknown(label, key, [*top_level, "classes"], "setting")
     return out
+
+
+#: Names that are a setting and a group's table (``upstream``): TOML refuses a file with both.
+_BOTH = sorted(set(SECTIONS.values()) & set(SECTION_OF))
+
+
+def _both_hint(text: str) -> str:
+    """Why TOML refused ``upstream = ...`` at the top level next to an ``[upstream]`` table."""
+    head = re.split(r"^\s*\[", text, maxsplit=1, flags=re.M)[0]
+    for name in _BOTH:
+        if re.search(rf"^\s*{name}\s*=", head, re.M) and re.search(rf"^\s*\[\s*{name}\s*\]", text, re.M):
+            return f" ({name} is set at the top level and [{name}] is a table: move {name} = ... into it)"
+    return ""
+
+
+def _placed(where: str) -> str:
+    table = where.rpartition(".")[0]
+    return f"in [{table}]" if table else "at the top level"
+
+
+def _set(out: FileValues, directory: Path, name: str, value: Any, where: str) -> None:
+    """Record setting ``name`` read at key path ``where``; a second time is an error."""
+    if (name, None) in out.where:
+        first = out.where[(name, None)]
+        raise _fail(out.path, where, f"{name} is set twice ({_placed(first)} and {_placed(where)}): keep one")
+    if name in _PATH_FIELDS and isinstance(value, str) and not Path(value).is_absolute():
+        value = str(directory / value)
+    out.values[name] = value
+    out.where[(name, None)] = where
 
 
 def _read_classes(out: FileValues, tables: Any) -> None:
@@ -121,11 +191,14 @@ def _read_classes(out: FileValues, tables: Any) -> None:
                 out.path, f"classes.{name}", "expected a table ([classes.NAME] with key = value lines)"
             )
         for key, value in table.items():
+            where = f"classes.{name}.{key}"
+            if key not in PER_CLASS_KEYS and key in SECTION_OF:
+                raise _fail(out.path, where, f"not a per-class setting: {key} belongs in [{SECTION_OF[key]}]")
             if key not in PER_CLASS_KEYS:
-                raise _unknown(out.path, f"classes.{name}.{key}", PER_CLASS_KEYS, "per-class setting")
+                raise _unknown(out.path, where, PER_CLASS_KEYS, "per-class setting")
             target = PER_CLASS_KEYS[key]
             out.values.setdefault(target, {})[name] = value
-            out.where[(target, name)] = f"classes.{name}.{key}"
+            out.where[(target, name)] = where
 
 
 # --------------------------------------------------------------------------- writing
@@ -181,17 +254,18 @@ def _entry(name: str, text: str, value: Any, active: bool) -> list[str]:
 def render_config(active: Mapping[str, Any], *, header: Iterable[str] = ()) -> str:
     """A settings file listing every setting: those in ``active`` set, the rest commented out.
 
-    ``active`` maps field names to values; per-class maps (``class_max_queue`` ...) go
-    into the ``[classes.NAME]`` tables, one per class of ``active["classes"]`` (default:
-    the default classes). A commented-out line shows the default, or an example value
-    where the default is none.
+    ``active`` maps field names to values; each setting is written in its group's table
+    (:data:`SECTION_OF`), per-class maps (``class_max_queue`` ...) in the
+    ``[classes.NAME]`` tables, one per class of ``active["classes"]`` (default: the
+    default classes). A commented-out line shows the default, or an example value where
+    the default is none.
     """
     fields = ShimSettings.model_fields
     lines = [part for line in header for part in (_comment(line, 100) if line else ["#"])]
     for title, names in GROUPS.items():
         top_level = [name for name in names if name not in NOT_TOP_LEVEL]
         if top_level:
-            lines += ["", f"# ---- {title} ".ljust(88, "-")]
+            lines += ["", f"# ---- {title} ".ljust(88, "-"), f"[{SECTIONS[title]}]"]
         for name in top_level:
             info = fields[name]
             text = f"{info.description} [flag --{name.replace('_', '-')}; env {env_name(name)}]"
@@ -275,6 +349,8 @@ def example_config() -> str:
             "",
             "Every setting of the shim, at its default. Lines starting with '# key =' are settings",
             "left at their default (or an example where the default is none): uncomment to set.",
+            "Each setting sits in its group's table ([upstream], [queue], ...), per-class values in",
+            "[classes.NAME]; a file of top-level keys only (max_queue = 20) is read too.",
             "Flags and LLM_BACKOFF_SHIM_* variables win over this file (flag > env > file > default).",
             "Regenerate: python -m llm_backoff_shim.serve.config.file > server_shim/deploy/shim.toml",
         ),

@@ -66,6 +66,25 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "metrics and logs": ("metrics_port", "log_level", "log_format", "access_log"),
 }
 
+#: The table of each group in the ``--config`` file (``[queue]`` holds ``max_queue = 20``):
+#: the one definition the file's reader and writer and docs/reference.md use. Per-class
+#: values go in the ``[classes.NAME]`` tables whatever their group, so no group's table is
+#: ``classes``, and ``[slo]`` stays empty (its one setting, ``ttft_slo``, is per class).
+SECTIONS: dict[str, str] = {
+    "upstream": "upstream",
+    "listen address": "listen",
+    "client limits": "limits",
+    "concurrency": "concurrency",
+    "queue": "queue",
+    "queue wait": "queue_wait",
+    "classes": "traffic",
+    "queue-time SLO": "slo",
+    "rejections": "rejections",
+    "tenants": "tenants",
+    "authentication": "auth",
+    "metrics and logs": "metrics",
+}
+
 #: Flags given once per value (``--allow-operator-route /sleep --allow-operator-route /wake_up``).
 REPEATABLE = frozenset({"allow_operator_route"})
 
@@ -79,8 +98,9 @@ _DESCRIPTION = (
 
 _EPILOG = (
     f"Every setting can also be given as the environment variable {ENV_PREFIX}<FLAG> "
-    f"(e.g. {ENV_PREFIX}MAX_QUEUE=50) and in the --config file (max_queue = 50; per-class values "
-    "in one [classes.NAME] table per class). Precedence: flag > environment > file > default. "
+    f"(e.g. {ENV_PREFIX}MAX_QUEUE=50) and in the --config file (max_queue = 50 in the table of "
+    "its group, [queue]; per-class values in one [classes.NAME] table per class). "
+    "Precedence: flag > environment > file > default. "
     "--help shows the common settings; --help-all lists all of them (docs/shim.md, Configuration)."
 )
 

@@ -1,10 +1,10 @@
 """The names and value syntax of the shim's settings, shared by the model and its sources.
 
 A setting ``max_queue`` is the flag ``--max-queue``, the variable
-``LLM_BACKOFF_SHIM_MAX_QUEUE`` and the file key ``max_queue``. Per-class settings are
-maps from class name to value: ``NAME=value,...`` (or a JSON object) on the command line
-and in the environment, one ``[classes.NAME]`` table per class in the file, under the
-keys of :data:`PER_CLASS_KEYS`.
+``LLM_BACKOFF_SHIM_MAX_QUEUE`` and the key ``max_queue`` of the file (in its group's
+table, ``[queue]``). Per-class settings are maps from class name to value:
+``NAME=value,...`` (or a JSON object) on the command line and in the environment, one
+``[classes.NAME]`` table per class in the file, under the keys of :data:`PER_CLASS_KEYS`.
 """
 
 from __future__ import annotations
