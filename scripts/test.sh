@@ -102,13 +102,7 @@ if ! installed main; then
 fi
 cat "$LOGS/install-main.log"
 VENV="$ROOT/.venv"
-echo "== installed .venv ($(elapsed)); the other venvs install on while lint and the lanes start"
-
-echo "== ruff"
-"$VENV/bin/ruff" check .
-echo "== mypy --strict"
-"$VENV/bin/mypy"
-echo "== lint and types done ($(elapsed))"
+echo "== installed .venv ($(elapsed)); the other venvs install on while lint and the lanes run"
 
 E2E_FILES=$(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests | sort)
 PYTEST=(-q -p no:cacheprovider --durations=5)
@@ -141,12 +135,24 @@ lane_b() {
   step shim-floors shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
   step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
 }
+lint() {  # both run; either failing fails the step
+  local status=0
+  echo "== ruff"
+  "$VENV/bin/ruff" check . || status=1
+  echo "== mypy --strict"
+  "$VENV/bin/mypy" || status=1
+  return "$status"
+}
+# Lint and types (about ten seconds of one core) run beside the lanes; their output is printed
+# first among the results, and either failing fails the run.
+step lint main lint &
+LINT=$!
 echo "== pytest: two lanes (main, openai2, shim-floors-public | public, shim-floors, sdk-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
 LANE_B=$!
-wait "$LANE_A" "$LANE_B"
+wait "$LANE_A" "$LANE_B" "$LINT"
 
 for name in openai2 shim-floors sdk-floors; do
   read -r status seconds <"$LOGS/installed-$name"
@@ -155,9 +161,9 @@ for name in openai2 shim-floors sdk-floors; do
 done
 
 FAILED=()
-for name in main public shim-floors shim-floors-public openai2 openai2-integrations sdk-floors; do
+for name in lint main public shim-floors shim-floors-public openai2 openai2-integrations sdk-floors; do
   read -r status seconds <"$LOGS/status-$name"
-  echo "== pytest $name (${seconds} s, exit $status)"
+  if [ "$name" = lint ]; then echo "== ruff and mypy --strict (${seconds} s, exit $status)"; else echo "== pytest $name (${seconds} s, exit $status)"; fi
   cat "$LOGS/step-$name.log"
   [ "$status" = 0 ] || FAILED+=("$name")
 done
