@@ -25,6 +25,11 @@ cd "$ROOT"
 STARTED=$(date +%s)
 LOGS="$(mktemp -d)"
 export LLM_BACKOFF_HYPOTHESIS_PROFILE="${LLM_BACKOFF_HYPOTHESIS_PROFILE:-ci}"
+# Bytecode caches are written (gitignored __pycache__/): the run starts hundreds of Python
+# processes (xdist workers, child shims and engines, CLI runs) over the same sources, and with
+# PYTHONDONTWRITEBYTECODE set each compiled the project's modules and rewrote every test
+# module's asserts again, seconds of CPU per worker on a 2-core machine.
+unset PYTHONDONTWRITEBYTECODE
 elapsed() { echo "$(( $(date +%s) - STARTED )) s"; }
 
 # Real servers from Debian's packages, on loopback: Redis for the shared limits; nginx,
