@@ -16,7 +16,8 @@
 #
 # Most tests wait on loopback I/O, not the CPU, so each suite is spread over pytest-xdist
 # workers and the suites run in two lanes at once; a lane's output goes to a log that is
-# printed when it ends. Property tests run on the derandomized ``ci`` Hypothesis profile
+# printed when it ends. The lanes start once the main venv is installed; the other venvs
+# install meanwhile, and a step that needs one waits for it. Property tests run on the derandomized ``ci`` Hypothesis profile
 # (conftest.py): no saved example and no luck decides a run. The suite's time is printed last.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +25,11 @@ cd "$ROOT"
 STARTED=$(date +%s)
 LOGS="$(mktemp -d)"
 export LLM_BACKOFF_HYPOTHESIS_PROFILE="${LLM_BACKOFF_HYPOTHESIS_PROFILE:-ci}"
+# Bytecode caches are written (gitignored __pycache__/): the run starts hundreds of Python
+# processes (xdist workers, child shims and engines, CLI runs) over the same sources, and with
+# PYTHONDONTWRITEBYTECODE set each compiled the project's modules and rewrote every test
+# module's asserts again, seconds of CPU per worker on a 2-core machine.
+unset PYTHONDONTWRITEBYTECODE
 elapsed() { echo "$(( $(date +%s) - STARTED )) s"; }
 
 # Real servers from Debian's packages, on loopback: Redis for the shared limits; nginx,
@@ -43,7 +49,9 @@ REDIS_PORT="${LLM_BACKOFF_TEST_REDIS_PORT:-6399}"
 REDIS_DIR="$(mktemp -d)"
 redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --save '' --appendonly no \
   --dir "$REDIS_DIR" --daemonize yes --pidfile "$REDIS_DIR/redis.pid" >/dev/null
+INSTALL_PIDS=()
 cleanup() {
+  [ "${#INSTALL_PIDS[@]}" -eq 0 ] || kill "${INSTALL_PIDS[@]}" 2>/dev/null || true
   kill "$(cat "$REDIS_DIR/redis.pid" 2>/dev/null)" 2>/dev/null || true
   rm -rf "$REDIS_DIR" "$LOGS"
 }
@@ -54,9 +62,9 @@ quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a director
 
 # -- installs: five venvs at once (the network and pip, not the cores, set their pace) -------
 install_main() {
-  source scripts/setup-venv.sh
-  # The light third-party clients of docs/integrations.md (tests/integrations, in the main run).
-  quiet_pip "$VENV/bin/python" -m pip install -q -e "$ROOT[integrations]"
+  # With the light third-party clients of docs/integrations.md (tests/integrations, in the main
+  # run), in the same pip run.
+  SDK_EXTRAS=test,redis,integrations source scripts/setup-venv.sh
   "$VENV/bin/python" -c 'import openai; print("openai", openai.__version__)'
 }
 install_openai2() {
@@ -66,6 +74,9 @@ install_openai2() {
     "openai>=2,<3" httpx "instructor>=1.17"
   "$venv/bin/python" -c 'import openai; print("openai", openai.__version__)'
 }
+# The main venv is all that lint and the first step of each lane need: they start once it is in,
+# while the other venvs go on installing; a later step waits for its own venv's install
+# (``installed``). An install's status and time land in a file when it ends.
 echo "== installing .venv, .venv-openai2, .venv-shim-floors, .venv-floor2, .venv-floor3"
 declare -A INSTALLS=(
   [main]="install_main"
@@ -73,63 +84,91 @@ declare -A INSTALLS=(
   [shim-floors]="LLM_BACKOFF_INSTALL_ONLY=1 bash scripts/test-shim-floors.sh"
   [sdk-floors]="LLM_BACKOFF_INSTALL_ONLY=1 bash scripts/test-sdk-floors.sh"
 )
-declare -A PIDS=()
+install() {  # install NAME: run that install into its log, then write its status and time
+  local name="$1" t0 status=0
+  t0=$(date +%s)
+  ( eval "${INSTALLS[$name]}" ) >"$LOGS/install-$name.log" 2>&1 || status=$?
+  echo "$status $(( $(date +%s) - t0 ))" >"$LOGS/installed-$name.tmp"
+  mv "$LOGS/installed-$name.tmp" "$LOGS/installed-$name"
+}
+installed() {  # installed NAME: wait for that install to end; succeed if it did
+  local status seconds
+  while [ ! -f "$LOGS/installed-$1" ]; do sleep 0.5; done
+  read -r status seconds <"$LOGS/installed-$1"
+  [ "$status" = 0 ]
+}
+INSTALL_PIDS=()
 for name in "${!INSTALLS[@]}"; do
-  ( eval "${INSTALLS[$name]}" ) >"$LOGS/install-$name.log" 2>&1 &
-  PIDS[$name]=$!
+  install "$name" &
+  INSTALL_PIDS+=("$!")
 done
-for name in "${!PIDS[@]}"; do
-  if ! wait "${PIDS[$name]}"; then
-    cat "$LOGS/install-$name.log"; echo "== installing $name failed"; exit 1
-  fi
-done
-cat "$LOGS"/install-*.log
+if ! installed main; then
+  cat "$LOGS/install-main.log"; echo "== installing main failed"; exit 1
+fi
+cat "$LOGS/install-main.log"
 VENV="$ROOT/.venv"
-echo "== installed ($(elapsed))"
-
-echo "== ruff"
-"$VENV/bin/ruff" check .
-echo "== mypy --strict"
-"$VENV/bin/mypy"
-echo "== lint and types done ($(elapsed))"
+echo "== installed .venv ($(elapsed)); the other venvs install on while lint and the lanes run"
 
 E2E_FILES=$(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests | sort)
 PYTEST=(-q -p no:cacheprovider --durations=5)
 
 # -- the suites, in two lanes ------------------------------------------------------------------
-step() {  # step NAME CMD...: run one suite into its log; record its status and time
-  local name="$1"; shift
-  local t0; t0=$(date +%s)
-  local status=0
+step() {  # step NAME VENV CMD...: once install VENV is in, run one suite into its log; record its status and time
+  local name="$1" venv="$2"; shift 2
+  local t0 status=0
+  if ! installed "$venv"; then
+    { cat "$LOGS/install-$venv.log"; echo "== installing $venv failed"; } >"$LOGS/step-$name.log"
+    echo "1 0" >"$LOGS/status-$name"
+    return 0
+  fi
+  t0=$(date +%s)
   "$@" >"$LOGS/step-$name.log" 2>&1 || status=$?
   echo "$status $(( $(date +%s) - t0 ))" >"$LOGS/status-$name"
   return 0
 }
 lane_a() {  # each lane draws child servers' ports from its own block (conftest.py)
   export LLM_BACKOFF_TEST_PORT_LANE=0
-  step main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
-  step openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
-  step openai2-integrations "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
-  step shim-floors-public env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
+  step main main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
+  step openai2 openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
+  step openai2-integrations openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
+  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
 }
 lane_b() {
   export LLM_BACKOFF_TEST_PORT_LANE=1
   # shellcheck disable=SC2086
-  step public "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
-  step shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
-  step sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
+  step public main "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
+  step shim-floors shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
+  step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
 }
+lint() {  # both run; either failing fails the step
+  local status=0
+  echo "== ruff"
+  "$VENV/bin/ruff" check . || status=1
+  echo "== mypy --strict"
+  "$VENV/bin/mypy" || status=1
+  return "$status"
+}
+# Lint and types (about ten seconds of one core) run beside the lanes; their output is printed
+# first among the results, and either failing fails the run.
+step lint main lint &
+LINT=$!
 echo "== pytest: two lanes (main, openai2, shim-floors-public | public, shim-floors, sdk-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
 LANE_B=$!
-wait "$LANE_A" "$LANE_B"
+wait "$LANE_A" "$LANE_B" "$LINT"
+
+for name in openai2 shim-floors sdk-floors; do
+  read -r status seconds <"$LOGS/installed-$name"
+  echo "== installed $name (${seconds} s, exit $status)"
+  cat "$LOGS/install-$name.log"
+done
 
 FAILED=()
-for name in main public shim-floors shim-floors-public openai2 openai2-integrations sdk-floors; do
+for name in lint main public shim-floors shim-floors-public openai2 openai2-integrations sdk-floors; do
   read -r status seconds <"$LOGS/status-$name"
-  echo "== pytest $name (${seconds} s, exit $status)"
+  if [ "$name" = lint ]; then echo "== ruff and mypy --strict (${seconds} s, exit $status)"; else echo "== pytest $name (${seconds} s, exit $status)"; fi
   cat "$LOGS/step-$name.log"
   [ "$status" = 0 ] || FAILED+=("$name")
 done

@@ -4,7 +4,8 @@ Three simulated engines with a shim each (two slots, a short queue) behind the l
 running the shipped configuration. Callers: two using the SDK (``llm_backoff.wrap``, a 20 s
 deadline, whole answers) and two plain openai clients (two retries, streaming). While they
 call, one replica's shim gets SIGTERM and is started again, then another replica's engine is
-killed (SIGKILL) and started again. Checked:
+killed (SIGKILL) and started again. Between steps the test waits until the callers have been
+served a few more calls, not for a set time, so every stage sees calls on any machine. Checked:
 
 - no SDK call fails (each had most of its deadline left);
 - a plain openai call fails only if it was mid-stream on the killed engine (its answer had
@@ -168,10 +169,21 @@ def test_rolling_restart_and_dead_engine_lose_no_call(fleet: Fleet) -> None:
             threading.Thread(target=plain.run, args=(plain_stream(p, messages), stop), daemon=True)
         )
     steps: dict[str, float] = {}
+
+    def load_goes_on(calls: int = 4, timeout: float = 30) -> None:
+        """Until the callers have been served ``calls`` more calls (``timeout`` only bounds a
+        broken run): each step below happens under load, and calls are made at every stage."""
+        with sdk.lock, plain.lock:
+            target = sdk.served + plain.served + calls
+        deadline = time.monotonic() + timeout
+        while sdk.served + plain.served < target:
+            assert time.monotonic() < deadline, f"served {sdk.served} + {plain.served}, waiting for {target}"
+            time.sleep(0.02)
+
     with Watch(fleet) as watch:
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        load_goes_on()
 
         # A rolling restart of replica 0's shim.
         t0 = time.monotonic()
@@ -180,7 +192,7 @@ def test_rolling_restart_and_dead_engine_lose_no_call(fleet: Fleet) -> None:
         steps["shim 0: SIGTERM to /ready unanswered"] = watch.first(t0, lambda r, s: r[0] != 200)
         if lb == "haproxy":
             steps["shim 0: SIGTERM to HAProxy DOWN"] = watch.first(t0, lambda r, s: s[0] == "DOWN")
-        time.sleep(0.5)
+        load_goes_on()  # served by the other replicas while shim 0 is down
         t1, wall1 = time.monotonic(), time.time()
         steps["shim 0: start to /health"] = fleet.start_shim(0)
         steps["shim 0: start to /ready 200"] = watch.first(t1, lambda r, s: r[0] == 200)
@@ -189,7 +201,7 @@ def test_rolling_restart_and_dead_engine_lose_no_call(fleet: Fleet) -> None:
         steps["shim 0: start to first call served"] = served_since(fleet, 0, wall1)
 
         # Replica 1's engine crashes and comes back.
-        time.sleep(0.5)
+        load_goes_on()
         t2 = time.monotonic()
         fleet.kill_engine(1)
         wall2 = time.time()
@@ -200,14 +212,14 @@ def test_rolling_restart_and_dead_engine_lose_no_call(fleet: Fleet) -> None:
         )
         if lb == "haproxy":
             steps["engine 1: SIGKILL to HAProxy DOWN"] = watch.first(t2, lambda r, s: s[1] == "DOWN")
-        time.sleep(1.0)
+        load_goes_on()  # served by the other replicas while engine 1 is down
         t3, wall3 = time.monotonic(), time.time()
         steps["engine 1: start to its /health"] = fleet.start_engine(1)
         steps["engine 1: start to shim's /ready 200"] = watch.first(t3, lambda r, s: r[1] == 200)
         if lb == "haproxy":
             steps["engine 1: start to HAProxy UP"] = watch.first(t3, lambda r, s: s[1] == "UP")
         steps["engine 1: start to first call served"] = served_since(fleet, 1, wall3)
-        time.sleep(0.5)
+        load_goes_on()
         stop.set()
         for t in threads:
             t.join(30)

@@ -21,7 +21,14 @@ import uvicorn
 
 
 def free_socket(host: str = "127.0.0.1") -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    """A listening TCP socket on a free port of ``host``.
+
+    Made with ``IPPROTO_TCP`` named: asyncio sets ``TCP_NODELAY`` only on connections whose
+    socket says it is TCP, and an accepted socket inherits the listener's protocol number. With
+    ``proto=0`` a response written in two parts (head, then body) waits out the peer's delayed
+    ACK, about 40 ms a response on Linux.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     sock.listen(2048)
