@@ -133,14 +133,14 @@ on that mix fell from 615-660 to 461-469 tokens/s).
 Why not the cost in flight measured at the knee, the 95th percentile over its windows' time
 (:func:`cost_quantile`, :attr:`StepStats.inflight_cost_high`, still in the JSON): a window of a
 few seconds at 8 slots holds a handful of long prompts, so its high quantile is how many of
-them happened to overlap, two or three. Six runs on one vLLM gave 6,464 to 8,320 from it (29 %
-apart; earlier ones up to 9,664), and this budget 9,600 to 10,112 from the same runs (5 %). Its
-per-slot figures come from every request the run completed (150-210, long ones 24-37), and the
-share of long prompts is the one named, not the one drawn (16-18 % in those runs). The same
+them happened to overlap, two or three. Ten runs on one vLLM gave 6,400 to 8,320 from it (30 %
+apart; others up to 9,664), and this budget 9,600 to 10,112 from the same runs (5 %). Its
+per-slot figures come from every request the run completed (about 200, a sixth of them long),
+and the share of long prompts is the one named, not the one drawn (16-18 % in those runs). The same
 sum over the run's requests at the share drawn moved by 10 % (8,608-9,466), and the knee's
 time-weighted mean cost in flight, which a fixed factor would scale, by 9 %.
 Slots are filled by count, not by how long each kind holds one: on that vLLM the knee's
-time-weighted mean cost in flight (5,000-5,460) was at or below the count-weighted one
+time-weighted mean cost in flight (4,650-5,460) was at or below the count-weighted one
 (5,490-5,740), and weighting by the few long requests' durations would bring the noise back.
 The normal sum is 3.5 % below the exact one (the K-fold convolution of the slot's
 distribution) there.
