@@ -29,7 +29,7 @@ from starlette.routing import Route
 from llm_backoff_shim import cli
 from llm_backoff_shim.lab import calibrate
 from llm_backoff_shim.lab.calibrate import doubling_levels, parse_steps
-from llm_backoff_shim.lab.calibrate.measure import budget_tokens
+from llm_backoff_shim.lab.calibrate.measure import SlotCost, budget_tokens
 from llm_backoff_shim.lab.calibrate.run import Sizing, api_base
 from llm_backoff_shim.lab.workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, WORDS, LengthDist
 from llm_backoff_shim.serve.config.settings import ShimSettings
@@ -285,9 +285,11 @@ def test_knee_lands_at_the_simulators_capacity(sim: ServerThread, tmp_path: Path
     )
     assert settings.class_limits()["batch"].max_queue_wait == rec["batch_max_queue_wait"]
     assert settings.retry_after_max == rec["retry_after_max"]
-    # The cost budget: what the knee's requests held 95 % of the time, rounded up to 64.
-    assert rec["max_inflight_tokens"] % 64 == 0
-    assert 0 <= rec["max_inflight_tokens"] - per_level[knee]["inflight_cost_high"] < 64
+    # The cost budget: what the knee's slots of the mix hold 95 % of the time, rounded up to 64.
+    slot = result["knee"]["slot_cost"]
+    assert slot["requests"] >= sum(s["requests"] for s in result["steps"])
+    assert rec["max_inflight_tokens"] == budget_tokens(SlotCost(**slot).quantile(knee))
+    assert rec["max_inflight_tokens"] >= knee * slot["mean"]
     assert per_level[knee]["inflight_cost_high"] >= per_level[knee]["inflight_cost"]
     assert argv[argv.index("--max-inflight-tokens") + 1] == str(rec["max_inflight_tokens"])
     # Every level counted its window's completions (two per slot, at least 20, at most six
@@ -668,5 +670,7 @@ def test_an_engine_slower_than_the_step_is_measured_by_completions_with_the_mix(
         assert step["engine_waiting"] >= 1, step
     rec = result["recommendation"]
     knee = result["knee"]
-    assert rec["max_inflight_tokens"] == budget_tokens(knee["inflight_cost_high"])
+    assert rec["max_inflight_tokens"] == budget_tokens(
+        SlotCost(**knee["slot_cost"]).quantile(knee["concurrency"])
+    )
     assert f"--max-inflight-tokens {rec['max_inflight_tokens']}" in rec["command"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from llm_backoff_shim.lab.calibrate.history import (
@@ -65,6 +66,18 @@ def test_agreement_is_fifteen_percent_of_the_larger_or_one_queue_place() -> None
     assert not agree(run(max_queue=1), run(max_queue=3))
 
 
+def test_the_cost_budgets_agree_too_when_both_runs_have_one() -> None:
+    assert agree(run(max_inflight_tokens=9600), run(max_inflight_tokens=8832))  # 8 %
+    assert not agree(run(max_inflight_tokens=9664), run(max_inflight_tokens=6464))  # 33 %
+    assert agree(run(max_inflight_tokens=9664), run(max_inflight_tokens=None))
+    level, why = across_runs(
+        "high", "agree", run(max_inflight_tokens=6464), run(max_inflight_tokens=9664), "f"
+    )
+    assert level == "low"
+    assert "recommended --max-concurrency 8, interactive queue 80, --max-inflight-tokens 9664" in why
+    assert "use the lower values two runs agree on" in why
+
+
 def test_only_a_run_of_the_same_setup_is_compared_and_the_latest_one() -> None:
     older = run(at="1", max_concurrency=4)
     other = run(at="2", upstream="http://other:8000")
@@ -84,4 +97,9 @@ def test_the_file_keeps_every_run_and_skips_what_does_not_parse(tmp_path: Path) 
         f.write('not json\n{"at": 1}\n')
     append(path, run(max_concurrency=9))
     assert [r.max_concurrency for r in load(path)] == [8, 9]
+    # A run kept before the budget was: read without one.
+    older = {k: v for k, v in dataclasses.asdict(RUN).items() if k != "max_inflight_tokens"}
+    with path.open("a") as f:
+        f.write(json.dumps(older) + "\n")
+    assert load(path)[-1] == RUN
     assert load(tmp_path) == []  # a directory: nothing to read, not an error

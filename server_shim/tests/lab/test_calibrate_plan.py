@@ -14,9 +14,11 @@ import pytest
 from llm_backoff_shim.lab.calibrate.measure import (
     CostMeter,
     Sample,
+    SlotCost,
     StepStats,
     budget_tokens,
     cost_quantile,
+    slot_cost,
     summarize,
     tokens_in,
 )
@@ -276,7 +278,7 @@ def test_a_request_costs_its_prompt_and_the_answer_the_shim_would_price_not_its_
     assert costs.cost(1800) == 1950
 
 
-def test_the_budget_is_the_mean_cost_in_flight_rounded_up_to_64() -> None:
+def test_the_budget_is_the_cost_rounded_up_to_64() -> None:
     assert budget_tokens(1548.0) == 1600
     assert budget_tokens(64.0) == 64
     assert budget_tokens(1.0) == 64
@@ -295,3 +297,47 @@ def test_the_budget_cost_is_what_the_requests_held_most_of_the_time() -> None:
     assert cost_quantile([*eight, spike], *window) == 800
     assert cost_quantile([*eight, spike], *window, q=1.0) == 1700
     assert cost_quantile([], *window) == 0.0
+
+
+def test_a_slot_holds_a_request_of_the_mix_in_the_share_named() -> None:
+    # A fifth long prompts of 2000 tokens, the rest chat of 100; answers priced at 50.
+    cost = slot_cost([100] * 40, [2000] * 10, 0.2, 50)
+    assert cost is not None
+    assert cost.mean == pytest.approx(0.8 * 150 + 0.2 * 2050)
+    assert cost.sd == pytest.approx(math.sqrt(0.8 * 0.2) * 1900)
+    assert cost.requests == 50
+    # Eight slots: their sum taken as normal, at its 95th percentile.
+    assert cost.quantile(8) == pytest.approx(8 * cost.mean + 1.6448536 * math.sqrt(8) * cost.sd)
+    assert cost.quantile(8, q=0.5) == pytest.approx(8 * cost.mean)
+
+
+def test_the_slots_follow_the_share_named_not_the_share_drawn() -> None:
+    # However many long prompts a run happened to draw, each slot holds one with the share named:
+    # the budget does not follow a few draws.
+    few = slot_cost([100] * 45, [2000] * 5, 0.2, 50)
+    many = slot_cost([100] * 35, [2000] * 15, 0.2, 50)
+    assert few is not None
+    assert many is not None
+    assert (few.mean, few.sd) == pytest.approx((many.mean, many.sd))
+
+
+def test_a_slot_counts_the_spread_of_each_kinds_prompts() -> None:
+    same = slot_cost([100, 100], [1500, 2500], 0.5, 0)
+    assert same is not None
+    # E[c] = 1050; E[c^2] = 0.5 * 100^2 + 0.5 * (500^2 + 2000^2).
+    assert same.mean == pytest.approx(1050)
+    assert same.sd == pytest.approx(math.sqrt(0.5 * 100**2 + 0.5 * (500**2 + 2000**2) - 1050**2))
+
+
+def test_chat_alone_and_kinds_without_a_request() -> None:
+    chat = slot_cost([80, 120], [], 0.0, 20)
+    assert chat is not None
+    assert (chat.mean, chat.sd, chat.requests) == pytest.approx((120, 20, 2))
+    # No long prompt completed: the chat ones take its share.
+    assert slot_cost([80, 120], [], 0.3, 20) == chat
+    assert slot_cost([], [], 0.2, 50) is None
+    assert slot_cost([], [2000], 1.0, 0) == SlotCost(2000, 0, 1)
+    with pytest.raises(ValueError, match="long_share"):
+        slot_cost([100], [], 1.5, 0)
+    with pytest.raises(ValueError, match="slots"):
+        chat.quantile(0)

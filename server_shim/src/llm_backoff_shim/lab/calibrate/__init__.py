@@ -453,6 +453,7 @@ def _judge_across_runs(outcome: Outcome, err: TextIO) -> None:
         max_queue=rec.max_queue,
         max_queue_wait=rec.max_queue_wait,
         knee_tokens_per_s=float(statistics.median(s.output_tokens_per_s for s in outcome.runs[knee.level])),
+        max_inflight_tokens=rec.max_inflight_tokens,
     )
     path = cfg.out / HISTORY_NAME
     earlier = previous(load(path), record)

@@ -9,7 +9,8 @@ engine, both "high"). So ``high`` needs two runs: each run appends a line to ``D
 model, SLOs and mix (:func:`same_setup`):
 
 - the two recommended ``--max-concurrency`` within :data:`~.measure.REPRODUCIBLE`
-  (15 %) of each other, and the interactive queues within 15 % or one place: ``high`` (``medium``
+  (15 %) of each other, the interactive queues within 15 % or one place, and the cost budgets
+  (``--max-inflight-tokens``) within 15 % when both runs recommended one: ``high`` (``medium``
   when this run's own repeats were still ``low``);
 - further apart: ``low``, naming the earlier value;
 - no earlier run: at most ``medium``, saying how to confirm.
@@ -44,6 +45,9 @@ class RunRecord:
     max_queue: int
     max_queue_wait: float
     knee_tokens_per_s: float
+    #: The recommended ``--max-inflight-tokens`` (None: none measured, or a run kept before the
+    #: file had it).
+    max_inflight_tokens: int | None = None
 
 
 def same_setup(a: RunRecord, b: RunRecord) -> bool:
@@ -64,8 +68,22 @@ def within(a: float, b: float, slack: float = 0.0) -> bool:
 
 def agree(a: RunRecord, b: RunRecord) -> bool:
     """Two runs' recommendations agree: concurrency within 15 %, interactive queue within 15 % or
-    one place (a queue of 7 or 8 drains in the same wait, give or take a request)."""
-    return within(a.max_concurrency, b.max_concurrency) and within(a.max_queue, b.max_queue, slack=1)
+    one place (a queue of 7 or 8 drains in the same wait, give or take a request), cost budget
+    within 15 % (when both have one)."""
+    budgets = a.max_inflight_tokens is None or b.max_inflight_tokens is None
+    return (
+        within(a.max_concurrency, b.max_concurrency)
+        and within(a.max_queue, b.max_queue, slack=1)
+        and (budgets or within(a.max_inflight_tokens or 0, b.max_inflight_tokens or 0))
+    )
+
+
+def describe(run: RunRecord) -> str:
+    """The flags two runs are compared on."""
+    text = f"--max-concurrency {run.max_concurrency}, interactive queue {run.max_queue}"
+    if run.max_inflight_tokens is not None:
+        text += f", --max-inflight-tokens {run.max_inflight_tokens}"
+    return text
 
 
 def previous(records: Sequence[RunRecord], current: RunRecord) -> RunRecord | None:
@@ -77,14 +95,14 @@ def across_runs(
     own: Confidence, own_reason: str, current: RunRecord, earlier: RunRecord | None, where: str
 ) -> tuple[Confidence, str]:
     """The confidence line: this run's own (``own``, ``own_reason``) judged against ``earlier``."""
-    mine = f"--max-concurrency {current.max_concurrency}, interactive queue {current.max_queue}"
+    mine = describe(current)
     if earlier is None:
         level: Confidence = "low" if own == "low" else "medium"
         return level, (
             f"first run of this setup in {where}; run calibrate again with the same --out: 'high' "
             f"needs two runs within {REPRODUCIBLE:.0%} of each other (this run: {own}, {own_reason})"
         )
-    theirs = f"--max-concurrency {earlier.max_concurrency}, interactive queue {earlier.max_queue}"
+    theirs = describe(earlier)
     if agree(current, earlier):
         level = "medium" if own == "low" else "high"
         return level, (
@@ -93,7 +111,7 @@ def across_runs(
         )
     return "low", (
         f"the run of {earlier.at} recommended {theirs}, this one {mine}: more than {REPRODUCIBLE:.0%} "
-        "apart on the same setup; run again and use the lower concurrency two runs agree on"
+        "apart on the same setup; run again and use the lower values two runs agree on"
     )
 
 

@@ -89,8 +89,8 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   1.15x to 1.60x its useful tokens; batch served fell from 99 % to 69 % (plain's from 69 %
   to 36 %). ``max_queue`` becomes the bound on
   both queues together (interactive's plus batch's), and interactive keeps its own bound.
-- ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: the
-  mean cost in flight at the knee, :func:`budget_tokens`).
+- ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: what
+  the knee's slots of the mix hold 95 % of the time, :class:`SlotCost`, :func:`budget_tokens`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
   a batch caller refused past the held queue's wait would otherwise be told a slot 15 s or
   more ahead, and cannot be called back when the work ahead of it melts away (interactive
@@ -119,10 +119,32 @@ Calibrate prices its requests as the shim's cost cap prices them
   K such requests of the mix's prompts, and a client naming ``max_tokens: 4096`` or none is
   never priced above the requests the budget was measured with.
 
-The recommended ``--max-inflight-tokens`` is the cost in flight the knee's requests stayed at
-or below 95 % of the time (:func:`budget_tokens`,
-:func:`cost_quantile`): the level's ordinary mix of
-prompts runs together under it, and what it holds back is an unusual pile-up of long ones.
+The recommended ``--max-inflight-tokens`` (:func:`budget_tokens`) is the cost K slots of the
+mix hold together at or below 95 % of the time, K the knee (:class:`SlotCost`): each slot holds a
+request of the mix, a long-prompt one with the ``--long-share`` named and a chat one otherwise,
+its prompt one of the run's completed requests of that kind (the upstream's count) and its
+answer at the price the run's answers taught; the sum of K such slots is taken as normal,
+``K * mean + z(0.95) * sqrt(K) * sd``. The mix's ordinary pile-ups of long prompts run together
+under it; what it holds back is a rarer one, and so it caps how many long prefills the engine
+runs at once (on the 8-slot CPU vLLM with 20 % prompts of 1.5-3k tokens, about 9,600 tokens:
+three long prompts beside five chats, not a fourth; without a budget the engine's answer pace
+on that mix fell from 615-660 to 461-469 tokens/s).
+
+Why not the cost in flight measured at the knee, the 95th percentile over its windows' time
+(:func:`cost_quantile`, :attr:`StepStats.inflight_cost_high`, still in the JSON): a window of a
+few seconds at 8 slots holds a handful of long prompts, so its high quantile is how many of
+them happened to overlap, two or three. Ten runs on one vLLM gave 6,400 to 8,320 from it (30 %
+apart; others up to 9,664), and this budget 9,600 to 10,112 from the same runs (5 %). Its
+per-slot figures come from every request the run completed (about 200, a sixth of them long),
+and the share of long prompts is the one named, not the one drawn (16-18 % in those runs). The same
+sum over the run's requests at the share drawn moved by 10 % (8,608-9,466), and the knee's
+time-weighted mean cost in flight, which a fixed factor would scale, by 9 %.
+Slots are filled by count, not by how long each kind holds one: on that vLLM the knee's
+time-weighted mean cost in flight moved between 4,650 and 7,830 over thirteen runs (three of
+them with other ``--seed`` values, whose budgets were 9,536-10,048), around the count-weighted
+5,490-5,740; weighting by the few long requests' durations would bring that noise back.
+The normal sum is 3.5 % below the exact one (the K-fold convolution of the slot's
+distribution) there.
 """
 
 from __future__ import annotations
@@ -131,6 +153,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 from typing import Literal
 
 from llm_backoff.policy import INTERACTIVE_START_DEADLINE
@@ -772,8 +795,8 @@ def _overlap(sample: Sample, low: float, high: float) -> float:
     return max(0.0, min(sample.end, high) - max(sample.start, low))
 
 
-#: The share of the window's time a budget sized from it holds the cost in flight
-#: (:attr:`StepStats.inflight_cost_high`).
+#: The share of the time a budget holds the cost in flight (:attr:`StepStats.inflight_cost_high`,
+#: :meth:`SlotCost.quantile`).
 COST_QUANTILE = 0.95
 
 
@@ -897,3 +920,45 @@ def budget_tokens(inflight_cost: float) -> int:
     if not (math.isfinite(inflight_cost) and inflight_cost > 0):
         raise ValueError(f"expected a positive in-flight cost, got {inflight_cost!r}")
     return 64 * math.ceil(inflight_cost / 64)
+
+
+@dataclass(frozen=True)
+class SlotCost:
+    """What one slot's request of the mix costs: the mean and standard deviation over the mix
+    (module docstring), from ``requests`` completed requests."""
+
+    mean: float
+    sd: float
+    requests: int
+
+    def quantile(self, slots: int, q: float = COST_QUANTILE) -> float:
+        """The cost ``slots`` such requests hold together at or below with probability ``q``:
+        their sum taken as normal."""
+        if slots < 1 or not 0 < q < 1:
+            raise ValueError(f"expected slots >= 1 and 0 < q < 1, got {slots!r}, {q!r}")
+        return slots * self.mean + NormalDist().inv_cdf(q) * math.sqrt(slots) * self.sd
+
+
+def slot_cost(
+    chat_prompts: Sequence[int], long_prompts: Sequence[int], long_share: float, answer: int
+) -> SlotCost | None:
+    """One slot's cost over the mix: a long-prompt request with probability ``long_share``, its
+    prompt tokens one of ``long_prompts`` at random, else a chat one of ``chat_prompts``; each
+    priced at ``answer`` answer tokens. A kind with no completed request is left out (the other
+    takes its share); None when neither has one."""
+    if not 0 <= long_share <= 1:
+        raise ValueError(f"expected 0 <= long_share <= 1, got {long_share!r}")
+    kinds = [(1 - long_share, chat_prompts), (long_share, long_prompts)]
+    kinds = [(share, prompts) for share, prompts in kinds if share > 0 and prompts]
+    if not kinds:
+        return None
+    total = sum(share for share, _ in kinds)
+    answer = max(0, answer)
+    mean = second = 0.0
+    for share, prompts in kinds:
+        w = share / total
+        m = statistics.fmean(prompts) + answer
+        mean += w * m
+        second += w * (statistics.pvariance(prompts, statistics.fmean(prompts)) + m * m)
+    sd = math.sqrt(max(0.0, second - mean * mean))
+    return SlotCost(mean, sd, sum(len(prompts) for _, prompts in kinds))

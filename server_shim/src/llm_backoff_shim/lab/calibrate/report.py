@@ -159,10 +159,15 @@ def render_text(outcome: Outcome) -> str:
         if rec.retry_after_max is not None:
             batch += f", and no caller is told to wait more than {rec.retry_after_max:g} s"
         if rec.max_inflight_tokens is not None:
+            per_slot = ""
+            if outcome.slot_cost is not None:
+                c = outcome.slot_cost
+                per_slot = f", a slot {c.mean:.0f} +- {c.sd:.0f} over {c.requests} requests"
             batch += (
                 f"; cost budget {rec.max_inflight_tokens} tokens in flight (per request its prompt + "
-                f"the 90th percentile of the answers, as the shim counts: what the knee's requests held "
-                f"95 % of the time; mean {_median(steps, 'inflight_cost'):.0f})"
+                f"the 90th percentile of the answers, as the shim counts: what {knee.level} slots of the "
+                f"mix hold 95 % of the time{per_slot}; in the knee's windows mean "
+                f"{_median(steps, 'inflight_cost'):.0f}, 95 % {_median(steps, 'inflight_cost_high'):.0f})"
             )
         lines += [
             "",
@@ -212,6 +217,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
             "requests_per_s": _median(runs, "throughput"),
             "inflight_cost": _median(runs, "inflight_cost"),
             "inflight_cost_high": _median(runs, "inflight_cost_high"),
+            "slot_cost": None if outcome.slot_cost is None else asdict(outcome.slot_cost),
             "best_in_slo": knee.best_throughput,
         }
     return {

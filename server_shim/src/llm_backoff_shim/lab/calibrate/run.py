@@ -98,11 +98,13 @@ from .measure import (
     KneeRule,
     Recommendation,
     Sample,
+    SlotCost,
     StepStats,
     budget_tokens,
     find_knee,
     next_level,
     recommend,
+    slot_cost,
     summarize,
     with_confidence,
 )
@@ -605,6 +607,10 @@ class Driver:
     tokens_counted: int = 0
     #: Prices requests as the shim's cost cap does (:class:`CostMeter`); made from the mix.
     costs: CostMeter | None = None
+    #: The prompt tokens of every completed request of the mix (the probe's aside), chat and
+    #: long-prompt ones apart: what the cost budget's slots hold (:func:`slot_cost`).
+    chat_prompts: list[int] = field(default_factory=list)
+    long_prompts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.costs is None:
@@ -616,29 +622,32 @@ class Driver:
             return words
         return round(words * self.tokens_counted / self.words_sent)
 
-    def draw(self) -> tuple[int, int]:
-        """One request's prompt words and ``max_tokens``, from the mix."""
+    def draw(self) -> tuple[int, int, bool]:
+        """One request's prompt words and ``max_tokens`` from the mix, and whether its prompt is
+        a long one."""
         cfg = self.config
         long = cfg.long_share > 0 and self.rng.random() < cfg.long_share
         words = (cfg.long_prompt_words if long else cfg.prompt_words).draw(self.rng)
-        return words, cfg.output_tokens.draw(self.rng)
+        return words, cfg.output_tokens.draw(self.rng), long
 
     async def probe(self) -> Sample:
         """One request of the mix's mean lengths, alone: how long a request takes."""
         words = max(1, round(self.config.mean_prompt_words()))
         max_tokens = max(1, round(self.config.output_tokens.mean()))
-        return await self.one_request(0, -1, {}, lengths=(words, max_tokens))
+        return await self.one_request(0, -1, {}, lengths=(words, max_tokens, False))
 
     async def one_request(
         self,
         worker: int,
         seq: int,
         live: dict[tuple[int, int], Live],
-        lengths: tuple[int, int] | None = None,
+        lengths: tuple[int, int, bool] | None = None,
     ) -> Sample:
-        """One streamed request, registered in ``live`` while it runs (its chunks' times too)."""
+        """One streamed request, registered in ``live`` while it runs (its chunks' times too);
+        ``lengths``: its prompt words, ``max_tokens`` and whether it is a long-prompt one (the
+        probe's), else drawn from the mix."""
         cfg = self.config
-        words, max_tokens = lengths or self.draw()
+        words, max_tokens, long = lengths or self.draw()
         prompt = prompt_text(words, self.rng)
         extra: dict[str, object] = {"ignore_eos": True} if cfg.ignore_eos else {}
         start = self.clock()
@@ -680,6 +689,9 @@ class Driver:
             self.words_sent += words
             self.tokens_counted += prompt_tokens
         costs.observe(tokens)
+        if seq >= 0:
+            kind = self.long_prompts if long else self.chat_prompts
+            kind.append(prompt_tokens or self.prompt_tokens(words))
         first = times[0] if times else None
         itl = None
         if first is not None and tokens >= 2 and times[-1] > first:
@@ -829,6 +841,9 @@ class Outcome:
     own_confidence: tuple[Confidence, str] | None = None
     #: The previous run of the same setup in ``--out`` (None: the first).
     previous_run: RunRecord | None = None
+    #: One slot's cost over the mix, which sized the cost budget (None: no knee, or no request
+    #: completed).
+    slot_cost: SlotCost | None = None
 
 
 def _progress_line(index: int, step: StepStats, seconds: float, first_error: str | None) -> str:
@@ -1035,15 +1050,33 @@ async def _sweep(
         await loop.close()
     knee, why = with_confidence(find_knee(runs, rule), history, rule)
     rec = None
+    per_slot: SlotCost | None = None
     if knee.level is not None:
         at_knee = runs[knee.level]
-        # The budget holds the knee's requests as they ran together, not their mean: at the mean
-        # a level's own prompts pass it half the time, and slots stay idle with callers waiting.
-        cost = statistics.median(s.inflight_cost_high for s in at_knee)
+        # The budget: what the knee's slots of the mix hold 95 % of the time, from every request of
+        # the run (measure.py, the cost), not the few long prompts of the knee's own windows.
+        costs = driver.costs
+        assert costs is not None
+        per_slot = slot_cost(driver.chat_prompts, driver.long_prompts, config.long_share, costs.answer())
+        cost = per_slot.quantile(knee.level) if per_slot is not None else 0.0
         rec = recommend(
             at_knee,
             config.ttft_slo,
             config.batch_queue_wait,
             inflight_budget=budget_tokens(cost) if cost > 0 else None,
         )
-    return Outcome("", "", config, steps, runs, stopped, first_errors, knee, why, rec, plan=plan, probe=probe)
+    return Outcome(
+        "",
+        "",
+        config,
+        steps,
+        runs,
+        stopped,
+        first_errors,
+        knee,
+        why,
+        rec,
+        plan=plan,
+        probe=probe,
+        slot_cost=per_slot,
+    )
