@@ -261,6 +261,25 @@ def test_the_wait_estimate_counts_the_share_from_when_it_is_due(delay: float) ->
     assert walked == pytest.approx(walked_at_once + delay)
 
 
+@pytest.mark.parametrize(("due_in", "expected"), [(10.0, 1.0), (0.5, 2.0), (0.0, 2.0)])
+def test_a_lower_share_is_counted_out_only_once_it_may_come_due(due_in: float, expected: float) -> None:
+    """A chat's wait drains on every slot when it ends before the batch share may come due, and
+    on the slots left beside that share when it reaches it: with 4 idle slots of 1 s each, the
+    8th slot frees at 1 s on 4 lanes, at 2 s on 3."""
+    clock = ManualClock(0.0)
+    estimator = DrainEstimator(EstimatorConfig(service_time_alpha=1.0), clock)
+    estimator.observe_completion("interactive", 1.0)
+    scheduler = SharedSlots(ClassShares(minimum={"batch": 0.25}))  # 1 slot of 4
+    held: dict[str, list[float]] = {"interactive": [], "batch": []}
+    waits = QueueWaits(
+        ("interactive", "batch"), scheduler, estimator, FixedLimit(4), held, share_due_in=lambda cls: due_in
+    )
+    assert waits.at("interactive", 7, 7, ()) == pytest.approx(expected)
+    assert waits.walk()("interactive", 7, 7, 1) == pytest.approx(expected)
+    assert waits.whole_lanes("interactive", 4) == 4
+    assert waits.lanes("interactive", 4) == (3, 0)
+
+
 def test_the_highest_class_waits_on_its_own_turns_a_lower_one_on_every_class_s() -> None:
     """Chats queued ahead of a chat free their lanes at chat's pace once the chat lanes end; a
     batch request waits behind chats and batch alike, at the mean over every class."""

@@ -94,17 +94,32 @@ def test_a_cheap_request_does_not_pass_a_queued_expensive_one_of_its_class(make:
 
 def test_a_higher_class_is_served_past_a_lower_class_head_that_does_not_fit(make: MakeController) -> None:
     c, _ = make(token_budget=1000)
-    ticket(c.submit(req(700, "batch")))
+    ticket(c.submit(req(100, "interactive")))  # a chat in flight: the budget binds batch
+    ticket(c.submit(req(600, "batch")))
     long_prompt = ticket(c.submit(req(800, "batch")))
     chat = ticket(c.submit(req(200, "interactive")))
     assert (long_prompt.state, chat.state) == (TicketState.QUEUED, TicketState.ADMITTED)
     # A second long prompt queues behind the first; chat keeps flowing: it counts its own
-    # class's cost (200 + 500 + 200), not the long prompt's, up to the count cap of 4.
+    # class's cost (100 + 200 + 500), not the long prompt's, up to the count cap of 4.
     ticket(c.submit(req(800, "batch")))
     assert ticket(c.submit(req(500, "interactive"))).state is TicketState.ADMITTED
-    assert ticket(c.submit(req(200, "interactive"))).state is TicketState.ADMITTED
-    assert c.in_flight_tokens() == 1600  # the whole budget and more: chat past batch's share
-    assert (c.in_flight_tokens("interactive"), c.in_flight_tokens("batch")) == (900, 700)
+    assert c.in_flight_tokens() == 1400  # the whole budget and more: chat past batch's share
+    assert (c.in_flight_tokens("interactive"), c.in_flight_tokens("batch")) == (800, 600)
+
+
+def test_with_nothing_above_it_in_the_shim_a_lower_class_runs_on_the_count_cap_alone(
+    make: MakeController,
+) -> None:
+    """The budget keeps the engine quick for the classes above; with none of their requests
+    queued or in flight, long prompts fill the slots; once a chat is in, they are held to it."""
+    c, _ = make(token_budget=1000)
+    longs = [ticket(c.submit(req(800, "batch"))) for _ in range(3)]
+    assert [t.state for t in longs] == [TicketState.ADMITTED] * 3
+    assert ticket(c.submit(req(100))).state is TicketState.ADMITTED  # chat: its own cost only
+    c.release(longs[0], Outcome.COMPLETED)
+    held = ticket(c.submit(req(800, "batch")))
+    assert held.state is TicketState.QUEUED  # a slot is free, but 1700 + 800 passes 1000
+    assert c.in_flight_tokens() == 1700
 
 
 def test_a_class_counts_its_own_cost_and_the_higher_classes_not_the_lower(make: MakeController) -> None:
@@ -136,9 +151,10 @@ def test_a_blocked_class_with_requests_in_flight_lets_the_others_go_even_under_i
     # share, and the scheduler picks its head first; that head does not fit, so chat goes meanwhile.
     shares = ClassShares(minimum={"batch": 0.5}, due_after=0.0)
     c, _ = make(limit=8, token_budget=1000, scheduler=SharedSlots(shares))
+    chats = [ticket(c.submit(req(100)))]  # a chat in flight: the budget binds batch
     running = ticket(c.submit(req(500, "batch")))
     second = ticket(c.submit(req(800, "batch")))
-    chats = [ticket(c.submit(req(100))) for _ in range(5)]
+    chats += [ticket(c.submit(req(100))) for _ in range(4)]
     assert second.state is TicketState.QUEUED
     assert [t.state for t in chats] == [TicketState.ADMITTED] * 5  # 500 + 5 * 100 = 1000
     # Once batch has nothing in flight, its head holds what frees for itself: a chat that would

@@ -194,8 +194,8 @@ def test_quick_demo_summary_explains_every_figure_where_it_is_printed(
 def test_demo_deadlines_leave_room_for_the_longest_answer() -> None:
     """Quick or not, every answer the demo's workload can draw fits in its caller's deadline
     after the longest wait that caller accepts (interactive: the TTFT budget; batch: its hold
-    in the shim), so no answer is cut by a deadline no scheduler could meet (issue #36: the
-    earlier quick budgets wasted a third of the engine's work on such answers)."""
+    in the shim), so no answer is cut by a deadline no scheduler could meet (budgets shorter
+    than that wasted a third of the engine's work on such answers)."""
     for quick in (False, True):
         scenario = varied_demo_scenario(quick=quick)
         longest = DEMO_SHAPE.longest_service_for(scenario.workload)

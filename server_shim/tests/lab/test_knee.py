@@ -54,7 +54,7 @@ def engine_step(
     TTFT is three times too high (a busy machine's pause). ``gauges``: the engine exports its
     waiting and running requests (``c - slots`` and ``min(c, slots)``, as vLLM's ``/metrics``);
     ``turnover_gain``: past the slots, a queued request takes a freed slot at once, without the
-    client's turnaround (issue #36: 8 % more tokens/s at 12 workers than at 8 on 8 sequences).
+    client's turnaround (measured: 8 % more tokens/s at 12 workers than at 8 on 8 sequences).
     """
     running = min(c, slots)
     tpot = itl * (1 + batch_slowdown * (running - 1))

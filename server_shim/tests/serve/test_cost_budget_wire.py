@@ -1,7 +1,7 @@
 """End-to-end: the cost budget (``--max-inflight-tokens``) of a real shim on loopback before the
-simulator. A burst of long prompts waits in the shim while chat is still admitted, counting its
-own cost against the budget (not batch's), up to the budget; with the request cap alone, the
-whole burst goes to the engine.
+simulator. Beside a chat in flight, a burst of long prompts waits in the shim while chat is still
+admitted, counting its own cost against the budget (not batch's), up to the budget; with the
+request cap alone, the whole burst goes to the engine.
 
 The simulator answers slowly (one token a second), so every request admitted stays in flight
 while the test reads the shim's state; the test then hangs up. Counts only, no latency. No
@@ -68,9 +68,12 @@ def _counts(state: dict[str, Any], cls: str) -> tuple[int, int]:
 
 
 async def _burst_then_chat(shim_url: str, sim_url: str) -> tuple[State, str, int]:
-    """Send the long prompts (batch), then chat (interactive) once the burst has settled; return the
-    shim's state once every request is in flight or queued, its /metrics text and the requests
-    the simulator has received, all read before the callers hang up (which frees slots)."""
+    """Send one chat (interactive), then the long prompts (batch) once it is in flight, then the
+    other chats once the burst has settled; return the shim's state once every request is in
+    flight or queued, its /metrics text and the requests the simulator has received, all read
+    before the callers hang up (which frees slots). The first chat is there because the budget
+    keeps the engine quick for the classes above batch: with none of theirs in the shim, long
+    prompts would run on the request cap alone."""
 
     async def post(body: dict[str, Any], cls: str) -> None:
         await client.post(shim_url + "/v1/chat/completions", json=body, headers={"x-request-class": cls})
@@ -78,9 +81,11 @@ async def _burst_then_chat(shim_url: str, sim_url: str) -> tuple[State, str, int
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
         # The shim asks the engine's tokenizer at start-up; priced in its tokens from then on.
         await _until(client, shim_url, lambda s: s.get("prompt_bytes_per_token", 0) != 4)
-        tasks = [asyncio.create_task(post(LONG, "batch")) for _ in range(LONGS)]
+        tasks = [asyncio.create_task(post(CHAT, "interactive"))]
+        await _until(client, shim_url, lambda s: _counts(s, "interactive") == (1, 0))
+        tasks += [asyncio.create_task(post(LONG, "batch")) for _ in range(LONGS)]
         await _until(client, shim_url, lambda s: sum(_counts(s, "batch")) == LONGS)
-        tasks += [asyncio.create_task(post(CHAT, "interactive")) for _ in range(CHATS)]
+        tasks += [asyncio.create_task(post(CHAT, "interactive")) for _ in range(CHATS - 1)]
         state = await _until(client, shim_url, lambda s: sum(_counts(s, "interactive")) == CHATS)
         metrics = (await client.get(shim_url + "/metrics")).text
         # What the shim admitted reaches the engine a moment later; nothing more may follow.
@@ -107,7 +112,9 @@ def test_a_burst_of_long_prompts_waits_in_the_shim_while_chat_fills_the_budget(
 ) -> None:
     shim = make_shim(slow_sim.url, max_concurrency=SLOTS, max_queue=40, max_inflight_tokens=BUDGET)
     state, metrics, received = asyncio.run(_burst_then_chat(shim.url, slow_sim.url))
-    # One long prompt fits; the other three wait in the shim, whose slots are mostly free.
+    # One long prompt fits beside the first chat; the other three wait in the shim, whose slots
+    # are mostly free.
+    assert CHAT_COST + LONG_COST <= BUDGET < CHAT_COST + 2 * LONG_COST
     assert _counts(state, "batch") == (1, LONGS - 1)
     # Chat, the higher class, counts its own cost: admitted while chat's fits the budget, beside
     # the long prompt's, and no further.
@@ -172,7 +179,7 @@ def test_eight_calls_asking_for_4096_tokens_or_none_on_an_idle_engine_are_all_ad
     # 8 sequences, answers of 20 tokens whatever max_tokens allows; a budget of 1600 (a chat-sized
     # one, as calibrate measured on such an engine, docs/calibrate.md) beside 8 slots and no queue:
     # a request that did not fit would be refused at once. Priced at max_tokens, one call of 4096
-    # would fill the budget alone and the other 7 get 429s (issue #36).
+    # would fill the budget alone and the other 7 get 429s.
     sim = ServerThread(
         create_sim_app(SimConfig(ttft=0.01, itl=0.002, output_tokens=20, seed=1, max_num_seqs=8))
     ).start()

@@ -45,7 +45,14 @@ on the real vLLM with chat beside long prompts (docs/benchmarks.md as of 00573c6
 flight held the budget, chat queued and was refused at the shim while the engine ran 5 of its 8 sequences. The
 price: the cost in flight may pass the budget by what the higher classes hold (at most the
 budget each), so the budget bounds what the lowest class may add, not the engine's KV cache
-(the engine's own saturation gate, ``--max-kv-cache``, watches that).
+(the engine's own saturation gate, ``--max-kv-cache``, watches that). And a lower class is held
+to the budget only while a class above it has requests queued or in flight: the budget keeps the
+engine quick for those, and with none there is nobody to keep it quick for, so long prompts fill
+the slots (the count cap and the reserved shares still hold). Held to it with nobody above, the
+tail of a chat peak on the real vLLM ran 2-3 long prompts on 8 sequences for 20 s with 12-23
+queued, the engine's slots idle a third of the time while callers waited. A chat arriving then
+counts its own class's cost and takes a free slot; the long prompts behind it wait for the cost
+in flight to drain below the budget again.
 Nothing behind a head that does not fit in its class passes
 it: first come, first served holds within a class at admission as in placement, so a cheap
 request does not pass a queued expensive one, which would otherwise wait for as long as
@@ -606,6 +613,9 @@ class AdmissionController:
             return True
         held = self._held
         cls = request.cls
+        above = self._at_or_above[cls][:-1]
+        if above and not any(held.per_class[c] or self._queues.lists[c] for c in above):
+            return True  # nobody above to keep the engine quick for: the count cap alone
         in_flight = held.tokens if cls == self._lowest else held.tokens_of(self._at_or_above[cls])
         return budget.fits(in_flight, request.cost)
 

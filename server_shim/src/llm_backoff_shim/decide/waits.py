@@ -6,10 +6,14 @@ guaranteed minimum share (:class:`~llm_backoff_shim.decide.scheduler.MinimumShar
 serves its class in FIFO order whatever higher classes want once the class's queue head has
 reached its latest start (never before ``due_after`` of its wait): the bound counts from then
 (``share_due_in``).
-Left out of those slots: a lower class's guaranteed share, which may be taken whenever that
-class has work queued, whatever waits above it (always left out, not only while that class
-has queued requests: a lower-class arrival would otherwise make queued requests late that
-were promised the whole engine); and the slots reserved for higher classes
+Left out of those slots: a lower class's guaranteed share once it may come due (its
+``share_due_in``: for an empty queue, as for an arrival now), whatever waits above it; a wait
+that ends before then drains on every slot. Left out for good, the share made every chat's
+estimate on an 8-slot engine count 7 slots while the batch share stayed idle through a chat
+peak (its queue head's latest start not reached), and chats were refused at arrival on waits
+their queue never reached (served chats' first tokens came by 4.1 s at most against a 5 s
+budget). A wait that reaches the share's due time counts the share out for all of it (a
+bound, not an interpolation). Also left out: the slots reserved for higher classes
 (:class:`~llm_backoff_shim.decide.scheduler.ReservedShares`: a class may not use them unless
 they are lent, which the estimate does not count on).
 
@@ -26,6 +30,7 @@ cannot cover its wait plus that need would only make the engine do work its own 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from llm_backoff_shim.decide.drain_estimate import Admitted, DrainEstimator
@@ -38,6 +43,8 @@ from llm_backoff_shim.decide.tickets import Ticket
 #: ``places`` queue places, with ``ahead`` places served before it, ``in_class`` of them of its
 #: own class, gets a slot.
 WaitFn = Callable[[str, int, int, int], float]
+#: ``at(n)``: seconds until the n-th slot frees (:meth:`DrainEstimator.slot_times`).
+SlotTimes = Callable[[int], float]
 
 
 class QueueWaits:
@@ -66,6 +73,7 @@ class QueueWaits:
         self._shares: MinimumShares | None = scheduler if isinstance(scheduler, MinimumShares) else None
         self._reserves: ReservedShares | None = scheduler if isinstance(scheduler, ReservedShares) else None
         self._lanes_at: dict[tuple[str, int], tuple[int, int]] = {}  # see lanes
+        self._whole_at: dict[tuple[str, int], int] = {}  # see whole_lanes
         # Seconds before a class's minimum share is due to serve its queue (0: at once).
         self._share_due_in = share_due_in
 
@@ -74,13 +82,20 @@ class QueueWaits:
         strict priority, ``in_class`` of them of its own class, and the promised returns of
         ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`);
         ``places``: the places it stands for itself (module docstring)."""
-        est = self._estimator
-        slots, share = self.lanes(cls, self._limit.limit)
+        est, limit = self._estimator, self._limit.limit
+        slots, share = self.lanes(cls, limit)
         extra = places - 1
         turns = self._turns(cls)
-        wait = est.expected_wait(
-            ahead + extra, slots, 0, promised_by=promised_by, admitted=self._admitted, turn_class=turns
-        )
+
+        def on(lanes: int) -> float:
+            return est.expected_wait(
+                ahead + extra, lanes, 0, promised_by=promised_by, admitted=self._admitted, turn_class=turns
+            )
+
+        whole = self.whole_lanes(cls, limit)
+        wait = on(whole)
+        if whole > slots and wait > self._lower_share_due(cls):
+            wait = on(slots)
         if share > 0:
             wait = min(wait, self._share_delay(cls) + est.expected_wait(in_class + extra, share, 0))
         return wait
@@ -105,7 +120,7 @@ class QueueWaits:
         already waited it overstates the wait; the recheck judges on this bound instead.
         """
         est, limit, free = self._estimator, self._limit.limit, 1 if soonest else 0
-        tables: dict[str, tuple[Callable[[int], float], Callable[[int], float] | None, float]] = {}
+        tables: dict[str, tuple[SlotTimes, SlotTimes | None, float, SlotTimes | None, float]] = {}
 
         def wait(cls: str, ahead: int, in_class: int, places: int) -> float:
             table = tables.get(cls)
@@ -113,19 +128,44 @@ class QueueWaits:
                 slots, share = self.lanes(cls, limit)
                 by_share = est.slot_times(share) if share > 0 else None
                 delay = self._share_delay(cls) if share > 0 else 0.0
-                at = est.slot_times(slots, self._admitted, self._turns(cls))
-                table = tables[cls] = (at, by_share, delay)
-            at, by_share, delay = table
+                turns = self._turns(cls)
+                at = est.slot_times(slots, self._admitted, turns)
+                whole = self.whole_lanes(cls, limit)
+                at_whole = est.slot_times(whole, self._admitted, turns) if whole > slots else None
+                due = self._lower_share_due(cls) if at_whole is not None else math.inf
+                table = tables[cls] = (at, by_share, delay, at_whole, due)
+            at, by_share, delay, at_whole, due = table
             needed = ahead + places - free
             if needed <= 0:
                 return 0.0
-            seconds = at(needed)
+            seconds = at(needed) if at_whole is None else at_whole(needed)
+            if seconds > due:
+                seconds = at(needed)
             if by_share is not None:
                 mine = in_class + places - free
                 seconds = min(seconds, delay + (by_share(mine) if mine > 0 else 0.0))
             return seconds
 
         return wait
+
+    def whole_lanes(self, cls: str, limit: int) -> int:
+        """The slots a wait of ``cls`` drains on while no lower class's minimum share is due:
+        :meth:`lanes` with those shares counted in (the reserved slots of higher classes stay out)."""
+        self.lanes(cls, limit)
+        return self._whole_at[(cls, limit)]
+
+    def _lower_share_due(self, cls: str) -> float:
+        """Seconds before the soonest minimum share of a class below ``cls`` may come due (0:
+        at once, or not known; inf: there is none)."""
+        due_in = self._share_due_in
+        if due_in is None:
+            return 0.0
+        rank, limit, shares = self._rank[cls], self._limit.limit, self._shares
+        assert shares is not None
+        return min(
+            (due_in(c) for c in self._classes[rank + 1 :] if shares.minimum_slots(c, limit) > 0),
+            default=math.inf,
+        )
 
     def lanes(self, cls: str, limit: int) -> tuple[int, int]:
         """(the slots a wait of ``cls`` drains on, ``cls``'s guaranteed minimum share) at ``limit``
@@ -135,7 +175,7 @@ class QueueWaits:
         lanes = self._lanes_at.get((cls, limit))
         if lanes is not None:
             return lanes
-        slots, share, rank = limit, 0, self._rank[cls]
+        slots, whole, share, rank = limit, limit, 0, self._rank[cls]
         shares = self._shares
         if shares is not None:
             held = sum(shares.minimum_slots(c, limit) for c in self._classes[rank + 1 :])
@@ -145,8 +185,11 @@ class QueueWaits:
         if reserves is not None and rank:
             kept = sum(reserves.reserved_slots(c, limit) for c in self._classes[:rank])
             slots = max(1, min(slots, limit - kept))
+            whole = max(1, limit - kept)
         if len(self._lanes_at) > 4096:  # an adaptive limit that wandered far: start over
             self._lanes_at.clear()
+            self._whole_at.clear()
+        self._whole_at[(cls, limit)] = max(slots, whole)
         lanes = self._lanes_at[(cls, limit)] = (slots, share)
         return lanes
 
