@@ -472,3 +472,24 @@ def test_the_heap_built_before_a_run_is_left_out_of_the_collector_s_passes_durin
     assert loadgen.run_load(Probe()) == "done"  # type: ignore[arg-type]
     assert seen[0] > 1000  # the imported modules at least
     assert gc.get_freeze_count() == 0  # collectable again after the run
+
+
+def test_an_answer_that_ends_past_its_deadline_is_late_even_when_the_cut_comes_after_it() -> None:
+    """The deadline's cut is a timer on the event loop; behind a busy loop an answer can end
+    past the deadline before the cut is delivered. Such a call is late, not served."""
+    now = [0.0]
+
+    class BusyLoop(LoadRun):
+        def clock(self) -> float:
+            return now[0]
+
+        async def _stream(self, client: Any, record: CallRecord, arrival: Any) -> None:
+            record.first_token = 8.3  # the whole answer came with no await the timer could cut
+            now[0] = 8.4
+
+    scenario = Scenario("t", burst=1, rate_factor=0, duration=0, deadline=8, ttft_budget=5)
+    run = BusyLoop(DIRECT_PLAIN, scenario, [], target_url="http://x", engine_url="http://x", capacity=1.0)
+    record = CallRecord(0, "interactive", 0.0, 8.0)
+    arrival = loadgen.Arrival(0, 0.0, "interactive")
+    asyncio.run(run._call(None, record, arrival))  # type: ignore[arg-type]
+    assert (record.outcome, record.error, record.end) == ("deadline", "deadline (8 s)", 8.4)
