@@ -280,6 +280,23 @@ def test_a_lower_share_is_counted_out_only_once_it_may_come_due(due_in: float, e
     assert waits.lanes("interactive", 4) == (3, 0)
 
 
+def test_a_lower_class_in_flight_is_taken_to_be_served_by_its_share() -> None:
+    """With a batch request in flight the share's slot turns over to batch's next head as it
+    ends, whatever its current head's due time: a chat's wait counts the share out."""
+    clock = ManualClock(0.0)
+    estimator = DrainEstimator(EstimatorConfig(service_time_alpha=1.0), clock)
+    estimator.observe_completion("interactive", 1.0)
+    estimator.observe_completion("batch", 1.0)
+    scheduler = SharedSlots(ClassShares(minimum={"batch": 0.25}))  # 1 slot of 4
+    held: dict[str, list[float]] = {"interactive": [0.0, 0.0, 0.0], "batch": []}
+    waits = QueueWaits(
+        ("interactive", "batch"), scheduler, estimator, FixedLimit(4), held, share_due_in=lambda cls: 10.0
+    )
+    idle = waits.at("interactive", 6, 6, ())  # 4 lanes: 0, 1, 1, 1, 2, 2, 2 -> the 7th at 2 s
+    held["batch"].append(0.0)
+    assert (idle, waits.at("interactive", 6, 6, ())) == (pytest.approx(2.0), pytest.approx(3.0))
+
+
 def test_the_highest_class_waits_on_its_own_turns_a_lower_one_on_every_class_s() -> None:
     """Chats queued ahead of a chat free their lanes at chat's pace once the chat lanes end; a
     batch request waits behind chats and batch alike, at the mean over every class."""

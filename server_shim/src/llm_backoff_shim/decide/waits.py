@@ -31,7 +31,7 @@ cannot cover its wait plus that need would only make the engine do work its own 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from llm_backoff_shim.decide.drain_estimate import Admitted, DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
@@ -156,16 +156,21 @@ class QueueWaits:
 
     def _lower_share_due(self, cls: str) -> float:
         """Seconds before the soonest minimum share of a class below ``cls`` may come due (0:
-        at once, or not known; inf: there is none)."""
+        at once, not known, or that class has requests in flight; inf: there is none).
+
+        A class with requests in flight is taken to be served by its share now: under
+        sustained overload its queue heads come due one after another, and the share's slot
+        turns over to the next one as each ends (the due time of its current head alone said
+        the slot was free, and chats queued on it were refused after their wait)."""
         due_in = self._share_due_in
         if due_in is None:
             return 0.0
-        rank, limit, shares = self._rank[cls], self._limit.limit, self._shares
+        rank, limit, shares, admitted = self._rank[cls], self._limit.limit, self._shares, self._admitted
         assert shares is not None
-        return min(
-            (due_in(c) for c in self._classes[rank + 1 :] if shares.minimum_slots(c, limit) > 0),
-            default=math.inf,
-        )
+        lower = [c for c in self._classes[rank + 1 :] if shares.minimum_slots(c, limit) > 0]
+        if isinstance(admitted, Mapping) and any(admitted.get(c) for c in lower):
+            return 0.0
+        return min((due_in(c) for c in lower), default=math.inf)
 
     def lanes(self, cls: str, limit: int) -> tuple[int, int]:
         """(the slots a wait of ``cls`` drains on, ``cls``'s guaranteed minimum share) at ``limit``
