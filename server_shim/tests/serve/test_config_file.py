@@ -183,20 +183,7 @@ max_queue_wait = 5.0
 
 [rejections]
 reject_status = 503
-
-[classes.interactive]
-max_queue = 8
-max_queue_wait = 2
-reserved_share = 0.3
-ttft_slo = 2
-
-[classes.batch]
-max_queue = 32
-min_share = 0.2
-
-[classes.bulk]
-max_queue_wait = 120
-"""
+""" + FILE[FILE.index("\n[classes.") :]  # the same class tables as FILE
 
 
 def test_each_group_has_one_table_name_a_bare_toml_key() -> None:
