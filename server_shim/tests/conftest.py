@@ -390,9 +390,9 @@ def build_pure_controller(
     limit: int = 2,
     *,
     classes: Sequence[str] = ("interactive", "batch"),
-    max_queue: int = 100,
+    max_queue: int | None = 100,
     max_wait: float = 60.0,
-    max_queues: Mapping[str, int] | None = None,
+    max_queues: Mapping[str, int | None] | None = None,
     max_waits: Mapping[str, float] | None = None,
     start: float = 0.0,
     scheduler: ClassScheduler | None = None,
@@ -404,8 +404,9 @@ def build_pure_controller(
     **estimator: Any,
 ) -> tuple[AdmissionController, ManualClock]:
     """An :class:`AdmissionController` over ``limit`` fixed slots, driven by a manual clock set at
-    ``start``. ``classes`` highest priority first, each with ``max_queue`` places and ``max_wait``
-    seconds of queue wait unless ``max_queues`` / ``max_waits`` name it; ``estimator``: fields of
+    ``start``. ``classes`` highest priority first, each with ``max_queue`` places (None: what the
+    slots drain within the wait) and ``max_wait`` seconds of queue wait unless ``max_queues`` /
+    ``max_waits`` name it; ``estimator``: fields of
     :class:`EstimatorConfig` (its defaults otherwise). The other options are the controller's,
     with its defaults; ``token_budget``: a cost budget in tokens (none by default)."""
     clock = ManualClock(start)

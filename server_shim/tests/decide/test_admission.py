@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from llm_backoff_shim.decide.admission import AdmissionController
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator, EstimatorConfig
 from llm_backoff_shim.decide.limit import FixedLimit
+from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy, QuotaVerdict, UnknownClassError
 from llm_backoff_shim.decide.tenants import QuotaGate
 from llm_backoff_shim.decide.tickets import Outcome, Rejection, Ticket, TicketState
@@ -95,6 +96,47 @@ def test_total_queue_bound_holds_across_classes(make: MakeController) -> None:
         assert ticket(c.submit(req(cls))).state is TicketState.QUEUED
     assert rejection(c.submit(req("interactive"))).code == "queue_full"
     assert c.queued() == 3
+
+
+def test_a_class_without_a_bound_holds_what_the_slots_drain_within_its_wait(make: MakeController) -> None:
+    # Two slots at the prior's 1 s a request drain 20 requests within a 10 s wait.
+    c, _ = make(limit=2, max_queue=None, max_queues={"batch": 3}, max_wait=10.0, initial_service_time=1.0)
+    assert [ticket(c.submit(req())).state for _ in range(2)] == [TicketState.ADMITTED] * 2
+    queued = [ticket(c.submit(req())) for _ in range(20)]
+    assert all(t.state is TicketState.QUEUED for t in queued)
+    full = rejection(c.submit(req()))
+    assert (full.code, full.queue_depth) == ("queue_full", 20)
+    # A class with its own bound keeps it.
+    assert [ticket(c.submit(req("batch"))).state for _ in range(3)] == [TicketState.QUEUED] * 3
+    assert rejection(c.submit(req("batch"))).code == "queue_full"
+
+
+class MovingLimit:
+    """A concurrency limit the test moves (an adaptive limit's, without its controller)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def on_complete(self, *, service_time: float, in_flight: int, overloaded: bool) -> None:
+        return None
+
+
+def test_a_derived_bound_follows_the_measured_service_time_and_the_limit() -> None:
+    clock = ManualClock(0.0)
+    estimator = DrainEstimator(EstimatorConfig(initial_service_time=1.0), clock)
+    limit = MovingLimit(2)
+    policies = {
+        "interactive": ClassPolicy("interactive", None, 10.0),
+        "batch": ClassPolicy("batch", None, 0.1),
+    }
+    queues = ClassQueues(
+        policies, estimator, limit, max_total=None, returning_share=0.0, returning_first=False
+    )
+    assert (queues.bound("interactive"), queues.bound("batch")) == (20, 1)  # at least one place
+    estimator.observe_completion("interactive", 4.0)  # the engine turns out slower
+    assert queues.bound("interactive") == 5
+    limit.limit = 8
+    assert queues.bound("interactive") == 20
 
 
 def test_zero_queue_admits_when_idle_and_rejects_when_busy(make: MakeController) -> None:

@@ -36,7 +36,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
         )
         # Only the recommendation is set; every other setting is there, commented out.
         set_keys = {line.split(" = ")[0] for line in text.splitlines() if " = " in line and line[0] != "#"}
-        expected = {"upstream", "max_concurrency", "max_queue", "max_queue_wait", "retry_after_max"}
+        expected = {"upstream", "max_concurrency", "max_queue_wait", "retry_after_max"}
         # The cost budget is set where the shim has the cost-aware cap, else named in the header.
         if "max_inflight_tokens" in ShimSettings.model_fields:
             expected.add("max_inflight_tokens")
@@ -48,14 +48,15 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
         assert settings.upstream_base == sim.url
         assert (settings.max_concurrency, settings.max_queue, settings.max_queue_wait) == (
             rec["max_concurrency"],
-            rec["max_queue"] + rec["batch_max_queue"],
+            None,
             rec["max_queue_wait"],
         )
-        # The batch class is held: its own queue and wait, in its [classes.batch] table.
+        # The batch class is held: its own wait, in its [classes.batch] table; each class's queue
+        # is what the engine drains within its wait (no bound set).
         limits = settings.class_limits()
-        assert limits["interactive"].max_queue == rec["max_queue"]
+        assert limits["interactive"].max_queue is None
         assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (
-            rec["batch_max_queue"],
+            None,
             rec["batch_max_queue_wait"],
         )
         assert settings.retry_after_max == rec["retry_after_max"]
@@ -65,9 +66,7 @@ def test_the_written_file_loads_and_serves_with_the_recommendation(tmp_path: Pat
                 update={
                     "upstream": ShimSettings().upstream,
                     "max_concurrency": 8,
-                    "max_queue": 20,
                     "max_queue_wait": 10.0,
-                    "class_max_queue": {},
                     "class_max_queue_wait": {},
                     "retry_after_max": ShimSettings().retry_after_max,
                     "max_inflight_tokens": None,

@@ -24,7 +24,6 @@ RUN = RunRecord(
     tpot_slo=0.1,
     mix="prompt lognormal:40:0.9:5-200 words, output lognormal:64:0.8:1-512 tokens",
     max_concurrency=8,
-    max_queue=80,
     max_queue_wait=4.96,
     knee_tokens_per_s=1310.0,
 )
@@ -45,25 +44,23 @@ def test_a_first_run_is_at_most_medium_and_says_how_to_confirm() -> None:
 
 def test_two_runs_within_fifteen_percent_earn_high_and_further_apart_low() -> None:
     # The two runs: 12 and 8 on the same engine, each 'high' on its own.
-    level, why = across_runs("high", "agree", run(max_concurrency=12, max_queue=1), RUN, "f")
+    level, why = across_runs("high", "agree", run(max_concurrency=12, max_queue_wait=4.0), RUN, "f")
     assert level == "low"
-    assert "recommended --max-concurrency 8, interactive queue 80" in why
+    assert "recommended --max-concurrency 8, --max-queue-wait 4.96" in why
     assert "this one --max-concurrency 12" in why
     assert "more than 15% apart" in why
-    level, why = across_runs("medium", "spread", run(max_queue=75), RUN, "f")
+    level, why = across_runs("medium", "spread", run(max_queue_wait=4.5), RUN, "f")
     assert level == "high"
     assert "within 15%" in why
     # Its own verdict still counts: two runs agreeing on a knee that moved within one are medium.
     assert across_runs("low", "moved", RUN, RUN, "f")[0] == "medium"
 
 
-def test_agreement_is_fifteen_percent_of_the_larger_or_one_queue_place() -> None:
+def test_agreement_is_fifteen_percent_of_the_larger() -> None:
     assert agree(run(max_concurrency=16), run(max_concurrency=14))  # 12.5 %
     assert not agree(run(max_concurrency=16), run(max_concurrency=13))  # 19 %
-    assert agree(run(max_concurrency=8), run(max_concurrency=8, max_queue=69))  # 13.8 %
-    assert not agree(run(max_queue=80), run(max_queue=67))
-    assert agree(run(max_queue=1), run(max_queue=2))  # one place
-    assert not agree(run(max_queue=1), run(max_queue=3))
+    assert agree(run(max_queue_wait=4.96), run(max_queue_wait=4.3))  # 13.3 %
+    assert not agree(run(max_queue_wait=4.96), run(max_queue_wait=4.0))  # 19 %
 
 
 def test_the_cost_budgets_agree_too_when_both_runs_have_one() -> None:
@@ -74,7 +71,7 @@ def test_the_cost_budgets_agree_too_when_both_runs_have_one() -> None:
         "high", "agree", run(max_inflight_tokens=6464), run(max_inflight_tokens=9664), "f"
     )
     assert level == "low"
-    assert "recommended --max-concurrency 8, interactive queue 80, --max-inflight-tokens 9664" in why
+    assert "recommended --max-concurrency 8, --max-queue-wait 4.96, --max-inflight-tokens 9664" in why
     assert "use the lower values two runs agree on" in why
 
 
@@ -101,5 +98,9 @@ def test_the_file_keeps_every_run_and_skips_what_does_not_parse(tmp_path: Path) 
     older = {k: v for k, v in dataclasses.asdict(RUN).items() if k != "max_inflight_tokens"}
     with path.open("a") as f:
         f.write(json.dumps(older) + "\n")
+    assert load(path)[-1] == RUN
+    # A run kept by an older version, with the queue bound it then recommended: read without it.
+    with path.open("a") as f:
+        f.write(json.dumps({**dataclasses.asdict(RUN), "max_queue": 80}) + "\n[1]\n")
     assert load(path)[-1] == RUN
     assert load(tmp_path) == []  # a directory: nothing to read, not an error

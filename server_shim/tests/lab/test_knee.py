@@ -377,8 +377,7 @@ def test_the_cost_budget_is_recommended_beside_the_request_cap() -> None:
     rec = recommend([step], 0.5, batch_wait=None, inflight_budget=4096, interactive_budget=0.5)
     assert rec.max_inflight_tokens == 4096
     assert rec.serve_flags() == [
-        "--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35",
-        "--max-inflight-tokens", "4096",
+        "--max-concurrency", "8", "--max-queue-wait", "0.35", "--max-inflight-tokens", "4096",
     ]  # fmt: skip
     assert recommend([step], 0.5).max_inflight_tokens is None  # no budget measured: the count cap alone
     with pytest.raises(KneeInputError, match="inflight_budget"):
@@ -393,38 +392,34 @@ def test_the_interactive_wait_is_what_the_chat_callers_budget_leaves_on_the_medi
     rec = recommend(steps, 0.5, batch_wait=None, interactive_budget=0.5)
     assert rec.max_concurrency == 8
     assert rec.max_queue_wait == pytest.approx(0.35)
-    assert rec.max_queue == 7  # 20 req/s drain 7 requests in 0.35 s
-    assert rec.serve_flags() == ["--max-concurrency", "8", "--max-queue", "7", "--max-queue-wait", "0.35"]
+    # No queue bound: the shim's own is what the engine drains within the wait, as it runs.
+    assert rec.serve_flags() == ["--max-concurrency", "8", "--max-queue-wait", "0.35"]
     assert rec.retry_after_max is None  # batch not held: the shim's own cap
     # By default the budget is the SDK's interactive preset's (5 s to start), not the SLO's
     # headroom: a TTFT SLO of 0.5 s judges the engine; a chat caller still waits up to 4.85 s.
     assert INTERACTIVE_BUDGET == RetryPolicy.interactive().start_deadline == 5.0
     rec = recommend(steps, 0.5, batch_wait=None)
     assert rec.max_queue_wait == pytest.approx(4.85)
-    assert rec.max_queue == 97  # 20 req/s drain 97 requests in 4.85 s
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(KneeInputError, match="interactive_budget"):
             recommend(steps, 0.5, interactive_budget=bad)
 
 
-def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> None:
+def test_batch_is_held_for_the_batch_wait_in_a_queue_the_shim_sizes() -> None:
     step = StepStats(8, 100, 0, 20.0, 0.1, 0.15, 0.02, 0.03, 0.4, 0.5)
     rec = recommend([step], 0.5, interactive_budget=0.5)  # the default batch wait
     assert rec.batch_max_queue_wait == BATCH_QUEUE_WAIT
-    assert rec.batch_max_queue == math.floor(20.0 * BATCH_QUEUE_WAIT)
     held = recommend([step], 0.5, batch_wait=4.0, interactive_budget=0.5)
-    assert (held.max_queue, held.batch_max_queue, held.total_queue) == (7, 80, 87)
     assert held.serve_flags() == [
-        "--max-concurrency", "8", "--max-queue", "87", "--max-queue-wait", "0.35",
-        "--class-max-queue", "interactive=7,batch=80", "--class-max-queue-wait", "batch=4",
+        "--max-concurrency", "8", "--max-queue-wait", "0.35", "--class-max-queue-wait", "batch=4",
         "--retry-after-max", "5",
     ]  # fmt: skip
     shim = load_settings(held.serve_flags())
     assert shim.retry_after_max == HELD_RETRY_AFTER_MAX
     limits = shim.class_limits()
-    assert (limits["interactive"].max_queue, limits["interactive"].max_queue_wait) == (7, 0.35)
-    assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (80, 4.0)
-    assert shim.max_queue == 87
+    assert (limits["interactive"].max_queue, limits["interactive"].max_queue_wait) == (None, 0.35)
+    assert (limits["batch"].max_queue, limits["batch"].max_queue_wait) == (None, 4.0)
+    assert shim.max_queue is None
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(KneeInputError, match="batch_wait"):
             recommend([step], 0.5, batch_wait=bad)
@@ -432,7 +427,6 @@ def test_batch_is_held_in_a_queue_the_engine_drains_within_the_batch_wait() -> N
 
 def test_recommendation_keeps_one_queue_slot_and_a_positive_wait_without_headroom() -> None:
     rec = recommend([StepStats(3, 10, 0, 2.0, 0.5, 0.5, 0.02, 0.02, 1.0, 1.0)], 0.5, interactive_budget=0.5)
-    assert rec.max_queue == 1
     assert rec.max_queue_wait == 0.01
     with pytest.raises(KneeInputError):
         recommend([StepStats(3, 10, 0, 2.0, 0.5, 0.6, 0.02, 0.02, 1.0, 1.0)], 0.5)
@@ -449,10 +443,10 @@ def test_recommended_flags_are_valid_shim_settings() -> None:
     shim = load_settings(rec.serve_flags())
     assert (shim.max_concurrency, shim.max_queue, shim.max_queue_wait) == (
         rec.max_concurrency,
-        rec.total_queue,
+        None,
         rec.max_queue_wait,
     )
-    assert shim.class_limits()["interactive"].max_queue == rec.max_queue
+    assert shim.class_limits()["interactive"].max_queue is None
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -540,7 +534,6 @@ def test_any_knee_meets_the_slos_and_sits_below_every_miss(
     )
     rec = recommend(runs[knee.level], slo)
     assert rec.max_concurrency == knee.level
-    assert rec.max_queue >= 1
     assert rec.max_queue_wait >= 0.01
 
 

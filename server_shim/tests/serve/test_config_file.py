@@ -100,7 +100,7 @@ def test_the_file_can_be_named_by_a_variable_and_the_flag_wins(
     assert load_settings([]).max_queue == 3
     assert load_settings(["--config", write(tmp_path, "max_queue = 4\n")]).max_queue == 4
     monkeypatch.setenv("LLM_BACKOFF_SHIM_CONFIG", "")
-    assert load_settings([]).max_queue == 20
+    assert load_settings([]).max_queue is None
 
 
 def test_per_class_values_merge_class_by_class_across_sources(
@@ -327,7 +327,7 @@ def test_the_generated_example_puts_every_setting_in_its_table_and_reads_back_as
                  for name in [key.rpartition(".")[2]]}  # fmt: skip
     assert top_level == SECTION_OF
     data = tomllib.loads(text)
-    assert data["queue"]["max_queue"] == ShimSettings.model_fields["max_queue"].default
+    assert data["queue_wait"]["max_queue_wait"] == ShimSettings.model_fields["max_queue_wait"].default
     assert data["upstream"]["upstream"] == "http://127.0.0.1:8000"
     assert "max_queue" not in data
     assert load_settings(["--config", write(tmp_path, text)]) == ShimSettings()
@@ -346,7 +346,7 @@ def test_every_commented_example_value_is_valid(tmp_path: Path) -> None:
     s = load_settings(["--config", path])
     assert s.metrics_port == 9090
     assert s.ttft_slo == {"interactive": 2.0, "batch": 60.0}
-    assert s.class_max_queue == {"interactive": 20, "batch": 20}
+    assert s.class_max_queue == {"interactive": 64, "batch": 64}
 
 
 def test_a_rendered_file_loads_back_to_the_same_settings(tmp_path: Path) -> None:

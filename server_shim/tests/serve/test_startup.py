@@ -96,10 +96,12 @@ def test_the_line_names_listener_path_upstream_limits_and_metrics() -> None:
     assert line == (
         "listening on http://127.0.0.1:9001 (public path); upstream http://127.0.0.1:8000 answered GET "
         "/v1/models with 200; max_concurrency 3 (requests counted, no cost budget); queue places/wait: "
-        "interactive 20/10 s, batch 5/10 s "
-        "(20 places in all); metrics on http://127.0.0.1:9001/metrics; settings not at their default: "
-        "port=9001 max_concurrency=3 class_max_queue=batch=5"
+        "interactive drained/10 s, batch 5/10 s "
+        "(each what the engine drains within its wait); metrics on http://127.0.0.1:9001/metrics; "
+        "settings not at their default: port=9001 max_concurrency=3 class_max_queue=batch=5"
     )
+    with_total = startup_line(ShimSettings(max_queue=20), path="fast", metrics_url="m", upstream="answered")
+    assert "queue places/wait: interactive 20/10 s, batch 20/10 s (20 places in all)" in with_total
 
 
 def test_the_probe_reports_the_upstreams_answer(upstream: Any) -> None:

@@ -163,6 +163,7 @@ class AdmissionController:
         self._queues = ClassQueues(
             self._policies,
             estimator,
+            limit,
             max_total=max_queue_total,
             returning_share=returning_share,
             returning_first=returning_first,

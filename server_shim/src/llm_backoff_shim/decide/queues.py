@@ -2,7 +2,14 @@
 
 One FIFO queue per traffic class, classes listed highest priority first (``interactive``
 before ``batch``); each class's ``max_queue`` bounds its queue and ``max_queue_total`` all
-queues together. All queued requests stand in one serve order, each with a sort key
+queues together. A class without a ``max_queue`` holds what the engine drains within its
+``max_queue_wait`` at the pace measured: every slot turning over at the service time's EWMA
+(the prior's until one request ended). The bound follows the engine's speed as it is now,
+where a count measured once (calibrate's requests/s at its knee times the wait) moved by up
+to a fifth between runs on one engine (6.2-7.5 requests/s) and goes stale when the engine
+slows. Nobody queued is evicted when it shrinks.
+
+All queued requests stand in one serve order, each with a sort key
 (:attr:`~llm_backoff_shim.decide.tickets.Ticket.key`): by class (highest first), returning
 before fresh, then arrival; :mod:`llm_backoff_shim.decide.placement` may extend a newcomer's
 key to put it behind a request whose promise it would break.
@@ -28,6 +35,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
+from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
 from llm_backoff_shim.decide.tickets import Ticket
 
@@ -47,6 +55,7 @@ class ClassQueues:
         self,
         policies: Mapping[str, ClassPolicy],
         estimator: DrainEstimator,
+        limit: ConcurrencyLimit,
         *,
         max_total: int | None,
         returning_share: float,
@@ -56,6 +65,7 @@ class ClassQueues:
         self._classes = tuple(policies)
         self._rank = {name: i for i, name in enumerate(self._classes)}
         self._estimator = estimator
+        self._limit = limit
         self._max_total = max_total
         self._returning_share = returning_share
         # Off: every request is fresh (one FIFO per class, no places kept).
@@ -143,10 +153,19 @@ class ClassQueues:
         """
         return self._returning_first and request.returning and request.budget is not None
 
+    def bound(self, cls: str) -> int:
+        """``cls``'s queue bound: its ``max_queue``, else what every slot drains within the
+        class's ``max_queue_wait`` at the service time measured, at least 1 (module docstring)."""
+        policy = self._policies[cls]
+        if policy.max_queue is not None:
+            return policy.max_queue
+        drained = self._estimator.capacity_rate(self._limit.limit) * policy.max_queue_wait
+        return max(1, math.floor(drained + 1e-9))
+
     def has_room(self, cls: str, returning: bool) -> bool:
         """Whether the queue has a place for a newcomer of ``cls`` (fresh ones may not take
         the places kept for returning callers, :meth:`fresh_room`)."""
-        total, bound = self._max_total, self._policies[cls].max_queue
+        total, bound = self._max_total, self.bound(cls)
         if returning:
             return len(self.lists[cls]) < bound and (total is None or self.total < total)
         return len(self.lists[cls]) < self.fresh_room(bound, (cls,)) and (

@@ -31,16 +31,20 @@ class UnknownClassError(ValueError):
 
 @dataclass(frozen=True)
 class ClassPolicy:
-    """Queue bound and longest queue wait (seconds) of one traffic class."""
+    """Queue bound and longest queue wait (seconds) of one traffic class.
+
+    ``max_queue`` None: the bound follows the engine, what it drains within ``max_queue_wait``
+    at the pace measured (:meth:`~llm_backoff_shim.decide.queues.ClassQueues.bound`).
+    """
 
     name: str
-    max_queue: int
+    max_queue: int | None
     max_queue_wait: float
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("class name must not be empty")
-        if self.max_queue < 0:
+        if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"class {self.name}: max_queue must be >= 0")
         if not (self.max_queue_wait > 0 and math.isfinite(self.max_queue_wait)):
             raise ValueError(f"class {self.name}: max_queue_wait must be a positive finite number")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import random
 import sys
@@ -69,26 +68,22 @@ JSON_NAME = "overload-demo.json"
 def shim_flags(shape: EngineShape, scenario: Scenario, *, hold_batch: bool = True) -> list[str]:
     """The shim as ``calibrate`` would size it for this engine and these callers.
 
-    As many slots as the engine has; an interactive queue of two batches (a couple of seconds
-    of work) that nobody waits in longer than the interactive TTFT budget. ``hold_batch``
-    (calibrate's recommendation, :func:`llm_backoff_shim.lab.calibrate.measure.recommend`): batch callers
-    wait in the shim for up to half their deadline, in a queue of what the engine drains in
-    that time, and hints are capped at ``HELD_RETRY_AFTER_MAX``. Without it every class shares
-    the interactive bounds, and a plain client's batch calls are told to come back after 2 s
-    of queue, again and again until their deadline: the demo's plain openai through the shim
-    then served half its batch calls and fewer useful tokens than straight at the engine.
+    As many slots as the engine has; an interactive queue that nobody waits in longer than the
+    interactive TTFT budget, each class's queue what the engine drains within its wait (the
+    shim's own bound; the prior service time is the engine's, so it holds from the first
+    request). ``hold_batch`` (calibrate's recommendation,
+    :func:`llm_backoff_shim.lab.calibrate.measure.recommend`): batch callers wait in the shim
+    for up to half their deadline, and hints are capped at ``HELD_RETRY_AFTER_MAX``. Without it
+    every class shares the interactive bounds, and a plain client's batch calls are told to come
+    back after 2 s of queue, again and again until their deadline: the demo's plain openai
+    through the shim then served half its batch calls and fewer useful tokens than straight at
+    the engine.
     """
     wait = scenario.ttft_budget
     batch_wait = scenario.deadline_of("batch") / 2 if hold_batch else None
     rec = Recommendation(
         max_concurrency=shape.slots,
-        max_queue=2 * shape.slots,
         max_queue_wait=wait,
-        batch_max_queue=(
-            None
-            if batch_wait is None
-            else max(1, math.floor(shape.capacity_for(scenario.workload) * batch_wait))
-        ),
         batch_max_queue_wait=batch_wait,
         retry_after_max=None if batch_wait is None else HELD_RETRY_AFTER_MAX,
     )

@@ -163,14 +163,19 @@ def startup_line(settings: ShimSettings, *, path: str, metrics_url: str, upstrea
     if settings.port == 0:
         address += " (any free port: uvicorn's line names it)"
     queues = ", ".join(
-        f"{name} {limits.max_queue}/{limits.max_queue_wait:g} s"
+        f"{name} {'drained' if limits.max_queue is None else limits.max_queue}/{limits.max_queue_wait:g} s"
         for name, limits in settings.class_limits().items()
+    )
+    total = (
+        "each what the engine drains within its wait"
+        if settings.max_queue is None
+        else f"{settings.max_queue} places in all"
     )
     changed = changed_settings(settings)
     differ = " ".join(f"{name}={value}" for name, value in changed.items()) or "none"
     return (
         f"listening on {address} ({path} path); upstream {settings.upstream_base} {upstream}; "
         f"max_concurrency {settings.max_concurrency}{_cost_mode(settings)}; queue places/wait: {queues} "
-        f"({settings.max_queue} places in all); metrics on {metrics_url}; "
+        f"({total}); metrics on {metrics_url}; "
         f"settings not at their default: {differ}"
     )

@@ -450,7 +450,6 @@ def _judge_across_runs(outcome: Outcome, err: TextIO) -> None:
         tpot_slo=cfg.tpot_slo,
         mix=cfg.describe_mix(),
         max_concurrency=rec.max_concurrency,
-        max_queue=rec.max_queue,
         max_queue_wait=rec.max_queue_wait,
         knee_tokens_per_s=float(statistics.median(s.output_tokens_per_s for s in outcome.runs[knee.level])),
         max_inflight_tokens=rec.max_inflight_tokens,

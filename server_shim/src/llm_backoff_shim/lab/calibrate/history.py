@@ -9,7 +9,7 @@ engine, both "high"). So ``high`` needs two runs: each run appends a line to ``D
 model, SLOs and mix (:func:`same_setup`):
 
 - the two recommended ``--max-concurrency`` within :data:`~.measure.REPRODUCIBLE`
-  (15 %) of each other, the interactive queues within 15 % or one place, and the cost budgets
+  (15 %) of each other, the interactive queue waits within 15 %, and the cost budgets
   (``--max-inflight-tokens``) within 15 % when both runs recommended one: ``high`` (``medium``
   when this run's own repeats were still ``low``);
 - further apart: ``low``, naming the earlier value;
@@ -42,12 +42,14 @@ class RunRecord:
     tpot_slo: float | None
     mix: str
     max_concurrency: int
-    max_queue: int
     max_queue_wait: float
     knee_tokens_per_s: float
     #: The recommended ``--max-inflight-tokens`` (None: none measured, or a run kept before the
     #: file had it).
     max_inflight_tokens: int | None = None
+
+
+_FIELDS = frozenset(RunRecord.__dataclass_fields__)
 
 
 def same_setup(a: RunRecord, b: RunRecord) -> bool:
@@ -61,26 +63,25 @@ def same_setup(a: RunRecord, b: RunRecord) -> bool:
     )
 
 
-def within(a: float, b: float, slack: float = 0.0) -> bool:
-    """``a`` and ``b`` within :data:`REPRODUCIBLE` of the larger (or ``slack`` apart)."""
-    return abs(a - b) <= max(slack, REPRODUCIBLE * max(a, b) + 1e-9)
+def within(a: float, b: float) -> bool:
+    """``a`` and ``b`` within :data:`REPRODUCIBLE` of the larger."""
+    return abs(a - b) <= REPRODUCIBLE * max(a, b) + 1e-9
 
 
 def agree(a: RunRecord, b: RunRecord) -> bool:
-    """Two runs' recommendations agree: concurrency within 15 %, interactive queue within 15 % or
-    one place (a queue of 7 or 8 drains in the same wait, give or take a request), cost budget
-    within 15 % (when both have one)."""
+    """Two runs' recommendations agree: concurrency, interactive queue wait and cost budget (when
+    both have one) each within 15 %."""
     budgets = a.max_inflight_tokens is None or b.max_inflight_tokens is None
     return (
         within(a.max_concurrency, b.max_concurrency)
-        and within(a.max_queue, b.max_queue, slack=1)
+        and within(a.max_queue_wait, b.max_queue_wait)
         and (budgets or within(a.max_inflight_tokens or 0, b.max_inflight_tokens or 0))
     )
 
 
 def describe(run: RunRecord) -> str:
     """The flags two runs are compared on."""
-    text = f"--max-concurrency {run.max_concurrency}, interactive queue {run.max_queue}"
+    text = f"--max-concurrency {run.max_concurrency}, --max-queue-wait {run.max_queue_wait:g}"
     if run.max_inflight_tokens is not None:
         text += f", --max-inflight-tokens {run.max_inflight_tokens}"
     return text
@@ -117,7 +118,7 @@ def across_runs(
 
 def load(path: Path) -> list[RunRecord]:
     """The runs kept in ``path`` (none when it cannot be read); lines that do not parse are
-    skipped (an older format, a torn write)."""
+    skipped (a torn write), and keys this version does not keep are ignored (an older one's)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
@@ -125,8 +126,9 @@ def load(path: Path) -> list[RunRecord]:
     records = []
     for line in text.splitlines():
         try:
-            records.append(RunRecord(**json.loads(line)))
-        except (ValueError, TypeError):
+            fields = json.loads(line)
+            records.append(RunRecord(**{k: v for k, v in fields.items() if k in _FIELDS}))
+        except (ValueError, TypeError, AttributeError):
             continue
     return records
 

@@ -75,20 +75,21 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   313 chat calls within budget with a 4.5 s wait against 288 at 0.9 s and 197 at 0.18 s
   (waits sized from the TTFT SLO's headroom), plain-openai-like callers 248, 238 and 214. An
   SDK caller sends its budget (``x-request-timeout-ms``) and the shim caps its wait by it;
-- ``max_queue = floor(requests/s at K * max_queue_wait)``, at least 1: what the engine
-  drains within that wait (a queue of zero would turn every momentary gap between a
-  completion and the next admission into a 429). These two are the ``interactive``
-  class's (the shim's default and highest class).
+- no queue bound: the shim sizes each class's queue to what the engine drains within the
+  class's wait at the pace it measures as it serves (``serve --max-queue`` unset), the
+  figure a count from this run (requests/s at K times the wait) would be, kept current. A
+  count measured here moved by up to a fifth between runs on one engine (6.2-7.5 requests/s
+  at the knee) and goes stale when the engine slows; the wait, the concurrency and the
+  cost budget are what a run measures to within a few percent.
 - The ``batch`` class is held rather than told to come back: it waits in the shim up to
   ``batch_wait`` (``--batch-queue-wait``, default :data:`BATCH_QUEUE_WAIT`; a caller that
-  sends a shorter budget in ``x-request-timeout-ms`` waits at most that), in a queue of
-  ``floor(requests/s at K * batch_wait)``, behind every interactive request. A batch
+  sends a shorter budget in ``x-request-timeout-ms`` waits at most that), behind every
+  interactive request. A batch
   caller told a Retry-After is away when a slot frees, and the slot stands idle; one held
   in the queue takes it at once. On the real vLLM the SDK's presets went from 0.94x to
   1.46x plain openai's interactive calls within budget through the same shim, and from
   1.15x to 1.60x its useful tokens; batch served fell from 99 % to 69 % (plain's from 69 %
-  to 36 %). ``max_queue`` becomes the bound on
-  both queues together (interactive's plus batch's), and interactive keeps its own bound.
+  to 36 %).
 - ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: what
   the knee's slots of the mix hold 95 % of the time, :class:`SlotCost`, :func:`budget_tokens`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
@@ -322,50 +323,23 @@ class Knee:
 
 @dataclass(frozen=True)
 class Recommendation:
-    """``max_queue`` / ``max_queue_wait``: the interactive class's queue; ``batch_max_queue`` /
-    ``batch_max_queue_wait``: the batch class's hold (None: not held, every class shares the
-    interactive bounds)."""
+    """``max_queue_wait``: the interactive class's queue wait; ``batch_max_queue_wait``: the
+    batch class's hold (None: not held, every class shares the interactive wait). Queue bounds
+    are the shim's own (each class what the engine drains within its wait)."""
 
     max_concurrency: int
-    max_queue: int
     max_queue_wait: float
-    batch_max_queue: int | None = None
     batch_max_queue_wait: float | None = None
     #: ``--retry-after-max`` (None: the shim's default).
     retry_after_max: float | None = None
     #: ``--max-inflight-tokens``, the cost budget (None: the request-count cap alone).
     max_inflight_tokens: int | None = None
 
-    @property
-    def held_batch(self) -> tuple[int, float] | None:
-        """The batch class's queue bound and wait when it is held, else None."""
-        if self.batch_max_queue is None or self.batch_max_queue_wait is None:
-            return None
-        return self.batch_max_queue, self.batch_max_queue_wait
-
-    @property
-    def total_queue(self) -> int:
-        """The bound on every class's queue together (``serve --max-queue``)."""
-        return self.max_queue + (self.batch_max_queue or 0)
-
     def serve_flags(self) -> list[str]:
-        flags = [
-            "--max-concurrency",
-            str(self.max_concurrency),
-            "--max-queue",
-            str(self.total_queue),
-            "--max-queue-wait",
-            f"{self.max_queue_wait:g}",
-        ]
-        held = self.held_batch
-        if held is not None:
-            queue, wait = held
-            flags += [
-                "--class-max-queue",
-                f"interactive={self.max_queue},batch={queue}",
-                "--class-max-queue-wait",
-                f"batch={wait:g}",
-            ]
+        flags = ["--max-concurrency", str(self.max_concurrency)]
+        flags += ["--max-queue-wait", f"{self.max_queue_wait:g}"]
+        if self.batch_max_queue_wait is not None:
+            flags += ["--class-max-queue-wait", f"batch={self.batch_max_queue_wait:g}"]
         if self.retry_after_max is not None:
             flags += ["--retry-after-max", f"{self.retry_after_max:g}"]
         if self.max_inflight_tokens is not None:
@@ -720,17 +694,13 @@ def recommend(
         )
     headroom = interactive_budget - ttft
     wait = max(MIN_QUEUE_WAIT, math.floor(headroom * 100 + 1e-9) / 100)
-    queue = max(1, math.floor(throughput * wait + 1e-9))
     if inflight_budget is not None and inflight_budget < 1:
         raise KneeInputError(f"inflight_budget must be >= 1, got {inflight_budget!r}")
     if batch_wait is None:
-        return Recommendation(level, queue, wait, max_inflight_tokens=inflight_budget)
-    held = max(1, math.floor(throughput * batch_wait + 1e-9))
+        return Recommendation(level, wait, max_inflight_tokens=inflight_budget)
     return Recommendation(
         level,
-        queue,
         wait,
-        batch_max_queue=held,
         batch_max_queue_wait=batch_wait,
         retry_after_max=HELD_RETRY_AFTER_MAX,
         max_inflight_tokens=inflight_budget,

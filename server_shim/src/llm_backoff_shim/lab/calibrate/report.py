@@ -46,13 +46,10 @@ def recommended_config(outcome: Outcome) -> str | None:
     active: dict[str, object] = {
         "upstream": outcome.upstream,
         "max_concurrency": rec.max_concurrency,
-        "max_queue": rec.total_queue,
         "max_queue_wait": rec.max_queue_wait,
     }
-    held = rec.held_batch
-    if held is not None:
-        active["class_max_queue"] = {"interactive": rec.max_queue, "batch": held[0]}
-        active["class_max_queue_wait"] = {"batch": held[1]}
+    if rec.batch_max_queue_wait is not None:
+        active["class_max_queue_wait"] = {"batch": rec.batch_max_queue_wait}
     if rec.retry_after_max is not None:
         active["retry_after_max"] = rec.retry_after_max
     budget = ""
@@ -152,10 +149,9 @@ def render_text(outcome: Outcome) -> str:
         v = knee.verdict(knee.level)
         assert v is not None
         steps = outcome.runs[knee.level]
-        held = rec.held_batch
         batch = ""
-        if held is not None:
-            batch = f"; batch is held up to {held[1]:g} s in a queue of {held[0]}, behind interactive"
+        if rec.batch_max_queue_wait is not None:
+            batch = f"; batch is held up to {rec.batch_max_queue_wait:g} s, behind interactive"
         if rec.retry_after_max is not None:
             batch += f", and no caller is told to wait more than {rec.retry_after_max:g} s"
         if rec.max_inflight_tokens is not None:
@@ -176,7 +172,7 @@ def render_text(outcome: Outcome) -> str:
             f"p99 TTFT {v.ttft_p99:.3f} s there; the best level within the SLO did "
             f"{knee.best_throughput:.0f}); chat waits in the shim up to {rec.max_queue_wait:g} s, what "
             f"the {INTERACTIVE_BUDGET:g} s chat callers give a call to start leaves after that TTFT, "
-            f"in a queue of {rec.max_queue} the engine drains in that time{batch}",
+            f"each class's queue what the engine drains within its wait{batch}",
             f"confidence: {knee.confidence} ({outcome.confidence_reason})",
             "",
             f"  {command}",

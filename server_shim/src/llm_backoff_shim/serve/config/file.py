@@ -206,6 +206,7 @@ def _read_classes(out: FileValues, tables: Any) -> None:
 #: Values shown, commented out, for settings whose default is "none" or empty.
 EXAMPLES: dict[str, Any] = {
     "metrics_port": 9090,
+    "max_queue": 64,
     "tenants_file": "tenants.toml",
     "tenant_header": "x-tenant-id",
     "tenant_requests_per_minute": 600,
@@ -310,7 +311,8 @@ def render_config(active: Mapping[str, Any], *, header: Iterable[str] = ()) -> s
 def _class_example(key: str, target: str, cls: str, position: int) -> Any:
     fields = ShimSettings.model_fields
     if key in ("max_queue", "max_queue_wait"):
-        return fields[key].default
+        default = fields[key].default
+        return EXAMPLES[key] if default is None else default
     if target in _CLASS_EXAMPLES:
         examples = _CLASS_EXAMPLES[target]
         return examples[min(position, len(examples) - 1)]
@@ -328,7 +330,6 @@ EXAMPLE_ACTIVE = (
     "host",
     "port",
     "max_concurrency",
-    "max_queue",
     "max_queue_wait",
     "reject_status",
     "classes",

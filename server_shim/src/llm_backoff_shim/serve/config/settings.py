@@ -50,7 +50,8 @@ class ShimSettings(BaseSettings):
 
     Per-class queue limits (``class_max_queue`` ...) default to the shared
     ``max_queue`` / ``max_queue_wait``; ``max_queue`` is also the bound on all
-    classes together, so "at most --max-queue waiting" holds whatever the classes.
+    classes together, so "at most --max-queue waiting" holds whatever the classes. Without
+    either, a class's queue holds what the engine drains within its wait at the measured pace.
     Field names are the keys of the ``--config`` file.
     """
 
@@ -84,11 +85,12 @@ class ShimSettings(BaseSettings):
         "interactive: its own); one costing more is admitted once those hold none (none: the request "
         "count cap alone; docs/shim.md, cost budget)",
     )
-    max_queue: int = Field(
-        default=20,
+    max_queue: int | None = Field(
+        default=None,
         ge=0,
         le=1_000_000,
-        description="most generation requests waiting for a slot, all classes together (0: no queue)",
+        description="most generation requests waiting for a slot, all classes together (0: no queue; "
+        "none: each class holds what the engine drains within its queue wait at the pace measured)",
     )
     max_queue_wait: float = Field(
         default=10.0, gt=0, le=86_400, description="seconds a request may wait in the queue before a 429"
@@ -96,7 +98,8 @@ class ShimSettings(BaseSettings):
     class_max_queue: Annotated[dict[str, Annotated[int, NotBool, Field(ge=0, le=1_000_000)]], NoDecode] = (
         Field(
             default={},
-            description="queue bound per class (class=N,...); a class not named uses --max-queue",
+            description="queue bound per class (class=N,...); a class not named uses --max-queue, or "
+            "without it what the engine drains within the class's queue wait",
         )
     )
     class_max_queue_wait: Annotated[
@@ -190,7 +193,8 @@ class ShimSettings(BaseSettings):
         default=1.0,
         gt=0,
         le=3_600,
-        description="assumed seconds per request until the first completion is measured (Retry-After prior)",
+        description="assumed seconds per request until the first completion is measured (the prior "
+        "of Retry-After and of the queue bounds without --max-queue)",
     )
     upstream_read_timeout: float = Field(
         default=600.0,

@@ -157,7 +157,7 @@ def parse_class_map(text: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class ClassLimits:
-    """One class's queue bound and queue wait (seconds)."""
+    """One class's queue bound (None: what the engine drains within the wait) and queue wait (seconds)."""
 
-    max_queue: int
+    max_queue: int | None
     max_queue_wait: float
