@@ -31,6 +31,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from llm_backoff_shim.lab import procs
+from llm_backoff_shim.serve.config.settings import ShimSettings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "server_shim" / "deploy"
@@ -568,10 +569,13 @@ def test_docker_compose_config_accepts_the_files(files: list[Path]) -> None:
 
 def test_env_example_sets_every_serve_flag_with_sane_values() -> None:
     env = parse_env_file(ENV_EXAMPLE)
-    assert set(env) == KNOWN_ENV
+    # Every flag but the queue bound, which it leaves to the shim (what the engine drains
+    # within the wait) and names in a comment.
+    assert set(env) == KNOWN_ENV - {env_name("max-queue")}
+    assert f"# {env_name('max-queue')}=" in ENV_EXAMPLE.read_text()
     assert env[env_name("upstream")].startswith("http://")
     assert int(env[env_name("reject-status")]) in {429, 503}
-    for flag in ("port", "max-concurrency", "max-queue"):
+    for flag in ("port", "max-concurrency"):
         assert int(env[env_name(flag)]) > 0
     low, high = float(env[env_name("retry-after-min")]), float(env[env_name("retry-after-max")])
     assert 1 <= low <= high
@@ -732,9 +736,12 @@ def test_keda_scaled_object_scales_the_deployment_on_shim_metrics() -> None:
         queries.append(meta["query"])
     assert any("llm_backoff_shim_queue_depth" in q for q in queries)
     assert any("llm_backoff_shim_queue_wait_seconds_bucket" in q for q in queries)
-    # Scale-up must start before the shim starts rejecting for a full queue.
+    # Scale-up must start before the shim starts rejecting for a full queue: the example's
+    # queue holds what its slots drain within the wait at the prior's service time.
     depth = next(t for t in spec["triggers"] if "queue_depth" in t["metadata"]["query"])
-    max_queue = int(parse_env_file(ENV_EXAMPLE)[env_name("max-queue")])
+    env = parse_env_file(ENV_EXAMPLE)
+    prior = ShimSettings.model_fields["initial_service_time"].default
+    max_queue = int(env[env_name("max-concurrency")]) * float(env[env_name("max-queue-wait")]) / prior
     assert float(depth["metadata"]["threshold"]) < max_queue
 
 
