@@ -99,16 +99,23 @@ def test_total_queue_bound_holds_across_classes(make: MakeController) -> None:
 
 
 def test_a_class_without_a_bound_holds_what_the_slots_drain_within_its_wait(make: MakeController) -> None:
-    # Two slots at the prior's 1 s a request drain 20 requests within a 10 s wait.
-    c, _ = make(limit=2, max_queue=None, max_queues={"batch": 3}, max_wait=10.0, initial_service_time=1.0)
-    assert [ticket(c.submit(req())).state for _ in range(2)] == [TicketState.ADMITTED] * 2
-    queued = [ticket(c.submit(req())) for _ in range(20)]
+    # Before any request ended: one turn of the two slots, whatever the prior says.
+    c, clock = make(
+        limit=2, classes=("interactive",), max_queue=None, max_wait=10.0, initial_service_time=0.1
+    )
+    running = [ticket(c.submit(req())) for _ in range(2)]
+    queued = [ticket(c.submit(req())) for _ in range(2)]
     assert all(t.state is TicketState.QUEUED for t in queued)
     full = rejection(c.submit(req()))
-    assert (full.code, full.queue_depth) == ("queue_full", 20)
-    # A class with its own bound keeps it.
-    assert [ticket(c.submit(req("batch"))).state for _ in range(3)] == [TicketState.QUEUED] * 3
-    assert rejection(c.submit(req("batch"))).code == "queue_full"
+    assert (full.code, full.queue_depth) == ("queue_full", 2)
+    # Measured at 1 s a request, the two slots drain 20 requests within the 10 s wait.
+    clock.now += 1.0
+    for t in running:
+        c.release(t, Outcome.COMPLETED)
+    assert c.queued("interactive") == 0
+    assert [ticket(c.submit(req())).state for _ in range(20)] == [TicketState.QUEUED] * 20
+    full = rejection(c.submit(req()))
+    assert (full.code, full.message) == ("queue_full", "server at capacity (queue full)")
 
 
 class MovingLimit:
@@ -128,12 +135,16 @@ def test_a_derived_bound_follows_the_measured_service_time_and_the_limit() -> No
     policies = {
         "interactive": ClassPolicy("interactive", None, 10.0),
         "batch": ClassPolicy("batch", None, 0.1),
+        "bulk": ClassPolicy("bulk", 3, 10.0),
     }
     queues = ClassQueues(
         policies, estimator, limit, max_total=None, returning_share=0.0, returning_first=False
     )
+    assert queues.bound("interactive") == 2  # nothing measured yet: one turn of the slots
+    assert queues.bound("bulk") == 3  # a class with its own bound keeps it
+    estimator.observe_completion("interactive", 1.0)
     assert (queues.bound("interactive"), queues.bound("batch")) == (20, 1)  # at least one place
-    estimator.observe_completion("interactive", 4.0)  # the engine turns out slower
+    estimator.observe_completion("interactive", 16.0)  # the engine slows: EWMA 1 + 0.2 x 15 = 4 s
     assert queues.bound("interactive") == 5
     limit.limit = 8
     assert queues.bound("interactive") == 20

@@ -78,9 +78,9 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
 - no queue bound: the shim sizes each class's queue to what the engine drains within the
   class's wait at the pace it measures as it serves (``serve --max-queue`` unset), the
   figure a count from this run (requests/s at K times the wait) would be, kept current. A
-  count measured here moved by up to a fifth between runs on one engine (6.2-7.5 requests/s
-  at the knee) and goes stale when the engine slows; the wait, the concurrency and the
-  cost budget are what a run measures to within a few percent.
+  count measured here moved with the machine's pace (30, then 44, 42 and 45 interactive
+  places on one vLLM within ten minutes) and goes stale when the engine slows; the wait, the
+  concurrency and the cost budget are what a run measures to within a few percent.
 - The ``batch`` class is held rather than told to come back: it waits in the shim up to
   ``batch_wait`` (``--batch-queue-wait``, default :data:`BATCH_QUEUE_WAIT`; a caller that
   sends a shorter budget in ``x-request-timeout-ms`` waits at most that), behind every
