@@ -352,7 +352,7 @@ def test_text_output_through_the_cli_has_the_table_and_the_serve_command(
     first = next(line for line in lines if line.startswith("confidence: "))
     assert first.startswith(("confidence: medium (first run", "confidence: low (first run")), first
     second = next(line for line in outputs[1].splitlines() if line.startswith("confidence: "))
-    assert "recommended --max-concurrency 2, interactive queue" in second, second
+    assert "recommended --max-concurrency 2, --max-queue-wait " in second, second
     assert "this one --max-concurrency 2" in second, second
     assert len((tmp_path / "calibrate-runs.jsonl").read_text().splitlines()) == 2
 

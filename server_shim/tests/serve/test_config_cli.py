@@ -29,7 +29,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_defaults_match_the_issue_example() -> None:
     s = load_settings([])
-    assert (s.max_concurrency, s.max_queue, s.max_queue_wait) == (8, 20, 10.0)
+    assert (s.max_concurrency, s.max_queue, s.max_queue_wait) == (8, None, 10.0)
     assert (s.reject_status, s.retry_after_min, s.retry_after_max) == (429, 1.0, 30.0)
     assert s.upstream_base == "http://127.0.0.1:8000"
 
