@@ -85,10 +85,10 @@ The recommendation at knee ``K`` with SLO ``S`` (seconds, p99 TTFT):
   ``batch_wait`` (``--batch-queue-wait``, default :data:`BATCH_QUEUE_WAIT`; a caller that
   sends a shorter budget in ``x-request-timeout-ms`` waits at most that), behind every
   interactive request. A batch caller told a Retry-After is away when a slot frees, and the
-  slot stands idle; one held in the queue takes it at once. On the real vLLM the SDK's presets went from 0.94x to
-  1.46x plain openai's interactive calls within budget through the same shim, and from
-  1.15x to 1.60x its useful tokens; batch served fell from 99 % to 69 % (plain's from 69 %
-  to 36 %).
+  slot stands idle; one held in the queue takes it at once. On the real vLLM the SDK's presets
+  went from 0.94x to 1.46x plain openai's interactive calls within budget through the same
+  shim, and from 1.15x to 1.60x its useful tokens; batch served fell from 99 % to 69 %
+  (plain's from 69 % to 36 %).
 - ``max_inflight_tokens``: the cost budget, when the caller measured one (calibrate: what
   the knee's slots of the mix hold 95 % of the time, :class:`SlotCost`, :func:`budget_tokens`).
 - With batch held, Retry-After is capped at :data:`HELD_RETRY_AFTER_MAX` (``--retry-after-max``):
