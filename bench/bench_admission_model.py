@@ -262,10 +262,8 @@ class OverloadModel:
         return call.first_token is not None and call.first_token - call.start <= self.scenario.ttft_budget
 
     # -- events ------------------------------------------------------------------------------
-    def _at(self, when: float, action: Callable[[], None]) -> int:
-        seq = next(self._seq)
-        heapq.heappush(self._events, (when, seq, action))
-        return seq
+    def _at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), action))
 
     def _begin(self, arrival: Arrival) -> None:
         policy = retry_policy(arrival.cls, self.scenario, start_deadline=self.start_deadline)

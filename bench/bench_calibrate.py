@@ -26,7 +26,7 @@ from typing import Any
 import openai
 
 from llm_backoff_shim.lab import calibrate
-from llm_backoff_shim.lab.calibrate.measure import KneeRule, StepStats, Verdict, judge_level, summarize
+from llm_backoff_shim.lab.calibrate.measure import KneeRule, StepStats, judge_level, summarize
 from llm_backoff_shim.lab.calibrate.run import (
     CalibrateConfig,
     ClosedLoop,
@@ -92,12 +92,6 @@ async def reference_sweep(url: str, rounds: int, step_seconds: float) -> dict[in
     return runs
 
 
-def in_slo_throughput(verdicts: dict[int, Verdict], level: int) -> float:
-    """The reference throughput at ``level`` (the nearest reference level at or below it)."""
-    known = max((c for c in verdicts if c <= level), default=min(verdicts))
-    return verdicts[known].throughput
-
-
 def run_reference(args: argparse.Namespace) -> None:
     step = 3.0 if args.quick else 5.0
     seeds = min(args.seeds, 2) if args.quick else args.seeds
@@ -146,8 +140,10 @@ def run_reference(args: argparse.Namespace) -> None:
     ]
     for c in choices:
         level = c["level"]
-        there = in_slo_throughput(verdicts, level) if level else 0.0
-        ok = level is not None and verdicts[max(x for x in verdicts if x <= level)].good
+        # The reference at the nearest reference level at or below the choice.
+        known = max((x for x in verdicts if x <= level), default=min(verdicts)) if level else None
+        there = verdicts[known].throughput if known is not None else 0.0
+        ok = known is not None and verdicts[known].good
         c["reference_throughput"], c["share_of_best"] = there, there / best if best and ok else 0.0
         lines.append(
             f"| {c['seed']} | {level} | {c['confidence'] or '-'} | {c['measurements']} | "

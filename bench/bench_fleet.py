@@ -301,8 +301,6 @@ def drive(
     target: str, arm: Setup, scen: Scenario, calls: Sequence[Arrival], shape: EngineShape, flags: list[str]
 ) -> Driven:
     replicas = 1 if target == "single" else REPLICAS
-    capacity = replicas * shape.capacity_for(scen.workload)
-    token_capacity = replicas * shape.token_capacity_for(scen.workload)
     logged = [*flags, *LOG_FLAGS]
     with contextlib.ExitStack() as stack:
         if target == "single":
@@ -328,10 +326,10 @@ def drive(
             engine_url=engines[0],
             engine_urls=engines,
             shim_urls=shims,
-            capacity=capacity,
+            capacity=replicas * shape.capacity_for(scen.workload),
             progress=line,
             start_deadline=False,
-            token_capacity=token_capacity,
+            token_capacity=replicas * shape.token_capacity_for(scen.workload),
         )
         result = run_load(run)
         line.done()
@@ -572,7 +570,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_replica = shape.capacity_for(base.workload)
     fleet_calls = arrivals(base, REPLICAS * per_replica, random.Random(args.seed))
     thirds = split_trace(fleet_calls, REPLICAS, random.Random(args.seed + 1))
-    single_calls = [c for part in thirds for c in part]
     print(
         f"engine: simulator, {SLOTS} slots, ttft {shape.ttft:g} s, itl {shape.itl:g} s "
         f"({shape.token_capacity_for(base.workload):.0f} answer tokens/s, {per_replica:.2f} calls/s each)\n"
@@ -604,7 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     head = (
         f"{REPLICAS} simulated engines ({SLOTS} slots, itl {shape.itl:g} s), a shim each; "
         f"{base.describe(REPLICAS * per_replica)}; seed {args.seed}; {len(fleet_calls)} calls "
-        f"(one replica: {len(single_calls)})"
+        f"(one replica: {sum(len(t) for t in thirds)})"
     )
     print("\n" + head + "\n\n" + markdown(rows))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,9 @@ CONCURRENCIES = (1, 16, 64)
 TARGETS = ("direct", "shim", "nginx", "relay")
 PROXIES = ("shim", "nginx", "relay")
 SSE_STREAMS = 64
-SSE_MAX_RATE = 1000.0  # events/s per stream: 64,000/s offered, more than any target relays
-SSE_MAX_CHUNKS = 2000
-TOKEN_RATE = 200.0
-TOKEN_CHUNKS = 400  # 2 s streams, then a new request on the same connection
+#: The SSE phases: (name, events per stream, events/s per stream). Flat out: 64,000/s offered,
+#: more than any target relays; 200 tokens/s: 2 s streams, then a new request on the same connection.
+SSE_PHASES = (("max", 2000, 1000.0), ("200tok", 400, 200.0))
 
 _WRK_SCRIPT = """wrk.method = "POST"
 wrk.body = '{"model":"bench","messages":[{"role":"user","content":"hi"}]}'
@@ -268,10 +267,7 @@ def run(args: argparse.Namespace) -> Results:
                         f"{conns:>2} conns  {name:<6} p50 {r.p50_ms:7.3f} ms  p99 {r.p99_ms:7.3f} ms"
                         f"  {r.rps:9,.0f} req/s  errors {r.errors}{cpu}"
                     )
-            for phase, chunks, rate in (
-                ("max", SSE_MAX_CHUNKS, SSE_MAX_RATE),
-                ("200tok", TOKEN_CHUNKS, TOKEN_RATE),
-            ):
+            for phase, chunks, rate in SSE_PHASES:
                 for name in interleaved(names, args.rounds):
                     address, cpu_of = targets[name].address, targets[name].cpu
                     s = runner.sse(

@@ -23,9 +23,8 @@ What a user does, in order, and so what this does:
    - ``direct-plain``: plain openai straight at vLLM (its own bound answers 503);
    - ``direct-presets``: ``llm_backoff.wrap(client, request_class=cls)`` straight at vLLM;
    - ``shim-plain``, ``shim-presets``: the same two through the shim;
-   - the oracle: earliest deadline first on the engine model fitted to this vLLM, at the decode
-     and prefill speeds vLLM showed in this run (chat calls alone and long prompts alone with
-     every slot busy, :func:`fit_speeds`), knowing every call's service time (``real_vllm.mix.oracle``).
+   - the oracle: earliest deadline first on the engine model fitted to this vLLM, at the speeds
+     it showed in this run (:func:`fit_speeds`), knowing every call's service time (``real_vllm.mix.oracle``).
 
 Scenarios (``--scenarios``): ``chat`` (short chat beside batch at 2.5x capacity, 70 %
 interactive with a 5 s time-to-first-token budget, 20 s deadline), ``mix`` (80 % chat, 20 %
@@ -276,12 +275,10 @@ def run_calibrate(url: str, kind: str, mix: Mix, *, max_seconds: float) -> Calib
     if done.returncode != 0:
         raise RuntimeError(f"calibrate ({kind}) found no recommendation (exit {done.returncode})")
     data: dict[str, Any] = json.loads(done.stdout)
-    rec = data["recommendation"]
-    command = str(rec["command"])
+    command = str(data["recommendation"]["command"])
     words = shlex.split(command)
     flags = words[words.index("--upstream") + 2 :]
-    confidence = str(data.get("confidence"))
-    return Calibration(kind, flags, command, confidence, time.monotonic() - started)
+    return Calibration(kind, flags, command, str(data.get("confidence")), time.monotonic() - started)
 
 
 def arrivals(trace: Sequence[MixCall], seed: int) -> list[Arrival]:
@@ -559,20 +556,12 @@ def build_parser() -> argparse.ArgumentParser:
 def start_engine(kind: str, stack: contextlib.ExitStack, pinned: bool, queued_tokens: int) -> str:
     bounds = ("--max-num-queued-reqs", str(QUEUED_REQS))
     if kind == "sim":
-        sim = stack.enter_context(sim_server([*shlex.split(FITTED_ENGINE_FLAGS), *bounds]))
-        return sim.url
+        return stack.enter_context(sim_server([*shlex.split(FITTED_ENGINE_FLAGS), *bounds])).url
     ensure_setup(DEFAULT_ENV, DEFAULT_MODEL)
     print("starting vllm serve (about 25 s) ...", flush=True)
-    extra = (
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        *bounds,
-        "--max-num-queued-tokens",
-        str(queued_tokens),
-        "--no-enable-prefix-caching",
-    )
-    engine = stack.enter_context(vllm_server(slots=SLOTS, cpu=ENGINE_CPU if pinned else None, extra=extra))
-    return engine.url
+    queued = ("--max-num-queued-tokens", str(queued_tokens))
+    extra = ("--max-model-len", str(MAX_MODEL_LEN), *bounds, *queued, "--no-enable-prefix-caching")
+    return stack.enter_context(vllm_server(slots=SLOTS, cpu=ENGINE_CPU if pinned else None, extra=extra)).url
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,16 +77,13 @@ def _table(runs: dict[str, SoakReport]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--requests", type=int, default=20000, help="of the mixed run (the SDK runs: a fifth each)"
-    )
-    parser.add_argument(
-        "--seconds", type=float, default=300.0, help="stop sending new requests after this long"
-    )
-    parser.add_argument("--concurrency", type=int, default=48)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="1500 requests, 60 s cap")
-    parser.add_argument("--json", help="write all figures to this file")
+    add = parser.add_argument
+    add("--requests", type=int, default=20000, help="of the mixed run (the SDK runs: a fifth each)")
+    add("--seconds", type=float, default=300.0, help="stop sending new requests after this long")
+    add("--concurrency", type=int, default=48)
+    add("--seed", type=int, default=7)
+    add("--quick", action="store_true", help="1500 requests, 60 s cap")
+    add("--json", help="write all figures to this file")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.seconds = 1500, 60.0

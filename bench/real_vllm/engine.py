@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
+from _harness import pin_prefix
 from llm_backoff_shim.lab.procs import ChildServer
 
 HERE = Path(__file__).resolve().parent
@@ -50,39 +51,13 @@ def ensure_setup(env: Path = DEFAULT_ENV, model: Path = DEFAULT_MODEL) -> None:
     subprocess.run(["bash", str(SETUP), str(env), str(model)], check=True)
 
 
-def pin(cpu: int | None) -> list[str]:
-    """``taskset -c CPU`` when this process may use that CPU, else nothing."""
-    if cpu is None or cpu not in os.sched_getaffinity(0):
-        return []
-    return ["taskset", "-c", str(cpu)]
-
-
-def vllm_server(
-    *,
-    slots: int,
-    env: Path = DEFAULT_ENV,
-    model: Path = DEFAULT_MODEL,
-    cpu: int | None = 1,
-    extra: Sequence[str] = (),
-) -> ChildServer:
-    """A ``vllm serve`` child (start it with ``with``): ``slots`` is ``--max-num-seqs``."""
-    vllm = str(env / "bin" / "vllm")
+def vllm_server(*, slots: int, cpu: int | None, extra: Sequence[str] = ()) -> ChildServer:
+    """A ``vllm serve`` child (start it with ``with``) pinned to ``cpu``: ``slots`` is ``--max-num-seqs``."""
+    vllm = str(DEFAULT_ENV / "bin" / "vllm")
 
     def command(port: int) -> list[str]:
-        return [
-            *pin(cpu),
-            vllm,
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--max-num-seqs",
-            str(slots),
-            *BASE_FLAGS,
-            *extra,
-        ]
+        serve = [vllm, "serve", str(DEFAULT_MODEL), "--host", "127.0.0.1", "--port", str(port)]
+        return [*pin_prefix(cpu), *serve, "--max-num-seqs", str(slots), *BASE_FLAGS, *extra]
 
     return ChildServer(
         "vllm",
