@@ -103,5 +103,5 @@ if [ -n "$WHOLE" ] && [ "$PART" != suite ]; then
   # shim through either path alike; they run on the public path at the newest versions.
   echo "== pytest: the shim's HTTP-layer end-to-end tests on the public HTTP path (floors)"
   "$VENV_FLOORS/bin/pytest" -q -p no:cacheprovider "${XDIST[@]}" --shim-http-path=public \
-    $(grep -rl --include="test_*.py" "make_shim\|shim_server" server_shim/tests/serve server_shim/tests/http)
+    $(bash scripts/http-e2e-files.sh)
 fi
