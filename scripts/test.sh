@@ -9,9 +9,9 @@
 #            shims on the serving path the start-up check picks (the fast one)
 #   public   the shim's HTTP-layer end-to-end tests (serve/, http/; scripts/http-e2e-files.sh) on
 #            its public HTTP path (docs/shim.md, "Serving paths")
-#   floors   the shim suite with its runtime dependencies at their declared floors on the fast
-#            path, and the HTTP-layer end-to-end tests (serve/, http/) on the public path
-#            (scripts/test-shim-floors.sh)
+#   floors   the shim's runtime dependencies at their declared floors: the tests that reach them
+#            on the fast path, and the HTTP-layer end-to-end tests on the public path
+#            (scripts/test-shim-floors.sh, whose header says which and why)
 #   openai2  the SDK suite and the instructor recipe on openai 2.x (httpx), in .venv-openai2
 #   sdk-floors  the SDK suite at the lowest openai 2.x and 3.x allowed (scripts/test-sdk-floors.sh)
 #
@@ -142,13 +142,13 @@ lane_a() {  # each lane draws child servers' ports from its own block (conftest.
   step main main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
   step openai2 openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
   step openai2-integrations openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
-  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
 }
 lane_b() {
   export LLM_BACKOFF_TEST_PORT_LANE=1
   # shellcheck disable=SC2086
   step public main "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $HTTP_E2E_FILES
   step shim-floors shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
+  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
   step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
 }
 lint() {  # both run; either failing fails the step
@@ -163,7 +163,7 @@ lint() {  # both run; either failing fails the step
 # first among the results, and either failing fails the run.
 step lint main lint &
 LINT=$!
-echo "== pytest: two lanes (main, openai2, shim-floors-public | public, shim-floors, sdk-floors)"
+echo "== pytest: two lanes (main, openai2, openai2-integrations | public, shim-floors, shim-floors-public, sdk-floors)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
