@@ -28,7 +28,10 @@
 # Most tests wait on loopback I/O, not the CPU, so each suite is spread over pytest-xdist
 # workers and the suites run in two lanes at once; a lane's output goes to a log that is
 # printed when it ends. The lanes start once the main venv is installed; the other venvs
-# install meanwhile, and a step that needs one waits for it. Property tests run on the derandomized ``ci`` Hypothesis profile
+# install meanwhile, and a step that needs one waits for it. The lanes end with the steps that
+# mostly wait on their tests' timeouts (the floors' public run, the SDK floors: about a fifth of
+# one core when they ran alone), on more workers than cores; the lanes carry about the same work.
+# Property tests run on the derandomized ``ci`` Hypothesis profile
 # (conftest.py): no saved example and no luck decides a run. The suite's time is printed last.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -142,14 +145,14 @@ lane_a() {  # each lane draws child servers' ports from its own block (conftest.
   step main main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
   step openai2 openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
   step openai2-integrations openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
+  step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=3 bash scripts/test-sdk-floors.sh --durations=5
 }
 lane_b() {
   export LLM_BACKOFF_TEST_PORT_LANE=1
   # shellcheck disable=SC2086
   step public main "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $HTTP_E2E_FILES
   step shim-floors shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
-  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
-  step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
+  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=4 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
 }
 lint() {  # both run; either failing fails the step
   local status=0
@@ -163,7 +166,7 @@ lint() {  # both run; either failing fails the step
 # first among the results, and either failing fails the run.
 step lint main lint &
 LINT=$!
-echo "== pytest: two lanes (main, openai2, openai2-integrations | public, shim-floors, shim-floors-public, sdk-floors)"
+echo "== pytest: two lanes (main, openai2, openai2-integrations, sdk-floors | public, shim-floors, shim-floors-public)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
