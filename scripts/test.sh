@@ -7,17 +7,31 @@
 #   ruff + mypy --strict           both packages
 #   main     the whole suite (SDK, shim, integrations) on openai 3.x, newest dependencies,
 #            shims on the serving path the start-up check picks (the fast one)
-#   public   the shim's end-to-end tests on its public HTTP path (docs/shim.md, "Serving paths")
-#   floors   the shim suite with its runtime dependencies at their declared floors on the fast
-#            path, and the HTTP-layer end-to-end tests (serve/, http/) on the public path
-#            (scripts/test-shim-floors.sh)
+#   public   the shim's HTTP-layer end-to-end tests (serve/, http/; scripts/http-e2e-files.sh) on
+#            its public HTTP path (docs/shim.md, "Serving paths")
+#   floors   the shim's runtime dependencies at their declared floors: the tests that reach them
+#            on the fast path, and the HTTP-layer end-to-end tests on the public path
+#            (scripts/test-shim-floors.sh, whose header says which and why)
 #   openai2  the SDK suite and the instructor recipe on openai 2.x (httpx), in .venv-openai2
 #   sdk-floors  the SDK suite at the lowest openai 2.x and 3.x allowed (scripts/test-sdk-floors.sh)
+#
+# The end-to-end tests that run a real server on loopback cover each behaviour once per serving
+# path, not once per feature that touches it. The two paths differ below the proxy's ASGI
+# interface only (parsing, framing, head and body limits, refusal from the head, keep-alive,
+# pipelining, streaming writes, the disconnect signal): the tests of that layer, serve/ and
+# http/, run on both paths. What sits above it reads the same on either path and runs once, on
+# the fast path in `main`: decide/'s admission, shares and SLO; fleet/'s balancers, Redis quotas
+# and Prometheus rules; the lab's soak, demo, loadgen and calibrate; the docs' examples. (The
+# public path under disconnects, mixed outcomes and hostile input, which the soak also touches,
+# is serve/test_proxy.py, test_hostile.py, test_hostile_wire.py and test_e2e_sim.py.)
 #
 # Most tests wait on loopback I/O, not the CPU, so each suite is spread over pytest-xdist
 # workers and the suites run in two lanes at once; a lane's output goes to a log that is
 # printed when it ends. The lanes start once the main venv is installed; the other venvs
-# install meanwhile, and a step that needs one waits for it. Property tests run on the derandomized ``ci`` Hypothesis profile
+# install meanwhile, and a step that needs one waits for it. The lanes end with the steps that
+# mostly wait on their tests' timeouts (the floors' public run, the SDK floors: about a fifth of
+# one core when they ran alone), on more workers than cores; the lanes carry about the same work.
+# Property tests run on the derandomized ``ci`` Hypothesis profile
 # (conftest.py): no saved example and no luck decides a run. The suite's time is printed last.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -109,7 +123,7 @@ cat "$LOGS/install-main.log"
 VENV="$ROOT/.venv"
 echo "== installed .venv ($(elapsed)); the other venvs install on while lint and the lanes run"
 
-E2E_FILES=$(grep -rl --include="test_*.py" "make_shim\|shim_server\|run_soak" server_shim/tests | sort)
+HTTP_E2E_FILES=$(bash scripts/http-e2e-files.sh)
 PYTEST=(-q -p no:cacheprovider --durations=5)
 
 # -- the suites, in two lanes ------------------------------------------------------------------
@@ -131,14 +145,14 @@ lane_a() {  # each lane draws child servers' ports from its own block (conftest.
   step main main "$VENV/bin/pytest" "${PYTEST[@]}" -n 4 "$@"
   step openai2 openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" -n 2 tests/sdk -m "not openai3"
   step openai2-integrations openai2 "$ROOT/.venv-openai2/bin/pytest" "${PYTEST[@]}" tests/integrations -m integrations
-  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=2 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
+  step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=3 bash scripts/test-sdk-floors.sh --durations=5
 }
 lane_b() {
   export LLM_BACKOFF_TEST_PORT_LANE=1
   # shellcheck disable=SC2086
-  step public main "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $E2E_FILES
+  step public main "$VENV/bin/pytest" "${PYTEST[@]}" -n 2 --shim-http-path=public $HTTP_E2E_FILES
   step shim-floors shim-floors env LLM_BACKOFF_XDIST=3 LLM_BACKOFF_FLOORS_PART=suite bash scripts/test-shim-floors.sh
-  step sdk-floors sdk-floors env LLM_BACKOFF_XDIST=2 bash scripts/test-sdk-floors.sh --durations=5
+  step shim-floors-public shim-floors env LLM_BACKOFF_XDIST=4 LLM_BACKOFF_FLOORS_PART=public bash scripts/test-shim-floors.sh
 }
 lint() {  # both run; either failing fails the step
   local status=0
@@ -152,7 +166,7 @@ lint() {  # both run; either failing fails the step
 # first among the results, and either failing fails the run.
 step lint main lint &
 LINT=$!
-echo "== pytest: two lanes (main, openai2, shim-floors-public | public, shim-floors, sdk-floors)"
+echo "== pytest: two lanes (main, openai2, openai2-integrations, sdk-floors | public, shim-floors, shim-floors-public)"
 lane_a "$@" &
 LANE_A=$!
 lane_b &
