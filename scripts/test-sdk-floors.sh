@@ -9,7 +9,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY="${PYTHON:-python3}"
+source "$ROOT/scripts/venv-install.sh"
 
 FLOOR2=(openai==2.0.0 httpx==0.25.1 anthropic==2.0.0)
 FLOOR3=(openai==3.0.0 httpx2==2.7.0 anthropic==2.0.0)
@@ -18,13 +18,9 @@ floor_venv() {  # floor_venv DIR PIN...: create or reuse DIR with the package an
   local venv="$1"; shift
   local stamp="$venv/.llm-backoff-floor"
   local want; want="$* $(sha256sum pyproject.toml | cut -c1-16)"
-  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "== installing $venv ($*)"
-    "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    # This machine's pip config names local mirrors that may not exist; its warnings about them are noise.
-    "$venv/bin/python" -m pip install -q -e "$ROOT[test]" "$@" \
-      2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+    venv_install "$venv" -e "$ROOT[test]" "$@"
     echo "$want" > "$stamp"
   fi
   "$venv/bin/python" -c 'import importlib.metadata as m; print("  ", ", ".join(f"{d} {m.version(d)}" for d in ("openai", "httpx", "httpx2", "anthropic")))'

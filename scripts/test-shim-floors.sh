@@ -44,15 +44,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV_FLOORS="${VENV_FLOORS:-$ROOT/.venv-shim-floors}"
-PY="${PYTHON:-python3}"
-quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+source "$ROOT/scripts/venv-install.sh"
 
 # The install is reused while pyproject.toml files are unchanged (a stamp beside it).
 STAMP="$VENV_FLOORS/.llm-backoff-floors"
 WANT="$(cat pyproject.toml server_shim/pyproject.toml | sha256sum | cut -c1-16)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
-[ -x "$VENV_FLOORS/bin/python" ] || "$PY" -m venv "$VENV_FLOORS"
-quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q --upgrade pip packaging >/dev/null 2>&1 || true
+venv_install "$VENV_FLOORS" packaging
 
 # One constraint per runtime dependency: name==the oldest released version its specifier allows.
 CONSTRAINTS="$VENV_FLOORS/floors.txt"
@@ -93,7 +91,7 @@ with open(out, "w") as f:
 EOF
 
 echo "== installing $VENV_FLOORS (the shim's runtime dependencies at their floors)"
-quiet_pip "$VENV_FLOORS/bin/python" -m pip install -q -c "$CONSTRAINTS" \
+venv_install "$VENV_FLOORS" -c "$CONSTRAINTS" \
   -e "$ROOT[test,redis]" -e "$ROOT/server_shim[redis,lab]"
 "$VENV_FLOORS/bin/python" - <<'EOF'
 from importlib.metadata import version

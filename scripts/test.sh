@@ -72,9 +72,9 @@ cleanup() {
 trap cleanup EXIT
 export LLM_BACKOFF_TEST_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
 
-quiet_pip() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+source scripts/venv-install.sh
 
-# -- installs: five venvs at once (the network and pip, not the cores, set their pace) -------
+# -- installs: five venvs at once, with uv (scripts/venv-install.sh) -----------------------------
 install_main() {
   # With the light third-party clients of docs/integrations.md (tests/integrations, in the main
   # run), in the same pip run.
@@ -83,9 +83,7 @@ install_main() {
 }
 install_openai2() {
   local venv="$ROOT/.venv-openai2"
-  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-  quiet_pip "$venv/bin/python" -m pip install -q -e "$ROOT[test,redis]" -e "$ROOT/server_shim" \
-    "openai>=2,<3" httpx "instructor>=1.17"
+  venv_install "$venv" -e "$ROOT[test,redis]" -e "$ROOT/server_shim" "openai>=2,<3" httpx "instructor>=1.17"
   "$venv/bin/python" -c 'import openai; print("openai", openai.__version__)'
 }
 # The main venv is all that lint and the first step of each lane need: they start once it is in,
