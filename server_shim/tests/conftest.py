@@ -301,13 +301,19 @@ def make_shim() -> Iterator[Callable[..., Shim]]:
     servers: list[ServerThread] = []
 
     def factory(
-        upstream_url: str, *, serve_protocol: bool = True, tuning: Tuning = TUNING, **settings: Any
+        upstream_url: str,
+        *,
+        serve_protocol: bool = True,
+        tuning: Tuning = TUNING,
+        clock: Callable[[], float] = time.monotonic,
+        **settings: Any,
     ) -> Shim:
         """A shim on loopback, served as ``serve`` serves it; ``serve_protocol=False``: plain uvicorn;
-        ``tuning``: other fixed values (serve/config/tuning.py), to make a scrape or a timeout fast."""
+        ``tuning``: other fixed values (serve/config/tuning.py), to make a scrape or a timeout fast;
+        ``clock``: the admission decisions' clock (a ManualClock holds their estimates still)."""
         values: dict[str, Any] = {"upstream": upstream_url, "log_level": "warning"}
         values.update(settings)
-        app = create_app(ShimSettings(**values), tuning=tuning)
+        app = create_app(ShimSettings(**values), tuning=tuning, clock=clock)
         server = (shim_server(app) if serve_protocol else ServerThread(app)).start()
         servers.append(server)
         return Shim(server, shim_state(app))

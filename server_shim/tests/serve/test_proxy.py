@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from llm_backoff_shim.serve.request_path.proxy import is_allowed_path
+from llm_backoff_shim.testing import ManualClock
 
 HOLD = {"x-fake-hold": "1"}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -205,23 +206,32 @@ def test_retry_after_grows_with_queue_depth(
     upstream: Any, make_shim: Callable[..., Any], waiter: Any
 ) -> None:
     # One slot and a 1 s service-time prior: the drain rate is 1/s, so the hint for a
-    # batch probe (whose queue holds nothing) is about the interactive depth + 1 seconds.
+    # batch probe (whose queue holds nothing) is the interactive depth + 1 seconds. The
+    # decisions' clock stands still, so however long a loaded machine takes to build the queue
+    # the held call has used none of its expected service; the queue wait and the client's
+    # timeout only bound a broken test.
     shim = make_shim(
-        upstream.url, max_concurrency=1, max_queue=20, class_max_queue={"batch": 0}, initial_service_time=1.0
+        upstream.url,
+        clock=ManualClock(),
+        max_concurrency=1,
+        max_queue=20,
+        class_max_queue={"batch": 0},
+        initial_service_time=1.0,
+        max_queue_wait=120.0,
     )
     hints: list[float] = []
     headers: list[int] = []
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(post_chat, shim.url, HOLD)]
+        futures = [pool.submit(post_chat, shim.url, HOLD, 120.0)]
         for depth in range(6):
             waiter(lambda d=depth: shim.state()["interactive"] == (1, d), what=f"depth {depth}")
             probe = post_chat(shim.url, {"x-request-class": "batch"})
             assert probe.status_code == 429
             hints.append(probe.json()["error"]["retry_after_seconds"])
             headers.append(int(probe.headers["retry-after"]))
-            futures.append(pool.submit(post_chat, shim.url, HOLD))
+            futures.append(pool.submit(post_chat, shim.url, HOLD, 120.0))
         upstream.release()
-        assert all(f.result().status_code == 200 for f in futures)
+        assert [f.result().status_code for f in futures] == [200] * len(futures)
     assert hints == sorted(hints)
     assert len(set(hints)) == len(hints)
     assert headers == sorted(headers)
