@@ -595,10 +595,14 @@ def test_burst_rejections_are_told_successive_slots(
     upstream: Any, make_shim: Callable[..., Any], waiter: Any
 ) -> None:
     # One slot, 1 s service-time prior: slots free at 1/s, so the k-th caller turned
-    # away in a burst is told about k seconds, not the same number as everyone else.
-    shim = make_shim(upstream.url, max_concurrency=1, max_queue=0, initial_service_time=1.0)
+    # away in a burst is told about k seconds, not the same number as everyone else. The
+    # decisions' clock stands still: a loaded machine's slow burst uses none of the held call's
+    # expected service.
+    shim = make_shim(
+        upstream.url, clock=ManualClock(), max_concurrency=1, max_queue=0, initial_service_time=1.0
+    )
     with ThreadPoolExecutor(1) as pool:
-        held = pool.submit(post_chat, shim.url, HOLD)
+        held = pool.submit(post_chat, shim.url, HOLD, 120.0)
         waiter(lambda: shim.state()["interactive"] == (1, 0), what="slot taken")
         burst = [post_chat(shim.url) for _ in range(5)]
         upstream.release()
