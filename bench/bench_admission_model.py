@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_admission_model.py                               # 30 seeds
     .venv/bin/python bench/bench_admission_model.py --seeds 20 --lengths 20,0.8,160
+    .venv/bin/python bench/bench_admission_model.py --lengths 20,0.8,160 --shim-flags "--max-queue 16"
 
 The overload scenarios (a burst of 200, 2x and 1.2x the engine for 30 s, the demo's load; with
 ``--lengths``, the varied-2x pair), ~0.1 s a run, so a change to admission shows over 20-100
@@ -28,6 +29,7 @@ import heapq
 import itertools
 import math
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -517,7 +519,8 @@ def varied_scenarios(shape: EngineShape, lengths: OutputLengths) -> list[tuple[S
 OVERLOAD_HEADER = (
     "scenario | served within deadline | fewest in a run | interactive served | attempts per call | "
     "first retry admitted | largest retry wave | worst interactive TTFT p99 | idle slot-s per run | "
-    "refusals after a wait | idle while a caller could be served (median) | useful / capacity (median)"
+    "refusals after a wait | refused at once | refusal time p90 | useful tokens | "
+    "idle while a caller could be served (median) | useful / capacity (median)"
 )
 
 
@@ -529,6 +532,8 @@ def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
     retried = sum(r.first_retry_admitted[1] for r in results)
     p99s = [p for r in results if (p := r.ttft_p99()) is not None]
     idle = [r.idle_while_servable_share for r in results]
+    refusals = [t for r in results for c in r.calls for t in c.refusal_times]
+    p90 = percentile(refusals, 90)
     return [
         scenario.name + ("" if scenario.start_deadline else " (no start deadline)"),
         f"{ok}/{calls} = {ok / calls:.1%}",
@@ -539,8 +544,10 @@ def summarize(scenario: Scenario, results: Sequence[ModelResult]) -> list[str]:
         str(max(r.largest_retry_wave for r in results)),
         f"{max(p99s):.2f} s" if p99s else "-",
         f"{sum(r.idle_slot_seconds for r in results) / len(results):.1f}",
-        f"{sum(len(r.refused_after_a_wait) for r in results)} of "
-        f"{sum(len(c.refusal_times) for r in results for c in r.calls)}",
+        f"{sum(len(r.refused_after_a_wait) for r in results)} of {len(refusals)}",
+        str(sum(t == 0 for t in refusals)),
+        "-" if p90 is None else f"{p90:.2f} s",
+        str(sum(r.useful_tokens for r in results)),
         f"{statistics.median(idle):.1%} (max {max(idle):.1%})",
         f"{statistics.median(r.useful_share for r in results):.2f}",
     ]
@@ -555,6 +562,8 @@ def run_overload(args: argparse.Namespace, seeds: list[int]) -> None:
     chosen = [(s, shim_flags(shape, s, hold_batch=False)) for s in [*scenarios(), demo_scenario(quick=False)]]
     if lengths is not None:
         chosen += varied_scenarios(shape, lengths)
+    extra = shlex.split(args.shim_flags)
+    chosen = [(s, [*flags, *extra]) for s, flags in chosen]
     if args.only:
         chosen = [(s, f) for s, f in chosen if s.name in set(args.only.split(","))]
     rows = []
@@ -584,6 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = "output tokens per call from a lognormal (e.g. 20,0.8,160), asked as max_tokens with "
     lengths += "ignore_eos; adds the varied-2x scenarios (default: every call the shape's 20 tokens)"
     p.add_argument("--lengths", default="", metavar="MEDIAN,SIGMA,CAP", help=lengths)
+    extra = 'shim flags added to every scenario\'s, in one string (e.g. "--max-queue 16")'
+    p.add_argument("--shim-flags", default="", metavar="FLAGS", help=extra)
     args = p.parse_args(argv)
     if not 0 <= args.service_jitter < 1:
         p.error("--service-jitter must be in [0, 1)")
