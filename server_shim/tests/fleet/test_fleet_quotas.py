@@ -244,7 +244,10 @@ class Callers:
     async def run(self, steps: Sequence[tuple[float, Any]]) -> list[float]:
         """Call until the steps are done: each is (seconds to wait, function to run then); returns
         what each function returned."""
-        limits = httpx.Limits(max_connections=sum(CALLERS.values()) * 3)
+        # A kept-alive connection idles while its caller calls the other shims; the pool drops
+        # it well before the shims' own idle timeout (uvicorn's 5 s, httpx's default expiry
+        # too), so a call never goes out on a connection the shim is closing at that moment.
+        limits = httpx.Limits(max_connections=sum(CALLERS.values()) * 3, keepalive_expiry=2.0)
         results = []
         async with httpx.AsyncClient(timeout=30, limits=limits) as client:
             turns = {t: [0] for t in self.tenants}
