@@ -25,9 +25,8 @@ each at their expected end: the estimate keeps when each was admitted, not what 
 
 Margins. The service time is an EWMA over about nine requests
 (:meth:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator.service_error` is how far it
-strays), so with varied answer lengths one long answer moves it a lot (160 tokens, 8.2 s,
-against a mean of 1.6 s: by 80 %), and a wait estimated over many turns of the slots moves
-with it. A wait is therefore promised and broken on
+strays), so with varied answer lengths one long answer moves it by half, and a wait estimated
+over many turns of the slots moves with it. A wait is therefore promised and broken on
 different service times, ``margin`` standard errors from the measured one (``margin`` of
 :meth:`QueueWaits.at` and :meth:`QueueWaits.walk`; 0 with answers all alike):
 
@@ -41,12 +40,11 @@ different service times, ``margin`` standard errors from the measured one (``mar
 - a class below the highest is queued, and its derived queue bound counts slots, only at a
   service time ``PROMISE_MARGIN`` errors slower. Its wait is also made of the slots the classes
   above leave it, and the requests of theirs still to come are not in the estimate, so its
-  estimate is optimistic as well as unsteady: with the recheck's margin and none here, more
-  batch callers waited their whole wait to be refused (varied-2x, 20 runs: 15 -> 45). The
-  highest class is promised on the measured time: its wait
+  estimate is optimistic as well as unsteady: on the measured time alone, batch callers waited
+  their whole wait to be refused. The highest class is promised on the measured time: its wait
   is the requests queued ahead of it, and an interactive caller refused at once has no second
-  chance within its budget (with a margin of one error, 3 % fewer interactive calls were
-  served at 2x in the model).
+  chance within its budget (with the margin, 3 % fewer interactive calls were served in the
+  model).
 
 Together, in that model (40 seeds): refusals after a wait 2,000 -> 256 at 2x load (varied-2x:
 2,193 -> 702), calls served within their deadline +0.6 % and useful tokens +1.4 % (varied-2x:
