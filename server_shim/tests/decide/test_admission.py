@@ -150,21 +150,6 @@ def test_a_derived_bound_follows_the_measured_service_time_and_the_limit() -> No
     assert queues.bound("interactive") == 20
 
 
-def test_a_derived_bound_below_the_highest_class_counts_slower_turns_by_the_error() -> None:
-    clock = ManualClock(0.0)
-    estimator = DrainEstimator(EstimatorConfig(initial_service_time=1.0), clock)
-    policies = {name: ClassPolicy(name, None, 10.0) for name in ("interactive", "batch")}
-    queues = ClassQueues(
-        policies, estimator, MovingLimit(2), max_total=None, returning_share=0.0, returning_first=False
-    )
-    for seconds in (1.0, 1.0):
-        estimator.observe_completion("interactive", seconds)
-    assert (queues.bound("interactive"), queues.bound("batch")) == (20, 20)  # answers alike
-    estimator.observe_completion("interactive", 3.0)  # 1.4 s, 0.27 s standard error
-    # 2 slots x 10 s at 1.4 s a turn; batch at 1.4 + 2 x 0.27 = 1.93 s.
-    assert (queues.bound("interactive"), queues.bound("batch")) == (14, 10)
-
-
 def test_zero_queue_admits_when_idle_and_rejects_when_busy(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=0)
     first = ticket(c.submit(req()))

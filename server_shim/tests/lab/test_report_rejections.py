@@ -39,10 +39,8 @@ def test_each_way_a_request_is_refused_is_told_apart(make_controller: MakeContro
     at_arrival = c.submit(AdmissionRequest("interactive", budget=0.5))  # cannot cover 1 s of service
     queued = [c.submit(AdmissionRequest("interactive")) for _ in range(3)]  # 1, 2, 3 s
     assert all(isinstance(t, Ticket) for t in queued)
-    clock.now += 2.8
-    # 2.8 s: the last is a slot away, 1.36 s by the service time measured and 0.88 s at two
-    # standard errors (0.24 s) quicker, as the recheck judges it, with 0.7 s left.
-    moved = c.release(running, Outcome.COMPLETED)
+    clock.now += 2.4
+    moved = c.release(running, Outcome.COMPLETED)  # 2.4 s: the last is 1.3 s away with 1.1 s left
     assert [t.rejection.message.split(":")[0] for t in moved.expired if t.rejection] == [
         "overtaken in the queue"
     ]

@@ -29,9 +29,7 @@ interactive calls within budget fell from 176 to 123 and useful tokens from 23.6
 plain openai through the shim. Classes that
 share one wait (the shim's defaults, the demo) keep each other's promises as before.
 
-Refused at arrival, once a completion was measured (never on the cold-start prior), on the
-wait estimated at a service time :data:`~llm_backoff_shim.decide.waits.PROMISE_MARGIN` standard
-errors slower for a class below the highest (:mod:`~llm_backoff_shim.decide.waits`, margins):
+Refused at arrival, once a completion was measured (never on the cold-start prior):
 
 - a caller whose remaining budget cannot cover the expected queue wait plus the time it needs
   once admitted gets ``queue_timeout``;
@@ -50,10 +48,8 @@ promise yields to it (that caller is told again on its return).
 The recheck (:meth:`Placement.overtaken`) is the safety net for estimator error (service times
 vary; the estimate moves): it re-estimates every queued request from its place and names those
 that can no longer be served within their ``max_queue_wait`` or budget, so they are turned away
-now rather than left to wait it out. It judges at a service time
-:data:`~llm_backoff_shim.decide.waits.BREAK_MARGIN` standard errors quicker than measured: a
-promise is broken on a slower engine, not on one long answer that moved the EWMA. A class's
-guaranteed minimum share bounds its wait, so requests the share will serve in time stay.
+now rather than left to wait it out. A class's guaranteed minimum share bounds its wait, so
+requests the share will serve in time stay.
 """
 
 from __future__ import annotations
@@ -63,14 +59,7 @@ from collections.abc import Iterator
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.queues import ClassQueues
 from llm_backoff_shim.decide.tickets import RejectCode, Ticket
-from llm_backoff_shim.decide.waits import (
-    BREAK_MARGIN,
-    QueueWaits,
-    WaitFn,
-    need_name,
-    promise_margin,
-    service_needed,
-)
+from llm_backoff_shim.decide.waits import QueueWaits, WaitFn, need_name, service_needed
 
 
 class Placement:
@@ -174,8 +163,7 @@ class Placement:
         # vLLM: interactive calls within budget fell when batch promises held slots).
         above = self._queues.above(cls)
         promised_by = above if ticket.returning else (*above, cls)
-        margin = promise_margin(self._queues.rank(cls))
-        expected = self._waits.at(cls, ahead, in_class, promised_by, ticket.places, margin)
+        expected = self._waits.at(cls, ahead, in_class, promised_by, ticket.places)
         if budget is not None:
             need = service_needed(self._estimator, ticket.request)
             if expected + need > budget:
@@ -204,7 +192,7 @@ class Placement:
             return
         ahead = 0
         seen = dict.fromkeys(self._queues.classes, 0)
-        wait = self._waits.walk(soonest=True, margin=-BREAK_MARGIN)
+        wait = self._waits.walk(soonest=True)
         for ticket in self._queues.serve_order():
             why = self.late(ticket, ahead, seen[ticket.cls], now, wait)
             if why is None:

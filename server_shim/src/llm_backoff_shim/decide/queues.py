@@ -3,9 +3,7 @@
 One FIFO queue per traffic class, classes listed highest priority first (``interactive``
 before ``batch``); each class's ``max_queue`` bounds its queue and ``max_queue_total`` all
 queues together. A class without a ``max_queue`` holds what the engine drains within its
-``max_queue_wait`` at the pace measured: every slot turning over at the service time's EWMA,
-for a class below the highest that EWMA plus the margin its waits are promised on
-(:func:`~llm_backoff_shim.decide.waits.promise_margin`).
+``max_queue_wait`` at the pace measured: every slot turning over at the service time's EWMA.
 The bound follows the engine's speed as it is now, where a count measured once (calibrate's
 requests/s at its knee times the wait) moved by 40 % between runs on one engine within ten
 minutes and goes stale when the engine slows. Nobody queued is evicted when it shrinks. Until
@@ -42,7 +40,6 @@ from llm_backoff_shim.decide.drain_estimate import DrainEstimator
 from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest, ClassPolicy
 from llm_backoff_shim.decide.tickets import Ticket
-from llm_backoff_shim.decide.waits import promise_margin
 
 
 def _key(ticket: Ticket) -> tuple[int, ...]:
@@ -160,16 +157,15 @@ class ClassQueues:
 
     def bound(self, cls: str) -> int:
         """``cls``'s queue bound: its ``max_queue``, else what every slot drains within the
-        class's ``max_queue_wait`` at the service time measured (plus its promise margin), at
-        least 1; as many as the slots before any was measured (module docstring)."""
+        class's ``max_queue_wait`` at the service time measured, at least 1; as many as the
+        slots before any was measured (module docstring)."""
         policy = self._policies[cls]
         if policy.max_queue is not None:
             return policy.max_queue
         slots = self._limit.limit
         if not self._estimator.samples:
             return slots
-        rate = self._estimator.capacity_rate(slots, promise_margin(self._rank[cls]))
-        drained = rate * policy.max_queue_wait
+        drained = self._estimator.capacity_rate(slots) * policy.max_queue_wait
         return max(1, math.floor(drained + 1e-9))
 
     def has_room(self, cls: str, returning: bool) -> bool:

@@ -23,33 +23,6 @@ stands for ``k`` places (:attr:`~llm_backoff_shim.decide.tickets.Ticket.places`)
 waits for as many slots to free as it stands for. The requests in flight still free one slot
 each at their expected end: the estimate keeps when each was admitted, not what each costs.
 
-Margins. The service time is an EWMA over about nine requests
-(:meth:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator.service_error` is how far it
-strays), so with varied answer lengths one long answer moves it by half, and a wait estimated
-over many turns of the slots moves with it. A wait is therefore promised and broken on
-different service times, ``margin`` standard errors from the measured one (``margin`` of
-:meth:`QueueWaits.at` and :meth:`QueueWaits.walk`; 0 with answers all alike):
-
-- the recheck breaks a promise only if the request would be late even at a service time
-  ``BREAK_MARGIN`` errors quicker. It runs on every completion and every arrival, so on the
-  measured time alone it fired whenever the EWMA peaked during a wait: in the virtual-time
-  model (bench/bench_admission_model.py, 2x load, varied lengths) the EWMA at a recheck's
-  refusal was a median 1.6 times what it was at the request's arrival, 2,000 refusals in 40
-  runs came after a wait, and with no recheck at all as many calls were served (4,644 against
-  4,666 in 20 runs, useful tokens 125.6k against 125.0k);
-- a class below the highest is queued, and its derived queue bound counts slots, only at a
-  service time ``PROMISE_MARGIN`` errors slower. Its wait is also made of the slots the classes
-  above leave it, and the requests of theirs still to come are not in the estimate, so its
-  estimate is optimistic as well as unsteady: on the measured time alone, batch callers waited
-  their whole wait to be refused. The highest class is promised on the measured time: its wait
-  is the requests queued ahead of it, and an interactive caller refused at once has no second
-  chance within its budget (with the margin, 3 % fewer interactive calls were served in the
-  model).
-
-Together, in that model (40 seeds): refusals after a wait 2,000 -> 256 at 2x load (varied-2x:
-2,193 -> 702), calls served within their deadline +0.6 % and useful tokens +1.4 % (varied-2x:
-+1.8 % and +0.8 %); the burst of 200 served 0.2 % fewer, 0.5 % fewer useful tokens.
-
 What a request needs once admitted (:func:`service_needed`): the whole service, or the first token of
 a stream if so configured or if its budget is for the answer to begin. A caller whose remaining budget
 cannot cover its wait plus that need would only make the engine do work its own deadline cuts.
@@ -65,20 +38,6 @@ from llm_backoff_shim.decide.limit import ConcurrencyLimit
 from llm_backoff_shim.decide.requests import AdmissionRequest
 from llm_backoff_shim.decide.scheduler import ClassScheduler, MinimumShares, ReservedShares
 from llm_backoff_shim.decide.tickets import Ticket
-
-#: Standard errors of the measured service time added to it where a lower class is promised a
-#: wait (module docstring, margins).
-PROMISE_MARGIN = 2.0
-#: Standard errors taken off the measured service time where a promise is broken (module
-#: docstring, margins).
-BREAK_MARGIN = 2.0
-
-
-def promise_margin(rank: int) -> float:
-    """The standard errors of the service time a wait promised to a class of priority ``rank``
-    (0: the highest) allows for (module docstring, margins)."""
-    return PROMISE_MARGIN if rank else 0.0
-
 
 #: ``wait(cls, ahead, in_class, places)``: seconds until a request of ``cls`` standing for
 #: ``places`` queue places, with ``ahead`` places served before it, ``in_class`` of them of its
@@ -118,20 +77,11 @@ class QueueWaits:
         # Seconds before a class's minimum share is due to serve its queue (0: at once).
         self._share_due_in = share_due_in
 
-    def at(
-        self,
-        cls: str,
-        ahead: int,
-        in_class: int,
-        promised_by: Sequence[str],
-        places: int = 1,
-        margin: float = 0.0,
-    ) -> float:
+    def at(self, cls: str, ahead: int, in_class: int, promised_by: Sequence[str], places: int = 1) -> float:
         """Expected wait of a request of ``cls`` with ``ahead`` places served before it under
         strict priority, ``in_class`` of them of its own class, and the promised returns of
         ``promised_by`` due before then served first too (:meth:`DrainEstimator.expected_wait`);
-        ``places``: the places it stands for itself; ``margin``: at a service time that many
-        standard errors from the measured one (module docstring)."""
+        ``places``: the places it stands for itself (module docstring)."""
         est, limit = self._estimator, self._limit.limit
         slots, share = self.lanes(cls, limit)
         extra = places - 1
@@ -139,13 +89,7 @@ class QueueWaits:
 
         def on(lanes: int) -> float:
             return est.expected_wait(
-                ahead + extra,
-                lanes,
-                0,
-                promised_by=promised_by,
-                admitted=self._admitted,
-                turn_class=turns,
-                margin=margin,
+                ahead + extra, lanes, 0, promised_by=promised_by, admitted=self._admitted, turn_class=turns
             )
 
         whole = self.whole_lanes(cls, limit)
@@ -153,8 +97,7 @@ class QueueWaits:
         if whole > slots and wait > self._lower_share_due(cls):
             wait = on(slots)
         if share > 0:
-            by_share = est.expected_wait(in_class + extra, share, 0, margin=margin)
-            wait = min(wait, self._share_delay(cls) + by_share)
+            wait = min(wait, self._share_delay(cls) + est.expected_wait(in_class + extra, share, 0))
         return wait
 
     def _turns(self, cls: str) -> str | None:
@@ -166,7 +109,7 @@ class QueueWaits:
         due_in = self._share_due_in
         return 0.0 if due_in is None else due_in(cls)
 
-    def walk(self, *, soonest: bool = False, margin: float = 0.0) -> WaitFn:
+    def walk(self, *, soonest: bool = False) -> WaitFn:
         """:meth:`at` without promises, for one walk of the queue (placing a newcomer ahead of
         others, the recheck). Each class's slot times are built once per walk, not once per
         queued request: a walk asks for every queued request, on every newcomer placed ahead of
@@ -175,7 +118,6 @@ class QueueWaits:
         ``soonest``: as if a slot freed now (the wait of those ahead only). The estimate has
         no memory of how long the requests in flight have run, so for a request that has
         already waited it overstates the wait; the recheck judges on this bound instead.
-        ``margin``: as :meth:`at`'s.
         """
         est, limit, free = self._estimator, self._limit.limit, 1 if soonest else 0
         tables: dict[str, tuple[SlotTimes, SlotTimes | None, float, SlotTimes | None, float]] = {}
@@ -184,12 +126,12 @@ class QueueWaits:
             table = tables.get(cls)
             if table is None:
                 slots, share = self.lanes(cls, limit)
-                by_share = est.slot_times(share, margin=margin) if share > 0 else None
+                by_share = est.slot_times(share) if share > 0 else None
                 delay = self._share_delay(cls) if share > 0 else 0.0
                 turns = self._turns(cls)
-                at = est.slot_times(slots, self._admitted, turns, margin)
+                at = est.slot_times(slots, self._admitted, turns)
                 whole = self.whole_lanes(cls, limit)
-                at_whole = est.slot_times(whole, self._admitted, turns, margin) if whole > slots else None
+                at_whole = est.slot_times(whole, self._admitted, turns) if whole > slots else None
                 due = self._lower_share_due(cls) if at_whole is not None else math.inf
                 table = tables[cls] = (at, by_share, delay, at_whole, due)
             at, by_share, delay, at_whole, due = table
