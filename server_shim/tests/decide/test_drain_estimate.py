@@ -45,40 +45,6 @@ def test_service_time_is_an_ewma_after_the_first_sample() -> None:
     assert est.samples == 3
 
 
-def test_the_service_error_is_how_far_the_ewma_may_stray_from_the_spread_measured() -> None:
-    est, _ = make(service_time_alpha=0.2)
-    est.observe_completion("interactive", 1.0)
-    est.observe_completion("interactive", 1.0)
-    assert est.service_error() == est.service_error("interactive") == 0.0  # answers all alike
-    est.observe_completion("interactive", 3.0)  # 2 s from the EWMA: variance 0.8 x 0.2 x 4
-    error = math.sqrt(0.64 * 0.2 / 1.8)
-    assert est.service_time == pytest.approx(1.4)
-    assert est.service_error() == pytest.approx(error)
-    assert est.service_error("interactive") == pytest.approx(error)
-    est.observe_completion("batch", 9.0)
-    # One batch answer: its class's EWMA, but every class's spread until a second comes.
-    assert est.class_service_time("batch") == 9.0
-    assert est.service_error("batch") == pytest.approx(est.service_error()) != error
-    est.observe_completion("batch", 9.0)
-    assert est.service_error("batch") == 0.0
-
-
-def test_a_margin_counts_every_service_time_that_many_errors_longer_or_shorter() -> None:
-    est, clock = make(service_time_alpha=0.2)
-    for seconds in (1.0, 1.0, 3.0):
-        est.observe_completion("interactive", seconds)
-    error = est.service_error()
-    assert est.capacity_rate(4, 2.0) == pytest.approx(4 / (1.4 + 2 * error))
-    # Even lanes: the third slot of two frees after one and a half turns.
-    assert est.expected_wait(2, 2, 0, margin=2.0) == pytest.approx(3 * (1.4 + 2 * error) / 2)
-    # The end of the request in flight and the turns after it move alike.
-    held = {"interactive": [clock()]}
-    assert est.expected_wait(0, 1, 0, admitted=held, margin=-2.0) == pytest.approx(1.4 - 2 * error)
-    assert est.expected_wait(1, 1, 0, admitted=held, margin=-2.0) == pytest.approx(2 * (1.4 - 2 * error))
-    # Never below 1 ms a turn, however wide the spread.
-    assert est.expected_wait(3, 1, 0, margin=-100.0) == pytest.approx(4 * 1e-3)
-
-
 def test_capacity_rate_beats_completion_rate_after_light_traffic() -> None:
     # One request every 10 s, each taking 1 s, on 8 slots: completions/s says 0.1 but
     # the engine could drain 8 per second. The Retry-After must follow capacity.

@@ -30,11 +30,6 @@ of that), for callers whose budget ends once tokens flow; a request that says so
 deadline) gets that rule alone.
 Neither rests on the prior: unmeasured means 0 s needed.
 
-Spread (:meth:`DrainEstimator.service_error`): the service times' exponentially weighted
-variance, with the EWMA's weights, gives how far the EWMA itself may stray from the mean it
-estimates; waits promised and broken on it allow for that (``margin`` of
-:meth:`DrainEstimator.slot_times`, :mod:`llm_backoff_shim.decide.waits`).
-
 Token rate (:meth:`DrainEstimator.observe_tokens`): output tokens per second of one slot,
 the EWMA of the tokens of completed requests over the EWMA of their service times (a ratio
 of averages, so a short request's prefill does not swing it). It prices a request that says
@@ -101,12 +96,6 @@ def _ewma(average: float | None, sample: float, alpha: float) -> float:
     return sample if average is None else average + alpha * (sample - average)
 
 
-def _ewvar(variance: float, deviation: float, alpha: float) -> float:
-    """The exponentially weighted variance after a sample ``deviation`` away from the EWMA
-    (the EWMA's weights, so that it describes the samples the EWMA averages)."""
-    return (1.0 - alpha) * (variance + alpha * deviation * deviation)
-
-
 class _DecayingRate:
     """Events per second with exponential forgetting (time constant ``tau``).
 
@@ -152,10 +141,6 @@ class DrainEstimator:
         # Per class: EWMA of its service times and of its streams' first bytes (what one of its
         # requests needs once admitted).
         self._class_service: dict[str, float] = {}
-        # Exponentially weighted variance of the service times, of all and per class (see
-        # service_error).
-        self._service_var = 0.0
-        self._class_var: dict[str, float] = {}
         self._class_first_byte: dict[str, float] = {}
         self._promises = PromiseTimeline(clock, config.retry_after_min)
 
@@ -190,31 +175,15 @@ class DrainEstimator:
                 # The prior is a guess: the first measurement replaces it outright.
                 self._service_time = service_time
             else:
-                self._service_var = _ewvar(self._service_var, service_time - self._service_time, alpha)
                 self._service_time += alpha * (service_time - self._service_time)
             self._samples += 1
-            mine = self._class_service.get(cls)
-            if mine is not None:
-                self._class_var[cls] = _ewvar(self._class_var.get(cls, 0.0), service_time - mine, alpha)
-            self._class_service[cls] = _ewma(mine, service_time, alpha)
+            self._class_service[cls] = _ewma(self._class_service.get(cls), service_time, alpha)
         self._rate(cls).add(now)
 
     def class_service_time(self, cls: str | None) -> float:
         """EWMA of ``cls``'s service times once one was measured, else :attr:`service_time`."""
         mine = None if cls is None else self._class_service.get(cls)
         return self._service_time if mine is None else mine
-
-    def service_error(self, cls: str | None = None) -> float:
-        """The standard error of :meth:`class_service_time` (every class's until two of ``cls``
-        were measured; 0 until two were measured at all): the
-        service times' weighted standard deviation times ``sqrt(alpha / (2 - alpha))``, how
-        far an EWMA of independent samples strays from their mean, one sample in about
-        ``(2 - alpha) / alpha`` counting. It is what a wait estimate may be off by per turn
-        of a slot because the service time was measured on few requests (see
-        :meth:`slot_times`' ``margin``)."""
-        variance = self._service_var if cls is None else self._class_var.get(cls, self._service_var)
-        alpha = self._config.service_time_alpha
-        return math.sqrt(variance * alpha / (2.0 - alpha))
 
     def observe_first_byte(self, seconds: float, cls: str | None = None) -> None:
         """Record seconds from admission to a streaming response's first body byte (first token)
@@ -289,11 +258,10 @@ class DrainEstimator:
         rate = self._completions.get(cls)
         return 0.0 if rate is None else rate.value(self._clock())
 
-    def capacity_rate(self, slots: int, margin: float = 0.0) -> float:
-        """Slots freed per second when all ``slots`` are busy (Little's law); ``margin``: at a
-        service time that many :meth:`service_error` longer."""
+    def capacity_rate(self, slots: int) -> float:
+        """Slots freed per second when all ``slots`` are busy (Little's law)."""
         # A zero EWMA (instant upstream) would make the rate infinite; 1 ms floors it.
-        return max(1, slots) / max(self._service_time + margin * self.service_error(), 1e-3)
+        return max(1, slots) / max(self._service_time, 1e-3)
 
     def expected_wait(
         self,
@@ -304,7 +272,6 @@ class DrainEstimator:
         promised_by: Iterable[str] = (),
         admitted: Admitted | None = None,
         turn_class: str | None = None,
-        margin: float = 0.0,
     ) -> float:
         """Seconds until a request with ``ahead`` others queued before it gets a slot.
 
@@ -327,14 +294,11 @@ class DrainEstimator:
         ``turn_class``: after its first end, a slot serves the requests queued ahead, so it
         turns over at their service time: ``turn_class``'s when they are all of that class
         (the highest class waiting), else the mean over every class.
-
-        ``margin``: every service time counted ``margin`` :meth:`service_error` longer
-        (negative: shorter), floored at 1 ms.
         """
         needed = ahead + 1 - max(0, free_slots)
         if needed <= 0:
             return 0.0
-        at = self.slot_times(slots, admitted, turn_class, margin)
+        at = self.slot_times(slots, admitted, turn_class)
         wait = at(needed)
         classes = tuple(promised_by)
         if classes:
@@ -350,29 +314,28 @@ class DrainEstimator:
         return wait
 
     def slot_times(
-        self, slots: int, admitted: Admitted | None = None, turn_class: str | None = None, margin: float = 0.0
+        self, slots: int, admitted: Admitted | None = None, turn_class: str | None = None
     ) -> Callable[[int], float]:
         """``at(n)``: seconds from now until the n-th slot (n >= 1) of ``slots`` frees; see
         :meth:`expected_wait` for ``admitted`` and ``turn_class``. Built once, it answers for
         any n as long as the clock, the service times and the requests in flight stay as they
-        are: a walk of the queue asks it once per queued request instead of rebuilding it.
-        ``margin``: as :meth:`expected_wait`'s."""
+        are: a walk of the queue asks it once per queued request instead of rebuilding it."""
         lanes = max(1, slots)
         if admitted is None:
-            service = max(self._service_time + margin * self.service_error(), 1e-3)
+            service = max(self._service_time, 1e-3)
 
             def at(n: int) -> float:
                 return n * service / lanes
 
             return at
-        turn = max(self.class_service_time(turn_class) + margin * self.service_error(turn_class), 1e-3)
+        turn = max(self.class_service_time(turn_class), 1e-3)
         now = self._clock()
         by_class = {"": admitted} if isinstance(admitted, Sequence) else admitted
         held = sum(len(times) for times in by_class.values())
         idle = lanes - min(held, lanes)
 
         def ends_of(cls: str, times: Sequence[float]) -> Iterator[float]:
-            took = self.class_service_time(cls or None) + margin * self.service_error(cls or None)
+            took = self.class_service_time(cls or None)
             return (max(0.0, t + took - now) for t in times)
 
         # The first frees are the lanes nobody holds (now), then the soonest ends; a class's
