@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import json
 import random
@@ -21,7 +22,7 @@ from llm_backoff_shim.lab.figures import figures, max_in_window, percentile
 from llm_backoff_shim.lab.load_records import AttemptRecord, CallRecord, RunResult, Sample
 from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.procs import ChildServer, ServerStartError
-from llm_backoff_shim.lab.report import comparison, table
+from llm_backoff_shim.lab.report import comparison, explained_comparison, table
 from llm_backoff_shim.lab.scenario import (
     DIRECT_PLAIN,
     SHIM_BACKOFF,
@@ -195,6 +196,13 @@ def test_figures_from_known_records() -> None:
     side = comparison([f, f])
     assert side.count(SHIM_BACKOFF.label) == 2
     assert "1 / 1" in side
+    # Where a configuration had nothing refused, its "-" is said where it is printed.
+    unrefused = dataclasses.replace(f, label="none refused", rejection_p99=None)
+    explained = " ".join(explained_comparison([unrefused, f], result.scenario).split())
+    assert "- where no attempt was refused" in explained
+    assert "- where no attempt was refused" not in " ".join(
+        explained_comparison([f, f], result.scenario).split()
+    )
 
 
 # -- the counting transport -------------------------------------------------------------------

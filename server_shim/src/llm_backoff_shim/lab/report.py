@@ -313,7 +313,8 @@ def explained_comparison(all_figures: Sequence[Figures], scenario: Scenario, wid
         (
             ["p99 time to rejection", *[_seconds(f.rejection_p99) for f in fs]],
             "from an HTTP attempt's last byte to its 429/503; the long ones waited in the shim's "
-            "queue first and left it unserved (queue_timeout)",
+            "queue first and left it unserved (queue_timeout)"
+            + ("; - where no attempt was refused" if any(f.rejection_p99 is None for f in fs) else ""),
         ),
         (
             [
