@@ -22,7 +22,7 @@ from llm_backoff_shim.lab.figures import figures, max_in_window, percentile
 from llm_backoff_shim.lab.load_records import AttemptRecord, CallRecord, RunResult, Sample
 from llm_backoff_shim.lab.loadgen import LoadRun
 from llm_backoff_shim.lab.procs import ChildServer, ServerStartError
-from llm_backoff_shim.lab.report import comparison, explained_comparison, table
+from llm_backoff_shim.lab.report import comparison, explained_comparison, reading, table
 from llm_backoff_shim.lab.scenario import (
     DIRECT_PLAIN,
     SHIM_BACKOFF,
@@ -200,6 +200,11 @@ def test_figures_from_known_records() -> None:
     unrefused = dataclasses.replace(f, label="none refused", rejection_p99=None)
     explained = " ".join(explained_comparison([unrefused, f], result.scenario).split())
     assert "- where no attempt was refused" in explained
+    # Each ratio in the reading under it names what it is a ratio of.
+    useful = dataclasses.replace(f, useful_tokens=100)
+    said = " ".join(reading([useful, useful, useful], 6.0).split())
+    assert "useful tokens 1.00x of those straight at the engine" in said
+    assert "useful tokens 1.00x of plain openai straight at the engine" in said
     assert "- where no attempt was refused" not in " ".join(
         explained_comparison([f, f], result.scenario).split()
     )
