@@ -77,7 +77,7 @@ source scripts/venv-install.sh
 # -- installs: five venvs at once, with uv (scripts/venv-install.sh) -----------------------------
 install_main() {
   # With the light third-party clients of docs/integrations.md (tests/integrations, in the main
-  # run), in the same pip run.
+  # run), in the same install.
   SDK_EXTRAS=test,redis,integrations source scripts/setup-venv.sh
   "$VENV/bin/python" -c 'import openai; print("openai", openai.__version__)'
 }

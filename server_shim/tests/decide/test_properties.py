@@ -96,10 +96,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.configured = True
 
     def _note(self, tickets: list[Ticket]) -> None:
+        live = (TicketState.QUEUED, TicketState.ADMITTED)
         for t in tickets:
             self.admission_order[t.cls].append(t.id)
             above = CLASSES[: CLASSES.index(t.cls)]
-            live = (TicketState.QUEUED, TicketState.ADMITTED)
             if above and not any(o.cls in above and o.state in live for o in self.tickets):
                 self.unheld.add(t.id)
 

@@ -200,14 +200,14 @@ def test_figures_from_known_records() -> None:
     unrefused = dataclasses.replace(f, label="none refused", rejection_p99=None)
     explained = " ".join(explained_comparison([unrefused, f], result.scenario).split())
     assert "- where no attempt was refused" in explained
+    assert "- where no attempt was refused" not in " ".join(
+        explained_comparison([f, f], result.scenario).split()
+    )
     # Each ratio in the reading under it names what it is a ratio of.
     useful = dataclasses.replace(f, useful_tokens=100)
     said = " ".join(reading([useful, useful, useful], 6.0).split())
     assert "useful tokens 1.00x of those straight at the engine" in said
     assert "useful tokens 1.00x of plain openai straight at the engine" in said
-    assert "- where no attempt was refused" not in " ".join(
-        explained_comparison([f, f], result.scenario).split()
-    )
 
 
 # -- the counting transport -------------------------------------------------------------------
