@@ -5,9 +5,10 @@ Statuses, in order of precedence:
 1. below 400: success, nothing to retry;
 2. 400, 401, 403, 404, 422: never (the same request cannot succeed later), whatever
    the server's ``x-should-retry`` says;
-3. ``x-should-retry: false``: no;
+3. ``x-should-retry: false``, or the shim's ``x-llm-backoff-refusal: final-...``: no;
 4. a 429 whose body says ``insufficient_quota``: no (waiting does not refill an account);
-5. ``x-should-retry: true``: yes, even for a status outside ``retry_statuses``;
+5. ``x-should-retry: true``, or ``x-llm-backoff-refusal: retry-...``: yes, even for a status
+   outside ``retry_statuses``;
 6. otherwise: yes iff the status is in ``policy.retry_statuses``.
 
 Exceptions: timeouts (connect, read, write, pool) are retried when
@@ -51,6 +52,10 @@ class Verdict(NamedTuple):
 #: The error code of the shim's answer when its engine (or its tenant-quota store) cannot be
 #: reached: 503 with ``{"error": {"code": "upstream_unavailable", ...}}`` (docs/protocol.md).
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
+
+#: The shim's (and its shipped balancers') header on every answer it makes itself: ``retry-<code>``
+#: when the same request may succeed later, ``final-<code>`` when it cannot (docs/protocol.md).
+REFUSAL_HEADER = "x-llm-backoff-refusal"
 
 #: A gateway's "the server behind me did not answer" (502 Bad Gateway, 504 Gateway Timeout):
 #: counted as unreachable only without a hint, since a hint is a server's plan to be back.
@@ -128,10 +133,15 @@ def classify_status(
     should_retry = (headers.get("x-should-retry") or "").strip().lower()
     if should_retry == "false":
         return Verdict(False, f"{what}, server sent x-should-retry: false", unreachable)
+    refusal = (headers.get(REFUSAL_HEADER) or "").strip().lower()
+    if refusal.startswith("final-"):
+        return Verdict(False, f"{what}, server sent {REFUSAL_HEADER}: {refusal}", unreachable)
     if status == 429 and is_insufficient_quota(body):
         return Verdict(False, "status 429 insufficient_quota (out of credit, not a rate limit)")
     if should_retry == "true":
         return Verdict(True, f"{what}, server sent x-should-retry: true", unreachable)
+    if refusal.startswith("retry-"):
+        return Verdict(True, f"{what}, server sent {REFUSAL_HEADER}: {refusal}", unreachable)
     if status in policy.retry_statuses:
         return Verdict(True, what, unreachable)
     return Verdict(False, f"{what} is not in retry_statuses", unreachable)

@@ -7,11 +7,14 @@ tests skip without them, and fail instead when CI is set.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import socket
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from llm_backoff_shim.lab.fleet import LoadBalancer
@@ -138,3 +141,23 @@ def test_the_deploy_doc_names_the_files_the_command_and_the_tested_versions() ->
         "retries 4",
     ):
         assert needed in fleet, needed
+
+
+@pytest.mark.parametrize("lb", ["nginx", "haproxy"])
+def test_the_balancers_own_refusal_says_a_retry_can_succeed(lb: str, tmp_path: Path) -> None:
+    """With no replica reachable the balancer answers itself: a 503 in the shim's format, with
+    the shim's refusal-reason header (docs/protocol.md)."""
+    binary(lb)
+    with contextlib.ExitStack() as stack:
+        dead = []
+        for _ in range(3):  # bound, never listening: every connection is refused
+            probe = stack.enter_context(socket.socket())
+            probe.bind(("127.0.0.1", 0))
+            dead.append(f"127.0.0.1:{probe.getsockname()[1]}")
+        balancer = LoadBalancer(lb, dead, tmp_path).start()
+        stack.callback(balancer.stop)
+        response = httpx.post(balancer.url + "/v1/chat/completions", json={"model": "m"}, timeout=30)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "upstream_unavailable"
+    assert response.headers["retry-after"] == "1"
+    assert response.headers["x-llm-backoff-refusal"] == "retry-upstream-unavailable"

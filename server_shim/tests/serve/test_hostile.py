@@ -230,6 +230,7 @@ def test_chunked_oversized_body_is_cut_at_the_limit(
     )
     assert response.status_code == 413
     assert openai_error(response)["code"] == "request_too_large"
+    assert response.headers["x-llm-backoff-refusal"] == "final-request-too-large"
     assert shim.bad_requests()["body_too_large"] == 1
     assert upstream.received == []
     still_serves(shim)
@@ -373,6 +374,7 @@ def test_enormous_heads_get_431(guarded: Callable[..., GuardedShim], upstream: A
     assert status == 431
     assert headers["connection"] == "close"
     assert body["error"]["code"] == "headers_too_large"
+    assert headers["x-llm-backoff-refusal"] == "final-headers-too-large"
     assert shim.bad_requests()["headers_too_large"] == 1
     assert upstream.received == []
     still_serves(shim)

@@ -401,7 +401,10 @@ def test_an_oversized_upstream_head_is_a_502_never_relayed_and_the_slot_comes_ba
     error = json.loads(body)["error"]
     assert (error["type"], error["code"]) == ("server_error", "bad_upstream_response")
     assert len(received) < 2000  # nothing of the upstream's head came through
-    assert not any(name.startswith("x-") and name != "x-queue-time-ms" for name in headers)
+    assert not any(
+        name.startswith("x-") and name not in ("x-queue-time-ms", "x-llm-backoff-refusal") for name in headers
+    )
+    assert headers["x-llm-backoff-refusal"] == "retry-bad-upstream-response"
     if what == "endless-head":
         waiter(lambda: recording.endless_cut, what="the shim to cut the endless head")
         assert recording.endless_sent < 64 << 20  # read up to the limit, then the connection dropped

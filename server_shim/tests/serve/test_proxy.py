@@ -134,6 +134,7 @@ def test_in_flight_cap_and_bounded_queue(upstream: Any, make_shim: Callable[...,
             assert error["type"] == "server_overloaded"
             assert error["param"] is None
             assert error["queue_depth"] == 3
+            assert response.headers["x-llm-backoff-refusal"] == "retry-queue-full"
             assert int(response.headers["retry-after"]) >= 1
             assert int(response.headers["retry-after-ms"]) == round(error["retry_after_seconds"] * 1000)
             assert error["message"].endswith(f"retry in {response.headers['retry-after']} s")
@@ -489,6 +490,7 @@ def test_absent_upstream_gives_503_upstream_unavailable(make_shim: Callable[...,
             error = response.json()["error"]
             assert error["code"] == "upstream_unavailable"
             assert int(response.headers["retry-after"]) >= 1
+            assert response.headers["x-llm-backoff-refusal"] == "retry-upstream-unavailable"
         assert httpx.get(shim.url + "/health").status_code == 200
         ready = httpx.get(shim.url + "/ready", timeout=10)
         assert ready.status_code == 503

@@ -325,6 +325,7 @@ def test_class_map_and_unknown_or_forbidden_classes(
     forbidden = chat(shim.url, "sk-nightly", x_request_class="interactive")
     assert forbidden.status_code == 403
     assert forbidden.json()["error"]["code"] == "class_not_allowed"
+    assert forbidden.headers["x-llm-backoff-refusal"] == "final-class-not-allowed"
     unknown = chat(shim.url, "sk-nightly", x_request_class="overnight")
     assert unknown.status_code == 400
     assert unknown.json()["error"]["code"] == "invalid_request_class"

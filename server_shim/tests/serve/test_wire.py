@@ -7,7 +7,15 @@ import json
 import pytest
 
 from llm_backoff_shim.decide.tickets import Rejection
-from llm_backoff_shim.serve.api.rejection import client_error, rejection_response, retry_after_header
+from llm_backoff_shim.serve.api.rejection import (
+    Refusal,
+    client_error,
+    in_shape,
+    rejection_response,
+    retry_after_header,
+    server_error,
+)
+from llm_backoff_shim.serve.api.routes import Shape
 from llm_backoff_shim.serve.request_path.headers import strip_hop_by_hop
 from llm_backoff_shim.serve.request_path.intake import parse_budget, parse_request_start, waited_since
 from llm_backoff_shim.serve.request_path.proxy import is_generation
@@ -158,3 +166,46 @@ def test_generation_endpoints() -> None:
     assert not is_generation("GET", "/v1/chat/completions")
     assert not is_generation("POST", "/v1/models")
     assert not is_generation("GET", "/v1/responses/resp_123")
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        # Refusals for load or quota: worth retrying whatever status the operator chose.
+        (
+            rejection_response(Rejection(code="queue_full", message="m", retry_after=1.0), 429),
+            b"retry-queue-full",
+        ),
+        (
+            rejection_response(Rejection(code="slo_shed", message="m", retry_after=1.0), 503),
+            b"retry-slo-shed",
+        ),
+        (
+            rejection_response(Rejection(code="tenant_rate_limited", message="m", retry_after=9.0), 429),
+            b"retry-tenant-rate-limited",
+        ),
+        (
+            rejection_response(
+                Rejection(code="upstream_unavailable", message="m", retry_after=1.0, status=503), 429
+            ),
+            b"retry-upstream-unavailable",
+        ),
+        # About the request itself: the same request cannot succeed.
+        (client_error("m", code="class_not_allowed", status=403), b"final-class-not-allowed"),
+        (client_error("m", code="invalid_json"), b"final-invalid-json"),
+        (client_error("m", code="request_too_large", status=413), b"final-request-too-large"),
+        (client_error("no such path", status=404), b"final-status-404"),
+        # A client too slow to send its body may do better next time.
+        (client_error("m", code="body_timeout", status=408), b"retry-body-timeout"),
+        (server_error("m", code="bad_upstream_response"), b"retry-bad-upstream-response"),
+    ],
+)
+def test_every_answer_the_shim_makes_says_whether_a_retry_can_succeed(answer: Refusal, reason: bytes) -> None:
+    assert [v for k, v in answer.headers if k == b"x-llm-backoff-refusal"] == [reason]
+
+
+def test_the_refusal_reason_survives_the_anthropic_shape() -> None:
+    refusal = rejection_response(Rejection(code="queue_full", message="m", retry_after=1.0), 429)
+    shaped = in_shape(refusal, Shape.ANTHROPIC)
+    assert shaped.status == 529
+    assert dict(shaped.headers)[b"x-llm-backoff-refusal"] == b"retry-queue-full"

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, replace
 
 from llm_backoff_shim.decide.tickets import Rejection
-from llm_backoff_shim.http.errors import error_body
+from llm_backoff_shim.http.errors import REFUSAL_HEADER, error_body, refusal_reason
 from llm_backoff_shim.http.interface import wire_answer
 from llm_backoff_shim.serve.api.routes import Shape
 
@@ -129,6 +129,7 @@ def _render_rejection(
         (b"content-length", str(len(body)).encode()),
         (b"retry-after", str(whole).encode()),
         (b"retry-after-ms", str(millis).encode()),
+        (REFUSAL_HEADER, refusal_reason(status, rejection.code, retry=True)),
     )
     return status, headers, body
 
@@ -155,7 +156,12 @@ def client_error(
     """An OpenAI-format error for a request the shim will not forward, counted as ``reason``
     (by default its ``code``: a metric's reason and the wire's code name one thing alike)."""
     body = error_body(message, "invalid_request_error", code, param)
-    return _json(status, body, [], (code or "") if reason is None else reason)
+    return _json(
+        status,
+        body,
+        [(REFUSAL_HEADER, refusal_reason(status, code))],
+        (code or "") if reason is None else reason,
+    )
 
 
 #: Anthropic's status for "overloaded": its SDKs retry it and raise ``OverloadedError``.
@@ -210,7 +216,9 @@ def wire_form(response: Refusal, shape: Shape) -> tuple[int, bytes]:
 
 def server_error(message: str, *, code: str, status: int = 502) -> Refusal:
     """An OpenAI-format error for an upstream answer the shim will not relay (nginx: 502)."""
-    return _json(status, error_body(message, "server_error", code), [])
+    return _json(
+        status, error_body(message, "server_error", code), [(REFUSAL_HEADER, refusal_reason(status, code))]
+    )
 
 
 def _json(status: int, payload: bytes, headers: RawHeaders, reason: str = "") -> Refusal:
