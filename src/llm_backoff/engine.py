@@ -77,7 +77,8 @@ class RetryEngine:
     Shareable across threads and tasks: per-call state lives in a fresh call of
     `attempt_core.call_steps`; the shared pieces (observers, limiter, budget) are
     thread-safe. ``follow_rate_headers`` paces sends by the server's stated budget
-    (`pacing`; `wrap` turns it on by default). ``stats`` counts what this engine did; ``watchers`` (stats first) see
+    (`pacing`; `wrap` turns it on by default). ``stats`` counts what this engine did;
+    ``watchers`` (stats first) see
     every call. ``clock``/``wall_clock``/``rng``/``sleep``/``async_sleep`` are
     injectable for tests.
     """

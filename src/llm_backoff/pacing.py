@@ -5,7 +5,8 @@ estimated LLM tokens, the same estimate `ratelimit.RateLimiter` charges). A resp
 ticket ``X`` that says ``remaining = R`` means the server will take sends up to number
 ``X + R`` in that count, less one for each earlier send still unanswered (the server may not
 have counted it yet, so it is assumed not to have). A send may go while its number stays
-within that bound for every limit; the newest response re-bases the bound. Counting in sends
+within that bound for every limit. Until the stated reset only a tighter bound replaces it
+(answers overtake each other, so a looser one may be older news); after it, any answer does. Counting in sends
 rather than in time keeps it exact under any latency, and concurrent senders share the
 remaining budget instead of each believing it has all of it.
 
@@ -83,7 +84,13 @@ class PaceState:
                     b.bound = self.sends + 1.0
                     b.reset_at = None
                 else:
-                    b.bound += max(0.0, b.limit - b.remaining)
+                    # A send in flight within the old budget may land in the new window:
+                    # count it there too (those beyond it are charged there already).
+                    if b.kind == "requests":
+                        unsure = sum(1.0 for t in self.in_flight.values() if t.sends <= b.bound)
+                    else:
+                        unsure = sum(t.cost for t in self.in_flight.values() if t.tokens <= b.bound)
+                    b.bound += max(0.0, b.limit - b.remaining) - unsure
                     b.remaining = b.limit
                     b.reset_at = None
 
@@ -124,6 +131,11 @@ class PaceState:
                 bound = ticket.sends + limit.remaining - len(earlier)
             else:
                 bound = ticket.tokens + limit.remaining - sum(t.cost for t in earlier)
+            held = self.limits.get(limit.name)
+            if held is not None and held.reset_at is not None and now < held.reset_at and bound >= held.bound:
+                # Before the reset a looser answer is an older one: the server may have taken
+                # an earlier-numbered send after this one (answers overtake each other).
+                continue
             reset_at = None if limit.reset is None else now + limit.reset
             self.limits[limit.name] = _Bound(limit.kind, bound, limit.remaining, limit.limit, reset_at)
 
