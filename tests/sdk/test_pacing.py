@@ -62,7 +62,7 @@ def test_the_stated_remaining_is_shared_by_the_sends_after_it() -> None:
 
 def test_an_earlier_send_still_unanswered_counts_against_the_budget() -> None:
     state = PaceState()
-    early = state.take(0)
+    state.take(0)  # still unanswered
     later = state.take(0)
     state.observe(later, requests_limit(1), now=0.0)  # the server may not have counted `early` yet
     assert state.wait(0, now=0.0) == 10.0
