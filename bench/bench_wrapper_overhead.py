@@ -2,11 +2,21 @@
 
     .venv/bin/python bench/bench_wrapper_overhead.py [--rounds 41] [--calls 200] [--clock cpu|wall]
     .venv/bin/python bench/bench_wrapper_overhead.py --mode opcodes
+    .venv/bin/python bench/bench_wrapper_overhead.py --mode quota [--window 60] [--windows 3]
+        [--headers openai|anthropic|ietf] [--arms plain,off,paced]
 
 Both clients on one in-process mock transport; rounds of ``--calls`` calls interleave bare and
 wrapped. Reported: the median round's wrapped/bare ratio (IQR, distribution-free 95 % CI), the
 pooled ratio and the ratio of the fastest rounds, in process CPU time (``--clock wall`` for quiet
 machines). ``--mode opcodes`` counts bytecode instructions per call: blind to C, exact under load.
+
+``--mode quota``: 8 threads on one client against a loopback server enforcing 60 requests and
+40,000 LLM tokens (``estimate_tokens``) per fixed window of ``--window`` seconds, stated on every
+answer in the ``--headers`` family, refusals answered 429 with Retry-After. Each request asks for
+650 tokens (about 663 estimated), so both limits nearly bind. Arms: ``plain`` (openai, its own
+retries), ``off`` (``wrap(follow_rate_headers=False)``), ``paced`` (``wrap()``); the SDK arms with
+a deadline of two windows. Reported per arm: refused attempts as a share of all, and requests
+and tokens admitted as a share of the quota (limit x windows).
 """
 
 from __future__ import annotations
@@ -168,9 +178,168 @@ def opcodes_report() -> None:
         loop.close()
 
 
+QUOTA_REQUESTS = 60
+QUOTA_TOKENS = 40_000
+QUOTA_ASK: Any = {
+    "model": "m",
+    "max_tokens": 650,
+    "messages": [{"role": "user", "content": "Write a short poem about rate limits."}],
+}
+
+
+class QuotaServer:
+    """Fixed windows of ``QUOTA_REQUESTS`` requests and ``QUOTA_TOKENS`` tokens, stated on every answer."""
+
+    def __init__(self, window: float, family: str) -> None:
+        import threading
+
+        self.window = window
+        self.family = family
+        self.started = time.monotonic()
+        self.used: dict[int, list[float]] = {}
+        self.admitted = [0, 0.0]
+        self.refused = 0
+        self.lock = threading.Lock()
+
+    def headers(self, left: list[float], reset: float) -> dict[str, str]:
+        limits = {"requests": (QUOTA_REQUESTS, left[0]), "tokens": (QUOTA_TOKENS, left[1])}
+        out: dict[str, str] = {}
+        if self.family == "openai":
+            for name, (limit, remaining) in limits.items():
+                out[f"x-ratelimit-limit-{name}"] = str(limit)
+                out[f"x-ratelimit-remaining-{name}"] = str(math.floor(remaining))
+                out[f"x-ratelimit-reset-{name}"] = f"{math.ceil(reset * 1000)}ms"
+        elif self.family == "anthropic":
+            from datetime import datetime, timezone
+
+            at = datetime.fromtimestamp(time.time() + reset + 0.002, tz=timezone.utc).isoformat()
+            for name, (limit, remaining) in limits.items():
+                out[f"anthropic-ratelimit-{name}-limit"] = str(limit)
+                out[f"anthropic-ratelimit-{name}-remaining"] = str(math.floor(remaining))
+                out[f"anthropic-ratelimit-{name}-reset"] = at
+        else:
+            w = math.ceil(self.window)
+            out["ratelimit-policy"] = ", ".join(f'"{n}";q={q};w={w}' for n, (q, _) in limits.items())
+            out["ratelimit"] = ", ".join(
+                f'"{n}";r={math.floor(r)};t={math.ceil(reset)}' for n, (_, r) in limits.items()
+            )
+        return out
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        from llm_backoff.tokens import estimate_tokens
+
+        async def answer(request: Request) -> Response:
+            body = await request.body()
+            cost = float(estimate_tokens(body))
+            now = time.monotonic()
+            index = int((now - self.started) // self.window)
+            with self.lock:
+                used = self.used.setdefault(index, [0, 0.0])
+                admitted = used[0] + 1 <= QUOTA_REQUESTS and used[1] + cost <= QUOTA_TOKENS
+                if admitted:
+                    used[0] += 1
+                    used[1] += cost
+                    self.admitted[0] += 1
+                    self.admitted[1] += cost
+                else:
+                    self.refused += 1
+                left = [QUOTA_REQUESTS - used[0], QUOTA_TOKENS - used[1]]
+            reset = self.started + (index + 1) * self.window - now
+            headers = self.headers(left, reset)
+            if admitted:
+                return Response(COMPLETION, media_type="application/json", headers=headers)
+            headers["retry-after"] = str(math.ceil(reset))
+            error = {"message": "quota", "type": "rate_limit_exceeded", "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=429, headers=headers)
+
+        return Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"])])
+
+
+def quota_arm(arm: str, window: float, windows: int, family: str) -> dict[str, float]:
+    import contextlib
+    import socket
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    server = QuotaServer(window, family)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    config = uvicorn.Config(server.app(), log_level="warning", lifespan="off")
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(runner.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not runner.started:
+        time.sleep(0.01)
+    base = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="sk-bench")
+    policy = llm_backoff.RetryPolicy(deadline=2 * window)
+    client = {
+        "plain": base,
+        "off": llm_backoff.wrap(base, policy, follow_rate_headers=False),
+        "paced": llm_backoff.wrap(base, policy),
+    }[arm]
+    failed = [0]
+    server.started = time.monotonic()
+    end = server.started + window * windows
+
+    def loop() -> None:
+        while time.monotonic() < end:
+            try:
+                client.chat.completions.create(**QUOTA_ASK)
+            except (openai.APIError, llm_backoff.RateLimitTimeout):
+                failed[0] += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        for future in [pool.submit(loop) for _ in range(8)]:
+            future.result()
+    runner.should_exit = True
+    thread.join(5)
+    with contextlib.suppress(OSError):
+        sock.close()
+    # Answers after the last window (a call in flight at the end) are not part of the quota.
+    within = [used for index, used in server.used.items() if index < windows]
+    admitted, tokens = sum(u[0] for u in within), sum(u[1] for u in within)
+    attempts = server.admitted[0] + server.refused
+    return {
+        "attempts": attempts,
+        "refused": server.refused,
+        "refused_share": server.refused / attempts if attempts else 0.0,
+        "requests_used": admitted / (QUOTA_REQUESTS * windows),
+        "tokens_used": tokens / (QUOTA_TOKENS * windows),
+        "failed_calls": failed[0],
+    }
+
+
+def quota_report(window: float, windows: int, family: str, arms: list[str]) -> None:
+    print(
+        f"8 threads, {QUOTA_REQUESTS} requests and {QUOTA_TOKENS} tokens per {window:g} s window, "
+        f"{windows} windows, {family} headers"
+    )
+    print("| arm | attempts | refused | refused share | requests used | tokens used | failed calls |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for arm in arms:
+        r = quota_arm(arm, window, windows, family)
+        print(
+            f"| {arm} | {r['attempts']:.0f} | {r['refused']:.0f} | {r['refused_share'] * 100:.1f} % | "
+            f"{r['requests_used']:.3f} | {r['tokens_used']:.3f} | {r['failed_calls']:.0f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("overhead", "opcodes"), default="overhead")
+    parser.add_argument("--mode", choices=("overhead", "opcodes", "quota"), default="overhead")
+    parser.add_argument("--window", type=float, default=60.0, help="quota mode: seconds per window")
+    parser.add_argument("--windows", type=int, default=3, help="quota mode: windows per arm")
+    parser.add_argument("--headers", choices=("openai", "anthropic", "ietf"), default="openai")
+    parser.add_argument("--arms", default="plain,off,paced", help="quota mode: comma-separated arms")
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=200, help="calls per client per round")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
@@ -180,6 +349,10 @@ def main() -> None:
     if args.mode == "opcodes":
         print(versions)
         opcodes_report()
+        return
+    if args.mode == "quota":
+        print(versions)
+        quota_report(args.window, args.windows, args.headers, args.arms.split(","))
         return
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
