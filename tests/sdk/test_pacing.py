@@ -320,3 +320,10 @@ def test_tasks_of_an_anthropic_client_wait_too(serve: Callable[..., str]) -> Non
     contextvars.copy_context().run(asyncio.run, main())
     assert server.refused == 0
     assert server.admitted == 3 * LIMIT + 1
+
+
+def test_the_switch_takes_only_a_bool() -> None:
+    with pytest.raises(TypeError, match="follow_rate_headers must be True or False"):
+        llm_backoff.wrap(
+            openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="k"), follow_rate_headers="no"
+        )  # type: ignore[arg-type]
