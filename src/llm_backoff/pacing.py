@@ -10,9 +10,11 @@ within that bound for every limit. Until the stated reset only a tighter bound r
 rather than in time keeps it exact under any latency, and concurrent senders share the
 remaining budget instead of each believing it has all of it.
 
-At the stated reset the limit is back to ``limit`` (what OpenAI's and Anthropic's resets
-mean, and, for a token-bucket server such as the shim, the latest it is): the bound grows by
-``limit - R`` at once. Waiters sleep until then and re-check, so only as many go as the
+At the stated reset the limit is back to ``limit``: the bound grows by ``limit - R``. OpenAI
+and Anthropic document token buckets (the reset is when the allowance is full again), so for
+their headers it grows steadily until then and sends are paced at ``(limit - R) / reset``
+rather than held for the whole reset; the IETF draft's quota windows give it all at once at
+the reset. Waiters sleep until the bound allows them and re-check, so only as many go as the
 budget allows; the rest wait for the answers. Without a stated limit one request goes at
 the reset and the others wait for its answer. With the budget spent, no reset known and
 nothing in flight to bring news, the limit is forgotten: unknown means a send is allowed
@@ -54,13 +56,44 @@ class Ticket:
 
 @dataclass(slots=True)
 class _Bound:
-    """One limit: sends (or tokens) up to ``bound`` in the running count may go until ``reset_at``."""
+    """One limit: sends (or tokens) up to ``bound`` in the running count may go now.
+
+    A limit that ``refills`` gains ``limit - remaining`` steadily from ``observed_at`` to
+    ``reset_at``; one that does not gains it all at ``reset_at``.
+    """
 
     kind: Kind
     bound: float
     remaining: float
     limit: float | None
     reset_at: float | None
+    observed_at: float
+    refills: bool
+
+    def _refilling(self) -> tuple[float, float] | None:
+        """(what comes back, over how long) while refilling; None otherwise."""
+        if not self.refills or self.limit is None or self.reset_at is None:
+            return None
+        span = self.reset_at - self.observed_at
+        gain = self.limit - self.remaining
+        return (gain, span) if span > 0 and gain > 0 else None
+
+    def at(self, now: float) -> float:
+        refill = self._refilling()
+        if refill is None:
+            return self.bound
+        gain, span = refill
+        return self.bound + gain * min(1.0, max(0.0, now - self.observed_at) / span)
+
+    def until(self, after: float, now: float) -> float:
+        """Seconds until the bound reaches ``after`` (it reaches the full limit at ``reset_at``)."""
+        assert self.reset_at is not None
+        refill = self._refilling()
+        if refill is None:
+            return self.reset_at - now
+        gain, span = refill
+        need = after - self.bound
+        return max(0.0, self.observed_at + min(1.0, need / gain) * span - now)
 
 
 @dataclass
@@ -100,10 +133,10 @@ class PaceState:
         wait = 0.0
         for name, b in list(self.limits.items()):
             after = self.sends + 1 if b.kind == "requests" else self.tokens + min(cost, b.limit or cost)
-            if after <= b.bound + 1e-9:
+            if after <= b.at(now) + 1e-9:
                 continue
             if b.reset_at is not None:
-                wait = max(wait, b.reset_at - now)
+                wait = max(wait, b.until(after, now))
             elif self.in_flight:
                 wait = max(wait, RECHECK)
             else:  # spent, no reset known and no answer to come: nothing left to go by
@@ -132,12 +165,19 @@ class PaceState:
             else:
                 bound = ticket.tokens + limit.remaining - sum(t.cost for t in earlier)
             held = self.limits.get(limit.name)
-            if held is not None and held.reset_at is not None and now < held.reset_at and bound >= held.bound:
+            if (
+                held is not None
+                and held.reset_at is not None
+                and now < held.reset_at
+                and bound >= held.at(now)
+            ):
                 # Before the reset a looser answer is an older one: the server may have taken
                 # an earlier-numbered send after this one (answers overtake each other).
                 continue
             reset_at = None if limit.reset is None else now + limit.reset
-            self.limits[limit.name] = _Bound(limit.kind, bound, limit.remaining, limit.limit, reset_at)
+            self.limits[limit.name] = _Bound(
+                limit.kind, bound, limit.remaining, limit.limit, reset_at, now, limit.refills
+            )
 
 
 class ServerPacer:

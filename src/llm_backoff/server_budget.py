@@ -40,6 +40,8 @@ class Limit:
 
     ``remaining`` may still be used now; ``reset`` is the seconds until the limit is back to
     ``limit`` (None when not said); ``limit`` is the full allowance (None when not said).
+    ``refills``: the allowance comes back steadily until the reset (OpenAI's and Anthropic's
+    documented token buckets), rather than all at once at it (the IETF draft's quota window).
     """
 
     name: str
@@ -47,6 +49,7 @@ class Limit:
     remaining: float
     reset: float | None
     limit: float | None
+    refills: bool = False
 
 
 def mentions_limits(names: Iterable[str]) -> bool:
@@ -100,9 +103,14 @@ def parse_timestamp(text: str | None, wall_now: float) -> float | None:
 
 
 def _limit(
-    name: str, kind: Kind, remaining: float | None, reset: float | None, limit: float | None
+    name: str,
+    kind: Kind,
+    remaining: float | None,
+    reset: float | None,
+    limit: float | None,
+    refills: bool = False,
 ) -> Limit | None:
-    return None if remaining is None else Limit(name, kind, remaining, reset, limit)
+    return None if remaining is None else Limit(name, kind, remaining, reset, limit, refills)
 
 
 def _openai(get: Getter) -> list[Limit]:
@@ -114,6 +122,7 @@ def _openai(get: Getter) -> list[Limit]:
             _number(get(f"x-ratelimit-remaining-{kind}")),
             parse_duration(get(f"x-ratelimit-reset-{kind}")),
             _number(get(f"x-ratelimit-limit-{kind}")),
+            refills=True,
         )
         if limit is not None:
             found.append(limit)
@@ -129,6 +138,7 @@ def _anthropic(get: Getter, wall_now: float) -> list[Limit]:
             _number(get(f"anthropic-ratelimit-{kind}-remaining")),
             parse_timestamp(get(f"anthropic-ratelimit-{kind}-reset"), wall_now),
             _number(get(f"anthropic-ratelimit-{kind}-limit")),
+            refills=True,
         )
         if limit is not None:
             found.append(limit)

@@ -1,6 +1,6 @@
 """Pacing sends by the budget the server states: the decisions on a fake clock, then real clients.
 
-The loopback tests count what the server refused: a quota server (a fixed window of
+The loopback tests count what the server refused: a quota server (a token bucket of
 ``LIMIT`` requests) answers every request with OpenAI's or Anthropic's headers and a 429
 beyond the quota. Their assertions hold by causality, not speed: a client reads a reset
 on the server's answer, so the instant it waits for is never before the server's.
@@ -32,6 +32,7 @@ import llm_backoff
 from llm_backoff import RetryPolicy
 from llm_backoff.errors import RateLimitTimeout
 from llm_backoff.pacing import RECHECK, PaceState, ServerPacer
+from llm_backoff.ratelimit import BucketState
 from llm_backoff.server_budget import Limit
 from llm_backoff.tokens import estimate_tokens
 
@@ -80,6 +81,20 @@ def test_at_the_reset_only_the_limit_goes_and_sends_in_flight_count_in_the_new_w
         granted += 1
     assert granted == 2
     assert state.wait(0, now=10.0) == RECHECK  # the rest wait for answers, not for a time
+
+
+def test_a_refilling_limit_paces_at_its_refill_rate_a_window_waits_for_the_reset() -> None:
+    for refills, first_wait in ((True, 1.0), (False, 60.0)):
+        state = PaceState()
+        seen = state.take(0)
+        state.observe(seen, [Limit("requests", "requests", 0, 60.0, 60, refills)], now=0.0)
+        assert state.wait(0, now=0.0) == pytest.approx(first_wait)
+        assert state.wait(0, now=30.0) == (0.0 if refills else 30.0)
+        sent = 0
+        while state.wait(0, now=30.0) == 0.0:
+            state.take(0)
+            sent += 1
+        assert sent == (30 if refills else 0)  # half the window: half the limit back
 
 
 def test_without_a_stated_limit_one_send_asks_after_the_reset() -> None:
@@ -211,19 +226,23 @@ LIMIT = 3
 
 @dataclass
 class QuotaServer:
-    """``LIMIT`` requests per fixed window of ``window`` seconds, stated on every answer."""
+    """A token bucket of ``LIMIT`` requests, full again after ``window`` s (OpenAI's and Anthropic's
+    kind of limit), stated on every answer."""
 
     window: float
     family: str = "openai"
-    started: float = field(default_factory=time.monotonic)
-    counts: dict[int, int] = field(default_factory=dict)
+    bucket: BucketState = field(init=False)
     refused: int = 0
     admitted: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        self.bucket = BucketState(LIMIT / self.window, LIMIT, LIMIT, time.monotonic())
+
     def headers(self, remaining: int, reset: float) -> dict[str, str]:
         if self.family == "anthropic":
-            at = datetime.fromtimestamp(time.time() + reset, tz=timezone.utc).isoformat()
+            # A wall-clock reset is read against the client's wall clock: pad it.
+            at = datetime.fromtimestamp(time.time() + reset + 0.002, tz=timezone.utc).isoformat()
             return {
                 "anthropic-ratelimit-requests-limit": str(LIMIT),
                 "anthropic-ratelimit-requests-remaining": str(remaining),
@@ -239,24 +258,21 @@ class QuotaServer:
     def app(self) -> Starlette:
         async def answer(request: Request) -> Response:
             await request.body()
-            now = time.monotonic()
-            index = int((now - self.started) // self.window)
             with self.lock:
-                used = self.counts.get(index, 0)
-                admitted = used < LIMIT
+                self.bucket.refill(time.monotonic())
+                admitted = self.bucket.tokens >= 1.0
                 if admitted:
-                    self.counts[index] = used = used + 1
+                    self.bucket.take(1.0)
                     self.admitted += 1
                 else:
                     self.refused += 1
-            reset = self.started + (index + 1) * self.window - now
-            # A wall-clock reset (Anthropic's) is read against the client's wall clock: pad it.
-            headers = self.headers(LIMIT - used, reset + (0.002 if self.family == "anthropic" else 0.0))
+                level = self.bucket.tokens
+            reset = (LIMIT - level) / self.bucket.rate
+            headers = self.headers(math.floor(level), reset)
             if admitted:
-                return JSONResponse(
-                    MESSAGE if request.url.path.endswith("messages") else COMPLETION, headers=headers
-                )
-            headers["retry-after-ms"] = str(math.ceil(reset * 1000))
+                body = MESSAGE if request.url.path.endswith("messages") else COMPLETION
+                return JSONResponse(body, headers=headers)
+            headers["retry-after-ms"] = str(math.ceil((1.0 - level) / self.bucket.rate * 1000))
             error = {"message": "quota", "type": "rate_limit_exceeded", "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=429, headers=headers)
 

@@ -49,8 +49,8 @@ def test_openai_headers() -> None:
         }
     )
     assert found == [
-        Limit("requests", "requests", 59, 1.0, 60),
-        Limit("tokens", "tokens", 38976, pytest.approx(1.536), 40000),
+        Limit("requests", "requests", 59, 1.0, 60, refills=True),
+        Limit("tokens", "tokens", 38976, pytest.approx(1.536), 40000, refills=True),
     ]
 
 
@@ -67,8 +67,8 @@ def test_anthropic_headers_reset_is_a_timestamp() -> None:
         }
     )
     assert found == [
-        Limit("requests", "requests", 49, 1.5, 50),
-        Limit("tokens", "tokens", 30000, 30.0, 40000),
+        Limit("requests", "requests", 49, 1.5, 50, refills=True),
+        Limit("tokens", "tokens", 30000, 30.0, 40000, refills=True),
     ]
 
 
@@ -110,7 +110,7 @@ def test_openai_wins_over_ietf_when_both_are_sent() -> None:
             "RateLimit": '"requests";r=50;t=30',
         }
     )
-    assert found == [Limit("requests", "requests", 3, None, None)]
+    assert found == [Limit("requests", "requests", 3, None, None, refills=True)]
 
 
 @pytest.mark.parametrize(
@@ -132,7 +132,7 @@ def test_malformed_or_missing_values_state_nothing(headers: dict[str, str]) -> N
 
 def test_malformed_reset_keeps_the_remaining() -> None:
     found = limits({"x-ratelimit-remaining-requests": "3", "x-ratelimit-reset-requests": "soon"})
-    assert found == [Limit("requests", "requests", 3, None, None)]
+    assert found == [Limit("requests", "requests", 3, None, None, refills=True)]
 
 
 def test_mentions_limits() -> None:
