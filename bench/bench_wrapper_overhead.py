@@ -11,12 +11,14 @@ pooled ratio and the ratio of the fastest rounds, in process CPU time (``--clock
 machines). ``--mode opcodes`` counts bytecode instructions per call: blind to C, exact under load.
 
 ``--mode quota``: 8 threads on one client against a loopback server enforcing 60 requests and
-40,000 LLM tokens (``estimate_tokens``) per fixed window of ``--window`` seconds, stated on every
-answer in the ``--headers`` family, refusals answered 429 with Retry-After. Each request asks for
+40,000 LLM tokens (``estimate_tokens``) per ``--window`` seconds as token buckets (the shim's tenant
+quotas), stated on every answer in the ``--headers`` family, refusals answered 429 with a
+Retry-After. Each request asks for
 650 tokens (about 663 estimated), so both limits nearly bind. Arms: ``plain`` (openai, its own
 retries), ``off`` (``wrap(follow_rate_headers=False)``), ``paced`` (``wrap()``); the SDK arms with
 a deadline of two windows. Reported per arm: refused attempts as a share of all, and requests
-and tokens admitted as a share of the quota (limit x windows).
+and tokens admitted as a share of the most the server could admit (a full bucket, then the
+refill over the run: limit x (1 + run / window)).
 """
 
 from __future__ import annotations
@@ -188,41 +190,51 @@ QUOTA_ASK: Any = {
 
 
 class QuotaServer:
-    """Fixed windows of ``QUOTA_REQUESTS`` requests and ``QUOTA_TOKENS`` tokens, stated on every answer."""
+    """``QUOTA_REQUESTS`` requests and ``QUOTA_TOKENS`` tokens per ``window`` s as token buckets (the
+    shim's tenant quotas, OpenAI's and Anthropic's kind), stated on every answer."""
 
     def __init__(self, window: float, family: str) -> None:
         import threading
 
+        from llm_backoff.ratelimit import BucketSpec, LocalStore
+
         self.window = window
         self.family = family
-        self.started = time.monotonic()
-        self.used: dict[int, list[float]] = {}
+        self.store = LocalStore(
+            (
+                BucketSpec("requests", "requests", QUOTA_REQUESTS / window, QUOTA_REQUESTS),
+                BucketSpec("tokens", "tokens", QUOTA_TOKENS / window, QUOTA_TOKENS),
+            ),
+            time.monotonic,
+        )
         self.admitted = [0, 0.0]
         self.refused = 0
         self.lock = threading.Lock()
 
-    def headers(self, left: list[float], reset: float) -> dict[str, str]:
-        limits = {"requests": (QUOTA_REQUESTS, left[0]), "tokens": (QUOTA_TOKENS, left[1])}
+    def headers(self, levels: list[float]) -> dict[str, str]:
         out: dict[str, str] = {}
-        if self.family == "openai":
-            for name, (limit, remaining) in limits.items():
+        limits = {"requests": QUOTA_REQUESTS, "tokens": QUOTA_TOKENS}
+        for (name, limit), level in zip(limits.items(), levels, strict=True):
+            remaining = max(0, math.floor(level))
+            to_full = (limit - level) / limit * self.window
+            if self.family == "openai":
                 out[f"x-ratelimit-limit-{name}"] = str(limit)
-                out[f"x-ratelimit-remaining-{name}"] = str(math.floor(remaining))
-                out[f"x-ratelimit-reset-{name}"] = f"{math.ceil(reset * 1000)}ms"
-        elif self.family == "anthropic":
-            from datetime import datetime, timezone
+                out[f"x-ratelimit-remaining-{name}"] = str(remaining)
+                out[f"x-ratelimit-reset-{name}"] = f"{math.ceil(to_full * 1000)}ms"
+            elif self.family == "anthropic":
+                from datetime import datetime, timezone
 
-            at = datetime.fromtimestamp(time.time() + reset + 0.002, tz=timezone.utc).isoformat()
-            for name, (limit, remaining) in limits.items():
+                at = datetime.fromtimestamp(time.time() + to_full + 0.002, tz=timezone.utc)
                 out[f"anthropic-ratelimit-{name}-limit"] = str(limit)
-                out[f"anthropic-ratelimit-{name}-remaining"] = str(math.floor(remaining))
-                out[f"anthropic-ratelimit-{name}-reset"] = at
-        else:
-            w = math.ceil(self.window)
-            out["ratelimit-policy"] = ", ".join(f'"{n}";q={q};w={w}' for n, (q, _) in limits.items())
-            out["ratelimit"] = ", ".join(
-                f'"{n}";r={math.floor(r)};t={math.ceil(reset)}' for n, (_, r) in limits.items()
-            )
+                out[f"anthropic-ratelimit-{name}-remaining"] = str(remaining)
+                out[f"anthropic-ratelimit-{name}-reset"] = at.isoformat()
+            else:
+                policy = out.get("ratelimit-policy")
+                item = f'"{name}";q={limit};w={math.ceil(self.window)}'
+                out["ratelimit-policy"] = item if policy is None else f"{policy}, {item}"
+                state = out.get("ratelimit")
+                item = f'"{name}";r={remaining};t={math.ceil(to_full)}'
+                out["ratelimit"] = item if state is None else f"{state}, {item}"
         return out
 
     def app(self) -> Any:
@@ -231,29 +243,26 @@ class QuotaServer:
         from starlette.responses import JSONResponse, Response
         from starlette.routing import Route
 
+        from llm_backoff.errors import RateLimitTimeout
         from llm_backoff.tokens import estimate_tokens
 
         async def answer(request: Request) -> Response:
-            body = await request.body()
-            cost = float(estimate_tokens(body))
-            now = time.monotonic()
-            index = int((now - self.started) // self.window)
+            cost = float(estimate_tokens(await request.body()))
             with self.lock:
-                used = self.used.setdefault(index, [0, 0.0])
-                admitted = used[0] + 1 <= QUOTA_REQUESTS and used[1] + cost <= QUOTA_TOKENS
-                if admitted:
-                    used[0] += 1
-                    used[1] += cost
+                try:
+                    self.store.reserve((1.0, cost), 0.0)
+                    admitted = True
                     self.admitted[0] += 1
                     self.admitted[1] += cost
-                else:
+                except RateLimitTimeout:
+                    admitted = False
                     self.refused += 1
-                left = [QUOTA_REQUESTS - used[0], QUOTA_TOKENS - used[1]]
-            reset = self.started + (index + 1) * self.window - now
-            headers = self.headers(left, reset)
+                levels = self.store.available()
+            headers = self.headers(levels)
             if admitted:
                 return Response(COMPLETION, media_type="application/json", headers=headers)
-            headers["retry-after"] = str(math.ceil(reset))
+            wait = max((1.0 - levels[0]) / QUOTA_REQUESTS, (cost - levels[1]) / QUOTA_TOKENS) * self.window
+            headers["retry-after-ms"] = str(math.ceil(max(wait, 0.001) * 1000))
             error = {"message": "quota", "type": "rate_limit_exceeded", "param": None, "code": None}
             return JSONResponse({"error": error}, status_code=429, headers=headers)
 
@@ -286,8 +295,8 @@ def quota_arm(arm: str, window: float, windows: int, family: str) -> dict[str, f
         "paced": llm_backoff.wrap(base, policy),
     }[arm]
     failed = [0]
-    server.started = time.monotonic()
-    end = server.started + window * windows
+    started = time.monotonic()
+    end = started + window * windows
 
     def loop() -> None:
         while time.monotonic() < end:
@@ -299,20 +308,20 @@ def quota_arm(arm: str, window: float, windows: int, family: str) -> dict[str, f
     with ThreadPoolExecutor(8) as pool:
         for future in [pool.submit(loop) for _ in range(8)]:
             future.result()
+    elapsed = time.monotonic() - started
     runner.should_exit = True
     thread.join(5)
     with contextlib.suppress(OSError):
         sock.close()
-    # Answers after the last window (a call in flight at the end) are not part of the quota.
-    within = [used for index, used in server.used.items() if index < windows]
-    admitted, tokens = sum(u[0] for u in within), sum(u[1] for u in within)
+    # The most the server could have taken: a full bucket, then the refill over the run.
+    most = 1.0 + elapsed / window
     attempts = server.admitted[0] + server.refused
     return {
         "attempts": attempts,
         "refused": server.refused,
         "refused_share": server.refused / attempts if attempts else 0.0,
-        "requests_used": admitted / (QUOTA_REQUESTS * windows),
-        "tokens_used": tokens / (QUOTA_TOKENS * windows),
+        "requests_used": server.admitted[0] / (QUOTA_REQUESTS * most),
+        "tokens_used": server.admitted[1] / (QUOTA_TOKENS * most),
         "failed_calls": failed[0],
     }
 
