@@ -6,9 +6,9 @@ ticket ``X`` that says ``remaining = R`` means the server will take sends up to 
 ``X + R`` in that count, less one for each earlier send still unanswered (the server may not
 have counted it yet, so it is assumed not to have). A send may go while its number stays
 within that bound for every limit. Until the stated reset only a tighter bound replaces it
-(answers overtake each other, so a looser one may be older news); after it, any answer does. Counting in sends
-rather than in time keeps it exact under any latency, and concurrent senders share the
-remaining budget instead of each believing it has all of it.
+(answers overtake each other, so a looser one may be older news); after it, any answer
+does. Counting in sends rather than in time keeps it exact under any latency, and
+concurrent senders share the remaining budget instead of each believing it has all of it.
 
 At the stated reset the limit is back to ``limit``: the bound grows by ``limit - R``. OpenAI
 and Anthropic document token buckets (the reset is when the allowance is full again), so for
