@@ -2,11 +2,23 @@
 
     .venv/bin/python bench/bench_wrapper_overhead.py [--rounds 41] [--calls 200] [--clock cpu|wall]
     .venv/bin/python bench/bench_wrapper_overhead.py --mode opcodes
+    .venv/bin/python bench/bench_wrapper_overhead.py --mode quota [--window 60] [--windows 3]
+        [--headers openai|anthropic|ietf] [--arms plain,off,paced]
 
 Both clients on one in-process mock transport; rounds of ``--calls`` calls interleave bare and
 wrapped. Reported: the median round's wrapped/bare ratio (IQR, distribution-free 95 % CI), the
 pooled ratio and the ratio of the fastest rounds, in process CPU time (``--clock wall`` for quiet
 machines). ``--mode opcodes`` counts bytecode instructions per call: blind to C, exact under load.
+
+``--mode quota``: 8 threads on one client against a loopback server enforcing 60 requests and
+40,000 LLM tokens (``estimate_tokens``) per ``--window`` seconds as token buckets (the shim's tenant
+quotas), stated on every answer in the ``--headers`` family, refusals answered 429 with a
+Retry-After. Each request asks for
+650 tokens (about 663 estimated), so both limits nearly bind. Arms: ``plain`` (openai, its own
+retries), ``off`` (``wrap(follow_rate_headers=False)``), ``paced`` (``wrap()``); the SDK arms with
+a deadline of two windows. Reported per arm: refused attempts as a share of all, and requests
+and tokens admitted as a share of the most the server could admit (a full bucket, then the
+refill over the run: limit x (1 + run / window)).
 """
 
 from __future__ import annotations
@@ -168,9 +180,175 @@ def opcodes_report() -> None:
         loop.close()
 
 
+QUOTA_REQUESTS = 60
+QUOTA_TOKENS = 40_000
+QUOTA_ASK: Any = {
+    "model": "m",
+    "max_tokens": 650,
+    "messages": [{"role": "user", "content": "Write a short poem about rate limits."}],
+}
+
+
+class QuotaServer:
+    """``QUOTA_REQUESTS`` requests and ``QUOTA_TOKENS`` tokens per ``window`` s as token buckets (the
+    shim's tenant quotas, OpenAI's and Anthropic's kind), stated on every answer."""
+
+    def __init__(self, window: float, family: str) -> None:
+        import threading
+
+        from llm_backoff.ratelimit import BucketSpec, LocalStore
+
+        self.window = window
+        self.family = family
+        self.store = LocalStore(
+            (
+                BucketSpec("requests", "requests", QUOTA_REQUESTS / window, QUOTA_REQUESTS),
+                BucketSpec("tokens", "tokens", QUOTA_TOKENS / window, QUOTA_TOKENS),
+            ),
+            time.monotonic,
+        )
+        self.admitted = [0, 0.0]
+        self.refused = 0
+        self.lock = threading.Lock()
+
+    def headers(self, levels: list[float]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        limits = {"requests": QUOTA_REQUESTS, "tokens": QUOTA_TOKENS}
+        for (name, limit), level in zip(limits.items(), levels, strict=True):
+            remaining = max(0, math.floor(level))
+            to_full = (limit - level) / limit * self.window
+            if self.family == "openai":
+                out[f"x-ratelimit-limit-{name}"] = str(limit)
+                out[f"x-ratelimit-remaining-{name}"] = str(remaining)
+                out[f"x-ratelimit-reset-{name}"] = f"{math.ceil(to_full * 1000)}ms"
+            elif self.family == "anthropic":
+                from datetime import datetime, timezone
+
+                at = datetime.fromtimestamp(time.time() + to_full + 0.002, tz=timezone.utc)
+                out[f"anthropic-ratelimit-{name}-limit"] = str(limit)
+                out[f"anthropic-ratelimit-{name}-remaining"] = str(remaining)
+                out[f"anthropic-ratelimit-{name}-reset"] = at.isoformat()
+            else:
+                policy = out.get("ratelimit-policy")
+                item = f'"{name}";q={limit};w={math.ceil(self.window)}'
+                out["ratelimit-policy"] = item if policy is None else f"{policy}, {item}"
+                state = out.get("ratelimit")
+                item = f'"{name}";r={remaining};t={math.ceil(to_full)}'
+                out["ratelimit"] = item if state is None else f"{state}, {item}"
+        return out
+
+    def app(self) -> Any:
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response
+        from starlette.routing import Route
+
+        from llm_backoff.errors import RateLimitTimeout
+        from llm_backoff.tokens import estimate_tokens
+
+        async def answer(request: Request) -> Response:
+            cost = float(estimate_tokens(await request.body()))
+            with self.lock:
+                try:
+                    self.store.reserve((1.0, cost), 0.0)
+                    admitted = True
+                    self.admitted[0] += 1
+                    self.admitted[1] += cost
+                except RateLimitTimeout:
+                    admitted = False
+                    self.refused += 1
+                levels = self.store.available()
+            headers = self.headers(levels)
+            if admitted:
+                return Response(COMPLETION, media_type="application/json", headers=headers)
+            wait = max((1.0 - levels[0]) / QUOTA_REQUESTS, (cost - levels[1]) / QUOTA_TOKENS) * self.window
+            headers["retry-after-ms"] = str(math.ceil(max(wait, 0.001) * 1000))
+            error = {"message": "quota", "type": "rate_limit_exceeded", "param": None, "code": None}
+            return JSONResponse({"error": error}, status_code=429, headers=headers)
+
+        return Starlette(routes=[Route("/v1/chat/completions", answer, methods=["POST"])])
+
+
+def quota_arm(arm: str, window: float, windows: int, family: str) -> dict[str, float]:
+    import contextlib
+    import socket
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    server = QuotaServer(window, family)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    config = uvicorn.Config(server.app(), log_level="warning", lifespan="off")
+    runner = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(runner.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    while not runner.started:
+        time.sleep(0.01)
+    base = openai.OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="sk-bench")
+    policy = llm_backoff.RetryPolicy(deadline=2 * window)
+    client = {
+        "plain": base,
+        "off": llm_backoff.wrap(base, policy, follow_rate_headers=False),
+        "paced": llm_backoff.wrap(base, policy),
+    }[arm]
+    failed = [0]
+    started = time.monotonic()
+    end = started + window * windows
+
+    def loop() -> None:
+        while time.monotonic() < end:
+            try:
+                client.chat.completions.create(**QUOTA_ASK)
+            except (openai.APIError, llm_backoff.RateLimitTimeout):
+                failed[0] += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        for future in [pool.submit(loop) for _ in range(8)]:
+            future.result()
+    elapsed = time.monotonic() - started
+    runner.should_exit = True
+    thread.join(5)
+    with contextlib.suppress(OSError):
+        sock.close()
+    # The most the server could have taken: a full bucket, then the refill over the run.
+    most = 1.0 + elapsed / window
+    attempts = server.admitted[0] + server.refused
+    return {
+        "attempts": attempts,
+        "refused": server.refused,
+        "refused_share": server.refused / attempts if attempts else 0.0,
+        "requests_used": server.admitted[0] / (QUOTA_REQUESTS * most),
+        "tokens_used": server.admitted[1] / (QUOTA_TOKENS * most),
+        "failed_calls": failed[0],
+    }
+
+
+def quota_report(window: float, windows: int, family: str, arms: list[str]) -> None:
+    print(
+        f"8 threads, {QUOTA_REQUESTS} requests and {QUOTA_TOKENS} tokens per {window:g} s window, "
+        f"{windows} windows, {family} headers"
+    )
+    print("| arm | attempts | refused | refused share | requests used | tokens used | failed calls |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for arm in arms:
+        r = quota_arm(arm, window, windows, family)
+        print(
+            f"| {arm} | {r['attempts']:.0f} | {r['refused']:.0f} | {r['refused_share'] * 100:.1f} % | "
+            f"{r['requests_used']:.3f} | {r['tokens_used']:.3f} | {r['failed_calls']:.0f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=("overhead", "opcodes"), default="overhead")
+    parser.add_argument("--mode", choices=("overhead", "opcodes", "quota"), default="overhead")
+    parser.add_argument("--window", type=float, default=60.0, help="quota mode: seconds per window")
+    parser.add_argument("--windows", type=int, default=3, help="quota mode: windows per arm")
+    parser.add_argument("--headers", choices=("openai", "anthropic", "ietf"), default="openai")
+    parser.add_argument("--arms", default="plain,off,paced", help="quota mode: comma-separated arms")
     parser.add_argument("--rounds", type=int, default=41)
     parser.add_argument("--calls", type=int, default=200, help="calls per client per round")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
@@ -180,6 +358,10 @@ def main() -> None:
     if args.mode == "opcodes":
         print(versions)
         opcodes_report()
+        return
+    if args.mode == "quota":
+        print(versions)
+        quota_report(args.window, args.windows, args.headers, args.arms.split(","))
         return
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter

@@ -33,6 +33,7 @@ Per attempt, a call:
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 import time
@@ -48,10 +49,13 @@ from .attempt_core import Acquire, Close, ReadBody, Send, Sleep, call_steps, cut
 from .bodies import DeadlinePassedError, Flavor, buffer_async, deadline_error, must_buffer, read_sync
 from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
+from .pacing import PacedLimiter, PacedPermit, ServerPacer
 from .policy import RetryPolicy, check_request_class, default_policy
 from .stats import ClientStats
 
 __all__ = ["RetryEngine"]
+
+logger = logging.getLogger("llm_backoff")
 
 #: Task.uncancel() (3.11+) is what tells our deadline from a cancellation from outside;
 #: without it (Python 3.10) an anyio cancel scope bounds every attempt.
@@ -72,7 +76,9 @@ class RetryEngine:
 
     Shareable across threads and tasks: per-call state lives in a fresh call of
     `attempt_core.call_steps`; the shared pieces (observers, limiter, budget) are
-    thread-safe. ``stats`` counts what this engine did; ``watchers`` (stats first) see
+    thread-safe. ``follow_rate_headers`` paces sends by the server's stated budget
+    (`pacing`; `wrap` turns it on by default). ``stats`` counts what this engine did;
+    ``watchers`` (stats first) see
     every call. ``clock``/``wall_clock``/``rng``/``sleep``/``async_sleep`` are
     injectable for tests.
     """
@@ -85,6 +91,7 @@ class RetryEngine:
         request_class: str | None = None,
         limiter: CallLimiter | None = None,
         budget: RetryBudgetLike | None = None,
+        follow_rate_headers: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
@@ -103,7 +110,11 @@ class RetryEngine:
         else:
             self.observers = RetryObservers(on_retry)
         self.request_class = request_class
-        self.limiter = limiter
+        #: The server's stated budget (`pacing`), None when ``follow_rate_headers`` is off.
+        self.pacer = ServerPacer(clock=clock, wall_clock=wall_clock) if follow_rate_headers else None
+        self.limiter: CallLimiter | None = (
+            limiter if self.pacer is None else PacedLimiter(self.pacer, limiter, clock)
+        )
         self.budget = budget
         self.clock = clock
         self.wall_clock = wall_clock
@@ -118,12 +129,15 @@ class RetryEngine:
     def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
         """Send ``request`` through ``send`` (the wrapped transport) under the policy."""
         steps = call_steps(self, request, flavor)
+        permit: Any = None
         try:
             effect = next(steps)
             while True:
                 try:
                     if isinstance(effect, Send):
                         response = send(request)
+                        if isinstance(permit, PacedPermit):
+                            _observe(permit, response)
                         raw = None
                         if must_buffer(response):
                             try:
@@ -136,7 +150,7 @@ class RetryEngine:
                         result = request.read()
                     elif isinstance(effect, Acquire):
                         assert self.limiter is not None
-                        result = self.limiter.acquire_for(request, timeout=effect.timeout)
+                        result = permit = self.limiter.acquire_for(request, timeout=effect.timeout)
                     elif isinstance(effect, Sleep):
                         self.sleep(effect.seconds)
                         result = None
@@ -159,6 +173,7 @@ class RetryEngine:
         succeeds) no helper coroutine is created, as each costs a frame and an await.
         """
         steps = call_steps(self, request, flavor)
+        permit: Any = None
         try:
             effect = next(steps)
             while True:
@@ -194,12 +209,15 @@ class RetryEngine:
                                 raw = await buffer_async(response, flavor)
                             if scope.cancelled_caught:
                                 raise cut_error(request, effect.start_bound)
+                        if isinstance(permit, PacedPermit):
+                            _observe(permit, response)
                         result: Any = (response, raw)
                     elif isinstance(effect, ReadBody):
                         result = await request.aread()
                     elif isinstance(effect, Acquire):
                         assert self.limiter is not None
-                        result = await self.limiter.acquire_for_async(request, timeout=effect.timeout)
+                        permit = await self.limiter.acquire_for_async(request, timeout=effect.timeout)
+                        result = permit
                     elif isinstance(effect, Sleep):
                         await self.async_sleep(effect.seconds)
                         result = None
@@ -214,6 +232,15 @@ class RetryEngine:
                     effect = steps.send(result)
         except StopIteration as done:
             return done.value
+
+
+def _observe(permit: PacedPermit, response: Any) -> None:
+    """Hand an answer's headers to the pacer, for the send ``permit`` was taken for."""
+    headers = response.headers
+    try:
+        permit.observe(list(headers.keys()), headers.get)
+    except Exception:  # a pacer bug must not fail a call the server answered
+        logger.exception("llm_backoff: reading the server's rate-limit headers failed")
 
 
 class _BudgetProbe:

@@ -152,6 +152,7 @@ def wrap(
     request_class: str | None = None,
     limiter: CallLimiter | None = None,
     budget: RetryBudgetLike | None = None,
+    follow_rate_headers: bool = True,
 ) -> ClientT:
     """A copy of ``client`` (same class) whose requests are retried under ``policy``.
 
@@ -162,7 +163,9 @@ def wrap(
     with a `RetryEvent` before each retry's wait (one hook or several);
     ``request_class`` is sent as ``x-request-class`` unless a request sets that header
     itself; ``limiter`` and ``budget`` are shared objects implementing
-    `llm_backoff.limits.CallLimiter` and ``RetryBudgetLike``.
+    `llm_backoff.limits.CallLimiter` and ``RetryBudgetLike``. ``follow_rate_headers``
+    (on by default) holds each send until the budget the server last stated in its
+    rate-limit headers allows it (`llm_backoff.pacing`), alongside ``limiter``.
     """
     found = _sdk_of(client)
     if found is None:
@@ -172,8 +175,17 @@ def wrap(
         )
     sdk, is_async = found
     _check_arguments(policy, on_retry, request_class, limiter, budget)
+    follow: object = follow_rate_headers
+    if not isinstance(follow, bool):
+        kind = type(follow).__name__
+        raise TypeError(f"follow_rate_headers must be True or False, got {kind}")
     engine = RetryEngine(
-        policy, on_retry=on_retry, request_class=request_class, limiter=limiter, budget=budget
+        policy,
+        on_retry=on_retry,
+        request_class=request_class,
+        limiter=limiter,
+        budget=budget,
+        follow_rate_headers=follow_rate_headers,
     )
     http_client = retrying_http_client(_reach.http_client_of(client), engine, is_async=is_async)
     wrapped: ClientT = client.copy(http_client=http_client, max_retries=0)  # type: ignore[attr-defined]
