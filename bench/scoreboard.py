@@ -72,6 +72,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
 )
 from llm_backoff_shim.lab.scenario import Arrival, Scenario, Setup
+from llm_backoff_shim.lab.workloads import WORKLOADS
 from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
 from real_vllm.capacity import full_load_tokens_per_s
@@ -130,6 +131,31 @@ SCENARIOS = {
         1.0,
         Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0),
         burst=6 * SLOTS,
+    ),
+    # The peers' named workloads (llm_backoff_shim.lab.workloads), each calibrated on its own lengths.
+    "shared-prefix": ScenarioSpec(
+        "shared-prefix",
+        "inference-perf's shared prefix, 70 % interactive, 2.5x capacity",
+        Mix(long_share=0.3, long_prompts=False, workload=WORKLOADS["shared-prefix"]),
+        2.5,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0),
+        calibration="shared-prefix",
+    ),
+    "bimodal": ScenarioSpec(
+        "bimodal",
+        "inference-perf's bimodal: 30 % 1k-token prompts with 512-token answers as batch, 3x capacity",
+        Mix(long_share=0.3, workload=WORKLOADS["bimodal"]),
+        3.0,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=40.0),
+        calibration="bimodal",
+    ),
+    "batch-gateway": ScenarioSpec(
+        "batch-gateway",
+        "llm-d batch gateway: interactive bursts at 3.3x capacity then 0.2x, beside batch; 2.5x in all",
+        Mix(long_share=0.3, workload=WORKLOADS["batch-gateway"]),
+        2.5,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=60.0),
+        calibration="batch-gateway",
     ),
 }
 
@@ -262,9 +288,11 @@ class Calibration:
 
 def run_calibrate(url: str, kind: str, mix: Mix, *, max_seconds: float) -> Calibration:
     """``llm-backoff-shim calibrate`` with its defaults and the traffic's lengths (the mix's long
-    prompts given in the engine's words for its tokens)."""
+    prompts given in the engine's words for its tokens; a named workload's lengths likewise)."""
     args = ["--upstream", url, "--max-seconds", f"{max_seconds:g}"]
-    if kind == "mix":
+    if mix.workload is not None:
+        args += mix.workload.calibrate_flags(mix.tokens_per_word)
+    elif kind == "mix":
         low, high = (round(t / mix.tokens_per_word) for t in (1500, 3000))
         args += ["--long-share", f"{mix.long_share:g}", "--long-prompt-words", f"{low}-{high}"]
     started = time.monotonic()
