@@ -29,7 +29,13 @@ What a user does, in order, and so what this does:
 Scenarios (``--scenarios``): ``chat`` (short chat beside batch at 2.5x capacity, 70 %
 interactive with a 5 s time-to-first-token budget, 20 s deadline), ``mix`` (80 % chat, 20 %
 prompts of 1.5-3k tokens at 3x capacity, long prompts useful within 30 s) and ``burst`` (the
-chat traffic at capacity with 6 x slots calls at once a third of the way in).
+chat traffic at capacity with 6 x slots calls at once a third of the way in), and the peers'
+named workloads (``llm_backoff_shim.lab.workloads``), each calibrated on its own lengths:
+``shared-prefix`` (inference-perf's, 30 % batch, 2.5x capacity), ``bimodal`` (inference-perf's:
+the 1k-token prompts with 512-token answers are the batch class, 3x capacity, useful within 40 s)
+and ``batch-gateway`` (the llm-d batch gateway's: its 15/s-then-1/s interactive phases kept as a
+shape, 2.5x capacity on average, so 3.3x in the burst half and 0.2x in the trickle half beside
+steady batch at 0.75x; its 90 s phases are half of ``--duration`` each; batch useful within 60 s).
 
 Judged by what users feel: chat calls served within budget (and of the oracle's), useful
 tokens (of the oracle's), batch served, how fast refused interactive calls learned it (p90),

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from llm_backoff_shim.lab.workload import LengthDist, Workload
+from llm_backoff_shim.lab.workload import LengthDist
 
 Kind = Literal["interactive", "batch"]
 
@@ -95,11 +95,6 @@ class NamedWorkload:
 
     def lengths(self, kind: Kind) -> ClassLengths:
         return self.interactive if kind == "interactive" else self.batch
-
-    def workload(self, kind: Kind, tokens_per_word: float) -> Workload:
-        """One class's lengths as the load generator's :class:`Workload` (prompts in words)."""
-        lengths = self.lengths(kind)
-        return Workload(lengths.prompt_words(tokens_per_word), lengths.answer_tokens)
 
     def calibrate_flags(self, tokens_per_word: float) -> list[str]:
         """``calibrate``'s length flags for this traffic: the interactive class's prompts and
