@@ -18,9 +18,9 @@ error listing the names.
   mode B batch.
 - ``batch-gateway``: the llm-d batch gateway's benchmark (``benchmarks/README.md`` of
   llm-d-incubation/batch-gateway: interactive bursts at 15 requests/s for 90 s, then 1/s for
-  90 s, beside batch jobs with 5 distinct system prompts and 256-token prompts): interactive
-  calls of 512 prompt tokens and 128-token answers, batch answers lognormal with mean 500 and
-  sd 400, at most 2,048. The rates are kept as a shape (:class:`Phase`: 15 to 1, half the run
+  90 s, beside batch jobs of 256-token prompts; the lengths as quoted from its benchmark spec,
+  llm-d/llm-d-batch-gateway#491): interactive calls of 512 prompt tokens and 128-token answers,
+  batch answers lognormal with mean 500 and sd 400, at most 2,048. The rates are kept as a shape (:class:`Phase`: 15 to 1, half the run
   each), scaled by whoever plays it to its engine's capacity.
 
 Prompts are the load generator's words (:mod:`llm_backoff_shim.lab.workload`), as many as
