@@ -20,8 +20,9 @@ error listing the names.
   llm-d-incubation/batch-gateway: interactive bursts at 15 requests/s for 90 s, then 1/s for
   90 s, beside batch jobs of 256-token prompts; the lengths as quoted from its benchmark spec,
   llm-d/llm-d-batch-gateway#491): interactive calls of 512 prompt tokens and 128-token answers,
-  batch answers lognormal with mean 500 and sd 400, at most 2,048. The rates are kept as a shape (:class:`Phase`: 15 to 1, half the run
-  each), scaled by whoever plays it to its engine's capacity.
+  batch answers lognormal with mean 500 and sd 400, at most 2,048. The rates are kept as a
+  shape (:class:`Phase`: 15 to 1, half the run each), scaled by whoever plays it to its
+  engine's capacity.
 
 Prompts are the load generator's words (:mod:`llm_backoff_shim.lab.workload`), as many as
 the tokens asked for at the engine's tokens per word; a shared prefix is the same words for
