@@ -73,7 +73,9 @@ class MixCall:
 class Mix:
     """The mix's shape; ``tokens_per_word``: the engine's tokenizer on the load generator's words.
     ``long_prompts`` False: the second kind (batch) has chat's lengths, short chat beside batch.
-    ``workload``: the lengths of a named workload instead (module doc)."""
+    ``workload``: the lengths of a named workload instead (module doc); ``long_prompts`` then says
+    only whether its batch prompts are the longer, so the engine's prefill speed is fitted on them
+    (the scoreboard's ``fit_speeds``)."""
 
     long_share: float = 0.2
     tokens_per_word: float = 1.45
