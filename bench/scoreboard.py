@@ -29,7 +29,13 @@ What a user does, in order, and so what this does:
 Scenarios (``--scenarios``): ``chat`` (short chat beside batch at 2.5x capacity, 70 %
 interactive with a 5 s time-to-first-token budget, 20 s deadline), ``mix`` (80 % chat, 20 %
 prompts of 1.5-3k tokens at 3x capacity, long prompts useful within 30 s) and ``burst`` (the
-chat traffic at capacity with 6 x slots calls at once a third of the way in).
+chat traffic at capacity with 6 x slots calls at once a third of the way in), and the peers'
+named workloads (``llm_backoff_shim.lab.workloads``), each calibrated on its own lengths:
+``shared-prefix`` (inference-perf's, 30 % batch, 2.5x capacity), ``bimodal`` (inference-perf's:
+the 1k-token prompts with 512-token answers are the batch class, 3x capacity, useful within 40 s)
+and ``batch-gateway`` (the llm-d batch gateway's: its 15/s-then-1/s interactive phases kept as a
+shape, 2.5x capacity on average, so 3.3x in the burst half and 0.2x in the trickle half beside
+steady batch at 0.75x; its 90 s phases are half of ``--duration`` each; batch useful within 60 s).
 
 Judged by what users feel: chat calls served within budget (and of the oracle's), useful
 tokens (of the oracle's), batch served, how fast refused interactive calls learned it (p90),
@@ -72,6 +78,7 @@ from llm_backoff_shim.lab.procs import (
     sim_server,
 )
 from llm_backoff_shim.lab.scenario import Arrival, Scenario, Setup
+from llm_backoff_shim.lab.workloads import WORKLOADS
 from llm_backoff_shim.sim.engine import EngineParams
 from llm_backoff_shim.sim.server import config_from_args, parse_args
 from real_vllm.capacity import full_load_tokens_per_s
@@ -130,6 +137,33 @@ SCENARIOS = {
         1.0,
         Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0),
         burst=6 * SLOTS,
+    ),
+    # The peers' named workloads (llm_backoff_shim.lab.workloads), each calibrated on its own lengths.
+    "shared-prefix": ScenarioSpec(
+        "shared-prefix",
+        "inference-perf's shared prefix, 70 % interactive, 2.5x capacity",
+        Mix(long_share=0.3, long_prompts=False, workload=WORKLOADS["shared-prefix"]),
+        2.5,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0),
+        calibration="shared-prefix",
+    ),
+    "bimodal": ScenarioSpec(
+        "bimodal",
+        "inference-perf's bimodal: 30 % 1k-token prompts with 512-token answers as batch, 3x capacity",
+        Mix(long_share=0.3, workload=WORKLOADS["bimodal"]),
+        3.0,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=40.0),
+        calibration="bimodal",
+    ),
+    "batch-gateway": ScenarioSpec(
+        "batch-gateway",
+        "llm-d batch gateway: interactive bursts at 3.3x capacity then 0.2x, beside batch; 2.5x in all",
+        # Its batch prompts are shorter than its interactive ones: one speed fitted on the whole
+        # mix (prefill fitted on decode-bound batch calls priced the 512-token chats 8x too dear).
+        Mix(long_share=0.3, long_prompts=False, workload=WORKLOADS["batch-gateway"]),
+        2.5,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=60.0),
+        calibration="batch-gateway",
     ),
 }
 
@@ -262,9 +296,11 @@ class Calibration:
 
 def run_calibrate(url: str, kind: str, mix: Mix, *, max_seconds: float) -> Calibration:
     """``llm-backoff-shim calibrate`` with its defaults and the traffic's lengths (the mix's long
-    prompts given in the engine's words for its tokens)."""
+    prompts given in the engine's words for its tokens; a named workload's lengths likewise)."""
     args = ["--upstream", url, "--max-seconds", f"{max_seconds:g}"]
-    if kind == "mix":
+    if mix.workload is not None:
+        args += mix.workload.calibrate_flags(mix.tokens_per_word)
+    elif kind == "mix":
         low, high = (round(t / mix.tokens_per_word) for t in (1500, 3000))
         args += ["--long-share", f"{mix.long_share:g}", "--long-prompt-words", f"{low}-{high}"]
     started = time.monotonic()

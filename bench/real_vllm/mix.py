@@ -3,10 +3,14 @@
 :func:`mix_trace`: chat calls (interactive: short prompts, lognormal answers) and long-prompt
 calls (batch: 1.5-3k prompt tokens, short answers), Poisson at ``rate`` in the proportion
 ``long_share``, plus ``burst`` calls at ``burst_at``; seeded, so every configuration plays the
-same calls. On :class:`~llm_backoff_shim.sim.engine.SimEngine` in virtual time: :func:`capacity`
-(every slot busy, closed loop: the "1x" of the load) and :func:`oracle` (earliest latest-useful
-start first, dropping and aborting what can no longer be useful; greedy EDF, so a reference,
-not a proof of the maximum).
+same calls. A mix of a named workload (:mod:`llm_backoff_shim.lab.workloads`) draws each kind's
+lengths from it instead (chat: its interactive class, long: its batch class) and its interactive
+arrivals follow its phases.
+
+On :class:`~llm_backoff_shim.sim.engine.SimEngine` in virtual time: :func:`capacity` (every slot
+busy, closed loop: the "1x" of the load) and :func:`oracle` (earliest latest-useful start first,
+dropping and aborting what can no longer be useful; greedy EDF, so a reference, not a proof of the
+maximum).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Literal
 
 from llm_backoff_shim.lab.scenario import Scenario
 from llm_backoff_shim.lab.workload import LengthDist, Workload, prompt_text
+from llm_backoff_shim.lab.workloads import NamedWorkload
 from llm_backoff_shim.sim.engine import EngineParams, SeqState, Sequence, SimEngine
 
 Kind = Literal["chat", "long"]
@@ -53,21 +58,39 @@ class MixCall:
     prompt_tokens: int
     max_tokens: int
     burst: bool = False
+    #: The shared prefix's words and its group (the same words for every call of the group).
+    prefix_words: int = 0
+    prefix_group: int = 0
 
     def prompt(self, rng: random.Random) -> str:
-        return prompt_text(self.prompt_words, rng)
+        own = prompt_text(self.prompt_words, rng)
+        if not self.prefix_words:
+            return own
+        return prompt_text(self.prefix_words, random.Random(f"prefix-{self.prefix_group}")) + " " + own
 
 
 @dataclass(frozen=True)
 class Mix:
     """The mix's shape; ``tokens_per_word``: the engine's tokenizer on the load generator's words.
-    ``long_prompts`` False: the second kind (batch) has chat's lengths, short chat beside batch."""
+    ``long_prompts`` False: the second kind (batch) has chat's lengths, short chat beside batch.
+    ``workload``: the lengths of a named workload instead (module doc); ``long_prompts`` then says
+    only whether its batch prompts are the longer, so the engine's prefill speed is fitted on them
+    (the scoreboard's ``fit_speeds``)."""
 
     long_share: float = 0.2
     tokens_per_word: float = 1.45
     long_prompts: bool = True
+    workload: NamedWorkload | None = None
 
     def draw(self, index: int, at: float, kind: Kind, rng: random.Random, *, burst: bool = False) -> MixCall:
+        if self.workload is not None:
+            lengths = self.workload.lengths("interactive" if kind == "chat" else "batch")
+            words = max(1, round(lengths.prompt_tokens.draw(rng) / self.tokens_per_word))
+            prefix = round(lengths.prefix_tokens / self.tokens_per_word)
+            group = rng.randrange(lengths.prefix_groups) if lengths.prefix_groups else 0
+            tokens = round((prefix + words) * self.tokens_per_word) + TEMPLATE_TOKENS
+            answer = lengths.answer_tokens.draw(rng)
+            return MixCall(index, at, kind, words, tokens, answer, burst, prefix, group)
         if kind == "chat" or not self.long_prompts:
             words = CHAT_PROMPT_WORDS.draw(rng)
             answer = CHAT_ANSWER_TOKENS.draw(rng)
@@ -81,9 +104,16 @@ class Mix:
     def kind(self, rng: random.Random) -> Kind:
         return "long" if rng.random() < self.long_share else "chat"
 
+    def answers(self, kind: Kind) -> LengthDist:
+        if self.workload is not None:
+            return self.workload.lengths("interactive" if kind == "chat" else "batch").answer_tokens
+        return LONG_ANSWER_TOKENS if kind == "long" and self.long_prompts else CHAT_ANSWER_TOKENS
+
     def mean_answer_tokens(self) -> float:
-        share = self.long_share if self.long_prompts else 0.0
-        return (1 - share) * CHAT_ANSWER_TOKENS.mean() + share * LONG_ANSWER_TOKENS.mean()
+        chat, long = self.answers("chat"), self.answers("long")
+        if chat == long:
+            return chat.mean()
+        return (1 - self.long_share) * chat.mean() + self.long_share * long.mean()
 
 
 @dataclass(frozen=True)
@@ -103,8 +133,7 @@ class MixWorkload:
     def mean_answer_tokens(self) -> float:
         if self.only is None:
             return self.mix.mean_answer_tokens()
-        long = self.only == "long" and self.mix.long_prompts
-        return (LONG_ANSWER_TOKENS if long else CHAT_ANSWER_TOKENS).mean()
+        return self.mix.answers(self.only).mean()
 
 
 def mix_trace(
@@ -118,14 +147,29 @@ def mix_trace(
     burst_kind: Kind | None = "long",
 ) -> list[MixCall]:
     """Poisson arrivals at ``rate`` /s for ``duration`` s; ``burst`` calls at ``burst_at``, each of
-    ``burst_kind`` (None: drawn in the mix's proportion)."""
+    ``burst_kind`` (None: drawn in the mix's proportion). A workload's phases: the long calls
+    (batch) arrive steadily at their share of ``rate``, the chat calls at theirs times each
+    phase's rate in its part of ``duration``."""
     rng = random.Random(seed)
     lengths = random.Random(rng.getrandbits(64))
     times: list[tuple[float, Kind, bool]] = []
-    t = rng.expovariate(rate)
-    while t < duration:
-        times.append((t, mix.kind(rng), False))
-        t += rng.expovariate(rate)
+    phases = mix.workload.phases if mix.workload is not None else None
+    if phases is None or len(phases) == 1:
+        t = rng.expovariate(rate)
+        while t < duration:
+            times.append((t, mix.kind(rng), False))
+            t += rng.expovariate(rate)
+    else:
+        start = 0.0
+        parts: list[tuple[Kind, float, float, float]] = [("long", 0.0, duration, rate * mix.long_share)]
+        for p in phases:
+            parts.append(("chat", start, start + p.share * duration, rate * (1 - mix.long_share) * p.rate))
+            start += p.share * duration
+        for kind, begin, end, per_s in parts:
+            t = begin + (rng.expovariate(per_s) if per_s > 0 else end)
+            while t < end:
+                times.append((t, kind, False))
+                t += rng.expovariate(per_s)
     times += [(burst_at, burst_kind or mix.kind(rng), True) for _ in range(burst)]
     times.sort(key=lambda x: x[0])
     return [mix.draw(i, at, kind, lengths, burst=b) for i, (at, kind, b) in enumerate(times)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 import sys
 from pathlib import Path
 
@@ -110,3 +112,71 @@ def test_the_scoreboard_plays_each_call_with_max_tokens_4096_or_none_and_its_dra
     assert [a.answer_tokens for a in calls] == [c.max_tokens for c in trace]
     assert [a.cls for a in calls] == ["interactive" if c.kind == "chat" else "batch" for c in trace]
     assert all(a.ignore_eos and a.prompt for a in calls)
+
+
+def test_a_named_workload_draws_each_kinds_lengths_in_the_engines_tokens_and_shares_prefixes() -> None:
+    from llm_backoff_shim.lab.workloads import named_workload
+
+    mix = Mix(long_share=0.3, tokens_per_word=2.0, workload=named_workload("bimodal"))
+    trace = mix_trace(mix, 7, rate=20.0, duration=20.0)
+    chat = [c for c in trace if c.kind == "chat"]
+    batch = [c for c in trace if c.kind == "long"]
+    assert 0.2 < len(batch) / len(trace) < 0.4
+    # 100 prefix tokens and 50 (1,024) own at 2 tokens a word, plus the chat template's.
+    assert {(c.prefix_words, c.prompt_words, c.prompt_tokens, c.max_tokens) for c in chat} == {
+        (50, 25, 158, 50)
+    }
+    assert {(c.prefix_words, c.prompt_words, c.prompt_tokens, c.max_tokens) for c in batch} == {
+        (50, 512, 1132, 512)
+    }
+    rng = random.Random(0)
+    prompts = {(c.prefix_group, c.prompt(rng)) for c in chat[:40]}
+    assert {g for g, _ in prompts} == {0, 1}
+    for group in (0, 1):
+        heads = {" ".join(p.split()[:50]) for g, p in prompts if g == group}
+        assert len(heads) == 1  # one shared system prompt per group
+    assert len({" ".join(p.split()[50:]) for _, p in prompts}) == len(prompts)  # each question its own
+    assert mix.mean_answer_tokens() == pytest.approx(0.7 * 50 + 0.3 * 512)
+
+
+def test_the_batch_gateways_interactive_calls_burst_then_trickle_beside_steady_batch() -> None:
+    from llm_backoff_shim.lab.workloads import named_workload
+
+    mix = Mix(long_share=0.3, workload=named_workload("batch-gateway"))
+    trace = mix_trace(mix, 3, rate=10.0, duration=60.0)
+    assert trace == mix_trace(mix, 3, rate=10.0, duration=60.0)
+    assert [c.at for c in trace] == sorted(c.at for c in trace)
+
+    def count(kind: str, first_half: bool) -> int:
+        return sum(1 for c in trace if c.kind == kind and (c.at < 30.0) == first_half)
+
+    # Poisson counts within 5 standard deviations of their means: chat at 7/s x 15/8 then
+    # 7/s x 1/8, batch at 3/s all along, 30 s each half.
+    for kind, first_half, per_s in (
+        ("chat", True, 7 * 15 / 8),
+        ("chat", False, 7 / 8),
+        ("long", True, 3.0),
+        ("long", False, 3.0),
+    ):
+        expected = per_s * 30
+        assert abs(count(kind, first_half) - expected) < 5 * math.sqrt(expected)
+    assert all(
+        c.max_tokens == 128 and c.prompt_tokens == round(round(512 / 1.45) * 1.45) + 8
+        for c in trace
+        if c.kind == "chat"
+    )
+    assert max(c.max_tokens for c in trace if c.kind == "long") <= 2048
+
+
+@pytest.mark.parametrize("name", ["shared-prefix", "bimodal", "batch-gateway"])
+def test_each_named_workload_is_a_scoreboard_scenario_the_oracle_can_play(name: str) -> None:
+    import scoreboard
+
+    spec = scoreboard.SCENARIOS[name]
+    assert spec.mix.workload is not None
+    assert spec.mix.workload.name == name == spec.calibration
+    trace = mix_trace(spec.mix, 11, rate=6.0, duration=5.0)
+    out = oracle(trace, ENGINE, spec.budgets)
+    assert sum(out.offered.values()) == len(trace) > 0
+    assert out.useful_tokens > 0
+    assert all(c.prompt_tokens + c.max_tokens <= scoreboard.MAX_MODEL_LEN for c in trace)

@@ -77,6 +77,35 @@ class LengthDist:
         return cls("lognormal", float(median), float(sigma), low, top)
 
     @classmethod
+    def lognormal_mean_sd(cls, mean: float, sd: float, low: int = 1, high: int | None = None) -> LengthDist:
+        """The lognormal whose (unclamped) mean and standard deviation are ``mean`` and ``sd``, as
+        benchmark tools give it: ``sigma^2 = ln(1 + sd^2 / mean^2)``, median ``mean / sqrt(1 +
+        sd^2 / mean^2)`` (that is ``exp(mu)`` with ``mu = ln(mean) - sigma^2 / 2``)."""
+        if not (math.isfinite(mean) and mean >= 1 and math.isfinite(sd) and sd >= 0):
+            raise ValueError(f"expected mean >= 1 and sd >= 0, got mean {mean!r}, sd {sd!r}")
+        spread = 1 + (sd / mean) ** 2
+        return cls.lognormal(mean / math.sqrt(spread), math.sqrt(math.log(spread)), low, high)
+
+    def scaled(self, factor: float, offset: int = 0) -> LengthDist:
+        """``offset + factor * length``, rounded (prompt tokens to words, a shared prefix added).
+        A lognormal keeps its spread in absolute terms around its moved median (its sigma scaled
+        by ``old median / new median``): close enough to size a load, not the exact law."""
+        if not (math.isfinite(factor) and factor > 0 and offset >= 0):
+            raise ValueError(f"expected factor > 0 and offset >= 0, got {factor!r}, {offset!r}")
+
+        def move(n: float) -> int:
+            return max(1, round(offset + factor * n))
+
+        if self.kind == "fixed":
+            return LengthDist.fixed(move(self.median))
+        if self.kind == "uniform":
+            return LengthDist.uniform(move(self.low), move(self.high))
+        median = offset + factor * self.median
+        return LengthDist.lognormal(
+            median, self.sigma * factor * self.median / median, move(self.low), move(self.high)
+        )
+
+    @classmethod
     def parse(cls, text: str) -> LengthDist:
         """The text form of the module doc; raises ``ValueError`` with a readable message."""
         spec = text.strip()

@@ -53,6 +53,7 @@ from typing import TextIO
 
 from ..extra import MissingLabExtraError
 from ..workload import DEFAULT_OUTPUT_TOKENS, DEFAULT_PROMPT_WORDS, LengthDist
+from ..workloads import WORKLOADS, NamedWorkload, named_workload
 from .history import HISTORY_NAME, RunRecord, across_runs, append, load, previous
 from .measure import BATCH_QUEUE_WAIT
 from .report import plot, recommended_config, render_text, to_json
@@ -202,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="the long prompts' length in words, same forms as --prompt-words (default %(default)s)",
     )
+    add(
+        "--workload",
+        metavar="NAME",
+        help=f"size the lengths above from a named workload ({', '.join(WORKLOADS)}; prompt tokens as "
+        "words one for one): its interactive prompts and answers, its batch share as long prompts; "
+        "a length flag set to other than its default wins",
+    )
     # Retired: they counted words, not tokens (a word is 1.3 tokens on one model, 2.5 on another).
     for retired in ("--prompt-tokens", "--long-prompt-tokens"):
         add(retired, dest=retired[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
@@ -325,6 +333,8 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
             f"tokens on one model and 2.5 on another; give the length in words with {words} (the "
             "upstream's token counts are printed with the results)",
         )
+    if args.workload is not None:
+        _size_from_workload(args, named_workload(args.workload))
     lengths = {}
     for flag, text in (
         ("--prompt-words", args.prompt_words),
@@ -387,6 +397,16 @@ def config_from_args(args: argparse.Namespace) -> CalibrateConfig:
         json=args.json,
         write_config=None if args.write_config is None else Path(args.write_config),
     )
+
+
+def _size_from_workload(args: argparse.Namespace, workload: NamedWorkload) -> None:
+    """Each length flag still at its default takes ``workload``'s value (prompt tokens as words)."""
+    defaults = build_parser()
+    flags = workload.calibrate_flags(tokens_per_word=1.0)
+    for flag, value in zip(flags[::2], flags[1::2], strict=True):
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest) == defaults.get_default(dest):
+            setattr(args, dest, float(value) if dest == "long_share" else value)
 
 
 def main(argv: list[str], *, stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
