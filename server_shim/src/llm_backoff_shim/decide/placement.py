@@ -14,10 +14,17 @@ newcomer waits behind them, and is refused at arrival when that wait is too long
 schedulers see the classes with queued requests in the order their heads are due, so a request
 placed behind a lower class's request waits for it.
 
-Invariant: first come, first served within a class (returning callers before fresh ones where
-the class serves them first), whatever placement does across classes. A newcomer whose natural
-place is ahead of a request of its own class that was placed behind a lower class's request goes
-right after that request instead (:meth:`Placement.place`).
+Invariant: first come, first served within a tenant of a class (returning callers before fresh
+ones where the class serves them first), whatever placement does across classes. A newcomer whose
+natural place is ahead of a request of its own class that precedes it naturally (an earlier round,
+or the same round and earlier) but was placed behind a lower class's request goes right after
+that request instead (:meth:`Placement.place`).
+
+A tenant's turn is not a promise to another tenant's later rounds: a newcomer of a quiet tenant
+takes its round's place ahead of a flooding tenant's later rounds whatever that does to their
+waits (fair turns, :mod:`llm_backoff_shim.decide.queues`); those made late are turned away by
+the recheck with a Retry-After. Protecting them would put every quiet tenant's request behind
+the flood, which is what fair turns are for.
 
 A newcomer never waits behind a promise longer than its own: a request of a lower class whose
 ``max_queue_wait`` is longer than the newcomer's class's (a class held for its callers'
@@ -80,7 +87,8 @@ class Placement:
         """Give a newcomer its sort key; return how many queued requests (and of its class) are
         ahead, in queue places (:attr:`Ticket.places`: one each without a cost budget).
 
-        Its natural place: by class, returning before fresh, then arrival. If that is ahead
+        Its natural place: by class, returning before fresh, then its tenant's round
+        (:meth:`ClassQueues.round_for`), then arrival. If that is ahead
         of queued requests that one more request ahead would make late (the estimate, as in
         :meth:`overtaken`, with ``promise_slack`` of their class's ``max_queue_wait`` kept in
         hand for the estimate's error), it goes right after the last of them instead: its key
@@ -89,7 +97,8 @@ class Placement:
         serve order; no walk when it would overtake nobody.
         """
         cls, queues = ticket.cls, self._queues
-        key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.id)
+        ticket.round = queues.round_for(cls, ticket.request.tenant)
+        key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.round, ticket.id)
         ticket.key = key
         if not queues.overtakes_anyone(key):
             # last in line: behind its class too
@@ -118,6 +127,8 @@ class Placement:
                 queued.key > key
                 # a promise longer than the newcomer's own yields to it (module docstring)
                 and (queued.cls == cls or queued_wait <= own_wait)
+                # so does another tenant's later round: the newcomer's turn (module docstring)
+                and not _later_turn(queued, ticket)
                 and self.late(queued, ahead + mine, seen[queued.cls] + mine_in_class, now + slack, wait)
                 is not None
             ):
@@ -133,17 +144,19 @@ class Placement:
         """``key``, or a key right after the last queued request of the newcomer's class that
         comes before it in its natural order (returning before fresh, then arrival).
 
-        The invariant: first come, first served within a class (and within returning or fresh
-        callers of it), whatever placement does across classes. A request of the class placed
-        earlier may stand behind a lower class's request (its key extends that request's key);
-        a later one of the same class whose natural key sorts ahead of that place must not pass
-        it, so it goes right after it. That only moves the newcomer back: it overtakes fewer
-        queued requests than the walk checked, so no promise is broken.
+        The invariant: first come, first served within a tenant of a class (and within
+        returning or fresh callers of it), whatever placement does across classes. A request of
+        the class placed earlier may stand behind a lower class's request (its key extends that
+        request's key); a later one of the same class whose natural key sorts after it (a later
+        round, or the same round) and whose key sorts ahead of that place must not pass it, so
+        it goes right after it. That only moves the newcomer back: it overtakes fewer queued
+        requests than the walk checked, so no promise is broken.
         """
         returning = ticket.returning
         latest: tuple[int, ...] | None = None
         for queued in self._queues.lists[ticket.cls]:
-            precedes = queued.returning or not returning
+            # The other lane precedes when it is the returning one; the same lane, by round.
+            precedes = queued.returning if queued.returning != returning else queued.round <= ticket.round
             if precedes and queued.key > key and (latest is None or queued.key > latest):
                 latest = queued.key
         return key if latest is None else (*latest, ticket.id)
@@ -227,6 +240,16 @@ class Placement:
                 f"{max_wait:g} s limit"
             )
         return None
+
+
+def _later_turn(queued: Ticket, newcomer: Ticket) -> bool:
+    """Whether ``queued`` is another tenant's request of the newcomer's class in a later round
+    (it yields its place to the newcomer's turn: module docstring)."""
+    return (
+        queued.cls == newcomer.cls
+        and queued.request.tenant != newcomer.request.tenant
+        and queued.round > newcomer.round
+    )
 
 
 def _places_before(order: list[Ticket], key: tuple[int, ...], cls: str) -> tuple[int, int]:
