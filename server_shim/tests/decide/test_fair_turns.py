@@ -39,8 +39,10 @@ def ticket(decision: Ticket | Rejection) -> Ticket:
     return decision
 
 
-def req(tenant: str | None, budget: float | None = None, cls: str = "interactive") -> AdmissionRequest:
-    return AdmissionRequest(cls=cls, budget=budget, tenant=tenant)
+def req(
+    tenant: str | None, budget: float | None = None, cls: str = "interactive", retry: int = 0
+) -> AdmissionRequest:
+    return AdmissionRequest(cls=cls, budget=budget, tenant=tenant, retry=retry)
 
 
 def served_order(c: AdmissionController, running: Ticket) -> list[Ticket]:
@@ -81,6 +83,18 @@ def test_a_newcomer_waits_in_the_round_being_served_not_from_the_first(make: Mak
     assert a[2].state is TicketState.ADMITTED  # round 2 is being served
     b = [ticket(c.submit(req("b"))) for _ in range(3)]  # rounds 2 to 4
     assert served_order(c, a[2]) == [b[0], a[3], b[1], a[4], b[2]]
+
+
+def test_a_tenants_returning_callers_take_its_own_turns_not_the_others(make: MakeController) -> None:
+    """Retries of a flooding tenant go ahead of its own fresh calls, never ahead of another
+    tenant's turn: each takes the tenant's next round and moves its fresh ones back."""
+    c, _ = make()
+    running = ticket(c.submit(req("a")))
+    fresh = [ticket(c.submit(req("a"))) for _ in range(3)]
+    b = ticket(c.submit(req("b")))
+    back = [ticket(c.submit(req("a", budget=30.0, retry=1))) for _ in range(2)]
+    assert all(t.returning for t in back)
+    assert served_order(c, running) == [back[0], b, back[1], *fresh]
 
 
 def test_a_full_queue_takes_a_tenant_below_its_share_in_the_floods_last_place(make: MakeController) -> None:
@@ -150,7 +164,8 @@ def test_a_quiet_tenants_wait_is_estimated_at_its_turn_not_behind_the_flood(make
 @given(
     steps=st.lists(
         st.tuples(
-            st.sampled_from(["arrive", "arrive", "finish", "wait"]), st.sampled_from(["interactive", "batch"])
+            st.sampled_from(["arrive", "arrive", "retry", "finish", "wait"]),
+            st.sampled_from(["interactive", "batch"]),
         ),
         max_size=40,
     ),
@@ -159,18 +174,20 @@ def test_a_quiet_tenants_wait_is_estimated_at_its_turn_not_behind_the_flood(make
 def test_one_tenant_alone_is_served_in_arrival_order_within_each_class(
     make_controller: MakeController, steps: list[tuple[str, str]], tenant: str | None
 ) -> None:
-    """Alone, a tenant's rounds rise with arrival: the serve order is arrival within each class."""
+    """Alone, a tenant's rounds rise along today's order: returning before fresh, then arrival,
+    within each class (every key placement did not extend is where today's key puts it)."""
     c, clock = make_controller(limit=2, max_queue=4, max_wait=5.0, start=10.0)
     live: list[Ticket] = []
-    admitted: dict[str, list[int]] = {"interactive": [], "batch": []}
+    admitted: dict[tuple[str, bool], list[int]] = {}
 
     def note(tickets: list[Ticket]) -> None:
         for t in tickets:
-            admitted[t.cls].append(t.id)
+            admitted.setdefault((t.cls, t.returning), []).append(t.id)
 
     for step, cls in steps:
-        if step == "arrive":
-            decision = c.submit(req(tenant, cls=cls))
+        if step in ("arrive", "retry"):
+            retry = step == "retry"
+            decision = c.submit(req(tenant, budget=30.0 if retry else None, cls=cls, retry=int(retry)))
             if isinstance(decision, Ticket):
                 live.append(decision)
                 if decision.state is TicketState.ADMITTED:
@@ -182,6 +199,7 @@ def test_one_tenant_alone_is_served_in_arrival_order_within_each_class(
         else:
             clock.now += 0.7
         for queue in c._queues.lists.values():
-            assert [t.id for t in queue] == sorted(t.id for t in queue)
+            natural = [t for t in queue if len(t.key) == 4]
+            assert natural == sorted(natural, key=lambda t: (not t.returning, t.id))
     for order in admitted.values():
         assert order == sorted(order)

@@ -448,6 +448,8 @@ class AdmissionController:
             queues.remove(ticket)
             ticket.state = TicketState.CANCELLED
             return refused
+        if returning:
+            queues.take_turn(ticket)
         if displaced is not None and displaced.state is TicketState.QUEUED:
             queues.remove(displaced)
             displaced.state = TicketState.EXPIRED
