@@ -91,7 +91,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.limit_obj = CountingLimit(limit)
         self.c = build_controller(self.settings, self.clock, self.limit_obj)
         self.tickets: list[Ticket] = []
-        self.admission_order: dict[tuple[str, str | None], list[int]] = {}
+        # Per class, tenant and lane (returning callers are served before fresh ones).
+        self.admission_order: dict[tuple[str, str | None, bool], list[int]] = {}
         self.released: dict[int, int] = {}
         # Tickets of a lower class admitted while nothing of a class above it was queued or in
         # flight: the cost budget does not hold those (admission.py, "nobody above").
@@ -101,7 +102,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def _note(self, tickets: list[Ticket]) -> None:
         live = (TicketState.QUEUED, TicketState.ADMITTED)
         for t in tickets:
-            self.admission_order.setdefault((t.cls, t.request.tenant), []).append(t.id)
+            self.admission_order.setdefault((t.cls, t.request.tenant, t.returning), []).append(t.id)
             above = CLASSES[: CLASSES.index(t.cls)]
             if above and not any(o.cls in above and o.state in live for o in self.tickets):
                 self.unheld.add(t.id)
@@ -112,10 +113,12 @@ class AdmissionMachine(RuleBasedStateMachine):
         budget=st.sampled_from([None, None, 0.5, 3.0, 30.0]),
         cost=st.sampled_from([0, 40, 40, 150, 900, 2500]),
         tenant=st.sampled_from([0, 0, 1, 2]),
+        retry=st.sampled_from([0, 0, 0, 1]),
     )
-    def arrive(self, cls: str, budget: float | None, cost: int = 0, tenant: int = 0) -> None:
+    def arrive(self, cls: str, budget: float | None, cost: int = 0, tenant: int = 0, retry: int = 0) -> None:
         who = None if self.tenants == 1 else f"t{tenant % self.tenants}"
-        decision = self.c.submit(AdmissionRequest(cls=cls, budget=budget, cost=cost, tenant=who))
+        request = AdmissionRequest(cls=cls, budget=budget, cost=cost, tenant=who, retry=retry)
+        decision = self.c.submit(request)
         moved = self.c.take_moved()
         if moved is not None:
             # What the edge does with them: a place taken by a tenant below its share.
@@ -248,7 +251,7 @@ def test_a_request_placed_behind_a_lower_class_is_not_passed_by_a_later_one_of_i
             m.arrive(budget=None, cls="interactive")
         m.bounds_hold()
     m.teardown()
-    order = m.admission_order["interactive", None]
+    order = m.admission_order["interactive", None, False]
     assert order == sorted(order)
     assert len(order) == 7  # the two that met out of order included
 
