@@ -29,7 +29,11 @@ What a user does, in order, and so what this does:
 Scenarios (``--scenarios``): ``chat`` (short chat beside batch at 2.5x capacity, 70 %
 interactive with a 5 s time-to-first-token budget, 20 s deadline), ``mix`` (80 % chat, 20 %
 prompts of 1.5-3k tokens at 3x capacity, long prompts useful within 30 s) and ``burst`` (the
-chat traffic at capacity with 6 x slots calls at once a third of the way in), and the peers'
+chat traffic at capacity with 6 x slots calls at once a third of the way in); ``tenants`` (one
+tenant, its own API key, floods chat at 5x capacity beside three quiet tenants at 0.1x each:
+each quiet tenant's chats within budget against its trace played alone, the flooding tenant's
+beside all chats within budget (what the engine served in time), Jain's index over the tenants'
+chats within budget, each of its max-min fair split); and the peers'
 named workloads (``llm_backoff_shim.lab.workloads``), each calibrated on its own lengths:
 ``shared-prefix`` (inference-perf's, 30 % batch, 2.5x capacity), ``bimodal`` (inference-perf's:
 the 1k-token prompts with 512-token answers are the batch class, 3x capacity, useful within 40 s)
@@ -58,7 +62,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,6 +116,8 @@ class ScenarioSpec:
     budgets: Budgets
     burst: int = 0
     calibration: str = "chat"
+    #: Quiet tenants' rates (x capacity) beside one flooding at ``rate_factor``; () for one caller.
+    quiet: tuple[float, ...] = ()
 
 
 SCENARIOS = {
@@ -165,7 +171,19 @@ SCENARIOS = {
         Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=60.0),
         calibration="batch-gateway",
     ),
+    "tenants": ScenarioSpec(
+        "tenants",
+        "one tenant floods chat at 5x capacity beside three quiet tenants at 0.1x each",
+        Mix(long_share=0.0, long_prompts=False),
+        5.0,
+        Budgets(chat_ttft=5.0, chat_deadline=20.0, long_deadline=20.0),
+        quiet=(0.1, 0.1, 0.1),
+    ),
 }
+
+
+#: The scoreboard docs/benchmarks.md shows, run by default; the others answer their own questions.
+CANONICAL = ("chat", "mix", "burst")
 
 
 @dataclass(frozen=True)
@@ -317,10 +335,12 @@ def run_calibrate(url: str, kind: str, mix: Mix, *, max_seconds: float) -> Calib
     return Calibration(kind, flags, command, str(data.get("confidence")), time.monotonic() - started)
 
 
-def arrivals(trace: Sequence[MixCall], seed: int) -> list[Arrival]:
+def arrivals(trace: Sequence[MixCall], seed: int, owners: Mapping[int, str] | None = None) -> list[Arrival]:
     """The trace as the load generator plays it: each call's prompt, a ``max_tokens`` of 4096 or
-    none, and the answer's drawn length as where its caller stops reading."""
+    none, the answer's drawn length as where its caller stops reading, and its tenant's API key
+    (``owners``, by call index)."""
     rng = random.Random(seed + 1000)
+    owners = owners or {}
     return [
         Arrival(
             c.index,
@@ -330,9 +350,57 @@ def arrivals(trace: Sequence[MixCall], seed: int) -> list[Arrival]:
             rng.choice(SENT_MAX_TOKENS),
             True,
             c.max_tokens,
+            None if c.index not in owners else f"sk-{owners[c.index]}",
         )
         for c in trace
     ]
+
+
+def tenant_trace(
+    spec: ScenarioSpec, mix: Mix, seed: int, calls_per_s: float, duration: float
+) -> tuple[list[MixCall], dict[int, str]]:
+    """The flooding tenant's trace at ``rate_factor`` x capacity beside each quiet tenant's at its
+    factor (a seed each), merged in time order; and each call's tenant, by index."""
+    parts = [("flood", spec.rate_factor), *((f"quiet-{i + 1}", f) for i, f in enumerate(spec.quiet))]
+    calls = [
+        (call, name)
+        for n, (name, factor) in enumerate(parts)
+        for call in mix_trace(mix, seed * 100 + n, rate=factor * calls_per_s, duration=duration)
+    ]
+    calls.sort(key=lambda pair: pair[0].at)
+    trace = [dataclasses.replace(call, index=i) for i, (call, _) in enumerate(calls)]
+    return trace, {i: name for i, (_, name) in enumerate(calls)}
+
+
+def alone(trace: Sequence[MixCall], owners: Mapping[int, str], name: str) -> list[MixCall]:
+    """Tenant ``name``'s calls of ``trace``, reindexed: its trace with the box to itself."""
+    mine = [c for c in trace if owners[c.index] == name]
+    return [dataclasses.replace(c, index=i) for i, c in enumerate(mine)]
+
+
+def max_min_fair(total: float, demands: Mapping[str, int]) -> dict[str, float]:
+    """``total`` split max-min fair over ``demands``: nobody more than it asked, the rest evenly."""
+    share: dict[str, float] = {}
+    pending = sorted(demands, key=demands.__getitem__)
+    while pending:
+        each = total / len(pending)
+        if demands[pending[0]] > each:
+            share.update(dict.fromkeys(pending, each))
+            break
+        name = pending.pop(0)
+        share[name] = demands[name]
+        total -= demands[name]
+    return share
+
+
+def jain(row: Row) -> float | None:
+    """Jain's fairness index over the tenants' chats within budget, each as a share of its
+    max-min fair split of them all (1: exactly fair; 1/n: one tenant had it all)."""
+    counts: dict[str, list[int]] = row.diagnostics.get("tenants", {})  # type: ignore[assignment]
+    fair = max_min_fair(sum(ok for ok, _ in counts.values()), {t: n for t, (_, n) in counts.items()})
+    xs = [counts[t][0] / f for t, f in fair.items() if f > 0]
+    squares = sum(x * x for x in xs)
+    return None if not squares else sum(xs) ** 2 / (len(xs) * squares)
 
 
 def wasted(result: RunResult) -> float | None:
@@ -376,13 +444,14 @@ def diagnose(result: RunResult) -> dict[str, object]:
     }
 
 
+def chat_ok(spec: ScenarioSpec, r: CallRecord) -> bool:
+    """A chat call served within its time-to-first-token budget."""
+    return r.ok and r.ttft is not None and r.ttft <= spec.budgets.chat_ttft
+
+
 def row_of(spec: ScenarioSpec, seed: int, arm: Arm, result: RunResult, load: float) -> Row:
-    b = spec.budgets
     chats = [r for r in result.calls if r.cls == "interactive"]
     batch = [r for r in result.calls if r.cls == "batch"]
-
-    def chat_ok(r: CallRecord) -> bool:
-        return r.ok and r.ttft is not None and r.ttft <= b.chat_ttft
 
     refused = [r.duration for r in chats if not r.ok and r.duration is not None]
     return Row(
@@ -390,9 +459,9 @@ def row_of(spec: ScenarioSpec, seed: int, arm: Arm, result: RunResult, load: flo
         seed=seed,
         arm=arm.name,
         label=arm.setup.label,
-        useful_tokens=sum(r.tokens for r in chats if chat_ok(r)) + sum(r.tokens for r in batch if r.ok),
+        useful_tokens=sum(r.tokens for r in chats if chat_ok(spec, r)) + sum(r.tokens for r in batch if r.ok),
         chat_calls=len(chats),
-        chat_in_budget=sum(chat_ok(r) for r in chats),
+        chat_in_budget=sum(chat_ok(spec, r) for r in chats),
         batch_calls=len(batch),
         batch_served=sum(r.ok for r in batch),
         refusal_p90=percentile(refused, 90),
@@ -410,6 +479,7 @@ def run_arm(
     model: str,
     flags: Sequence[str],
     calls_per_s: float,
+    owners: Mapping[int, str] | None = None,
 ) -> Row:
     b = spec.budgets
     scen = Scenario(
@@ -432,7 +502,7 @@ def run_arm(
         run = LoadRun(
             arm.setup,
             scen,
-            arrivals(trace, seed),
+            arrivals(trace, seed, owners),
             target_url=url if front is None else front.url,
             engine_url=url,
             shim_url=None if front is None else front.url,
@@ -445,6 +515,12 @@ def run_arm(
         line.done()
     row = row_of(spec, seed, arm, result, load)
     row.diagnostics = diagnose(result)
+    if owners:
+        counts = {name: [0, 0] for name in sorted(set(owners.values()))}
+        for r in result.calls:
+            counts[owners[r.index]][0] += chat_ok(spec, r)
+            counts[owners[r.index]][1] += 1
+        row.diagnostics["tenants"] = counts
     print(
         f"  {arm.setup.label}: useful {row.useful_tokens}, chat {row.chat_in_budget}/{row.chat_calls} "
         f"within budget, batch {row.batch_served}/{row.batch_calls}, refusal p90 "
@@ -512,6 +588,36 @@ def table(rows: Sequence[Row], scenarios: Sequence[str], arms: Sequence[str]) ->
     return "\n".join(lines)
 
 
+def tenants_table(
+    rows: Sequence[Row], arms: Sequence[str], alone_counts: Mapping[int, Mapping[str, int]]
+) -> str:
+    """The tenants scenario per arm and seed: the flooding tenant's chats within budget of its
+    calls, each quiet tenant's and of its trace played alone, all chats within budget (what the
+    engine served in time: the flooding tenant has what the quiet ones left of it), Jain's index."""
+    quiet = sorted({name for counts in alone_counts.values() for name in counts})
+    lines = [
+        "| tenants: arm | seed | flooding tenant within budget | "
+        + " | ".join(f"{q} within budget (of alone)" for q in quiet)
+        + " | all within budget | Jain's index |",
+        "|---|---:|---:|" + "---:|" * len(quiet) + "---:|---:|",
+    ]
+    for arm in arms:
+        for row in (r for r in rows if r.scenario == "tenants" and r.arm == arm):
+            counts: dict[str, list[int]] = row.diagnostics["tenants"]  # type: ignore[assignment]
+            flood_ok, flood_calls = counts["flood"]
+            cells = [f"{flood_ok}/{flood_calls}"]
+            for q in quiet:
+                by_itself = alone_counts[row.seed][q]
+                cells.append(f"{counts[q][0]}/{counts[q][1]} ({_ratio(counts[q][0], by_itself)})")
+            index = jain(row)
+            lines.append(
+                f"| {row.label} | {row.seed} | "
+                + " | ".join(cells)
+                + f" | {row.chat_in_budget} | {'-' if index is None else f'{index:.2f}'} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(rows: Sequence[Row], scenarios: Sequence[str], arms: Sequence[str], path: Path, title: str) -> None:
     import matplotlib
 
@@ -563,7 +669,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seeds", type=int, help="how many seeds (default 2, 1 with --quick)")
     add("--first-seed", type=int, default=11)
     add("--duration", type=float, help="seconds of arrivals (default 20, 12 with --quick)")
-    add("--scenarios", default=",".join(SCENARIOS), help=f"of {', '.join(SCENARIOS)}")
+    add(
+        "--scenarios",
+        default=",".join(CANONICAL),
+        help=f"of {', '.join(SCENARIOS)} (default: the scoreboard's, {', '.join(CANONICAL)})",
+    )
     add("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     add(
         "--try",
@@ -632,6 +742,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrations: dict[str, Calibration] = {}
     speeds: dict[str, dict[str, float]] = {}
     fitted: dict[Mix, tuple[float, float]] = {}
+    alone_counts: dict[int, dict[str, int]] = {}
     queued_tokens = queued_tokens_bound(params, SCENARIOS["chat"].budgets)
     try:
         with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
@@ -681,15 +792,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
                 for seed in seeds:
-                    trace = mix_trace(
-                        mix,
-                        seed,
-                        rate=rate,
-                        duration=duration,
-                        burst=spec.burst,
-                        burst_at=duration / 3,
-                        burst_kind="long" if spec.mix.long_prompts else None,
-                    )
+                    owners = None
+                    if spec.quiet:
+                        trace, owners = tenant_trace(spec, mix, seed, real_calls, duration)
+                    else:
+                        trace = mix_trace(
+                            mix,
+                            seed,
+                            rate=rate,
+                            duration=duration,
+                            burst=spec.burst,
+                            burst_at=duration / 3,
+                            burst_kind="long" if spec.mix.long_prompts else None,
+                        )
                     best = oracle(trace, engine, spec.budgets)
                     print(
                         f"- seed {seed}: {len(trace)} calls; oracle {best.useful_tokens} useful tokens, chat "
@@ -697,8 +812,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{best.served.get('long', 0)}/{best.offered.get('long', 0)}",
                         flush=True,
                     )
+                    for name in sorted(set((owners or {}).values()) - {"flood"}):
+                        assert owners is not None
+                        print(f"  {name} alone (the box to itself):", flush=True)
+                        solo = alone(trace, owners, name)
+                        box = ARMS["direct-plain"]
+                        by_itself = run_arm(box, spec, solo, seed, url, model, flags, real_calls)
+                        alone_counts.setdefault(seed, {})[name] = by_itself.chat_in_budget
                     for arm in arms:
-                        row = run_arm(ARMS[arm], spec, trace, seed, url, model, flags, real_calls)
+                        row = run_arm(ARMS[arm], spec, trace, seed, url, model, flags, real_calls, owners)
                         row.oracle_useful = best.useful_tokens
                         row.oracle_chat = best.served.get("chat", 0)
                         row.oracle_batch = best.served.get("long", 0)
@@ -718,6 +840,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         + "; ".join(f"{c.kind} [{' '.join(c.flags)}] ({c.confidence})" for c in calibrations.values())
     )
     text = table(rows, shown, arms)
+    if alone_counts:
+        text += "\n\n" + tenants_table(rows, arms, alone_counts)
     print("\n" + head + "\n\n" + text)
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ("-sim" if kind == "sim" else "")
@@ -732,6 +856,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "calibrations": {k: dataclasses.asdict(c) for k, c in calibrations.items()},
                 "speeds": speeds,
                 "rows": [dataclasses.asdict(r) for r in rows],
+                "tenants_alone": alone_counts,
             },
             indent=1,
         )

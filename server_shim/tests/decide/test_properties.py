@@ -3,8 +3,8 @@
 - admission invariants of the controller the shim really builds (``build_controller``
   with its class scheduler: reservations, minimum shares), driven by a hypothesis
   state machine: never more than the cap in flight, never more than the queue bounds
-  waiting, first come first served within a class (whatever placement does across
-  classes), every admitted request released
+  waiting, first come first served within a tenant of a class (within the class for one
+  tenant alone; whatever placement does across classes), every admitted request released
   exactly once, every ticket ends in exactly one final state; with a cost budget (drawn, or
   none), the cost in flight is the admitted requests' (in all and per class), each class's
   own stays within the budget unless one of its requests runs alone (or, for a lower class,
@@ -65,6 +65,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         reserved=st.sampled_from([0.0, 0.25, 0.5]),
         minimum=st.sampled_from([0.0, 0.1, 0.5]),
         tokens=st.sampled_from([None, None, 100, 400, 2000]),
+        tenants=st.sampled_from([1, 1, 3]),
     )
     def configure(
         self,
@@ -74,8 +75,10 @@ class AdmissionMachine(RuleBasedStateMachine):
         reserved: float,
         minimum: float,
         tokens: int | None = None,
+        tenants: int = 1,
     ) -> None:
         self.clock = ManualClock(1000.0)
+        self.tenants = tenants
         self.settings = ShimSettings(
             max_concurrency=limit,
             max_queue=max_queue,
@@ -88,7 +91,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.limit_obj = CountingLimit(limit)
         self.c = build_controller(self.settings, self.clock, self.limit_obj)
         self.tickets: list[Ticket] = []
-        self.admission_order: dict[str, list[int]] = {cls: [] for cls in CLASSES}
+        # Per class, tenant and lane (returning callers are served before fresh ones).
+        self.admission_order: dict[tuple[str, str | None, bool], list[int]] = {}
         self.released: dict[int, int] = {}
         # Tickets of a lower class admitted while nothing of a class above it was queued or in
         # flight: the cost budget does not hold those (admission.py, "nobody above").
@@ -98,7 +102,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def _note(self, tickets: list[Ticket]) -> None:
         live = (TicketState.QUEUED, TicketState.ADMITTED)
         for t in tickets:
-            self.admission_order[t.cls].append(t.id)
+            self.admission_order.setdefault((t.cls, t.request.tenant, t.returning), []).append(t.id)
             above = CLASSES[: CLASSES.index(t.cls)]
             if above and not any(o.cls in above and o.state in live for o in self.tickets):
                 self.unheld.add(t.id)
@@ -108,9 +112,22 @@ class AdmissionMachine(RuleBasedStateMachine):
         cls=st.sampled_from(CLASSES),
         budget=st.sampled_from([None, None, 0.5, 3.0, 30.0]),
         cost=st.sampled_from([0, 40, 40, 150, 900, 2500]),
+        tenant=st.sampled_from([0, 0, 1, 2]),
+        retry=st.sampled_from([0, 0, 0, 1]),
     )
-    def arrive(self, cls: str, budget: float | None, cost: int = 0) -> None:
-        decision = self.c.submit(AdmissionRequest(cls=cls, budget=budget, cost=cost))
+    def arrive(self, cls: str, budget: float | None, cost: int = 0, tenant: int = 0, retry: int = 0) -> None:
+        who = None if self.tenants == 1 else f"t{tenant % self.tenants}"
+        request = AdmissionRequest(cls=cls, budget=budget, cost=cost, tenant=who, retry=retry)
+        decision = self.c.submit(request)
+        moved = self.c.take_moved()
+        if moved is not None:
+            # What the edge does with them: a place taken by a tenant below its share.
+            self._note(moved.admitted)
+            for t in moved.expired:
+                assert t.state is TicketState.EXPIRED
+                assert t.rejection is not None
+                assert t.rejection.code == "queue_full"
+                assert t.rejection.retry_after > 0
         if isinstance(decision, Rejection):
             assert decision.retry_after > 0
             assert math.isfinite(decision.retry_after)
@@ -167,8 +184,8 @@ class AdmissionMachine(RuleBasedStateMachine):
                 t.state is TicketState.ADMITTED and t.cls == cls for t in self.tickets
             )
             assert c.queued(cls) == sum(t.state is TicketState.QUEUED and t.cls == cls for t in self.tickets)
-            order = self.admission_order[cls]
-            assert order == sorted(order), "first come, first served within a class"
+        for order in self.admission_order.values():
+            assert order == sorted(order), "first come, first served within a tenant of a class"
         assert all(n == 1 for n in self.released.values())
         assert self.limit_obj.completions == len(self.released)
         running = [t for t in self.tickets if t.state is TicketState.ADMITTED]
@@ -234,8 +251,9 @@ def test_a_request_placed_behind_a_lower_class_is_not_passed_by_a_later_one_of_i
             m.arrive(budget=None, cls="interactive")
         m.bounds_hold()
     m.teardown()
-    assert m.admission_order["interactive"] == sorted(m.admission_order["interactive"])
-    assert len(m.admission_order["interactive"]) == 7  # the two that met out of order included
+    order = m.admission_order["interactive", None, False]
+    assert order == sorted(order)
+    assert len(order) == 7  # the two that met out of order included
 
 
 # -- request targets -------------------------------------------------------------------------

@@ -9,9 +9,9 @@ hands out into awaitables and calls back on completion, disconnect and timeout.
 
 :class:`AdmissionController` is a thin shell around small collaborators, each with its module:
 
-- :class:`~llm_backoff_shim.decide.queues.ClassQueues`: one bounded FIFO queue per traffic
-  class, highest priority first, standing in one serve order, with places kept for returning
-  callers;
+- :class:`~llm_backoff_shim.decide.queues.ClassQueues`: one bounded queue per traffic
+  class, highest priority first, standing in one serve order, tenants taking turns within a
+  class, with places kept for returning callers;
 - a :class:`~llm_backoff_shim.decide.limit.ConcurrencyLimit` caps requests in flight, an
   optional :class:`~llm_backoff_shim.decide.token_budget.TokenBudget` caps their cost
   (KV-cache tokens: prompt plus the answer expected, priced by
@@ -399,6 +399,9 @@ class AdmissionController:
             return ticket
         returning = ticket.returning = queues.is_returning(request)
         has_room = queues.has_room(cls, returning)
+        # A full queue still takes a tenant below its fair share, in another's place (queues.py).
+        displaced = None if has_room else queues.displaced_by(request)
+        has_room = has_room or displaced is not None
         if not has_room and self.saturated():
             # Full, and no slot for the pump to give anyone: refused whatever its place would
             # be, so its place (a walk of the queue) is not worked out.
@@ -445,6 +448,20 @@ class AdmissionController:
             queues.remove(ticket)
             ticket.state = TicketState.CANCELLED
             return refused
+        if returning:
+            queues.take_turn(ticket)
+        if displaced is not None and displaced.state is TicketState.QUEUED:
+            queues.remove(displaced)
+            displaced.state = TicketState.EXPIRED
+            displaced.rejection = refusals.reject(
+                cls,
+                "queue_full",
+                "server at capacity (queue full; its place went to a tenant with fewer waiting)",
+                displaced.request.budget,
+                displaced.request,
+            )
+            pending = self._moved = self._moved or Dispatch()
+            pending.expired.append(displaced)
         return ticket
 
     def refuse_at_once(self, request: AdmissionRequest) -> Rejection | None:
@@ -461,6 +478,7 @@ class AdmissionController:
             not self.saturated()
             or cls not in self._policies
             or queues.has_room(cls, queues.is_returning(request))
+            or queues.displaced_by(request) is not None
         ):
             return None
         decision = self.submit(request)

@@ -14,10 +14,17 @@ newcomer waits behind them, and is refused at arrival when that wait is too long
 schedulers see the classes with queued requests in the order their heads are due, so a request
 placed behind a lower class's request waits for it.
 
-Invariant: first come, first served within a class (returning callers before fresh ones where
-the class serves them first), whatever placement does across classes. A newcomer whose natural
-place is ahead of a request of its own class that was placed behind a lower class's request goes
-right after that request instead (:meth:`Placement.place`).
+Invariant: first come, first served within a tenant of a class (returning callers before fresh
+ones where the class serves them first), whatever placement does across classes. A newcomer whose
+natural place is ahead of a request of its own class that precedes it naturally (its round, then
+returning before fresh, then arrival) but was placed behind a lower class's request goes right
+after that request instead (:meth:`Placement.place`).
+
+A tenant's turn is not a promise to another tenant's later rounds: a newcomer of a quiet tenant
+takes its round's place ahead of a flooding tenant's later rounds whatever that does to their
+waits (fair turns, :mod:`llm_backoff_shim.decide.queues`); those made late are turned away by
+the recheck with a Retry-After. Protecting them would put every quiet tenant's request behind
+the flood, which is what fair turns are for.
 
 A newcomer never waits behind a promise longer than its own: a request of a lower class whose
 ``max_queue_wait`` is longer than the newcomer's class's (a class held for its callers'
@@ -57,7 +64,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from llm_backoff_shim.decide.drain_estimate import DrainEstimator
-from llm_backoff_shim.decide.queues import ClassQueues
+from llm_backoff_shim.decide.queues import ClassQueues, natural_key
 from llm_backoff_shim.decide.tickets import RejectCode, Ticket
 from llm_backoff_shim.decide.waits import QueueWaits, WaitFn, need_name, service_needed
 
@@ -80,7 +87,9 @@ class Placement:
         """Give a newcomer its sort key; return how many queued requests (and of its class) are
         ahead, in queue places (:attr:`Ticket.places`: one each without a cost budget).
 
-        Its natural place: by class, returning before fresh, then arrival. If that is ahead
+        Its natural place (:func:`~llm_backoff_shim.decide.queues.natural_key`): by class, its
+        tenant's round (:meth:`ClassQueues.round_for`), returning before fresh, then arrival.
+        If that is ahead
         of queued requests that one more request ahead would make late (the estimate, as in
         :meth:`overtaken`, with ``promise_slack`` of their class's ``max_queue_wait`` kept in
         hand for the estimate's error), it goes right after the last of them instead: its key
@@ -89,7 +98,8 @@ class Placement:
         serve order; no walk when it would overtake nobody.
         """
         cls, queues = ticket.cls, self._queues
-        key: tuple[int, ...] = (queues.rank(cls), 0 if ticket.returning else 1, ticket.id)
+        ticket.round = queues.round_for(cls, ticket.request.tenant, ticket.returning)
+        key: tuple[int, ...] = natural_key(queues.rank(cls), ticket)
         ticket.key = key
         if not queues.overtakes_anyone(key):
             # last in line: behind its class too
@@ -118,6 +128,8 @@ class Placement:
                 queued.key > key
                 # a promise longer than the newcomer's own yields to it (module docstring)
                 and (queued.cls == cls or queued_wait <= own_wait)
+                # so does another tenant's later round: the newcomer's turn (module docstring)
+                and not _later_turn(queued, ticket)
                 and self.late(queued, ahead + mine, seen[queued.cls] + mine_in_class, now + slack, wait)
                 is not None
             ):
@@ -131,19 +143,22 @@ class Placement:
 
     def _behind_own_class(self, ticket: Ticket, key: tuple[int, ...]) -> tuple[int, ...]:
         """``key``, or a key right after the last queued request of the newcomer's class that
-        comes before it in its natural order (returning before fresh, then arrival).
+        comes before it in its natural order (:func:`natural_key`: round, returning before fresh,
+        then arrival).
 
-        The invariant: first come, first served within a class (and within returning or fresh
-        callers of it), whatever placement does across classes. A request of the class placed
-        earlier may stand behind a lower class's request (its key extends that request's key);
-        a later one of the same class whose natural key sorts ahead of that place must not pass
-        it, so it goes right after it. That only moves the newcomer back: it overtakes fewer
-        queued requests than the walk checked, so no promise is broken.
+        The invariant: first come, first served within a tenant of a class (and within
+        returning or fresh callers of it), whatever placement does across classes. A request of
+        the class placed earlier may stand behind a lower class's request (its key extends that
+        request's key); a later one of the same class whose natural key sorts after it and whose
+        key sorts ahead of that place must not pass it, so it goes right after it. That only
+        moves the newcomer back: it overtakes fewer queued requests than the walk checked, so no
+        promise is broken.
         """
-        returning = ticket.returning
+        rank = self._queues.rank(ticket.cls)
+        mine = natural_key(rank, ticket)
         latest: tuple[int, ...] | None = None
         for queued in self._queues.lists[ticket.cls]:
-            precedes = queued.returning or not returning
+            precedes = natural_key(rank, queued) < mine
             if precedes and queued.key > key and (latest is None or queued.key > latest):
                 latest = queued.key
         return key if latest is None else (*latest, ticket.id)
@@ -162,7 +177,10 @@ class Placement:
         # its slot was taken; an interactive caller refused for it fails (measured on a real
         # vLLM: interactive calls within budget fell when batch promises held slots).
         above = self._queues.above(cls)
-        promised_by = above if ticket.returning else (*above, cls)
+        # Its own class's promised callers come back into their tenants' turns: behind a
+        # newcomer that took its turn ahead of other tenants (they would not be counted twice).
+        took_turn = any(_later_turn(queued, ticket) for queued in self._queues.lists[cls])
+        promised_by = above if ticket.returning or took_turn else (*above, cls)
         expected = self._waits.at(cls, ahead, in_class, promised_by, ticket.places)
         if budget is not None:
             need = service_needed(self._estimator, ticket.request)
@@ -227,6 +245,16 @@ class Placement:
                 f"{max_wait:g} s limit"
             )
         return None
+
+
+def _later_turn(queued: Ticket, newcomer: Ticket) -> bool:
+    """Whether ``queued`` is another tenant's request of the newcomer's class in a later round
+    (it yields its place to the newcomer's turn: module docstring)."""
+    return (
+        queued.cls == newcomer.cls
+        and queued.request.tenant != newcomer.request.tenant
+        and queued.round > newcomer.round
+    )
 
 
 def _places_before(order: list[Ticket], key: tuple[int, ...], cls: str) -> tuple[int, int]:

@@ -12,9 +12,25 @@ guess became refusals after a wait once the first measurement came in (a burst o
 start, in the virtual-time model: 80 % served within the deadline against 96 %).
 
 All queued requests stand in one serve order, each with a sort key
-(:attr:`~llm_backoff_shim.decide.tickets.Ticket.key`): by class (highest first), returning
-before fresh, then arrival; :mod:`llm_backoff_shim.decide.placement` may extend a newcomer's
-key to put it behind a request whose promise it would break.
+(:attr:`~llm_backoff_shim.decide.tickets.Ticket.key`): by class (highest first), then the
+tenant's turn (its round), returning before fresh within a round, then arrival;
+:mod:`llm_backoff_shim.decide.placement` may extend a newcomer's key to put it behind a request
+whose promise it would break.
+
+Fair turns between tenants within a class (start-time fair queuing, as round robin between
+flows): a tenant's n-th waiting request of a class stands in the class's round n, counted from
+the round the class is serving, so while several tenants wait they are served one request each
+in turn; the tenant is the request's API key (its hash) or its ``--tenant-header`` value, every
+anonymous caller one tenant. Within a tenant the order is today's: returning before fresh, then
+arrival. A returning request takes its tenant's next turn and moves the tenant's fresh ones back
+a round each (:meth:`ClassQueues.take_turn`): its callers' retries go ahead of its own fresh
+calls, never ahead of another tenant's turn. A tenant alone has rounds that rise along that
+order: exactly today's serve order. A full class queue does not lock the
+others out: a newcomer whose tenant holds fewer than its fair share of the class's places (the
+bound over the tenants waiting, its own counted) takes the place of the last in line of the
+tenant holding the most (:meth:`ClassQueues.displaced_by`), which is refused ``queue_full`` with
+a Retry-After, as it would have been had it come after. Places, not a cap per tenant: a tenant
+alone, or beside quiet ones, still fills the queue the engine drains.
 
 Returning callers first. A request whose client says it is a retry (``x-stainless-retry-count``
 >= 1) and says how long it will wait (``x-request-timeout-ms``) was most likely told a
@@ -44,6 +60,12 @@ from llm_backoff_shim.decide.tickets import Ticket
 
 def _key(ticket: Ticket) -> tuple[int, ...]:
     return ticket.key
+
+
+def natural_key(rank: int, ticket: Ticket) -> tuple[int, int, int, int]:
+    """``ticket``'s natural place in the serve order, its class's ``rank`` given: its class, its
+    round, returning before fresh, then arrival."""
+    return (rank, ticket.round, 0 if ticket.returning else 1, ticket.id)
 
 
 class ClassQueues:
@@ -78,6 +100,8 @@ class ClassQueues:
         self.total = 0
         #: Queue places per class, each ticket counted as its ``places`` (1 without a cost budget).
         self.places: dict[str, int] = dict.fromkeys(self._classes, 0)
+        # The round each class is serving: the highest of the tickets that left its head.
+        self._round: dict[str, int] = dict.fromkeys(self._classes, 0)
 
     @property
     def policies(self) -> Mapping[str, ClassPolicy]:
@@ -111,7 +135,55 @@ class ClassQueues:
         self.total -= 1
         ticket = self.lists[cls].pop(0)
         self.places[cls] -= ticket.places
+        self._round[cls] = max(self._round[cls], ticket.round)
         return ticket
+
+    def round_for(self, cls: str, tenant: str | None, returning: bool) -> int:
+        """The round a newcomer of ``tenant`` waits in within ``cls``: one after its tenant's
+        latest queued request there, never before the round the class is serving; a returning
+        one, the round of its tenant's first fresh request in its natural place, if any
+        (:meth:`take_turn` then moves those back)."""
+        current = self._round[cls]
+        mine = [t for t in self.lists[cls] if t.request.tenant == tenant]
+        if returning:
+            fresh = [t.round for t in mine if not t.returning and self._natural(t)]
+            if fresh:
+                return min(fresh)
+        return max(current, max(t.round for t in mine) + 1) if mine else current
+
+    def take_turn(self, ticket: Ticket) -> None:
+        """A queued returning ``ticket`` took its tenant's next turn: the tenant's fresh requests
+        of its class in their natural places behind it move back a round each."""
+        queue, tenant = self.lists[ticket.cls], ticket.request.tenant
+        moved = False
+        for queued in queue:
+            mine = queued.request.tenant == tenant and not queued.returning
+            if mine and self._natural(queued) and queued.key > ticket.key:
+                queued.round += 1
+                queued.key = natural_key(queued.key[0], queued)
+                moved = True
+        if moved:
+            queue.sort(key=_key)
+
+    @staticmethod
+    def _natural(ticket: Ticket) -> bool:
+        """Whether ``ticket`` stands in its natural place (placement extended no key of it)."""
+        return len(ticket.key) == 4
+
+    def displaced_by(self, request: AdmissionRequest) -> Ticket | None:
+        """The queued ticket a newcomer takes the place of when its class's queue is full: the
+        last in line of the tenant holding the most places, when the newcomer's tenant holds fewer
+        than its fair share (the class's bound over the tenants waiting, its own counted) and
+        that tenant more; None otherwise (module docstring)."""
+        cls, tenant = request.cls, request.tenant
+        held: dict[str | None, int] = {tenant: 0}
+        for queued in self.lists[cls]:
+            held[queued.request.tenant] = held.get(queued.request.tenant, 0) + queued.places
+        share = self.bound(cls) / len(held)
+        most = max((t for t in held if t != tenant), key=held.__getitem__, default=None)
+        if held[tenant] >= share or most is None or held[most] <= share:
+            return None
+        return next(t for t in reversed(self.lists[cls]) if t.request.tenant == most)
 
     def serve_order(self) -> list[Ticket]:
         """The queued tickets of every class, in the order strict priority would admit them."""

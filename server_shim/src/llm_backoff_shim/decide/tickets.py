@@ -67,7 +67,9 @@ class Ticket:
     """One request's place: queued, then admitted (holding a slot), then released.
 
     ``key`` orders the queued tickets of all classes into one serve order
-    (:mod:`llm_backoff_shim.decide.queues`); ``returning``: queued in its class's returning lane;
+    (:mod:`llm_backoff_shim.decide.queues`); ``round``: its tenant's turn within its class
+    (:meth:`ClassQueues.round_for <llm_backoff_shim.decide.queues.ClassQueues.round_for>`);
+    ``returning``: queued in its class's returning lane;
     ``places``: the queue places it stands for in a wait estimate (1, or more for a request
     that costs several slots' share of a cost budget: :meth:`TokenBudget.places
     <llm_backoff_shim.decide.token_budget.TokenBudget.places>`).
@@ -82,6 +84,7 @@ class Ticket:
     admitted_at: float | None = None
     rejection: Rejection | None = None
     key: tuple[int, ...] = ()
+    round: int = 0
     returning: bool = False
     places: int = 1
 

@@ -189,6 +189,8 @@ class LoadRun:
             extra["max_tokens"] = arrival.max_tokens
         if arrival.ignore_eos:
             extra["extra_body"] = {"ignore_eos": True}
+        if arrival.api_key is not None:
+            extra["extra_headers"] = {"Authorization": f"Bearer {arrival.api_key}"}
         stream = await client.chat.completions.create(
             model=self.model,
             messages=[{"role": "user", "content": arrival.prompt or f"call {record.index}"}],

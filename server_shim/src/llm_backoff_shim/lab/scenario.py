@@ -242,6 +242,7 @@ class Arrival:
     ``answer_tokens``: the caller closes its stream once this many content chunks came (an
     answer of that length, whatever ``max_tokens`` says: how a client that sends a high
     ``max_tokens``, or none, is played with answers of a chosen length); None: read to the end.
+    ``api_key``: the key the call is sent with (its tenant, to the shim); None: the client's.
     """
 
     index: int
@@ -251,6 +252,7 @@ class Arrival:
     max_tokens: int | None = None
     ignore_eos: bool = False
     answer_tokens: int | None = None
+    api_key: str | None = None
 
 
 def arrivals(scenario: Scenario, capacity: float, rng: random.Random) -> list[Arrival]:

@@ -171,14 +171,14 @@ def create_app(
     tenants_file = None
     if settings.tenants_file is not None:
         tenants_file = load_tenants_file(settings.tenants_file, settings.classes)
-    directory = None
-    if tenants_file is not None or settings.tenant_header is not None or limited_by_flags:
-        directory = TenantDirectory(
-            tenants_file,
-            header=settings.tenant_header,
-            requests_per_minute=settings.tenant_requests_per_minute,
-            tokens_per_minute=settings.tenant_tokens_per_minute,
-        )
+    # Every request names its tenant (its API key's hash, or --tenant-header's value), file or
+    # not: tenants take turns within a class (decide/queues.py).
+    directory = TenantDirectory(
+        tenants_file,
+        header=settings.tenant_header,
+        requests_per_minute=settings.tenant_requests_per_minute,
+        tokens_per_minute=settings.tenant_tokens_per_minute,
+    )
 
     # -- the edge, handed the pieces above -------------------------------------------------
     admission = AsyncAdmission(controller, clock)
@@ -200,14 +200,14 @@ def create_app(
             interval=tuning.engine_poll_interval,
             on_change=admission.reschedule,
         )
-    if directory is not None and directory.limited:
+    named = tenants_file is not None or settings.tenant_header is not None or limited_by_flags
+    if named and directory.limited:
         policy.quotas = TenantQuotas(clock=clock, redis_url=settings.redis_url)
         # First of the gates: a request over its quota is refused whatever the load.
         controller.gates.insert(0, QuotaGate(controller.estimator.config.retry_after_min))
-    if directory is not None or slo is not None or vllm_priority is not None:
-        policy.hooks = ShimPolicies(
-            controller, directory=directory, quotas=policy.quotas, slo=slo, vllm_priority=vllm_priority
-        )
+    policy.hooks = ShimPolicies(
+        controller, directory=directory, quotas=policy.quotas, slo=slo, vllm_priority=vllm_priority
+    )
     metrics = ShimMetrics(controller, slo_state=policy.slo_state)
     metrics.registry.register(policy.collector())
     ops = None

@@ -198,6 +198,9 @@ class ShimPolicies(RequestHooks):
     def scope(
         self, request: AdmissionRequest, body: bytes, path: str, parsed: dict[str, Any] | None = None
     ) -> RequestScope:
+        if self.quotas is None and self.slo is None and self.vllm_priority is None:
+            # Only naming tenants: nothing to do per request, nor per streamed chunk.
+            return RequestScope(request, body)
         tenant = None
         if self.directory is not None and request.tenant is not None:
             tenant = self.directory.identify_id(request.tenant)
