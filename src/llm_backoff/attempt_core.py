@@ -11,7 +11,9 @@ effect             sync loop performs              resumed with
 `ReadBody`         ``request.read()``              anything (ignored)
 `Acquire`          ``limiter.acquire_for(...)``    the `Permit`
 `Send`             one attempt, its body buffered  ``(response, raw body or None)``
-                   when `bodies.must_buffer`
+                   when `bodies.must_buffer`, a
+                   200 event stream read to its
+                   first content (`stream_start`)
 `Close`            ``response.close()``            anything (ignored)
 `Sleep`            ``sleep(seconds)``              anything (ignored)
 `Refresh`          ``refresh.run(request)``        anything (ignored)
@@ -61,6 +63,7 @@ from .limits import Permit, settle_quietly
 from .refresh import AttemptRefresh
 from .refresh import current as current_refresh
 from .retry_after import parse_hint
+from .stream_start import STREAM_ERROR_KEY
 from .testing import current_mode
 
 if TYPE_CHECKING:
@@ -112,7 +115,9 @@ class Acquire(NamedTuple):
 
 
 class Send(NamedTuple):
-    """Send one attempt and buffer its body when `bodies.must_buffer` says so."""
+    """Send one attempt, buffer its body when `bodies.must_buffer` says so, read a 200 event
+    stream to its first content (`stream_start.open_sync`: an error event before it is the
+    answer of the status it stands for, a cut before it an error)."""
 
     left: float | None
     """Seconds for the answer to begin, or None without a deadline: the async hard bound."""
@@ -277,6 +282,9 @@ def _on_response(
         parsed = parse_hint(response.headers, data, wall_clock=engine.wall_clock)
         hint = None if parsed is None else parsed.seconds
         verdict = classify_status(state.policy, status, response.headers, data, hint=hint)
+        made_of = response.extensions.get(STREAM_ERROR_KEY)
+        if made_of is not None:
+            verdict = verdict._replace(reason=f"{verdict.reason} ({made_of})")
     decision = state.decide(verdict, attempt_started=started, status=status, hint=hint)
     _report(engine, state, decision, request, hint)
     return decision, body

@@ -35,7 +35,11 @@ class _Limiter:
 
 
 def _flavor(lib: ModuleType) -> Flavor:
-    return Flavor(byte_stream=lib.ByteStream, guarded_stream=lambda stream, guard: stream)
+    return Flavor(
+        byte_stream=lib.ByteStream,
+        guarded_stream=lambda stream, guard: stream,
+        replayed_stream=lambda head, rest, stream: stream,
+    )
 
 
 def _response(lib: ModuleType, status: int) -> tuple[Any, bytes]:
