@@ -456,3 +456,89 @@ def test_events_split_anywhere_are_read_whole() -> None:
 
 def test_a_long_opening_is_handed_over() -> None:
     assert scan(b": " + b"x" * MAX_OPENING + b"\n") is True
+
+
+# -- at the transport --------------------------------------------------------------------
+
+
+def transports(lib: ModuleType) -> tuple[type[Any], type[Any]]:
+    from llm_backoff import transport
+
+    if lib.__name__ == "httpx2":
+        return transport.Httpx2RetryTransport, transport.AsyncHttpx2RetryTransport
+    return transport.HttpxRetryTransport, transport.AsyncHttpxRetryTransport
+
+
+SENT = [
+    ROLE.encode()[:20],
+    ROLE.encode()[20:] + b": keep-alive\n\n",
+    chat({"content": "h"}).encode() + b"da",
+    b"ta: [DONE]\n\n",
+]
+
+
+def sent_in_pieces(lib: ModuleType) -> Callable[[Any], Any]:
+    def handler(request: Any) -> Any:
+        return lib.Response(200, headers={"content-type": "text/event-stream"}, stream=Pieces(lib, SENT))
+
+    return handler
+
+
+def Pieces(lib: ModuleType, pieces: list[bytes]) -> Any:  # noqa: N802 - a class made per library
+    class Stream(lib.SyncByteStream, lib.AsyncByteStream):  # type: ignore[misc, name-defined]
+        def __iter__(self) -> Any:
+            yield from pieces
+
+        async def __aiter__(self) -> Any:
+            for piece in pieces:
+                yield piece
+
+    return Stream()
+
+
+def test_the_bytes_handed_over_are_those_sent(lib: ModuleType) -> None:
+    sync_cls, _ = transports(lib)
+    with (
+        lib.Client(transport=sync_cls(lib.MockTransport(sent_in_pieces(lib)))) as client,
+        client.stream("POST", "http://api/v1/chat/completions") as response,
+    ):
+        received = list(response.iter_raw())
+    # what was read to the first content, in one piece, then the rest as it came
+    assert received == [b"".join(SENT[:3]), SENT[3]]
+
+
+async def test_async_the_bytes_handed_over_are_those_sent(lib: ModuleType) -> None:
+    _, async_cls = transports(lib)
+    async with (
+        lib.AsyncClient(transport=async_cls(lib.MockTransport(sent_in_pieces(lib)))) as client,
+        client.stream("POST", "http://api/v1/chat/completions") as response,
+    ):
+        received = [piece async for piece in response.aiter_raw()]
+    assert received == [b"".join(SENT[:3]), SENT[3]]
+
+
+def test_an_opening_past_the_deadline_is_cut_at_the_deadline(lib: ModuleType, fake_time: Any) -> None:
+    """Events without content, a second apart, are read until the deadline, then the call gives up."""
+    sync_cls, _ = transports(lib)
+
+    def role_chunks() -> Any:
+        for _ in range(50):
+            fake_time.now += 1.0
+            yield ROLE.encode()
+
+    def handler(request: Any) -> Any:
+        return lib.Response(200, headers={"content-type": "text/event-stream"}, stream=Slow(lib, role_chunks))
+
+    transport = sync_cls(lib.MockTransport(handler), RetryPolicy(deadline=10), **fake_time.engine_options())
+    with lib.Client(transport=transport) as client, pytest.raises(lib.ReadTimeout) as info:
+        client.post("http://api/v1/chat/completions")
+    assert [a.status for a in info.value.llm_backoff_attempts] == [None]  # type: ignore[attr-defined]
+    assert fake_time.now == 1000.0 + 11.0
+
+
+def Slow(lib: ModuleType, chunks: Callable[[], Any]) -> Any:  # noqa: N802 - a class made per library
+    class Stream(lib.SyncByteStream):  # type: ignore[misc, name-defined]
+        def __iter__(self) -> Any:
+            return chunks()
+
+    return Stream()
