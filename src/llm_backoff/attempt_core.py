@@ -39,8 +39,9 @@ are read for decisions, so a test can step a call with a fake clock and no HTTP 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .attempt_request import AttemptRequest, begun, mark_retry, stamp
@@ -125,6 +126,9 @@ class Send(NamedTuple):
     """The clock reading at which the call's deadline passes: checked between sync body chunks."""
     start_bound: bool
     """Whether ``left`` is the start deadline's rather than the deadline's (`cut_error`)."""
+    begin: Callable[[], None] | None = None
+    """With a start deadline: called once a 200 event stream's head has come, before its body
+    is read to the first content, so that its reads answer to the deadline (`begun`)."""
 
 
 class Close(NamedTuple):
@@ -210,7 +214,8 @@ def call_steps(
             response: AttemptResponse
             raw: bytes | None
             try:
-                response, raw = yield Send(left, state.expires_at, state.start_bound)
+                begin = None if state.starts_by is None else partial(begun, request, state, base_timeout)
+                response, raw = yield Send(left, state.expires_at, state.start_bound, begin)
             except BaseException as exc:
                 settle_quietly(permit, None, None)
                 if not isinstance(exc, Exception):

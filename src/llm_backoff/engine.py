@@ -125,6 +125,7 @@ class RetryEngine:
             while True:
                 try:
                     if isinstance(effect, Send):
+                        sent = self.clock()
                         response = send(request)
                         raw = None
                         if must_buffer(response):
@@ -134,12 +135,14 @@ class RetryEngine:
                                 raise deadline_error(request) from None
                             response.stream = flavor.byte_stream(raw)
                         elif opens_stream(response):
+                            # Read to first content under ``left``, as the async loop bounds an attempt.
+                            bound = None if effect.left is None else sent + effect.left
                             try:
                                 response, raw = open_sync(
-                                    request, response, effect.expires, self.clock, flavor.replayed_stream
+                                    request, response, effect.begin, bound, self.clock, flavor
                                 )
                             except DeadlinePassedError:
-                                raise deadline_error(request) from None
+                                raise cut_error(request, effect.start_bound) from None
                         result: Any = (response, raw)
                     elif isinstance(effect, ReadBody):
                         result = request.read()
@@ -184,8 +187,7 @@ class RetryEngine:
                                 response = await send(request)
                                 raw = await buffer_async(response, flavor)
                                 if raw is None and opens_stream(response):
-                                    replayed = flavor.replayed_stream
-                                    response, raw = await open_async(request, response, replayed)
+                                    response, raw = await open_async(request, response, effect.begin, flavor)
                             except CancelledError:
                                 if not bound.expired():
                                     raise
@@ -201,14 +203,13 @@ class RetryEngine:
                             response = await send(request)
                             raw = await buffer_async(response, flavor)
                             if raw is None and opens_stream(response):
-                                response, raw = await open_async(request, response, flavor.replayed_stream)
+                                response, raw = await open_async(request, response, effect.begin, flavor)
                         else:
                             with anyio.move_on_after(left) as scope:
                                 response = await send(request)
                                 raw = await buffer_async(response, flavor)
                                 if raw is None and opens_stream(response):
-                                    replayed = flavor.replayed_stream
-                                    response, raw = await open_async(request, response, replayed)
+                                    response, raw = await open_async(request, response, effect.begin, flavor)
                             if scope.cancelled_caught:
                                 raise cut_error(request, effect.start_bound)
                         result: Any = (response, raw)

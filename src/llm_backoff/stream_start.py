@@ -42,7 +42,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
-from .bodies import DeadlinePassedError, is_event_stream
+from .bodies import DeadlinePassedError, Flavor, is_event_stream
 
 __all__ = [
     "MAX_OPENING",
@@ -267,14 +267,19 @@ async def _aclose(rest: Any, response: Any) -> None:
 def open_sync(
     request: Any,
     response: Any,
+    begin: Callable[[], None] | None,
     expires: float | None,
     clock: Callable[[], float],
-    replayed: Callable[[bytes, Iterator[bytes], Any], Any],
+    flavor: Flavor,
 ) -> tuple[Any, bytes | None]:
     """Read a 200 event stream up to its first content: ``(response, None)`` with its stream
-    replaced by ``replayed(head, rest, stream)``, or the answer `error_response` makes of an
-    error event. A stream that ends or breaks before content raises (closed); so does one
-    past ``expires`` (`bodies.DeadlinePassedError`), checked between chunks."""
+    replaced by ``flavor.replayed_stream(head, rest, stream)``, or the answer `error_response`
+    makes of an error event. A stream that ends or breaks before content raises (closed); so
+    does one past ``expires`` (`bodies.DeadlinePassedError`), checked between chunks.
+    ``begin`` (`attempt_core.Send.begin`) is called before the body is read."""
+    if begin is not None:
+        begin()
+    replayed = flavor.replayed_stream
     stream = response.stream
     start = StreamStart()
     head: list[bytes] = []
@@ -300,9 +305,12 @@ def open_sync(
 
 
 async def open_async(
-    request: Any, response: Any, replayed: Callable[[bytes, AsyncIterator[bytes], Any], Any]
+    request: Any, response: Any, begin: Callable[[], None] | None, flavor: Flavor
 ) -> tuple[Any, bytes | None]:
     """`open_sync` for an async stream; the attempt's hard bound is the caller's."""
+    if begin is not None:
+        begin()
+    replayed = flavor.replayed_stream
     stream = response.stream
     start = StreamStart()
     head: list[bytes] = []

@@ -517,8 +517,17 @@ async def test_async_the_bytes_handed_over_are_those_sent(lib: ModuleType) -> No
     assert received == [b"".join(SENT[:3]), SENT[3]]
 
 
-def test_an_opening_past_the_deadline_is_cut_at_the_deadline(lib: ModuleType, fake_time: Any) -> None:
-    """Events without content, a second apart, are read until the deadline, then the call gives up."""
+@pytest.mark.parametrize(
+    ("policy", "cut_at", "note"),
+    [
+        (RetryPolicy(deadline=10), 11.0, "deadline passed"),
+        (RetryPolicy(deadline=30, start_deadline=5), 6.0, "start deadline passed before the answer began"),
+    ],
+)
+def test_an_opening_without_content_is_cut_at_the_time_to_begin(
+    lib: ModuleType, fake_time: Any, policy: RetryPolicy, cut_at: float, note: str
+) -> None:
+    """Events without content, a second apart, are read until the answer must have begun."""
     sync_cls, _ = transports(lib)
 
     def role_chunks() -> Any:
@@ -529,11 +538,12 @@ def test_an_opening_past_the_deadline_is_cut_at_the_deadline(lib: ModuleType, fa
     def handler(request: Any) -> Any:
         return lib.Response(200, headers={"content-type": "text/event-stream"}, stream=Slow(lib, role_chunks))
 
-    transport = sync_cls(lib.MockTransport(handler), RetryPolicy(deadline=10), **fake_time.engine_options())
+    transport = sync_cls(lib.MockTransport(handler), policy, **fake_time.engine_options())
     with lib.Client(transport=transport) as client, pytest.raises(lib.ReadTimeout) as info:
         client.post("http://api/v1/chat/completions")
     assert [a.status for a in info.value.llm_backoff_attempts] == [None]  # type: ignore[attr-defined]
-    assert fake_time.now == 1000.0 + 11.0
+    assert note in str(info.value)
+    assert fake_time.now == 1000.0 + cut_at
 
 
 def Slow(lib: ModuleType, chunks: Callable[[], Any]) -> Any:  # noqa: N802 - a class made per library
