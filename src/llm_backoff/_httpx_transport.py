@@ -25,6 +25,7 @@ import httpx
 from .bodies import Flavor, StreamGuard
 from .engine import RetryEngine
 from .policy import RetryPolicy
+from .stream_start import aclose_iterated, close_iterated
 
 
 class _GuardedStream(httpx.SyncByteStream):
@@ -88,7 +89,7 @@ class _ReplayedStream(httpx.SyncByteStream):
         yield from self._rest
 
     def close(self) -> None:
-        self._inner.close()
+        close_iterated(self._rest, self._inner)
 
 
 class _AsyncReplayedStream(httpx.AsyncByteStream):
@@ -103,7 +104,7 @@ class _AsyncReplayedStream(httpx.AsyncByteStream):
             yield chunk
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        await aclose_iterated(self._rest, self._inner)
 
 
 SYNC_FLAVOR = Flavor(

@@ -49,6 +49,8 @@ __all__ = [
     "STREAM_ERROR_KEY",
     "ErrorEvent",
     "StreamStart",
+    "aclose_iterated",
+    "close_iterated",
     "error_response",
     "error_status",
     "open_async",
@@ -246,22 +248,25 @@ def _ended_error(request: Any) -> Exception:
     return ConnectionError(message)
 
 
-def _close(rest: Any, response: Any) -> None:
+def close_iterated(rest: Any, owner: Any) -> None:
+    """Close the iterator ``rest`` of a stream (a generator left suspended), then ``owner``
+    (the stream or its response)."""
     try:
         close = getattr(rest, "close", None)
         if close is not None:
             close()
     finally:
-        response.close()
+        owner.close()
 
 
-async def _aclose(rest: Any, response: Any) -> None:
+async def aclose_iterated(rest: Any, owner: Any) -> None:
+    """`close_iterated` for an async iterator and stream."""
     try:
         aclose = getattr(rest, "aclose", None)
         if aclose is not None:
             await aclose()
     finally:
-        await response.aclose()
+        await owner.aclose()
 
 
 def open_sync(
@@ -293,14 +298,14 @@ def open_sync(
                 response.stream = replayed(b"".join(head), rest, stream)
                 return response, None
             if isinstance(verdict, ErrorEvent):
-                _close(rest, response)
+                close_iterated(rest, response)
                 return error_response(response, verdict)
             if expires is not None and clock() > expires:
                 raise DeadlinePassedError
     except BaseException:
-        _close(rest, response)
+        close_iterated(rest, response)
         raise
-    _close(rest, response)
+    close_iterated(rest, response)
     raise _ended_error(request)
 
 
@@ -324,10 +329,10 @@ async def open_async(
                 response.stream = replayed(b"".join(head), rest, stream)
                 return response, None
             if isinstance(verdict, ErrorEvent):
-                await _aclose(rest, response)
+                await aclose_iterated(rest, response)
                 return error_response(response, verdict)
     except BaseException:
-        await _aclose(rest, response)
+        await aclose_iterated(rest, response)
         raise
-    await _aclose(rest, response)
+    await aclose_iterated(rest, response)
     raise _ended_error(request)

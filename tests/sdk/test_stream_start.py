@@ -552,3 +552,36 @@ def Slow(lib: ModuleType, chunks: Callable[[], Any]) -> Any:  # noqa: N802 - a c
             return chunks()
 
     return Stream()
+
+
+def test_a_stream_left_after_its_first_content_is_closed(lib: ModuleType) -> None:
+    sync_cls, _ = transports(lib)
+    closed: list[str] = []
+
+    def pieces() -> Any:
+        try:
+            yield from SENT
+        finally:
+            closed.append("read")
+
+    def handler(request: Any) -> Any:
+        stream = Closing(lib, pieces, closed)
+        return lib.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+
+    with (
+        lib.Client(transport=sync_cls(lib.MockTransport(handler))) as client,
+        client.stream("POST", "http://api/v1/chat/completions") as response,
+    ):
+        assert next(response.iter_raw()) == b"".join(SENT[:3])
+    assert closed == ["read", "stream"]
+
+
+def Closing(lib: ModuleType, chunks: Callable[[], Any], closed: list[str]) -> Any:  # noqa: N802
+    class Stream(lib.SyncByteStream):  # type: ignore[misc, name-defined]
+        def __iter__(self) -> Any:
+            return chunks()
+
+        def close(self) -> None:
+            closed.append("stream")
+
+    return Stream()
