@@ -273,6 +273,10 @@ def _history_of(exc: BaseException) -> tuple[tuple[Any, ...], str | None] | None
     return None
 
 
+#: The reason given to an error the SDK raised itself from a stream that had started.
+_FAILED_AFTER_START = "the stream failed after it had started; not retried, so no output is duplicated"
+
+
 def annotate_openai_error(exc: BaseException, stream: object = None) -> None:
     """Copy the attempt history onto an exception raised by the openai client, if we have one.
 
@@ -285,7 +289,7 @@ def annotate_openai_error(exc: BaseException, stream: object = None) -> None:
     if found is None and stream is not None:
         extensions = getattr(getattr(stream, "response", None), "extensions", None)
         if isinstance(extensions, dict) and EXTENSION_KEY in extensions:
-            found = extensions[EXTENSION_KEY], "an error event after the stream had started; not retried"
+            found = extensions[EXTENSION_KEY], _FAILED_AFTER_START
     if found is not None:
         annotate(exc, *found)
 

@@ -257,7 +257,7 @@ def test_an_error_after_content_is_raised_not_retried_with_the_history(
     assert received == ["", "hel"]
     assert server.calls == 1
     assert [a.status for a in info.value.llm_backoff_attempts] == [200]  # type: ignore[attr-defined]
-    assert "after the stream had started; not retried" in "\n".join(info.value.__notes__)
+    assert "the stream failed after it had started; not retried" in "\n".join(info.value.__notes__)
 
 
 def test_an_error_chunk_naming_a_bad_request_is_not_retried(
