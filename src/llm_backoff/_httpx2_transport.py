@@ -25,6 +25,7 @@ import httpx2
 from .bodies import Flavor, StreamGuard
 from .engine import RetryEngine
 from .policy import RetryPolicy
+from .stream_start import aclose_iterated, close_iterated
 
 
 class _GuardedStream(httpx2.SyncByteStream):
@@ -75,8 +76,43 @@ class _AsyncGuardedStream(httpx2.AsyncByteStream):
             self._guard.closed()
 
 
-SYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, guarded_stream=_GuardedStream)
-ASYNC_FLAVOR = Flavor(byte_stream=httpx2.ByteStream, guarded_stream=_AsyncGuardedStream)
+class _ReplayedStream(httpx2.SyncByteStream):
+    """The bytes read before the first content (`stream_start`), then the rest of the stream."""
+
+    def __init__(self, head: bytes, rest: Iterator[bytes], inner: httpx2.SyncByteStream) -> None:
+        self._head = head
+        self._rest = rest
+        self._inner = inner
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self._head
+        yield from self._rest
+
+    def close(self) -> None:
+        close_iterated(self._rest, self._inner)
+
+
+class _AsyncReplayedStream(httpx2.AsyncByteStream):
+    def __init__(self, head: bytes, rest: AsyncIterator[bytes], inner: httpx2.AsyncByteStream) -> None:
+        self._head = head
+        self._rest = rest
+        self._inner = inner
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self._head
+        async for chunk in self._rest:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await aclose_iterated(self._rest, self._inner)
+
+
+SYNC_FLAVOR = Flavor(
+    byte_stream=httpx2.ByteStream, guarded_stream=_GuardedStream, replayed_stream=_ReplayedStream
+)
+ASYNC_FLAVOR = Flavor(
+    byte_stream=httpx2.ByteStream, guarded_stream=_AsyncGuardedStream, replayed_stream=_AsyncReplayedStream
+)
 
 
 class Httpx2RetryTransport(httpx2.BaseTransport):

@@ -11,7 +11,9 @@ effect             sync loop performs              resumed with
 `ReadBody`         ``request.read()``              anything (ignored)
 `Acquire`          ``limiter.acquire_for(...)``    the `Permit`
 `Send`             one attempt, its body buffered  ``(response, raw body or None)``
-                   when `bodies.must_buffer`
+                   when `bodies.must_buffer`, a
+                   200 event stream read to its
+                   first content (`stream_start`)
 `Close`            ``response.close()``            anything (ignored)
 `Sleep`            ``sleep(seconds)``              anything (ignored)
 `Refresh`          ``refresh.run(request)``        anything (ignored)
@@ -37,8 +39,9 @@ are read for decisions, so a test can step a call with a fake clock and no HTTP 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextvars import ContextVar
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .attempt_request import AttemptRequest, begun, mark_retry, stamp
@@ -61,6 +64,7 @@ from .limits import Permit, settle_quietly
 from .refresh import AttemptRefresh
 from .refresh import current as current_refresh
 from .retry_after import parse_hint
+from .stream_start import STREAM_ERROR_KEY
 from .testing import current_mode
 
 if TYPE_CHECKING:
@@ -112,7 +116,9 @@ class Acquire(NamedTuple):
 
 
 class Send(NamedTuple):
-    """Send one attempt and buffer its body when `bodies.must_buffer` says so."""
+    """Send one attempt, buffer its body when `bodies.must_buffer` says so, read a 200 event
+    stream to its first content (`stream_start.open_sync`: an error event before it is the
+    answer of the status it stands for, a cut before it an error)."""
 
     left: float | None
     """Seconds for the answer to begin, or None without a deadline: the async hard bound."""
@@ -120,6 +126,9 @@ class Send(NamedTuple):
     """The clock reading at which the call's deadline passes: checked between sync body chunks."""
     start_bound: bool
     """Whether ``left`` is the start deadline's rather than the deadline's (`cut_error`)."""
+    begin: Callable[[], None] | None = None
+    """With a start deadline: called once a 200 event stream's head has come, before its body
+    is read to the first content, so that its reads answer to the deadline (`begun`)."""
 
 
 class Close(NamedTuple):
@@ -205,7 +214,8 @@ def call_steps(
             response: AttemptResponse
             raw: bytes | None
             try:
-                response, raw = yield Send(left, state.expires_at, state.start_bound)
+                begin = None if state.starts_by is None else partial(begun, request, state, base_timeout)
+                response, raw = yield Send(left, state.expires_at, state.start_bound, begin)
             except BaseException as exc:
                 settle_quietly(permit, None, None)
                 if not isinstance(exc, Exception):
@@ -277,6 +287,9 @@ def _on_response(
         parsed = parse_hint(response.headers, data, wall_clock=engine.wall_clock)
         hint = None if parsed is None else parsed.seconds
         verdict = classify_status(state.policy, status, response.headers, data, hint=hint)
+        made_of = response.extensions.get(STREAM_ERROR_KEY)
+        if made_of is not None:
+            verdict = verdict._replace(reason=f"{verdict.reason} ({made_of})")
     decision = state.decide(verdict, attempt_started=started, status=status, hint=hint)
     _report(engine, state, decision, request, hint)
     return decision, body

@@ -67,6 +67,8 @@ class Flavor:
 
     byte_stream: Callable[[bytes], Any]
     guarded_stream: Callable[[Any, StreamGuard], Any]
+    replayed_stream: Callable[[bytes, Any, Any], Any]
+    """``(head, rest, stream)``: the bytes read of ``stream``, then the rest of its iterator."""
 
 
 def _media_type(response: AttemptResponse) -> str:

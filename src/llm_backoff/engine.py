@@ -24,8 +24,9 @@ Per attempt, a call:
   (`_attempt_bound`, or an anyio cancel scope off asyncio or before Python 3.11);
 - on a retry, counts it in ``x-stainless-retry-count`` and redoes what the SDK's own
   retries redo per attempt: credential providers and ``request`` event hooks (`refresh`);
-- buffers JSON and error bodies inside the attempt and passes other bodies through
-  unread (`bodies`);
+- buffers JSON and error bodies inside the attempt, reads a 200 event stream up to its
+  first content (`stream_start`: an error or a cut before it fails the attempt) and passes
+  other bodies through unread (`bodies`);
 - records an `attempts.Attempt`; on success or on giving up, the history goes into
   ``response.extensions["llm_backoff.attempts"]`` or onto the raised exception as
   ``exc.llm_backoff_attempts`` plus an exception note.
@@ -52,6 +53,7 @@ from .limits import CallLimiter, RetryBudgetLike
 from .pacing import PacedLimiter, PacedPermit, ServerPacer
 from .policy import RetryPolicy, check_request_class, default_policy
 from .stats import ClientStats
+from .stream_start import open_async, open_sync, opens_stream
 
 __all__ = ["RetryEngine"]
 
@@ -135,6 +137,7 @@ class RetryEngine:
             while True:
                 try:
                     if isinstance(effect, Send):
+                        sent = self.clock()
                         response = send(request)
                         if isinstance(permit, PacedPermit):
                             _observe(permit, response)
@@ -145,6 +148,15 @@ class RetryEngine:
                             except DeadlinePassedError:
                                 raise deadline_error(request) from None
                             response.stream = flavor.byte_stream(raw)
+                        elif opens_stream(response):
+                            # Read to first content under ``left``, as the async loop bounds an attempt.
+                            bound = None if effect.left is None else sent + effect.left
+                            try:
+                                response, raw = open_sync(
+                                    request, response, effect.begin, bound, self.clock, flavor
+                                )
+                            except DeadlinePassedError:
+                                raise cut_error(request, effect.start_bound) from None
                         result: Any = (response, raw)
                     elif isinstance(effect, ReadBody):
                         result = request.read()
@@ -189,6 +201,8 @@ class RetryEngine:
                             try:
                                 response = await send(request)
                                 raw = await buffer_async(response, flavor)
+                                if raw is None and opens_stream(response):
+                                    response, raw = await open_async(request, response, effect.begin, flavor)
                             except CancelledError:
                                 if not bound.expired():
                                     raise
@@ -203,10 +217,14 @@ class RetryEngine:
                         elif left is None:
                             response = await send(request)
                             raw = await buffer_async(response, flavor)
+                            if raw is None and opens_stream(response):
+                                response, raw = await open_async(request, response, effect.begin, flavor)
                         else:
                             with anyio.move_on_after(left) as scope:
                                 response = await send(request)
                                 raw = await buffer_async(response, flavor)
+                                if raw is None and opens_stream(response):
+                                    response, raw = await open_async(request, response, effect.begin, flavor)
                             if scope.cancelled_caught:
                                 raise cut_error(request, effect.start_bound)
                         if isinstance(permit, PacedPermit):

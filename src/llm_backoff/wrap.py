@@ -285,11 +285,23 @@ def _history_of(exc: BaseException) -> tuple[tuple[Any, ...], str | None] | None
     return None
 
 
-def annotate_openai_error(exc: BaseException) -> None:
-    """Copy the attempt history onto an exception raised by the openai client, if we have one."""
+#: The reason given to an error the SDK raised itself from a stream that had started.
+_FAILED_AFTER_START = "the stream failed after it had started; not retried, so no output is duplicated"
+
+
+def annotate_openai_error(exc: BaseException, stream: object = None) -> None:
+    """Copy the attempt history onto an exception raised by the openai client, if we have one.
+
+    ``stream`` is the SDK stream it was raised from: an error event the SDK turns into an
+    exception (openai's ``APIError``) names no response, the stream does.
+    """
     if getattr(exc, ATTRIBUTE, None) is not None:
         return
     found = _history_of(exc)
+    if found is None and stream is not None:
+        extensions = getattr(getattr(stream, "response", None), "extensions", None)
+        if isinstance(extensions, dict) and EXTENSION_KEY in extensions:
+            found = extensions[EXTENSION_KEY], _FAILED_AFTER_START
     if found is not None:
         annotate(exc, *found)
 
@@ -303,21 +315,21 @@ def _own_timeout(exc: BaseException, sdk: _Sdk) -> RateLimitTimeout | None:
     return None
 
 
-def _annotating_iter(items: Iterator[Any]) -> Iterator[Any]:
+def _annotating_iter(items: Iterator[Any], stream: object) -> Iterator[Any]:
     """An openai ``Stream``'s items; an error mid-stream gets the history (openai 3.x wraps it)."""
     try:
         yield from items
     except Exception as exc:
-        annotate_openai_error(exc)
+        annotate_openai_error(exc, stream)
         raise
 
 
-async def _annotating_aiter(items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _annotating_aiter(items: AsyncIterator[Any], stream: object) -> AsyncIterator[Any]:
     try:
         async for item in items:
             yield item
     except Exception as exc:
-        annotate_openai_error(exc)
+        annotate_openai_error(exc, stream)
         raise
 
 
@@ -352,7 +364,7 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
                 if mark is not None:
                     CALL_STARTED.reset(mark)
             if stream_cls is not None and isinstance(result, stream_cls):
-                _reach.wrap_stream_items(result, _annotating_aiter)
+                _reach.wrap_stream_items(result, functools.partial(_annotating_aiter, stream=result))
             return result
 
     else:
@@ -376,7 +388,7 @@ def _install_request_hook(client: Any, clock: Callable[[], float] | None, sdk: _
                 if mark is not None:
                     CALL_STARTED.reset(mark)
             if stream_cls is not None and isinstance(result, stream_cls):
-                _reach.wrap_stream_items(result, _annotating_iter)
+                _reach.wrap_stream_items(result, functools.partial(_annotating_iter, stream=result))
             return result
 
     original_copy = client.copy
