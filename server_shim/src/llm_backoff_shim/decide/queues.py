@@ -21,14 +21,15 @@ Fair turns between tenants within a class (start-time fair queuing, as round rob
 flows): a tenant's n-th waiting request of a class stands in the class's round n, counted from
 the round the class is serving, so while several tenants wait they are served one request each
 in turn; the tenant is the request's API key (its hash) or its ``--tenant-header`` value, every
-anonymous caller one tenant. Within a tenant: returning before fresh, then arrival. A returning request takes its tenant's next turn and moves the tenant's fresh ones back
-a round each (:meth:`ClassQueues.take_turn`): its callers' retries go ahead of its own fresh
-calls, never ahead of another tenant's turn. A tenant alone has rounds that rise along that
-order, so its serve order is the one-FIFO-per-class order above. A full class queue does not
-lock the others out: a newcomer whose tenant holds fewer than its fair share of the class's places (the
-bound over the tenants waiting, its own counted) takes the place of the last in line of the
-tenant holding the most (:meth:`ClassQueues.displaced_by`), which is refused ``queue_full`` with
-a Retry-After, as it would have been had it come after. Places, not a cap per tenant: a tenant
+anonymous caller one tenant. Within a tenant: returning before fresh, then arrival. A returning
+request takes its tenant's next turn and moves the tenant's fresh ones back a round each
+(:meth:`ClassQueues.take_turn`): its callers' retries go ahead of its own fresh calls, never
+ahead of another tenant's turn. A tenant alone has rounds that rise along that order, so its
+serve order is the one-FIFO-per-class order above. A full class queue does not lock the others
+out: a newcomer whose tenant holds fewer than its fair share of the class's places (the bound
+over the tenants waiting, its own counted) takes the place of the last in line of the tenant
+holding the most (:meth:`ClassQueues.displaced_by`), which is refused ``queue_full`` with a
+Retry-After, as it would have been had it come after. Places, not a cap per tenant: a tenant
 alone, or beside quiet ones, still fills the queue the engine drains.
 
 Returning callers first. A request whose client says it is a retry (``x-stainless-retry-count``
