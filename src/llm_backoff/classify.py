@@ -140,10 +140,10 @@ def classify_status(
         return Verdict(False, "status 429 insufficient_quota (out of credit, not a rate limit)")
     if should_retry == "true":
         return Verdict(True, f"{what}, server sent x-should-retry: true", unreachable)
-    if refusal.startswith("retry-"):
-        return Verdict(True, f"{what}, server sent {REFUSAL_HEADER}: {refusal}", unreachable)
     if status in policy.retry_statuses:
         return Verdict(True, what, unreachable)
+    if refusal.startswith("retry-"):
+        return Verdict(True, f"{what}, server sent {REFUSAL_HEADER}: {refusal}", unreachable)
     return Verdict(False, f"{what} is not in retry_statuses", unreachable)
 
 
