@@ -144,8 +144,14 @@ class ClassQueues:
         one, the round of its tenant's first fresh request in its natural place, if any
         (:meth:`take_turn` then moves those back)."""
         current = self._round[cls]
-        mine = [t for t in self.lists[cls] if t.request.tenant == tenant]
+        queue = self.lists[cls]
+        mine = [t for t in queue if t.request.tenant == tenant]
         if returning:
+            if len(mine) == len(queue):
+                # Alone in the class: ahead of its fresh ones wherever placement put them, as in
+                # one queue per class (a round of its fresh ones would put it behind those placed
+                # behind another request).
+                return current
             fresh = [t.round for t in mine if not t.returning and self._natural(t)]
             if fresh:
                 return min(fresh)
@@ -155,6 +161,8 @@ class ClassQueues:
         """A queued returning ``ticket`` took its tenant's next turn: the tenant's fresh requests
         of its class in their natural places behind it move back a round each."""
         queue, tenant = self.lists[ticket.cls], ticket.request.tenant
+        if all(queued.request.tenant == tenant for queued in queue):
+            return  # alone in the class: it already stands ahead of its fresh ones (round_for)
         moved = False
         for queued in queue:
             mine = queued.request.tenant == tenant and not queued.returning
