@@ -159,19 +159,27 @@ class ClassQueues:
 
     def take_turn(self, ticket: Ticket) -> None:
         """A queued returning ``ticket`` took its tenant's next turn: the tenant's fresh requests
-        of its class in their natural places behind it move back a round each."""
+        of its class in their natural places behind it move back a round each, and the requests
+        placed right behind one of them (their keys extend its key) move with it."""
         queue, tenant = self.lists[ticket.cls], ticket.request.tenant
         if all(queued.request.tenant == tenant for queued in queue):
             return  # alone in the class: it already stands ahead of its fresh ones (round_for)
-        moved = False
+        renamed: dict[tuple[int, ...], tuple[int, ...]] = {}
         for queued in queue:
             mine = queued.request.tenant == tenant and not queued.returning
             if mine and self._natural(queued) and queued.key > ticket.key:
+                old = queued.key
                 queued.round += 1
-                queued.key = natural_key(queued.key[0], queued)
-                moved = True
-        if moved:
-            queue.sort(key=_key)
+                queued.key = natural_key(old[0], queued)
+                renamed[old] = queued.key
+        if not renamed:
+            return
+        for tickets in self.lists.values():
+            for queued in tickets:
+                root = queued.key[:4]
+                if len(queued.key) > 4 and root in renamed:
+                    queued.key = renamed[root] + queued.key[4:]
+            tickets.sort(key=_key)
 
     @staticmethod
     def _natural(ticket: Ticket) -> bool:
