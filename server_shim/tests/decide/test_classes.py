@@ -280,21 +280,87 @@ def test_a_lower_share_is_counted_out_only_once_it_may_come_due(due_in: float, e
     assert waits.lanes("interactive", 4) == (3, 0)
 
 
-def test_a_lower_class_in_flight_is_taken_to_be_served_by_its_share() -> None:
-    """With a batch request in flight the share's slot turns over to batch's next head as it
-    ends, whatever its current head's due time: a chat's wait counts the share out."""
+@pytest.mark.parametrize(("by_share", "expected"), [(1, 3.0), (0, 2.0)])
+def test_a_lower_class_is_taken_to_be_served_by_its_share_while_its_share_holds_a_slot(
+    by_share: int, expected: float
+) -> None:
+    """With a batch request in flight that its share admitted ahead of chats, the share's slot
+    turns over to batch's next head as it ends, whatever its current head's due time: a chat's
+    wait counts the share out. One admitted while no chat waited gives its slot to chat as it
+    ends: until batch's head comes due, the wait drains on every slot."""
     clock = ManualClock(0.0)
     estimator = DrainEstimator(EstimatorConfig(service_time_alpha=1.0), clock)
     estimator.observe_completion("interactive", 1.0)
     estimator.observe_completion("batch", 1.0)
     scheduler = SharedSlots(ClassShares(minimum={"batch": 0.25}))  # 1 slot of 4
     held: dict[str, list[float]] = {"interactive": [0.0, 0.0, 0.0], "batch": []}
+    serving = {"interactive": 0, "batch": 0}
     waits = QueueWaits(
-        ("interactive", "batch"), scheduler, estimator, FixedLimit(4), held, share_due_in=lambda cls: 10.0
+        ("interactive", "batch"),
+        scheduler,
+        estimator,
+        FixedLimit(4),
+        held,
+        share_due_in=lambda cls: 10.0,
+        served_by_share=serving,
     )
     idle = waits.at("interactive", 6, 6, ())  # 4 lanes: 0, 1, 1, 1, 2, 2, 2 -> the 7th at 2 s
     held["batch"].append(0.0)
-    assert (idle, waits.at("interactive", 6, 6, ())) == (pytest.approx(2.0), pytest.approx(3.0))
+    serving["batch"] = by_share
+    assert idle == pytest.approx(2.0)
+    assert waits.at("interactive", 6, 6, ()) == pytest.approx(expected)  # 3 lanes: the 7th at 3 s
+    assert waits.walk()("interactive", 6, 6, 1) == pytest.approx(expected)
+
+
+def _chats_queued_before_a_refusal(c: AdmissionController) -> list[Ticket]:
+    queued = []
+    while isinstance(decision := c.submit(AdmissionRequest("interactive")), Ticket):
+        assert decision.state is TicketState.QUEUED
+        queued.append(decision)
+    return queued
+
+
+def test_a_chat_queue_drains_on_the_slot_of_batch_admitted_while_no_chat_waited(timed: Timed) -> None:
+    """A batch request admitted on a free slot (no chat waiting) gives its slot to chat when it
+    ends, so chats queue on all 4 lanes (a 0.9 s service each, 1 s chat wait: 4 places); one
+    the share admitted ahead of a waiting chat keeps the share's slot for batch (3 places).
+    Every slot and count comes back: afterwards a fresh batch request is again not counted."""
+    c, clock = timed(4)
+    _measured(c, clock, 0.9, 4)
+    held = [submit(c, "batch"), *(submit(c, "interactive") for _ in range(3))]
+    queued = _chats_queued_before_a_refusal(c)
+    assert len(queued) == 4
+    clock.advance(0.9)
+    for ticket in held:
+        c.release(ticket, Outcome.COMPLETED)  # each queued chat takes a slot
+    clock.advance(0.9)
+    for ticket in queued:
+        c.release(ticket, Outcome.COMPLETED)
+    assert c.in_flight() == 0
+
+    chats = [submit(c, "interactive") for _ in range(4)]
+    batch = submit(c, "batch")
+    assert batch.state is TicketState.QUEUED
+    clock.advance(c.share_due_in("batch"))
+    waiting = submit(c, "interactive")
+    # (Held for the share's due time: released unmeasured, so the service time stays 0.9 s.)
+    assert c.release(chats.pop(), Outcome.CLIENT_ERROR).admitted == [batch]  # by its share
+    assert c.release(chats.pop(), Outcome.CLIENT_ERROR).admitted == [waiting]
+    for ticket in chats:
+        c.release(ticket, Outcome.CLIENT_ERROR)
+    held = [batch, waiting, submit(c, "interactive"), submit(c, "interactive")]
+    queued = _chats_queued_before_a_refusal(c)
+    assert len(queued) == 3
+
+    clock.advance(0.9)
+    for ticket in held:
+        c.release(ticket, Outcome.COMPLETED)
+    clock.advance(0.9)
+    for ticket in queued:
+        c.release(ticket, Outcome.COMPLETED)
+    assert c.in_flight() == 0
+    [submit(c, "batch"), *(submit(c, "interactive") for _ in range(3))]
+    assert len(_chats_queued_before_a_refusal(c)) == 4
 
 
 def test_the_highest_class_waits_on_its_own_turns_a_lower_one_on_every_class_s() -> None:

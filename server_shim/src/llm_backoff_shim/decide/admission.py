@@ -171,7 +171,13 @@ class AdmissionController:
         shares = self._scheduler
         self._due_after = shares.due_after if isinstance(shares, MinimumShares) else 0.0
         waits = QueueWaits(
-            self._classes, shares, estimator, limit, self._held.admitted, share_due_in=self.share_due_in
+            self._classes,
+            shares,
+            estimator,
+            limit,
+            self._held.admitted,
+            share_due_in=self.share_due_in,
+            served_by_share=self._held.ahead_of_higher,
         )
         self._placement = Placement(self._queues, waits, estimator, promise_slack=promise_slack)
         places_of = None if token_budget is None else self._places
@@ -620,7 +626,7 @@ class AdmissionController:
                     continue
                 break
             queues.pop_head(cls)
-            self._held.take(ticket, now)
+            self._held.take(ticket, now, ahead_of_higher=any(queues.lists[c] for c in queues.above(cls)))
             dispatch.admitted.append(ticket)
         return dispatch
 

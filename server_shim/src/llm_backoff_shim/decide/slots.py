@@ -1,7 +1,8 @@
-"""The requests holding a slot: how many per class and in all, when each was admitted, and
-the cost they hold together (KV-cache tokens, :mod:`llm_backoff_shim.decide.cost`; 0 without
-a cost budget). Every way a ticket ends goes through :meth:`HeldSlots.give_back`, so the cost
-comes back with the slot.
+"""The requests holding a slot: how many per class and in all, when each was admitted, how many
+were admitted ahead of a higher class's waiting requests (a minimum share serving its class,
+:class:`~llm_backoff_shim.decide.waits.QueueWaits` reads it), and the cost they hold together
+(KV-cache tokens, :mod:`llm_backoff_shim.decide.cost`; 0 without a cost budget). Every way a
+ticket ends goes through :meth:`HeldSlots.give_back`, so the cost comes back with the slot.
 
 When they were admitted says when their slots free (each is expected to end its class's
 service time later: :meth:`~llm_backoff_shim.decide.drain_estimate.DrainEstimator.expected_wait`'s
@@ -21,7 +22,7 @@ from llm_backoff_shim.decide.tickets import Ticket, TicketState
 class HeldSlots:
     """Slots taken by admitted tickets (module docstring)."""
 
-    __slots__ = ("admitted", "per_class", "tokens", "tokens_per_class", "total")
+    __slots__ = ("admitted", "ahead_of_higher", "per_class", "tokens", "tokens_per_class", "total")
 
     def __init__(self, classes: Sequence[str]) -> None:
         self.per_class: dict[str, int] = dict.fromkeys(classes, 0)
@@ -32,11 +33,17 @@ class HeldSlots:
         #: Cost of the requests holding a slot, in KV-cache tokens, in all and per class.
         self.tokens = 0
         self.tokens_per_class: dict[str, int] = dict.fromkeys(classes, 0)
+        #: Per class, the tickets holding a slot that were admitted while a higher class had
+        #: requests queued.
+        self.ahead_of_higher: dict[str, int] = dict.fromkeys(classes, 0)
 
-    def take(self, ticket: Ticket, now: float) -> None:
-        """Admit ``ticket`` at ``now``: it holds a slot until :meth:`give_back`."""
+    def take(self, ticket: Ticket, now: float, *, ahead_of_higher: bool = False) -> None:
+        """Admit ``ticket`` at ``now``: it holds a slot until :meth:`give_back`.
+        ``ahead_of_higher``: a higher class had requests queued (it was served by its share)."""
         ticket.state = TicketState.ADMITTED
         ticket.admitted_at = now
+        ticket.ahead_of_higher = ahead_of_higher
+        self.ahead_of_higher[ticket.cls] += ahead_of_higher
         self.per_class[ticket.cls] += 1
         self.total += 1
         self.tokens += ticket.request.cost
@@ -46,6 +53,7 @@ class HeldSlots:
     def give_back(self, ticket: Ticket) -> None:
         """``ticket`` (admitted) no longer holds its slot; the caller sets its new state."""
         self.per_class[ticket.cls] -= 1
+        self.ahead_of_higher[ticket.cls] -= ticket.ahead_of_higher
         self.total -= 1
         self.tokens -= ticket.request.cost
         self.tokens_per_class[ticket.cls] -= ticket.request.cost

@@ -72,7 +72,9 @@ class Ticket:
     ``returning``: queued in its class's returning lane;
     ``places``: the queue places it stands for in a wait estimate (1, or more for a request
     that costs several slots' share of a cost budget: :meth:`TokenBudget.places
-    <llm_backoff_shim.decide.token_budget.TokenBudget.places>`).
+    <llm_backoff_shim.decide.token_budget.TokenBudget.places>`);
+    ``ahead_of_higher``: admitted while a higher class had requests queued
+    (:class:`~llm_backoff_shim.decide.slots.HeldSlots`).
     """
 
     id: int
@@ -87,6 +89,7 @@ class Ticket:
     round: int = 0
     returning: bool = False
     places: int = 1
+    ahead_of_higher: bool = False
 
     @property
     def cls(self) -> str:
