@@ -150,6 +150,22 @@ def test_a_derived_bound_follows_the_measured_service_time_and_the_limit() -> No
     assert queues.bound("interactive") == 20
 
 
+def test_the_highest_class_bound_turns_its_slots_over_at_its_own_service_time() -> None:
+    """Chats are served before anyone queued below them, so the slots turn over at chat's pace
+    for a chat queue: with chats of 0.5 s beside batch of 4.5 s (every class's mean 2.5 s with
+    alpha 0.5), 4 slots drain 8 chats a second; batch's queue drains at every class's mean."""
+    clock = ManualClock(0.0)
+    estimator = DrainEstimator(EstimatorConfig(service_time_alpha=0.5), clock)
+    policies = {c: ClassPolicy(c, None, 5.0) for c in ("interactive", "batch")}
+    queues = ClassQueues(
+        policies, estimator, FixedLimit(4), max_total=None, returning_share=0.0, returning_first=False
+    )
+    estimator.observe_completion("interactive", 0.5)
+    estimator.observe_completion("batch", 4.5)
+    assert estimator.service_time == pytest.approx(2.5)
+    assert (queues.bound("interactive"), queues.bound("batch")) == (40, 8)
+
+
 def test_zero_queue_admits_when_idle_and_rejects_when_busy(make: MakeController) -> None:
     c, _ = make(limit=1, max_queue=0)
     first = ticket(c.submit(req()))

@@ -258,10 +258,11 @@ class DrainEstimator:
         rate = self._completions.get(cls)
         return 0.0 if rate is None else rate.value(self._clock())
 
-    def capacity_rate(self, slots: int) -> float:
-        """Slots freed per second when all ``slots`` are busy (Little's law)."""
+    def capacity_rate(self, slots: int, cls: str | None = None) -> float:
+        """Slots freed per second when all ``slots`` are busy (Little's law), each turning over
+        at ``cls``'s service time (:meth:`class_service_time`), or every class's when None."""
         # A zero EWMA (instant upstream) would make the rate infinite; 1 ms floors it.
-        return max(1, slots) / max(self._service_time, 1e-3)
+        return max(1, slots) / max(self.class_service_time(cls), 1e-3)
 
     def expected_wait(
         self,
