@@ -72,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALL_STARTED",
+    "CONTINUE_KEY",
     "Acquire",
     "Close",
     "Effect",
@@ -81,6 +82,7 @@ __all__ = [
     "Sleep",
     "call_steps",
     "cut_error",
+    "report",
 ]
 
 logger = logging.getLogger("llm_backoff")
@@ -94,6 +96,27 @@ logger = logging.getLogger("llm_backoff")
 #: clears it, so openai's own retries (``max_retries`` set again on a derived client) each
 #: start a fresh deadline, as documented in ``wrap``.
 CALL_STARTED: ContextVar[float | None] = ContextVar("llm_backoff_call_started", default=None)
+
+#: Key in ``response.extensions`` under which the engine's loop hands `_finish`, for a stream that
+#: began, what continues it if it is cut after content (`continuation.Continued`, given the call's
+#: state, the stream and the answer's extensions).
+CONTINUE_KEY = "llm_backoff.continue"
+
+
+class _PartOfACall:
+    """The watchers as a continuation reports to them: it is part of a call already counted."""
+
+    __slots__ = ("_watchers",)
+
+    def __init__(self, watchers: Any) -> None:
+        self._watchers = watchers
+
+    def limiter_waited(self, seconds: float, *, granted: bool) -> None:
+        self._watchers.limiter_waited(seconds, granted=granted)
+
+    def call_ended(self, outcome: str, attempts: int) -> None:
+        return None
+
 
 #: The verdict and decision of the usual successes, built once rather than on every call.
 _SUCCESS = {
@@ -188,13 +211,23 @@ def _begin_call(
 
 
 def call_steps(
-    engine: RetryEngine, request: AttemptRequest, flavor: Flavor
+    engine: RetryEngine, request: AttemptRequest, flavor: Flavor, state: RetryState | None = None
 ) -> Generator[Effect, Any, AttemptResponse]:
-    """Drive one call through ``engine``'s policy: yields effects, returns the response to hand back."""
-    state, instant, base_timeout, refresh = _begin_call(engine, request)
+    """Drive one call through ``engine``'s policy: yields effects, returns the response to hand back.
+
+    With ``state``, ``request`` goes on a call that began earlier (the continuation of a cut
+    stream, `continuation`): its attempts, deadline and budget are that call's, and it is
+    not counted as a call of its own.
+    """
+    watchers: Any
+    if state is None:
+        state, instant, base_timeout, refresh = _begin_call(engine, request)
+        watchers = engine.watchers
+    else:
+        instant, base_timeout, refresh = current_mode() is not None, request.extensions.get("timeout"), None
+        watchers = _PartOfACall(engine.watchers)
     clock = engine.clock
     limiter = engine.limiter
-    watchers = engine.watchers
     try:
         yield _READ_BODY
         while True:
@@ -256,7 +289,7 @@ def _on_error(
 ) -> Decision:
     verdict = classify_exception(state.policy, exc)
     decision = state.decide(verdict, attempt_started=started, error=describe_error(exc))
-    _report(engine, state, decision, request, None)
+    report(engine, state, decision, request, None)
     if isinstance(decision, GiveUp):
         annotate(exc, state.history, decision.reason)
     return decision
@@ -278,7 +311,7 @@ def _on_response(
         if known is not None:  # the usual answer: nothing to classify, log or wait for
             done = known[1]
             if state.finished(known[0], done, attempt_started=started, status=status) > 1 or _debug_enabled():
-                _report(engine, state, done, request, None)
+                report(engine, state, done, request, None)
             return done, None
         verdict = Verdict(False, f"status {status}")
     else:
@@ -291,11 +324,11 @@ def _on_response(
         if made_of is not None:
             verdict = verdict._replace(reason=f"{verdict.reason} ({made_of})")
     decision = state.decide(verdict, attempt_started=started, status=status, hint=hint)
-    _report(engine, state, decision, request, hint)
+    report(engine, state, decision, request, hint)
     return decision, body
 
 
-def _report(
+def report(
     engine: RetryEngine, state: RetryState, decision: Decision, request: AttemptRequest, hint: float | None
 ) -> None:
     """Log the decision; before a retry, emit its `RetryEvent` to the hooks and watchers."""
@@ -376,6 +409,8 @@ def _finish(
         else:
             recorder = TailRecorder(permit, response.status_code)
     if not getattr(response, "is_closed", False):
-        response.stream = flavor.guarded_stream(
-            response.stream, StreamGuard(history, response.status_code, recorder)
-        )
+        stream = response.stream
+        continued = extensions.pop(CONTINUE_KEY, None)
+        if continued is not None:
+            stream = continued(state, stream, extensions)
+        response.stream = flavor.guarded_stream(stream, StreamGuard(history, response.status_code, recorder))

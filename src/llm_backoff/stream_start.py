@@ -50,6 +50,7 @@ __all__ = [
     "ErrorEvent",
     "StreamStart",
     "aclose_iterated",
+    "classify_event",
     "close_iterated",
     "error_response",
     "error_status",
@@ -130,7 +131,7 @@ def _choice_is_content(choice: object) -> bool:
     return any(key != "role" and value not in _EMPTY for key, value in delta.items())
 
 
-def _classify(event: str | None, data: str) -> ErrorEvent | bool:
+def classify_event(event: str | None, data: str) -> ErrorEvent | bool:
     """An error event, True for content, False for an event that comes before content."""
     if data == "[DONE]":
         return True
@@ -205,7 +206,7 @@ class StreamStart:
             self._event, self._data = None, []
             if not data:
                 return None
-            verdict = _classify(event, "\n".join(data))
+            verdict = classify_event(event, "\n".join(data))
             return None if verdict is False else verdict
         if line.startswith(":"):
             return None
