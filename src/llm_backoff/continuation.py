@@ -204,10 +204,14 @@ class Transcript:
         self.next_index = 0
 
     def tokens(self) -> int:
-        """Tokens received: as the server reported them, else the larger of the text's events
-        and its characters over `tokens.CHARS_PER_TOKEN`."""
+        """Tokens received: as the server reported them (vLLM's ``continuous_usage_stats``), else
+        one per text event of an OpenAI-style stream (vLLM and OpenAI send one per token), and
+        for Anthropic's (several tokens an event) its characters over `tokens.CHARS_PER_TOKEN`
+        when that is more."""
         if self.reported is not None:
             return self.reported
+        if self.api != "messages":
+            return self.pieces
         return max(self.pieces, math.ceil(len(self.text) / CHARS_PER_TOKEN))
 
     def read(self, name: str | None, data: str) -> ErrorEvent | None:
