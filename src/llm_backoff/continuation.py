@@ -365,9 +365,17 @@ class _Splice:
         if kind in ("message_start", "ping"):
             return None
         index = body.get("index")
+        closed = b""
         if isinstance(index, int):
             if self._reopened and index == 0 and kind == "content_block_start":
-                return None
+                self._reopened = False
+                block = body.get("content_block")
+                if isinstance(block, Mapping) and block.get("type") == "text" and not block.get("text"):
+                    return None
+                # Not text: the cut stream's open block ends, and this one comes after it.
+                stop = {"type": "content_block_stop", "index": self._offset}
+                closed = f"event: content_block_stop\ndata: {json.dumps(stop)}\n\n".encode()
+                self._offset += 1
             body["index"] = index + self._offset
         delta = body.get("delta")
         if self._held and kind == "content_block_delta" and isinstance(delta, dict):
@@ -378,7 +386,7 @@ class _Splice:
             if drop == len(text):
                 return None
             delta["text"] = text[drop:]
-        return f"event: {name or kind}\ndata: {json.dumps(body)}\n\n".encode()
+        return closed + f"event: {name or kind}\ndata: {json.dumps(body)}\n\n".encode()
 
 
 def _stream_ended(request: Any) -> Exception:
@@ -431,7 +439,7 @@ class Continued:
         whitespace held back and the wait before it. A cut that is not continued is recorded
         (and ``error``, when it is an exception, annotated) only when the call's rules decided it."""
         transcript = self._transcript
-        if transcript.finished or not transcript.continuable or not transcript.text:
+        if transcript.ended or transcript.finished or not transcript.continuable or not transcript.text:
             return None
         policy = self._state.policy
         hint = None

@@ -441,6 +441,28 @@ async def test_async_anthropic_goes_on_after_a_closed_block_and_a_prefill_of_its
     await client.close()
 
 
+def test_an_anthropic_continuation_that_calls_a_tool_closes_the_cut_text_block(
+    start: Callable[..., tuple[Scripted, str]],
+) -> None:
+    tool = {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {}}
+    arguments = {"type": "input_json_delta", "partial_json": '{"q": "x"}'}
+    rest = [
+        message_start(),
+        sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": tool}),
+        sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": arguments}),
+        block_stop(0),
+        *message_end(5),
+    ]
+    server, url = start([message_start(), block_start(0), text_delta(0, "Let me look."), CUT], rest)
+    client = llm_backoff.wrap(anthropic.Anthropic(base_url=url, api_key="k"), CONTINUE)
+    with instant_retries(), client.messages.stream(model="m", max_tokens=32, messages=MESSAGES) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Let me look."  # type: ignore[union-attr]
+    assert final.content[1].input == {"q": "x"}  # type: ignore[union-attr]
+    assert server.calls == 2
+
+
 # -- the real fault: an engine killed under a stream, behind a shim -------------------------------
 
 
