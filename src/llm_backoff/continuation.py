@@ -28,9 +28,9 @@ generation, when the policy says so:
   is never handed over). The continuation's own stream is continued the same way if it
   is cut in turn;
 - when the cut is not retried (the deadline, attempts or budget end it, a continuation
-  is refused), the caller gets what it would have got without the policy: the error it
-  broke with, the error event, or for a stream that ended early the HTTP library's
-  ``RemoteProtocolError``, each with the call's attempt history.
+  is refused), the caller gets the cut: the error it broke with, the error event, or for
+  a stream that ended early the HTTP library's ``RemoteProtocolError`` (an early end is
+  not passed off as a whole answer), each with the call's attempt history.
 """
 
 from __future__ import annotations

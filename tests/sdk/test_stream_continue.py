@@ -256,6 +256,22 @@ def test_a_continuation_cut_in_turn_goes_on_again(
     assert server.calls == 3
 
 
+def test_the_servers_count_of_tokens_received_is_taken_when_it_reports_one(
+    lib: ModuleType, start: Callable[..., tuple[Scripted, str]]
+) -> None:
+    # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    counted = {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11}
+    choice = {"index": 0, "delta": {"content": "Hello"}, "finish_reason": None}
+    head = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+    chunk = data({**head, "choices": [choice], "usage": counted})
+    server, url = start([ROLE, chunk, CUT], REST_CHAT)
+    client = openai_client(lib, url, policy=CONTINUE)
+    with instant_retries():
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=50, stream=True)
+        assert text_of(stream) == "Hellold!"
+    assert server.bodies[1]["max_tokens"] == 50 - 7
+
+
 # -- what bounds it, and what is not continued -----------------------------------------------
 
 
@@ -272,6 +288,21 @@ def test_without_the_policy_a_cut_is_raised_as_before(
     assert received == ["", "Hello", " wor"]
     assert server.calls == 1
     assert "not retried, so no output is duplicated" in "\n".join(info.value.__notes__)
+
+
+def test_a_stream_that_ended_early_and_is_not_continued_is_not_passed_off_as_whole(
+    lib: ModuleType, start: Callable[..., tuple[Scripted, str]]
+) -> None:
+    server, url = start([ROLE, chat({"content": "Hello"}), END], REST_CHAT)
+    client = openai_client(lib, url, policy=RetryPolicy(continue_cut_streams=True, max_attempts=1))
+    received: list[str] = []
+    with instant_retries():
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        with pytest.raises((openai.APIConnectionError, lib.RemoteProtocolError)) as info:
+            received.extend(c.choices[0].delta.content for c in stream)
+    assert received == ["", "Hello"]
+    assert server.calls == 1
+    assert "max_attempts (1) reached" in "\n".join(info.value.__notes__)
 
 
 def test_max_attempts_bounds_the_continuations(
