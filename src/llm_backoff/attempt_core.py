@@ -220,12 +220,12 @@ def call_steps(
     not counted as a call of its own.
     """
     watchers: Any
-    if state is None:
-        state, instant, base_timeout, refresh = _begin_call(engine, request)
-        watchers = engine.watchers
-    else:
+    if state is not None:
         instant, base_timeout, refresh = current_mode() is not None, request.extensions.get("timeout"), None
         watchers = _PartOfACall(engine.watchers)
+    else:  # the usual path falls through, without a jump
+        state, instant, base_timeout, refresh = _begin_call(engine, request)
+        watchers = engine.watchers
     clock = engine.clock
     limiter = engine.limiter
     try:
