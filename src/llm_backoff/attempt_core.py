@@ -74,13 +74,16 @@ __all__ = [
     "CALL_STARTED",
     "CONTINUE_KEY",
     "Acquire",
+    "Begin",
     "Close",
     "Effect",
     "ReadBody",
     "Refresh",
     "Send",
     "Sleep",
+    "begin_call",
     "call_steps",
+    "continuing",
     "cut_error",
     "report",
 ]
@@ -187,10 +190,15 @@ def cut_error(request: Any, start_bound: bool) -> Exception:
 # -- one call ------------------------------------------------------------------------
 
 
-def _begin_call(
+#: How one call begins: its state, whether waits are skipped (testing mode), its base timeout,
+#: its refresh, and the watchers it reports to (`begin_call`, or `continuing` a call).
+Begin = Callable[["RetryEngine", AttemptRequest], "tuple[RetryState, bool, Any, AttemptRefresh | None, Any]"]
+
+
+def begin_call(
     engine: RetryEngine, request: AttemptRequest
-) -> tuple[RetryState, bool, Any, AttemptRefresh | None]:
-    """The call's state, whether waits are skipped (testing mode), its base timeout and refresh."""
+) -> tuple[RetryState, bool, Any, AttemptRefresh | None, Any]:
+    """A call of its own: a fresh state, counted by the engine's watchers."""
     policy = engine.policy
     mode = current_mode()
     if mode is not None and mode.max_attempts is not None and mode.max_attempts < policy.max_attempts:
@@ -207,25 +215,30 @@ def _begin_call(
         engine.budget.record_request()
     if engine.request_class is not None and "x-request-class" not in request.headers:
         request.headers["x-request-class"] = engine.request_class
-    return state, mode is not None, request.extensions.get("timeout"), current_refresh()
+    return state, mode is not None, request.extensions.get("timeout"), current_refresh(), engine.watchers
+
+
+def continuing(state: RetryState) -> Begin:
+    """How the continuation of a call begins (a stream cut after content, `continuation`): its
+    attempts, deadline and budget are that call's ``state``, and it is not a call of its own."""
+
+    def begin(
+        engine: RetryEngine, request: AttemptRequest
+    ) -> tuple[RetryState, bool, Any, AttemptRefresh | None, Any]:
+        instant = current_mode() is not None
+        return state, instant, request.extensions.get("timeout"), None, _PartOfACall(engine.watchers)
+
+    return begin
 
 
 def call_steps(
-    engine: RetryEngine, request: AttemptRequest, flavor: Flavor, state: RetryState | None = None
+    engine: RetryEngine, request: AttemptRequest, flavor: Flavor, beginning: Begin = begin_call
 ) -> Generator[Effect, Any, AttemptResponse]:
     """Drive one call through ``engine``'s policy: yields effects, returns the response to hand back.
 
-    With ``state``, ``request`` goes on a call that began earlier (the continuation of a cut
-    stream, `continuation`): its attempts, deadline and budget are that call's, and it is
-    not counted as a call of its own.
+    ``beginning``: a call of its own (`begin_call`), or the continuation of one (`continuing`).
     """
-    watchers: Any
-    if state is not None:
-        instant, base_timeout, refresh = current_mode() is not None, request.extensions.get("timeout"), None
-        watchers = _PartOfACall(engine.watchers)
-    else:  # the usual path falls through, without a jump
-        state, instant, base_timeout, refresh = _begin_call(engine, request)
-        watchers = engine.watchers
+    state, instant, base_timeout, refresh, watchers = beginning(engine, request)
     clock = engine.clock
     limiter = engine.limiter
     try:

@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .attempt_core import report
+from .attempt_core import continuing, report
 from .attempt_request import mark_retry
 from .attempts import EXTENSION_KEY, REASON_KEY, GiveUp, RetryState, annotate, describe_error
 from .bodies import Flavor, is_event_stream
@@ -525,7 +525,7 @@ class Continued:
             if current_mode() is None:
                 self._engine.sleep(wait)
             self._stream.close()
-            response = self._engine.run_sync(request, self._send, self._flavor, self._state)
+            response = self._engine.run_sync(request, self._send, self._flavor, continuing(self._state))
             if not self._refused(response):
                 self._stream = response.stream
                 splice = _Splice(transcript, held)
@@ -576,7 +576,9 @@ class Continued:
             if current_mode() is None:
                 await self._engine.async_sleep(wait)
             await self._stream.aclose()
-            response = await self._engine.run_async(request, self._send, self._flavor, self._state)
+            response = await self._engine.run_async(
+                request, self._send, self._flavor, continuing(self._state)
+            )
             if not self._refused(response):
                 self._stream = response.stream
                 splice = _Splice(transcript, held)

@@ -47,8 +47,18 @@ from typing import Any
 import anyio
 
 from ._attempt_bound import AttemptBound
-from .attempt_core import CONTINUE_KEY, Acquire, Close, ReadBody, Send, Sleep, call_steps, cut_error
-from .attempts import RetryState
+from .attempt_core import (
+    CONTINUE_KEY,
+    Acquire,
+    Begin,
+    Close,
+    ReadBody,
+    Send,
+    Sleep,
+    begin_call,
+    call_steps,
+    cut_error,
+)
 from .bodies import DeadlinePassedError, Flavor, buffer_async, deadline_error, must_buffer, read_sync
 from .continuation import Continued, generation_of
 from .events import CallObservers, RetryHook, RetryObservers
@@ -132,11 +142,11 @@ class RetryEngine:
         self.budget_probe = _BudgetProbe(self)
 
     def run_sync(
-        self, request: Any, send: Callable[[Any], Any], flavor: Flavor, state: RetryState | None = None
+        self, request: Any, send: Callable[[Any], Any], flavor: Flavor, beginning: Begin = begin_call
     ) -> Any:
-        """Send ``request`` through ``send`` (the wrapped transport) under the policy; with
-        ``state``, as the continuation of that call (`attempt_core.call_steps`)."""
-        steps = call_steps(self, request, flavor, state)
+        """Send ``request`` through ``send`` (the wrapped transport) under the policy, as a call of
+        its own or as ``beginning`` says (`attempt_core.call_steps`)."""
+        steps = call_steps(self, request, flavor, beginning)
         permit: Any = None
         try:
             effect = next(steps)
@@ -190,14 +200,14 @@ class RetryEngine:
         request: Any,
         send: Callable[[Any], Awaitable[Any]],
         flavor: Flavor,
-        state: RetryState | None = None,
+        beginning: Begin = begin_call,
     ) -> Any:
         """`run_sync`'s counterpart: the same steps, each performed by awaiting.
 
         One coroutine for the whole call: on the usual path (asyncio, first attempt
         succeeds) no helper coroutine is created, as each costs a frame and an await.
         """
-        steps = call_steps(self, request, flavor, state)
+        steps = call_steps(self, request, flavor, beginning)
         permit: Any = None
         try:
             effect = next(steps)
