@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,7 +47,7 @@ from .attempts import EXTENSION_KEY, REASON_KEY, GiveUp, RetryState, annotate, d
 from .bodies import Flavor, is_event_stream
 from .classify import Verdict, classify_exception, classify_status
 from .retry_after import parse_hint
-from .stream_start import ErrorEvent, classify_event
+from .stream_start import ErrorEvent, classify_event, ended_error
 from .testing import current_mode
 from .tokens import CHARS_PER_TOKEN
 
@@ -389,17 +388,6 @@ class _Splice:
         return closed + f"event: {name or kind}\ndata: {json.dumps(body)}\n\n".encode()
 
 
-def _stream_ended(request: Any) -> Exception:
-    """The HTTP library's RemoteProtocolError for a stream that ended before its end."""
-    message = "the event stream ended before the generation did"
-    library = sys.modules.get(type(request).__module__.split(".", 1)[0])
-    error = getattr(library, "RemoteProtocolError", None)
-    if isinstance(error, type) and issubclass(error, Exception):
-        made: Exception = error(message, request=request)  # type: ignore[call-arg]
-        return made
-    return ConnectionError(message)
-
-
 class Continued:
     """A generation's event stream, continued when it is cut after content (see the module).
 
@@ -484,7 +472,7 @@ class Continued:
             annotate(error, self._state.history, reason)
 
     def _ended_error(self) -> BaseException:
-        exc = _stream_ended(self._request)
+        exc = ended_error(self._request, "the event stream ended before the generation did")
         annotate(exc, self._state.history, self._state.final_reason)
         return exc
 

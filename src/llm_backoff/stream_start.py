@@ -52,6 +52,7 @@ __all__ = [
     "aclose_iterated",
     "classify_event",
     "close_iterated",
+    "ended_error",
     "error_response",
     "error_status",
     "open_async",
@@ -238,9 +239,8 @@ def error_response(response: Any, error: ErrorEvent) -> tuple[Any, bytes]:
     return type(response)(error.status, headers=headers, content=body, extensions=extensions), body
 
 
-def _ended_error(request: Any) -> Exception:
+def ended_error(request: Any, message: str = "the event stream ended before any content") -> Exception:
     """The HTTP library's RemoteProtocolError (a connection error) for a stream that ended too soon."""
-    message = "the event stream ended before any content"
     library = sys.modules.get(type(request).__module__.split(".", 1)[0])
     error = getattr(library, "RemoteProtocolError", None)
     if isinstance(error, type) and issubclass(error, Exception):
@@ -307,7 +307,7 @@ def open_sync(
         close_iterated(rest, response)
         raise
     close_iterated(rest, response)
-    raise _ended_error(request)
+    raise ended_error(request)
 
 
 async def open_async(
@@ -336,4 +336,4 @@ async def open_async(
         await aclose_iterated(rest, response)
         raise
     await aclose_iterated(rest, response)
-    raise _ended_error(request)
+    raise ended_error(request)
