@@ -72,15 +72,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALL_STARTED",
+    "CONTINUE_KEY",
     "Acquire",
+    "Begin",
     "Close",
     "Effect",
     "ReadBody",
     "Refresh",
     "Send",
     "Sleep",
+    "begin_call",
     "call_steps",
+    "continuing",
     "cut_error",
+    "report",
 ]
 
 logger = logging.getLogger("llm_backoff")
@@ -94,6 +99,27 @@ logger = logging.getLogger("llm_backoff")
 #: clears it, so openai's own retries (``max_retries`` set again on a derived client) each
 #: start a fresh deadline, as documented in ``wrap``.
 CALL_STARTED: ContextVar[float | None] = ContextVar("llm_backoff_call_started", default=None)
+
+#: Key in ``response.extensions`` under which the engine's loop hands `_finish`, for a stream that
+#: began, what continues it if it is cut after content (`continuation.Continued`, given the call's
+#: state, the stream and the answer's extensions).
+CONTINUE_KEY = "llm_backoff.continue"
+
+
+class _PartOfACall:
+    """The watchers as a continuation reports to them: it is part of a call already counted."""
+
+    __slots__ = ("_watchers",)
+
+    def __init__(self, watchers: Any) -> None:
+        self._watchers = watchers
+
+    def limiter_waited(self, seconds: float, *, granted: bool) -> None:
+        self._watchers.limiter_waited(seconds, granted=granted)
+
+    def call_ended(self, outcome: str, attempts: int) -> None:
+        return None
+
 
 #: The verdict and decision of the usual successes, built once rather than on every call.
 _SUCCESS = {
@@ -164,10 +190,15 @@ def cut_error(request: Any, start_bound: bool) -> Exception:
 # -- one call ------------------------------------------------------------------------
 
 
-def _begin_call(
+#: How one call begins: its state, whether waits are skipped (testing mode), its base timeout,
+#: its refresh, and the watchers it reports to (`begin_call`, or `continuing` a call).
+Begin = Callable[["RetryEngine", AttemptRequest], "tuple[RetryState, bool, Any, AttemptRefresh | None, Any]"]
+
+
+def begin_call(
     engine: RetryEngine, request: AttemptRequest
-) -> tuple[RetryState, bool, Any, AttemptRefresh | None]:
-    """The call's state, whether waits are skipped (testing mode), its base timeout and refresh."""
+) -> tuple[RetryState, bool, Any, AttemptRefresh | None, Any]:
+    """A call of its own: a fresh state, counted by the engine's watchers."""
     policy = engine.policy
     mode = current_mode()
     if mode is not None and mode.max_attempts is not None and mode.max_attempts < policy.max_attempts:
@@ -184,17 +215,32 @@ def _begin_call(
         engine.budget.record_request()
     if engine.request_class is not None and "x-request-class" not in request.headers:
         request.headers["x-request-class"] = engine.request_class
-    return state, mode is not None, request.extensions.get("timeout"), current_refresh()
+    return state, mode is not None, request.extensions.get("timeout"), current_refresh(), engine.watchers
+
+
+def continuing(state: RetryState) -> Begin:
+    """How the continuation of a call begins (a stream cut after content, `continuation`): its
+    attempts, deadline and budget are that call's ``state``, and it is not a call of its own."""
+
+    def begin(
+        engine: RetryEngine, request: AttemptRequest
+    ) -> tuple[RetryState, bool, Any, AttemptRefresh | None, Any]:
+        instant = current_mode() is not None
+        return state, instant, request.extensions.get("timeout"), None, _PartOfACall(engine.watchers)
+
+    return begin
 
 
 def call_steps(
-    engine: RetryEngine, request: AttemptRequest, flavor: Flavor
+    engine: RetryEngine, request: AttemptRequest, flavor: Flavor, beginning: Begin = begin_call
 ) -> Generator[Effect, Any, AttemptResponse]:
-    """Drive one call through ``engine``'s policy: yields effects, returns the response to hand back."""
-    state, instant, base_timeout, refresh = _begin_call(engine, request)
+    """Drive one call through ``engine``'s policy: yields effects, returns the response to hand back.
+
+    ``beginning``: a call of its own (`begin_call`), or the continuation of one (`continuing`).
+    """
+    state, instant, base_timeout, refresh, watchers = beginning(engine, request)
     clock = engine.clock
     limiter = engine.limiter
-    watchers = engine.watchers
     try:
         yield _READ_BODY
         while True:
@@ -256,7 +302,7 @@ def _on_error(
 ) -> Decision:
     verdict = classify_exception(state.policy, exc)
     decision = state.decide(verdict, attempt_started=started, error=describe_error(exc))
-    _report(engine, state, decision, request, None)
+    report(engine, state, decision, request, None)
     if isinstance(decision, GiveUp):
         annotate(exc, state.history, decision.reason)
     return decision
@@ -278,7 +324,7 @@ def _on_response(
         if known is not None:  # the usual answer: nothing to classify, log or wait for
             done = known[1]
             if state.finished(known[0], done, attempt_started=started, status=status) > 1 or _debug_enabled():
-                _report(engine, state, done, request, None)
+                report(engine, state, done, request, None)
             return done, None
         verdict = Verdict(False, f"status {status}")
     else:
@@ -291,11 +337,11 @@ def _on_response(
         if made_of is not None:
             verdict = verdict._replace(reason=f"{verdict.reason} ({made_of})")
     decision = state.decide(verdict, attempt_started=started, status=status, hint=hint)
-    _report(engine, state, decision, request, hint)
+    report(engine, state, decision, request, hint)
     return decision, body
 
 
-def _report(
+def report(
     engine: RetryEngine, state: RetryState, decision: Decision, request: AttemptRequest, hint: float | None
 ) -> None:
     """Log the decision; before a retry, emit its `RetryEvent` to the hooks and watchers."""
@@ -376,6 +422,8 @@ def _finish(
         else:
             recorder = TailRecorder(permit, response.status_code)
     if not getattr(response, "is_closed", False):
-        response.stream = flavor.guarded_stream(
-            response.stream, StreamGuard(history, response.status_code, recorder)
-        )
+        stream = response.stream
+        continued = extensions.pop(CONTINUE_KEY, None)
+        if continued is not None:
+            stream = continued(state, stream, extensions)
+        response.stream = flavor.guarded_stream(stream, StreamGuard(history, response.status_code, recorder))

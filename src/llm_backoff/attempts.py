@@ -212,6 +212,29 @@ class RetryState:
         self.final_reason = decision.reason
         return len(self._attempts)
 
+    def cut(self, verdict: Verdict, *, error: str | None = None, hint: float | None = None) -> Decision:
+        """The answer recorded last had begun and was then cut: decide on it again as ``verdict``.
+
+        Its record is replaced (same number, its duration now up to the cut). An answer that
+        has begun is past its start deadline's purpose, so from here on the call's retries
+        answer to ``deadline``, ``max_attempts``, ``max_retry_after`` and the budget only.
+        """
+        last = self._attempts.pop()
+        self.final_reason = None
+        self.policy = self.policy.model_copy(
+            update={"start_deadline": None, "max_retry_at": None, "last_chance": 0.0}
+        )
+        self.starts_by = None
+        self._begin_by = self.expires_at
+        self.start_bound = False
+        return self.decide(
+            verdict,
+            attempt_started=self.started_at + last.started,
+            status=last.status,
+            error=error,
+            hint=hint,
+        )
+
     def _decide(self, verdict: Verdict, hint: float | None, now: float) -> Decision:
         policy = self.policy
         if not verdict.retryable:

@@ -41,13 +41,26 @@ import time
 from asyncio import CancelledError
 from asyncio import current_task as _current_task
 from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from typing import Any
 
 import anyio
 
 from ._attempt_bound import AttemptBound
-from .attempt_core import Acquire, Close, ReadBody, Send, Sleep, call_steps, cut_error
+from .attempt_core import (
+    CONTINUE_KEY,
+    Acquire,
+    Begin,
+    Close,
+    ReadBody,
+    Send,
+    Sleep,
+    begin_call,
+    call_steps,
+    cut_error,
+)
 from .bodies import DeadlinePassedError, Flavor, buffer_async, deadline_error, must_buffer, read_sync
+from .continuation import Continued, generation_of
 from .events import CallObservers, RetryHook, RetryObservers
 from .limits import CallLimiter, RetryBudgetLike
 from .pacing import PacedLimiter, PacedPermit, ServerPacer
@@ -128,9 +141,12 @@ class RetryEngine:
         #: The budget as `attempts.RetryState` sees it: refusals are reported to the watchers.
         self.budget_probe = _BudgetProbe(self)
 
-    def run_sync(self, request: Any, send: Callable[[Any], Any], flavor: Flavor) -> Any:
-        """Send ``request`` through ``send`` (the wrapped transport) under the policy."""
-        steps = call_steps(self, request, flavor)
+    def run_sync(
+        self, request: Any, send: Callable[[Any], Any], flavor: Flavor, beginning: Begin = begin_call
+    ) -> Any:
+        """Send ``request`` through ``send`` (the wrapped transport) under the policy, as a call of
+        its own or as ``beginning`` says (`attempt_core.call_steps`)."""
+        steps = call_steps(self, request, flavor, beginning)
         permit: Any = None
         try:
             effect = next(steps)
@@ -157,6 +173,7 @@ class RetryEngine:
                                 )
                             except DeadlinePassedError:
                                 raise cut_error(request, effect.start_bound) from None
+                            self._offer_continuation(request, response, send, flavor)
                         result: Any = (response, raw)
                     elif isinstance(effect, ReadBody):
                         result = request.read()
@@ -178,13 +195,19 @@ class RetryEngine:
         except StopIteration as done:
             return done.value
 
-    async def run_async(self, request: Any, send: Callable[[Any], Awaitable[Any]], flavor: Flavor) -> Any:
+    async def run_async(
+        self,
+        request: Any,
+        send: Callable[[Any], Awaitable[Any]],
+        flavor: Flavor,
+        beginning: Begin = begin_call,
+    ) -> Any:
         """`run_sync`'s counterpart: the same steps, each performed by awaiting.
 
         One coroutine for the whole call: on the usual path (asyncio, first attempt
         succeeds) no helper coroutine is created, as each costs a frame and an await.
         """
-        steps = call_steps(self, request, flavor)
+        steps = call_steps(self, request, flavor, beginning)
         permit: Any = None
         try:
             effect = next(steps)
@@ -203,6 +226,7 @@ class RetryEngine:
                                 raw = await buffer_async(response, flavor)
                                 if raw is None and opens_stream(response):
                                     response, raw = await open_async(request, response, effect.begin, flavor)
+                                    self._offer_continuation(request, response, send, flavor)
                             except CancelledError:
                                 if not bound.expired():
                                     raise
@@ -219,12 +243,14 @@ class RetryEngine:
                             raw = await buffer_async(response, flavor)
                             if raw is None and opens_stream(response):
                                 response, raw = await open_async(request, response, effect.begin, flavor)
+                                self._offer_continuation(request, response, send, flavor)
                         else:
                             with anyio.move_on_after(left) as scope:
                                 response = await send(request)
                                 raw = await buffer_async(response, flavor)
                                 if raw is None and opens_stream(response):
                                     response, raw = await open_async(request, response, effect.begin, flavor)
+                                    self._offer_continuation(request, response, send, flavor)
                             if scope.cancelled_caught:
                                 raise cut_error(request, effect.start_bound)
                         if isinstance(permit, PacedPermit):
@@ -250,6 +276,18 @@ class RetryEngine:
                     effect = steps.send(result)
         except StopIteration as done:
             return done.value
+
+    def _offer_continuation(
+        self, request: Any, response: Any, send: Callable[[Any], Any], flavor: Flavor
+    ) -> None:
+        """A stream has begun: with `RetryPolicy.continue_cut_streams`, and when it is a generation
+        that can be continued, hand the core what continues it (`attempt_core.CONTINUE_KEY`)."""
+        if self.policy.continue_cut_streams and response.status_code == 200:
+            generation = generation_of(request)
+            if generation is not None:
+                response.extensions[CONTINUE_KEY] = partial(
+                    Continued, self, send, flavor, request, generation
+                )
 
 
 def _observe(permit: PacedPermit, response: Any) -> None:

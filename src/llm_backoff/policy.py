@@ -148,6 +148,14 @@ class RetryPolicy(BaseModel):
             "after which the call gives up; None: only max_attempts and the deadlines bound them"
         ),
     )
+    continue_cut_streams: StrictBool = Field(
+        default=False,
+        description=(
+            "a streamed generation cut after its first content is asked again to continue from the "
+            "text received, and the caller's stream goes on as one (for idempotent generations: "
+            "docs/sdk.md, 'A stream cut after content')"
+        ),
+    )
     last_chance: float = Field(
         default=0.0,
         ge=0,

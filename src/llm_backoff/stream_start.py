@@ -50,7 +50,9 @@ __all__ = [
     "ErrorEvent",
     "StreamStart",
     "aclose_iterated",
+    "classify_event",
     "close_iterated",
+    "ended_error",
     "error_response",
     "error_status",
     "open_async",
@@ -130,7 +132,7 @@ def _choice_is_content(choice: object) -> bool:
     return any(key != "role" and value not in _EMPTY for key, value in delta.items())
 
 
-def _classify(event: str | None, data: str) -> ErrorEvent | bool:
+def classify_event(event: str | None, data: str) -> ErrorEvent | bool:
     """An error event, True for content, False for an event that comes before content."""
     if data == "[DONE]":
         return True
@@ -205,7 +207,7 @@ class StreamStart:
             self._event, self._data = None, []
             if not data:
                 return None
-            verdict = _classify(event, "\n".join(data))
+            verdict = classify_event(event, "\n".join(data))
             return None if verdict is False else verdict
         if line.startswith(":"):
             return None
@@ -237,9 +239,8 @@ def error_response(response: Any, error: ErrorEvent) -> tuple[Any, bytes]:
     return type(response)(error.status, headers=headers, content=body, extensions=extensions), body
 
 
-def _ended_error(request: Any) -> Exception:
+def ended_error(request: Any, message: str = "the event stream ended before any content") -> Exception:
     """The HTTP library's RemoteProtocolError (a connection error) for a stream that ended too soon."""
-    message = "the event stream ended before any content"
     library = sys.modules.get(type(request).__module__.split(".", 1)[0])
     error = getattr(library, "RemoteProtocolError", None)
     if isinstance(error, type) and issubclass(error, Exception):
@@ -306,7 +307,7 @@ def open_sync(
         close_iterated(rest, response)
         raise
     close_iterated(rest, response)
-    raise _ended_error(request)
+    raise ended_error(request)
 
 
 async def open_async(
@@ -335,4 +336,4 @@ async def open_async(
         await aclose_iterated(rest, response)
         raise
     await aclose_iterated(rest, response)
-    raise _ended_error(request)
+    raise ended_error(request)

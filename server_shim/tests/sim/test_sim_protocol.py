@@ -138,6 +138,17 @@ def test_chat_stream_bytes_are_valid_sse_and_match_the_whole_answer() -> None:
     assert whole["usage"]["completion_tokens"] == 4
 
 
+def test_a_final_assistant_message_is_continued_as_vllm_continues_it() -> None:
+    prefill = [*MSG, {"role": "assistant", "content": "token0 token1 token2"}]
+    body = {"messages": prefill, "stream": True, "max_tokens": 2}
+    continued = chat({**body, "continue_final_message": True, "add_generation_prompt": False})
+    enc = ResponseEncoder(continued, request_id="chatcmpl-x", created=123, tokens=TokenTable())
+    chunks = sse_events(enc.stream_start() + enc.stream_tokens(0, 2, final=True))
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == " token3 token4"
+    assert json.loads(enc.full(2))["choices"][0]["message"]["content"] == " token3 token4"
+    assert chat(body).first_token == 0  # without the flag the assistant message is a finished turn
+
+
 def test_completion_stream_without_usage_ends_with_done_only() -> None:
     req = parse_generation(
         "completion",

@@ -17,8 +17,11 @@ the request's natural length (drawn by the caller of :func:`parse_generation`), 
 ``max_tokens`` when that is smaller (``length``), else ``stop``.
 
 The generated text is deterministic filler: ``"token0 token1 token2 ..."``, one word per
-token. Streaming chunks are assembled from pre-encoded byte pieces so a token costs a
-few ``bytes`` joins, not a ``json.dumps``.
+token. A chat request with vLLM's ``continue_final_message: true`` continues its final
+assistant message as vLLM does: the filler goes on after that message's words (a prefill
+of ``"token0 token1"`` is continued with ``" token2 token3 ..."``). Streaming chunks are
+assembled from pre-encoded byte pieces so a token costs a few ``bytes`` joins, not a
+``json.dumps``.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     limit: int | None = None
     """The request's ``max_completion_tokens``/``max_tokens`` as sent (None: not sent)."""
+    first_token: int = 0
+    """The filler's first token index: the words of a final assistant message continued."""
 
 
 TOKENS_PER_WORD = 1.3
@@ -199,6 +204,22 @@ def parse_generation(kind: Kind, raw: bytes, *, default_model: str, output_token
     else:
         max_tokens, finish_reason = output_tokens, "stop"
 
+    first_token = 0
+    messages = body.get("messages")
+    if (
+        kind == "chat"
+        and body.get("continue_final_message") is True
+        and isinstance(messages, list)
+        and messages
+    ):
+        last = messages[-1]
+        if (
+            isinstance(last, dict)
+            and last.get("role") == "assistant"
+            and isinstance(last.get("content"), str)
+        ):
+            first_token = len(last["content"].split())
+
     return GenerationRequest(
         kind=kind,
         model=model,
@@ -209,6 +230,7 @@ def parse_generation(kind: Kind, raw: bytes, *, default_model: str, output_token
         prompt_tokens=prompt_tokens,
         ignore_eos=ignore_eos,
         limit=limit,
+        first_token=first_token,
     )
 
 
@@ -228,8 +250,8 @@ class TokenTable:
             table.append(json.dumps(self.text(len(table))).encode())
         return table[index]
 
-    def joined(self, count: int) -> str:
-        return "".join(self.text(i) for i in range(count))
+    def joined(self, count: int, first: int = 0) -> str:
+        return "".join(self.text(i) for i in range(first, first + count))
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -275,9 +297,10 @@ class ResponseEncoder:
         """SSE events for tokens ``start..end-1``; with ``final`` the last one carries finish_reason."""
         parts: list[bytes] = []
         last = end - 1
+        first = self._request.first_token
         for i in range(start, end):
             parts.append(self._open)
-            parts.append(self._tokens.json(i))
+            parts.append(self._tokens.json(first + i))
             if final and i == last:
                 parts.append(self._close_final % self._request.finish_reason.encode())
             else:
@@ -301,7 +324,7 @@ class ResponseEncoder:
     def full(self, completion_tokens: int) -> bytes:
         """The non-streamed answer with ``completion_tokens`` tokens of filler text."""
         request = self._request
-        text = self._tokens.joined(completion_tokens)
+        text = self._tokens.joined(completion_tokens, request.first_token)
         choice: dict[str, Any]
         if request.kind == "chat":
             choice = {
