@@ -77,7 +77,11 @@ def description(alert: str) -> str:
     return text
 
 
-def shim(instance: str, queue: str, drain: str, **more: str) -> list[dict[str, str]]:
+def shim(
+    instance: str, queue: str, drain: str, counters: dict[str, str] | None = None, **more: str
+) -> list[dict[str, str]]:
+    """One shim's series; ``more``: ``requests_total`` by ``outcome__code``; ``counters``: other
+    series by name and labels (``'attempts_total{outcome="admitted",code=""}'``)."""
     base = f'job="shims",instance="{instance}"'
     series = [
         {"series": f'llm_backoff_shim_queue_depth{{{base},class="interactive"}}', "values": queue},
@@ -95,17 +99,48 @@ def shim(instance: str, queue: str, drain: str, **more: str) -> list[dict[str, s
                 "values": values,
             }
         )
+    for name, values in (counters or {}).items():
+        metric, _, labels = name.partition("{")
+        series.append(
+            {"series": f'llm_backoff_shim_{metric}{{{base},class="interactive",{labels}', "values": values}
+        )
     return series
 
 
 def test_recording_rules_and_alerts_on_made_up_series(tmp_path: Path) -> None:
     # a: 4 queued, 2 completions/s -> 2 s. b: idle, nothing ever completed -> 0 (not NaN).
     # c: 2 queued, nothing completing -> +Inf (a stuck engine), and 503s since minute 10.
+    # Callers' attempts: a's first tries, 10 admitted and 10 refused for capacity per second
+    # (refused again at a later try: its tries count 20 refusals); b admits 5 of those refused
+    # (rescues); c's 1 refusal per second for its engine is an attempt, not for capacity.
     # One step per minute; counters grow per minute (a per-second rate is that / 60).
     series = [
-        *shim("a", "4x30", "2x30", admitted__="0+600x30", rejected__queue_full="0+600x30"),
-        *shim("b", "0x30", "0x30", admitted__="0x30", rejected__queue_full="0x30"),
-        *shim("c", "2x30", "0x30", rejected__upstream_unavailable="0x10 0+60x20"),
+        *shim(
+            "a",
+            "4x30",
+            "2x30",
+            {
+                'attempts_total{outcome="admitted",code=""}': "0+600x30",
+                'attempts_total{outcome="rejected",code="queue_full"}': "0+600x30",
+            },
+            admitted__="0+600x30",
+            rejected__queue_full="0+1200x30",
+        ),
+        *shim(
+            "b",
+            "0x30",
+            "0x30",
+            {'rescues_total{code="queue_full"}': "0+300x30"},
+            admitted__="0+300x30",
+            rejected__queue_full="0x30",
+        ),
+        *shim(
+            "c",
+            "2x30",
+            "0x30",
+            {'attempts_total{outcome="rejected",code="upstream_unavailable"}': "0x10 0+60x20"},
+            rejected__upstream_unavailable="0x10 0+60x20",
+        ),
     ]
 
     def record(name: str, value: float, **labels: str) -> dict[str, Any]:
@@ -141,9 +176,9 @@ def test_recording_rules_and_alerts_on_made_up_series(tmp_path: Path) -> None:
                         ],
                     },
                     record("job:llm_backoff_shim_time_to_drain_seconds:max", float("inf")),
-                    # a: 10 refused for capacity and 10 admitted per second; c: 1 refused per second
-                    # for its engine (decided, but not for capacity): 10 / 21.
-                    record("job:llm_backoff_shim_capacity_rejections:ratio_rate5m", 10 / 21),
+                    # 21 attempts per second (a's 20, c's 1); refused for capacity: a's 10 less the
+                    # 5 b rescued (a's and b's tries would say 20 refused of 30 tries).
+                    record("job:llm_backoff_shim_capacity_rejections:ratio_rate5m", 5 / 21),
                 ],
                 "alert_rule_test": [
                     # Over 0.05 from minute 1 (a rate needs two samples), for 10m: firing from 11m.
@@ -155,7 +190,7 @@ def test_recording_rules_and_alerts_on_made_up_series(tmp_path: Path) -> None:
                             {
                                 "exp_labels": {"severity": "warning", "job": "shims"},
                                 "exp_annotations": {
-                                    "summary": "shims turns away 47.62% of requests for capacity",
+                                    "summary": "shims turns away 23.81% of callers' attempts for capacity",
                                     "description": description("LlmBackoffFleetShedding"),
                                 },
                             }

@@ -32,6 +32,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -714,3 +715,39 @@ def test_every_keda_and_grafana_query_says_what_the_docs_say_idle_and_loaded(
         "sum(llm_backoff_shim_in_flight)",
     ):
         client.wait_for(expr, lambda s: [x.value for x in s] == [0.0], timeout=10)
+
+
+def test_keda_queries_read_a_fleet_scraped_by_the_shipped_static_config() -> None:
+    """The documented VM setup: Prometheus scrapes the shims as ``prometheus.yml`` does (its
+    job, no ``namespace`` label). KEDA's queries still read the fleet: the queue depth the
+    shims hold, and the p90 of the queue waits they just gave (not the idle 0)."""
+    _need_prometheus()
+    pairs = start_pairs(3, SIM_FLAGS, SHIM_FLAGS)
+    targets = [p.target for p in pairs]
+    try:
+        with PrometheusServer(targets, scrape_interval=SCRAPE) as prometheus:
+            client = prometheus.client
+            client.wait_up(targets)
+            assert {s.labels.get("job") for s in client.query("up")} == {"llm-backoff-shim"}
+            assert not [s for s in client.query("up") if "namespace" in s.labels]
+            # Queue waits: at each replica, two calls beyond its two slots wait for a slot.
+            urls = [p.shim.url + "/v1/chat/completions" for p in pairs for _ in range(SLOTS + 2)]
+            with ThreadPoolExecutor(len(urls)) as pool:
+                answers = list(pool.map(lambda url: httpx.post(url, json=BODY, timeout=30), urls))
+            assert [a.status_code for a in answers] == [200] * len(urls)
+            waits = [int(a.headers["x-queue-time-ms"]) / 1000 for a in answers]
+            with Hold(pairs):
+                scraped = wait_scraped_after(client, targets, time.time(), timeout=10)
+                at = max(scraped, time.time())
+                results = {q.source: client.query(q.expr, at) for q in keda_queries()}
+                after = [shim_levels(p.shim.url) for p in pairs]
+            assert [(a.in_flight, a.queued) for a in after] == [(SLOTS, q) for q in QUEUED]
+            assert only(results["keda queue-depth"]) == sum(QUEUED)
+            p90 = only(results["keda interactive-queue-wait-p90"])
+            # The histogram's p90 (any admission in the window makes it positive), not the 0 that
+            # `or vector(0)` gives a query that matches no series.
+            assert 0 < p90 <= bucket_top(max(waits), _BUCKETS_WAIT), (p90, waits)
+    finally:
+        for pair in pairs:
+            pair.shim.close()
+            pair.sim.close()

@@ -125,8 +125,31 @@ class ShimMetrics:
         self.retry_after = LabelledHistogram(
             PREFIX + "retry_after_seconds", "Retry-After hints given with rejections", "class", _RETRY_BUCKETS
         )
+        # A caller's attempt is one request to the load balancer, asked of one replica or more
+        # (policy/fleet_attempts.py); without the fleet's record every request is its own.
+        self.attempts = LabelledCounter(
+            PREFIX + "attempts",
+            "Callers' attempts whose first try reached this replica, by what it answered"
+            " (code: the rejection code, else empty)",
+            ["class", "outcome", "code"],
+        )
+        self.rescues = LabelledCounter(
+            PREFIX + "rescues",
+            "Callers' attempts another replica rejected first (code: its rejection code) that this"
+            " replica admitted",
+            ["class", "code"],
+        )
         self.registry.register(
-            EventCounts([self.requests, self.queue_wait, self.time_to_first_byte, self.retry_after])
+            EventCounts(
+                [
+                    self.requests,
+                    self.attempts,
+                    self.rescues,
+                    self.queue_wait,
+                    self.time_to_first_byte,
+                    self.retry_after,
+                ]
+            )
         )
         self.bad_requests = Counter(
             PREFIX + "bad_requests",
@@ -146,8 +169,11 @@ class ShimMetrics:
             for outcome in OUTCOMES:
                 if outcome != "rejected":
                     self.requests.prime((cls, outcome, ""))
+            self.attempts.prime((cls, "admitted", ""))
             for code in REJECT_CODES:
                 self.requests.prime((cls, "rejected", code))
+                self.attempts.prime((cls, "rejected", code))
+                self.rescues.prime((cls, code))
             self.queue_wait.prime(cls)
             self.time_to_first_byte.prime(cls)
             self.retry_after.prime(cls)
@@ -158,6 +184,16 @@ class ShimMetrics:
     def rejected(self, cls: str, code: str, retry_after: float) -> None:
         self.requests.inc((cls, "rejected", code))
         self.retry_after.observe(cls, retry_after)
+
+    def attempt(self, cls: str, code: str = "") -> None:
+        """A caller's attempt whose first try this replica admitted (``code`` empty) or
+        rejected with ``code``."""
+        self.attempts.inc((cls, "rejected", code) if code else (cls, "admitted", ""))
+
+    def rescued(self, cls: str, code: str) -> None:
+        """A caller's attempt another replica rejected with ``code`` that this one admitted."""
+        if code in REJECT_CODES:  # the record's code is another shim's: keep the label bounded
+            self.rescues.inc((cls, code))
 
     def observe_queue_wait(self, cls: str, seconds: float) -> None:
         self.queue_wait.observe(cls, seconds)

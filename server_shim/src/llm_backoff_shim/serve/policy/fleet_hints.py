@@ -65,6 +65,13 @@ return {soonest - now, #times}
 """
 
 
+def connect(url: str) -> Any:
+    """A ``redis.asyncio.Redis`` for ``url``, with :data:`TIMEOUT` unless the URL sets its own."""
+    import redis.asyncio
+
+    return redis.asyncio.Redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
+
+
 class FleetHints:
     """The soonest wait among the replicas that refused a call (module docstring).
 
@@ -95,10 +102,12 @@ class FleetHints:
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> FleetHints:
-        import redis.asyncio
+        return cls(connect(url), **kwargs)
 
-        client = redis.asyncio.Redis.from_url(url, socket_timeout=TIMEOUT, socket_connect_timeout=TIMEOUT)
-        return cls(client, **kwargs)
+    @property
+    def client(self) -> Any:
+        """The Redis client, for the fleet's other records (fleet_attempts.py); closed by :meth:`close`."""
+        return self._client
 
     async def soonest(self, request_id: str | None, hint: float) -> float:
         """The hint to answer for a call this replica refuses with ``hint`` (seconds): the

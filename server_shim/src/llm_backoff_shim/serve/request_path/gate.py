@@ -8,7 +8,9 @@ decided here (a malformed request is the intake's, a broken connection http/'s):
   body, answered before it is read (``Proxy.refuse_from_head`` says why), or None;
 - entering (:meth:`Passage.enter`, the request's :meth:`AdmissionGate.passage`): the tenant's
   quota taken, a slot from the controller (waiting in its queue), and for a refusal the
-  fleet's soonest Retry-After (fleet_hints.py) in place of this replica's;
+  fleet's soonest Retry-After (fleet_hints.py) in place of this replica's; whether the try is
+  its caller's attempt's first, from the fleet's record of it (fleet_attempts.py), so that an
+  attempt is counted once however many replicas the load balancer asks;
 - the engine's refusal (:meth:`AdmissionGate.engine_refused`): an admitted request's 503 is
   the engine at capacity, any other failure the upstream unavailable, with the outage's
   Retry-After (:class:`~llm_backoff_shim.decide.retry_after.OutageClock`);
@@ -20,6 +22,8 @@ rendered by rejection.py; the proxy only sends it and logs it.
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -32,10 +36,12 @@ from llm_backoff_shim.serve.api.rejection import Refusal, rejection_response
 from llm_backoff_shim.serve.config.slices import GateSettings
 from llm_backoff_shim.serve.observe.access_log import request_id_of
 from llm_backoff_shim.serve.observe.metrics import ShimMetrics
-from llm_backoff_shim.serve.policy.fleet_hints import FleetHints
+from llm_backoff_shim.serve.policy.fleet_attempts import FleetAttempts, attempt_key
+from llm_backoff_shim.serve.policy.fleet_hints import RECORD_TTL_MS, FleetHints, connect
 from llm_backoff_shim.serve.policy.request_hooks import RequestHooks, RequestScope
 from llm_backoff_shim.serve.request_path.exchange import Clock, Exchange, ForwardRequest, UpstreamRefused
 from llm_backoff_shim.serve.request_path.headers import RawHeaders
+from llm_backoff_shim.serve.request_path.intake import parse_request_start
 from llm_backoff_shim.serve.request_path.waiting import AsyncAdmission, Grant
 
 
@@ -44,7 +50,8 @@ class AdmissionGate:
     admission (module docstring).
 
     ``reject_status``: the status of an admission refusal that names none (``--reject-status``);
-    ``fleet_hints``: the fleet's Retry-After, None for this replica's alone; ``on_first_byte``:
+    ``fleet_hints``: the fleet's Retry-After, None for this replica's alone; ``fleet_attempts``:
+    the fleet's record of callers' attempts, None to count each request as one; ``on_first_byte``:
     (seconds from admission to the upstream's first body byte, requests in flight), for an
     adaptive limit.
     """
@@ -58,6 +65,7 @@ class AdmissionGate:
         reject_status: int,
         hooks: RequestHooks | None = None,
         fleet_hints: FleetHints | None = None,
+        fleet_attempts: FleetAttempts | None = None,
         on_first_byte: Callable[[float, int], None] | None = None,
     ) -> None:
         self.admission = admission
@@ -67,6 +75,10 @@ class AdmissionGate:
         # Classes by tenant, quotas, SLO headers, vLLM priority; none by default.
         self.hooks = hooks if hooks is not None else RequestHooks()
         self.fleet_hints = fleet_hints
+        self.fleet_attempts = fleet_attempts
+        # Admissions being looked up in the fleet's record: counted when Redis answers, off the
+        # request's path (an admitted call need not wait for its count).
+        self._counting: set[asyncio.Task[None]] = set()
         self.on_first_byte = on_first_byte
         estimates = admission.controller.estimator.config
         # Retry-After of upstream_unavailable: the outage's length so far (retry_after.py says why).
@@ -85,14 +97,21 @@ class AdmissionGate:
     ) -> AdmissionGate:
         """The gate for its slice of the settings; with a Redis for the fleet's hints, the
         controller's estimate also learns the fleet's size from them (promises.py)."""
-        fleet_hints = None
+        fleet_hints = fleet_attempts = None
         if settings.fleet_hints_url is not None:
-            estimator = admission.controller.estimator
+            controller = admission.controller
+            estimator = controller.estimator
             fleet = FleetSize(clock)
             estimator.promises.fleet = fleet
-            fleet_hints = FleetHints.from_url(
-                settings.fleet_hints_url, fleet=fleet, clock=clock, minimum=estimator.config.retry_after_min
+            client = connect(settings.fleet_hints_url)
+            fleet_hints = FleetHints(
+                client, fleet=fleet, clock=clock, minimum=estimator.config.retry_after_min
             )
+            # A record must outlive a later replica's queue wait: that replica admits (or
+            # refuses) the call only after it.
+            waits = [controller.policy(c).max_queue_wait for c in controller.classes]
+            longest = max((w for w in waits if math.isfinite(w)), default=0.0)
+            fleet_attempts = FleetAttempts(client, clock=clock, ttl_ms=RECORD_TTL_MS + round(longest * 1000))
         return cls(
             admission=admission,
             metrics=metrics,
@@ -100,11 +119,15 @@ class AdmissionGate:
             reject_status=settings.reject_status,
             hooks=hooks,
             fleet_hints=fleet_hints,
+            fleet_attempts=fleet_attempts,
             on_first_byte=on_first_byte,
         )
 
     async def close(self) -> None:
-        """Close the connection to the fleet's Redis, if any."""
+        """Count the admissions still being looked up, then close the connection to the fleet's
+        Redis, if any."""
+        if self._counting:
+            await asyncio.gather(*self._counting, return_exceptions=True)
         if self.fleet_hints is not None:
             await self.fleet_hints.close()
 
@@ -133,12 +156,32 @@ class AdmissionGate:
         if rejection is None:
             return None
         self.metrics.rejected(request.cls, rejection.code, rejection.retry_after)
+        self.metrics.attempt(request.cls, rejection.code)  # no fleet's record: a try is an attempt
         return self.refusal(rejection, hooks.rejection_headers(request))
 
     def passage(self, request: AdmissionRequest, forward: ForwardRequest) -> Passage:
         """``request``'s way through the gate, its hooks made; :meth:`Passage.leave` ends it."""
         scope = self.hooks.scope(request, forward.body, forward.path, forward.parsed)
         return Passage(request, forward, scope, self)
+
+    def count_admission(self, cls: str, headers: RawHeaders) -> None:
+        """Count an admitted try: a caller's attempt, or with the fleet's record what the
+        record says it is (fleet_attempts.py), once Redis answers."""
+        attempts = self.fleet_attempts
+        if attempts is None:
+            self.metrics.attempt(cls)
+            return
+
+        async def count() -> None:
+            admission = await attempts.admitted(attempt_key_of(headers))
+            if admission.first:
+                self.metrics.attempt(cls)
+            elif admission.rescued_from is not None:
+                self.metrics.rescued(cls, admission.rescued_from)
+
+        task = asyncio.get_running_loop().create_task(count())
+        self._counting.add(task)
+        task.add_done_callback(self._counting.discard)
 
     def engine_refused(self, refused: UpstreamRefused, cls: str | None, exchange: Exchange) -> Refusal:
         """The refusal for a request the upstream could not serve, noted in ``exchange``: the
@@ -190,6 +233,10 @@ class Passage:
     scope: RequestScope
     gate: AdmissionGate
     grant: Grant | None = None
+    #: Whether a refusal of this try is its caller's attempt's first (then counted as an
+    #: attempt refused): without the fleet's record every try is; with it, as the record says,
+    #: and never after this replica admitted the try (the admission counted the attempt).
+    first_try: bool = True
 
     async def enter(self, exchange: Exchange) -> Refusal | None:
         """Take the tenant's quota and wait for a slot: None once granted (:attr:`grant`), else
@@ -203,9 +250,12 @@ class Passage:
         queued_at = gate.clock()
         decision = await gate.admission.acquire(self.request)
         if isinstance(decision, Rejection):
-            if gate.fleet_hints is not None:
-                rid = request_id_of(self.forward.headers)
-                soonest = await gate.fleet_hints.soonest(rid, decision.retry_after)
+            if gate.fleet_hints is not None and gate.fleet_attempts is not None:
+                headers = self.forward.headers
+                soonest, self.first_try = await asyncio.gather(
+                    gate.fleet_hints.soonest(request_id_of(headers), decision.retry_after),
+                    gate.fleet_attempts.refused(attempt_key_of(headers), decision.code),
+                )
                 decision = replace(decision, retry_after=soonest)
             exchange.reject(decision)
             exchange.queue_time = gate.clock() - queued_at
@@ -214,6 +264,8 @@ class Passage:
         exchange.queue_time = decision.queue_time
         cls = self.request.cls
         gate.metrics.count(cls, "admitted")
+        gate.count_admission(cls, self.forward.headers)
+        self.first_try = gate.fleet_attempts is None
         gate.metrics.observe_queue_wait(cls, decision.queue_time)
         return None
 
@@ -226,6 +278,8 @@ class Passage:
         cls = self.request.cls
         if exchange.metric == "rejected":
             gate.metrics.rejected(cls, exchange.code, exchange.retry_after or 0.0)
+            if self.first_try:
+                gate.metrics.attempt(cls, exchange.code)
         else:
             gate.metrics.count(cls, exchange.metric)
 
@@ -246,3 +300,13 @@ class Passage:
     def first_body_byte(self) -> None:
         assert self.grant is not None
         self.gate.first_body_byte(self.grant)
+
+
+def attempt_key_of(headers: RawHeaders) -> str | None:
+    """The fleet's name for the caller's attempt a request is a try of (fleet_attempts.py)."""
+    start = None
+    for key, value in headers:
+        if key == b"x-request-start":
+            start = parse_request_start(value.decode("latin-1"))
+            break
+    return attempt_key(request_id_of(headers), start)
