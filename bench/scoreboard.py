@@ -862,13 +862,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-quick" if args.quick else ("-sim" if kind == "sim" and on_engine else "")
     if fleet is not None:
+        # Files of its own: a fleet-only run leaves the scoreboard's table where it is.
+        stem = args.out / f"{args.name}-fleet{suffix}"
         print("\n" + fleet.head + "\n\n" + fleet.table)
-        fleet_scenario.plot(fleet.cells, args.out / f"{args.name}-fleet{suffix}.png", fleet.head)
-        print(f"\nplot: {args.out / f'{args.name}-fleet{suffix}.png'}")
+        fleet_scenario.plot(fleet.cells, stem.with_suffix(".png"), fleet.head)
+        stem.with_suffix(".md").write_text(fleet.head + "\n\n" + fleet.table + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(fleet_json(fleet), indent=1) + "\n")
+        print(f"\nplot: {stem.with_suffix('.png')}")
     if not on_engine:
-        assert fleet is not None
-        (args.out / f"{args.name}{suffix}.md").write_text(fleet.head + "\n\n" + fleet.table + "\n")
-        (args.out / f"{args.name}{suffix}.json").write_text(json.dumps(fleet_json(fleet), indent=1) + "\n")
         print(f"total {time.monotonic() - started:.0f} s")
         return 0
     shown = [s for s in scenarios if any(r.scenario == s for r in rows)]
@@ -885,8 +886,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\n" + head + "\n\n" + text)
     png = args.out / f"{args.name}{suffix}.png"
     plot(rows, shown, arms, png, head)
-    fleet_text = "" if fleet is None else "\n\n" + fleet.head + "\n\n" + fleet.table
-    (args.out / f"{args.name}{suffix}.md").write_text(head + "\n\n" + text + fleet_text + "\n")
+    (args.out / f"{args.name}{suffix}.md").write_text(head + "\n\n" + text + "\n")
     (args.out / f"{args.name}{suffix}.json").write_text(
         json.dumps(
             {
@@ -896,7 +896,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "speeds": speeds,
                 "rows": [dataclasses.asdict(r) for r in rows],
                 "tenants_alone": alone_counts,
-                "fleet": None if fleet is None else fleet_json(fleet),
             },
             indent=1,
         )

@@ -212,7 +212,8 @@ def test_a_stream_cut_is_one_the_replica_had_relayed_before_its_engine_died() ->
         1, 10.5, 10.6, 10.5, "upstream_error", None, None, "4-1"
     )  # never reached the dead engine's work
     refused = Visit(1, 10.2, 10.21, None, "rejected", "upstream_unavailable", 1.0, "5-1")
-    seen = [cut, done_before, elsewhere, after, refused]
+    left = Visit(1, 8.0, 10.02, 8.1, "client_disconnected", None, None, "6-1")  # its caller closed it
+    seen = [cut, done_before, elsewhere, after, refused, left]
     assert streams_cut(seen, replica=1, died=10.0, back=12.0) == 1
 
 
