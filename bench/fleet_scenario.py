@@ -52,6 +52,7 @@ from llm_backoff_shim.lab.fleet_measures import (
     Visit,
     conservation,
     dead_replica_answers,
+    how_they_ended,
     lost_calls,
     refused_share,
     refused_with_room,
@@ -363,6 +364,9 @@ class FleetCell:
     lost_to_kill: int | None = None
     lost_in_restart: int | None = None
     restart_seconds: float | None = None
+    #: How the calls lost to each fault ended (:func:`how_they_ended`).
+    lost_to_kill_ended: dict[str, int] = dataclasses.field(default_factory=dict)
+    lost_in_restart_ended: dict[str, int] = dataclasses.field(default_factory=dict)
     fault_error: str | None = None
     rule: str | None = None
 
@@ -406,9 +410,10 @@ def fleet_cell(lb: str, caller: str, clean: Driven, faulted: Driven, oracle_usef
         cell.streams_cut = streams_cut(faulted.visits, KILLED, f.killed_wall, f.back_wall)
         if f.killed is not None and f.restart_start is not None and f.restart_end is not None:
             killed = {*dead, *lost_calls(calls, f.killed, f.restart_start)}
-            cell.lost_to_kill = len(killed)
+            cell.lost_to_kill, cell.lost_to_kill_ended = len(killed), how_they_ended(calls, killed)
             cell.restart_seconds = f.restart_end - f.restart_start
-            cell.lost_in_restart = len(lost_calls(calls, f.restart_start, f.restart_end, besides=killed))
+            restart = lost_calls(calls, f.restart_start, f.restart_end, besides=killed)
+            cell.lost_in_restart, cell.lost_in_restart_ended = len(restart), how_they_ended(calls, restart)
     return cell
 
 

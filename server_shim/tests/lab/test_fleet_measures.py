@@ -20,6 +20,7 @@ from llm_backoff_shim.lab.fleet_measures import (
     Visit,
     conservation,
     dead_replica_answers,
+    how_they_ended,
     lost_calls,
     refused_share,
     refused_with_room,
@@ -230,6 +231,7 @@ def test_a_call_is_lost_when_it_failed_in_the_window_without_a_refusal_to_go_by(
     ]
     assert lost_calls(calls, 10.0, 20.0) == [1, 2, 3]
     assert lost_calls(calls, 10.0, 20.0, besides=[3]) == [1, 2]
+    assert how_they_ended(calls, [1, 2, 3, 7]) == {"200": 2, "503 upstream_unavailable": 1, "no answer": 1}
 
 
 def test_the_callers_refused_share_is_refused_attempts_over_answered_ones() -> None:

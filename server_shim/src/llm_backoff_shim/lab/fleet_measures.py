@@ -278,6 +278,23 @@ def lost_calls(
     ]
 
 
+def how_they_ended(calls: Iterable[CallRecord], indices: Iterable[int]) -> dict[str, int]:
+    """How the calls of ``indices`` ended, by their last attempt: ``"<status> <code>"`` for an
+    answer (``"200"``: cut after it began), ``"no answer"`` when none came; each with its count."""
+    wanted = set(indices)
+    ended: dict[str, int] = {}
+    for call in calls:
+        if call.index not in wanted:
+            continue
+        last = call.attempts[-1] if call.attempts else None
+        if last is None or last.status is None:
+            key = "no answer"
+        else:
+            key = f"{last.status} {last.code}" if last.code else str(last.status)
+        ended[key] = ended.get(key, 0) + 1
+    return dict(sorted(ended.items()))
+
+
 def refused_share(calls: Iterable[CallRecord]) -> float | None:
     """Callers' attempts refused (429 or 503) over their attempts answered; None with none."""
     answered = refused = 0
@@ -301,6 +318,7 @@ __all__ = [
     "conservation",
     "dead_replica_answers",
     "final_attempt_id",
+    "how_they_ended",
     "lost_calls",
     "refused_share",
     "refused_with_hint",
