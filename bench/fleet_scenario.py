@@ -364,7 +364,8 @@ class FleetCell:
     lost_to_kill: int | None = None
     lost_in_restart: int | None = None
     restart_seconds: float | None = None
-    #: How the calls lost to each fault ended (:func:`how_they_ended`).
+    #: How the calls lost in the clean run and to each fault ended (:func:`how_they_ended`).
+    lost_clean_ended: dict[str, int] = dataclasses.field(default_factory=dict)
     lost_to_kill_ended: dict[str, int] = dataclasses.field(default_factory=dict)
     lost_in_restart_ended: dict[str, int] = dataclasses.field(default_factory=dict)
     fault_error: str | None = None
@@ -399,7 +400,8 @@ def fleet_cell(lb: str, caller: str, clean: Driven, faulted: Driven, oracle_usef
     cell.requeued = requeued_after_wait(clean.visits).count
     cell.rule, cell.rule_share = clean.rule, clean.rule_share
     cell.callers_refused_share = refused_share(clean.result.calls)
-    cell.lost_clean = len(lost_calls(clean.result.calls, 0.0, float("inf")))
+    lost = lost_calls(clean.result.calls, 0.0, float("inf"))
+    cell.lost_clean, cell.lost_clean_ended = len(lost), how_they_ended(clean.result.calls, lost)
     f = faulted.faults
     assert f is not None
     cell.fault_error = f.error
