@@ -503,6 +503,8 @@ def plot(cells: Sequence[FleetCell], path: Path, title: str) -> None:
         width = 0.8 / len(series)
         for j, (name, ys) in enumerate(series):
             ax.bar([x + (j - (len(series) - 1) / 2) * width for x in xs], ys, width, label=name)
+        # Room above the bars for the legend.
+        ax.set_ylim(0, 1.35 * max([1.0, *(y for _, ys in series for y in ys)]))
         if line is not None:
             ax.axhline(line, color="k", ls=":", lw=1)
         ax.set_xticks(list(xs), labels, fontsize=8)
