@@ -171,8 +171,10 @@ def test_an_attempt_sent_on_after_a_queue_wait_is_counted_with_its_time_in_the_f
     assert found.spans == [pytest.approx(7.0)]
 
 
-def call(index: int, *attempts: AttemptRecord, outcome: str = "ok", end: float = 5.0) -> CallRecord:
-    record = CallRecord(index, "interactive", 0.0, 20.0, end=end, outcome=outcome)  # type: ignore[arg-type]
+def call(
+    index: int, *attempts: AttemptRecord, outcome: str = "ok", end: float = 5.0, error: str | None = None
+) -> CallRecord:
+    record = CallRecord(index, "interactive", 0.0, 20.0, end=end, outcome=outcome, error=error)  # type: ignore[arg-type]
     record.attempts = list(attempts)
     return record
 
@@ -220,7 +222,7 @@ def test_a_stream_cut_is_one_the_replica_had_relayed_before_its_engine_died() ->
 
 def test_a_call_is_lost_when_it_failed_in_the_window_without_a_refusal_to_go_by() -> None:
     calls = [
-        call(1, attempt(1, None), outcome="error", end=11.0),  # no answer: lost
+        call(1, attempt(1, None), outcome="error", end=11.0, error="connection error"),  # no answer: lost
         call(2, attempt(1, 200), outcome="error", end=12.0),  # its answer was cut: lost
         call(3, attempt(1, 503, "upstream_unavailable"), outcome="error", end=13.0),  # "unreachable": lost
         call(4, attempt(1, 429, "queue_full"), outcome="error", end=11.0),  # refused with a hint
@@ -228,10 +230,17 @@ def test_a_call_is_lost_when_it_failed_in_the_window_without_a_refusal_to_go_by(
         call(6, attempt(1, 200), outcome="deadline", end=11.0),  # its own deadline
         call(7, attempt(1, 200), end=11.0),  # served
         call(8, attempt(1, None), outcome="error", end=30.0),  # outside the window
+        call(9, attempt(1, None), outcome="error", end=11.0, error="client timeout"),  # its timeout
+        # The SDK gave up at its caller's start deadline (no answer could begin in time).
+        call(10, attempt(1, None), outcome="error", end=11.0, error="client timeout (start deadline)"),
     ]
     assert lost_calls(calls, 10.0, 20.0) == [1, 2, 3]
     assert lost_calls(calls, 10.0, 20.0, besides=[3]) == [1, 2]
-    assert how_they_ended(calls, [1, 2, 3, 7]) == {"200": 2, "503 upstream_unavailable": 1, "no answer": 1}
+    assert how_they_ended(calls, [1, 2, 3, 7]) == {
+        "200": 2,
+        "503 upstream_unavailable": 1,
+        "no answer: connection error": 1,
+    }
 
 
 def test_the_callers_refused_share_is_refused_attempts_over_answered_ones() -> None:

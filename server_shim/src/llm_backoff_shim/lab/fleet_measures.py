@@ -259,18 +259,26 @@ def refused_with_hint(call: CallRecord) -> bool:
     return last is not None and last.rejected and last.code in REFUSAL_CODES
 
 
+def own_deadline(call: CallRecord) -> bool:
+    """``call`` ended at its caller's own deadline: cut by the caller, or its client's timeout
+    (plain openai's is the deadline) or the SDK's deadline raised first."""
+    error = call.error or ""
+    return call.outcome == "deadline" or error == "client timeout" or "deadline" in error
+
+
 def lost_calls(
     calls: Iterable[CallRecord], start: float, end: float, *, besides: Iterable[int] = ()
 ) -> list[int]:
-    """Indices of the calls that failed (not at their own deadline) between ``start`` and
-    ``end`` (the run's clock) with no refusal to go by: no answer, a cut answer, or an error
-    that is not a capacity refusal (e.g. ``upstream_unavailable``). Calls in ``besides`` (already
-    counted against another fault) are left out."""
+    """Indices of the calls that failed between ``start`` and ``end`` (the run's clock) with no
+    refusal to go by: no answer, a cut answer, or an error that is not a capacity refusal (e.g.
+    ``upstream_unavailable``); not at their own deadline (:func:`own_deadline`). Calls in
+    ``besides`` (already counted against another fault) are left out."""
     skip = set(besides)
     return [
         c.index
         for c in calls
         if c.outcome == "error"
+        and not own_deadline(c)
         and c.end is not None
         and start <= c.end <= end
         and not refused_with_hint(c)
@@ -280,7 +288,8 @@ def lost_calls(
 
 def how_they_ended(calls: Iterable[CallRecord], indices: Iterable[int]) -> dict[str, int]:
     """How the calls of ``indices`` ended, by their last attempt: ``"<status> <code>"`` for an
-    answer (``"200"``: cut after it began), ``"no answer"`` when none came; each with its count."""
+    answer (``"200"``: cut after it began), ``"no answer: <the call's error>"`` when none came;
+    each with its count."""
     wanted = set(indices)
     ended: dict[str, int] = {}
     for call in calls:
@@ -288,7 +297,7 @@ def how_they_ended(calls: Iterable[CallRecord], indices: Iterable[int]) -> dict[
             continue
         last = call.attempts[-1] if call.attempts else None
         if last is None or last.status is None:
-            key = "no answer"
+            key = f"no answer: {call.error}"
         else:
             key = f"{last.status} {last.code}" if last.code else str(last.status)
         ended[key] = ended.get(key, 0) + 1
@@ -320,6 +329,7 @@ __all__ = [
     "final_attempt_id",
     "how_they_ended",
     "lost_calls",
+    "own_deadline",
     "refused_share",
     "refused_with_hint",
     "refused_with_room",
