@@ -407,7 +407,7 @@ def fleet_cell(lb: str, caller: str, clean: Driven, faulted: Driven, oracle_usef
     cell.fault_error = f.error
     calls = faulted.result.calls
     if f.killed_wall is not None and f.back_wall is not None:
-        dead = dead_replica_answers(calls, faulted.visits, KILLED, f.killed_wall, f.back_wall)
+        dead = dead_replica_answers(calls, faulted.visits, KILLED, f.killed_wall)
         cell.dead_answers = len(dead)
         cell.streams_cut = streams_cut(faulted.visits, KILLED, f.killed_wall, f.back_wall)
         if f.killed is not None and f.restart_start is not None and f.restart_end is not None:

@@ -203,8 +203,14 @@ def test_a_call_answered_last_by_the_dead_replica_while_its_engine_was_down_is_c
     # Call 4: answered by replica 1 before its engine died, and call 5 after it was back.
     calls += [call(4, attempt(1, 200)), call(5, attempt(1, 200))]
     seen += [busy(1, 9.0, 9.9, "4-1"), busy(1, 12.5, 13, "5-1")]
-    assert dead_replica_answers(calls, seen, replica=1, died=10.0, back=12.0) == [1]
-    assert dead_replica_answers(calls, seen, replica=1, died=10.55, back=12.0) == []
+    # Call 6: the engine started again at 12 s, but its shim still answered for it as down.
+    calls.append(call(6, attempt(1, 503, "upstream_unavailable"), outcome="error"))
+    seen.append(Visit(1, 12.2, 12.21, None, "rejected", "upstream_unavailable", 1.0, "6-1"))
+    # Call 7: refused by replica 1 for capacity after its engine died: a live replica's answer.
+    calls.append(call(7, attempt(1, 429, "queue_full"), outcome="error"))
+    seen.append(refusal(1, 10.8, "7-1"))
+    assert dead_replica_answers(calls, seen, replica=1, died=10.0) == [1, 6]
+    assert dead_replica_answers(calls, seen, replica=1, died=10.55) == [6]
 
 
 def test_a_stream_cut_is_one_the_replica_had_relayed_before_its_engine_died() -> None:

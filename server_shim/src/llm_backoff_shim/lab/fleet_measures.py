@@ -224,18 +224,28 @@ def final_attempt_id(call: CallRecord) -> str | None:
     return attempt_id(call.index, call.attempts[-1].number) if call.attempts else None
 
 
+def dead_engine_answer(visit: Visit) -> bool:
+    """The shim answered for an engine it could not use: ``upstream_unavailable``, or an
+    upstream error."""
+    return visit.code == "upstream_unavailable" or visit.outcome == "upstream_error"
+
+
 def dead_replica_answers(
-    calls: Iterable[CallRecord], all_visits: Sequence[Visit], replica: int, died: float, back: float
+    calls: Iterable[CallRecord], all_visits: Sequence[Visit], replica: int, died: float
 ) -> list[int]:
-    """Indices of the calls whose final answer came from ``replica`` while its engine was dead:
-    their last attempt's last try (by arrival) was at ``replica``, arriving from ``died`` up to
-    ``back`` (wall-clock seconds: the engine killed, and answering again)."""
+    """Indices of the calls whose final answer came from ``replica`` for its dead engine: their
+    last attempt's last try (by arrival) was at ``replica``, arrived from ``died`` on (wall-clock
+    seconds: the engine killed) and was a :func:`dead_engine_answer`, also after the engine was
+    started again while its shim still saw it down."""
     tries = by_request(all_visits)
     found = []
     for call in calls:
         rid = final_attempt_id(call)
         group = tries.get(rid) if rid is not None else None
-        if group and group[-1].replica == replica and died <= group[-1].arrival < back:
+        if not group:
+            continue
+        last = group[-1]
+        if last.replica == replica and last.arrival >= died and dead_engine_answer(last):
             found.append(call.index)
     return found
 
@@ -325,6 +335,7 @@ __all__ = [
     "Visit",
     "by_request",
     "conservation",
+    "dead_engine_answer",
     "dead_replica_answers",
     "final_attempt_id",
     "how_they_ended",
