@@ -43,7 +43,7 @@ steady batch at 0.75x; its 90 s phases are half of ``--duration`` each; batch us
 ``fleet`` (not in the default set: ``--scenarios fleet``) is three simulated replicas behind
 nginx and HAProxy as shipped, against three lone replicas, with an engine kill and a rolling
 restart under load and the shipped Prometheus rules (``fleet_scenario``); its engines are
-simulated whatever ``--engine`` says, on the first seed's trace.
+simulated whatever ``--engine`` says, on the first seed's trace; it writes ``<name>-fleet.*``.
 
 Judged by what users feel: chat calls served within budget (and of the oracle's), useful
 tokens (of the oracle's), batch served, how fast refused interactive calls learned it (p90),
