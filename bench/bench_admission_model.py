@@ -14,10 +14,11 @@ the shim's asyncio edge (``serve.request_path.waiting``) replayed step for step.
 network, the processes' delays, and the engine's variation unless asked (``service_jitter``;
 :class:`OutputLengths` per-call lengths asked as ``max_tokens`` with ``ignore_eos``).
 
-**The oracle** (:func:`schedule`, also used by ``bench_fleet.py``): an upper bound on useful
-tokens from greedy EDF on each request's latest useful start over ``slots`` slots, knowing every
-service time (greedy EDF is not optimal under overload, but never idles a slot while a servable
-request waits nor serves one uselessly). Pure: no clock, no I/O.
+**The oracle** (:func:`schedule`, also used by the scoreboard's fleet scenario,
+``fleet_scenario.py``): an upper bound on useful tokens from greedy EDF on each request's latest
+useful start over ``slots`` slots, knowing every service time (greedy EDF is not optimal under
+overload, but never idles a slot while a servable request waits nor serves one uselessly).
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ the 1k-token prompts with 512-token answers are the batch class, 3x capacity, us
 and ``batch-gateway`` (the llm-d batch gateway's: its 15/s-then-1/s interactive phases kept as a
 shape, 2.5x capacity on average, so 3.3x in the burst half and 0.2x in the trickle half beside
 steady batch at 0.75x; its 90 s phases are half of ``--duration`` each; batch useful within 60 s).
+``fleet`` (not in the default set: ``--scenarios fleet``) is three simulated replicas behind
+nginx and HAProxy as shipped, against three lone replicas, with an engine kill and a rolling
+restart under load and the shipped Prometheus rules (``fleet_scenario``); its engines are
+simulated whatever ``--engine`` says, on the first seed's trace; it writes ``<name>-fleet.*``.
 
 Judged by what users feel: chat calls served within budget (and of the oracle's), useful
 tokens (of the oracle's), batch served, how fast refused interactive calls learned it (p90),
@@ -69,6 +73,7 @@ from typing import Any
 
 import httpx
 
+import fleet_scenario
 from llm_backoff_shim.lab.demo import ProgressLine
 from llm_backoff_shim.lab.figures import percentile
 from llm_backoff_shim.lab.load_records import CallRecord, RunResult
@@ -184,6 +189,8 @@ SCENARIOS = {
 
 #: The scoreboard docs/benchmarks.md shows, run by default; the others answer their own questions.
 CANONICAL = ("chat", "mix", "burst")
+#: The scenario on a fleet of simulated replicas behind load balancers (``fleet_scenario``).
+FLEET = "fleet"
 
 
 @dataclass(frozen=True)
@@ -661,6 +668,14 @@ def plot(rows: Sequence[Row], scenarios: Sequence[str], arms: Sequence[str], pat
     plt.close(fig)
 
 
+def fleet_json(fleet: fleet_scenario.FleetReport) -> dict[str, object]:
+    return {
+        "head": fleet.head,
+        "shim_flags": fleet.shim_flags,
+        "cells": [dataclasses.asdict(c) for c in fleet.cells],
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = p.add_argument
@@ -672,7 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--scenarios",
         default=",".join(CANONICAL),
-        help=f"of {', '.join(SCENARIOS)} (default: the scoreboard's, {', '.join(CANONICAL)})",
+        help=f"of {', '.join([*SCENARIOS, FLEET])} (default: the scoreboard's, {', '.join(CANONICAL)})",
     )
     add("--arms", default=",".join(ARMS), help=f"of {', '.join(ARMS)}")
     add(
@@ -725,17 +740,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             python,
         )
         arms.append("shim-presets+" + name)
-    unknown = (set(scenarios) - set(SCENARIOS)) | (set(arms) - set(ARMS))
+    unknown = (set(scenarios) - {*SCENARIOS, FLEET}) | (set(arms) - set(ARMS))
     if unknown:
         print(f"scoreboard: unknown {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
+    if FLEET in scenarios and fleet_scenario.missing():
+        lacking = " ".join(fleet_scenario.missing())
+        print(f"scoreboard: the fleet scenario needs {lacking} (apt-get install {lacking})", file=sys.stderr)
+        return 2
+    on_engine = [s for s in scenarios if s in SCENARIOS]
     kind = args.engine if args.engine != "auto" else ("vllm" if ready(DEFAULT_ENV, DEFAULT_MODEL) else "sim")
     seeds = list(range(args.first_seed, args.first_seed + (args.seeds or (1 if args.quick else 2))))
     duration = args.duration or (12.0 if args.quick else 20.0)
     calib_seconds = args.calibrate_seconds or (90.0 if args.quick else 150.0)
     params = engine_params(FITTED_ENGINE_FLAGS)
     started = time.monotonic()
-    pinned = LOAD_CPU in os.sched_getaffinity(0) and len(os.sched_getaffinity(0)) >= 2
+    cpus = os.sched_getaffinity(0)
+    pinned = LOAD_CPU in cpus and len(cpus) >= 2
     if pinned:
         os.sched_setaffinity(0, {LOAD_CPU})
     rows: list[Row] = []
@@ -744,22 +765,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     fitted: dict[Mix, tuple[float, float]] = {}
     alone_counts: dict[int, dict[str, int]] = {}
     queued_tokens = queued_tokens_bound(params, SCENARIOS["chat"].budgets)
+    fleet: fleet_scenario.FleetReport | None = None
     try:
         with sigterm_as_interrupt(), contextlib.ExitStack() as stack:
-            url = (
-                args.engine_url.rstrip("/")
-                if args.engine_url
-                else start_engine(kind, stack, pinned, queued_tokens)
-            )
-            model = str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
-            tpw = tokens_per_word(url, model)
-            print(
-                f"engine: {kind} at {url} ({SLOTS} slots, --max-num-queued-reqs {QUEUED_REQS}"
-                + (f", --max-num-queued-tokens {queued_tokens}" if kind == "vllm" else "")
-                + f"); {tpw:.2f} tokens per word",
-                flush=True,
-            )
-            for name in scenarios:
+            if on_engine:
+                url = (
+                    args.engine_url.rstrip("/")
+                    if args.engine_url
+                    else start_engine(kind, stack, pinned, queued_tokens)
+                )
+                model = str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
+                tpw = tokens_per_word(url, model)
+                print(
+                    f"engine: {kind} at {url} ({SLOTS} slots, --max-num-queued-reqs {QUEUED_REQS}"
+                    + (f", --max-num-queued-tokens {queued_tokens}" if kind == "vllm" else "")
+                    + f"); {tpw:.2f} tokens per word",
+                    flush=True,
+                )
+            for name in on_engine:
                 spec = SCENARIOS[name]
                 mix = dataclasses.replace(spec.mix, tokens_per_word=tpw)
                 if spec.calibration not in calibrations:
@@ -825,12 +848,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                         row.oracle_chat = best.served.get("chat", 0)
                         row.oracle_batch = best.served.get("long", 0)
                         rows.append(row)
+        if FLEET in scenarios:
+            # Its own processes on every CPU (the load generator's pinning is for one engine).
+            os.sched_setaffinity(0, cpus)
+            with sigterm_as_interrupt():
+                fleet = fleet_scenario.run(duration, seeds[0])
     except KeyboardInterrupt:
         print("\ninterrupted; servers stopped", file=sys.stderr)
         return 130
     except (ServerStartError, RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"scoreboard: {exc}", file=sys.stderr)
         return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "-quick" if args.quick else ("-sim" if kind == "sim" and on_engine else "")
+    if fleet is not None:
+        # Files of its own: a fleet-only run leaves the scoreboard's table where it is.
+        stem = args.out / f"{args.name}-fleet{suffix}"
+        print("\n" + fleet.head + "\n\n" + fleet.table)
+        fleet_scenario.plot(fleet.cells, stem.with_suffix(".png"), fleet.head)
+        stem.with_suffix(".md").write_text(fleet.head + "\n\n" + fleet.table + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(fleet_json(fleet), indent=1) + "\n")
+        print(f"\nplot: {stem.with_suffix('.png')}")
+    if not on_engine:
+        print(f"total {time.monotonic() - started:.0f} s")
+        return 0
     shown = [s for s in scenarios if any(r.scenario == s for r in rows)]
     head = (
         f"{'real vLLM (CPU)' if kind == 'vllm' else 'the simulator (fitted to the CPU vLLM)'}, "
@@ -843,8 +884,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if alone_counts:
         text += "\n\n" + tenants_table(rows, arms, alone_counts)
     print("\n" + head + "\n\n" + text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "-quick" if args.quick else ("-sim" if kind == "sim" else "")
     png = args.out / f"{args.name}{suffix}.png"
     plot(rows, shown, arms, png, head)
     (args.out / f"{args.name}{suffix}.md").write_text(head + "\n\n" + text + "\n")

@@ -17,7 +17,7 @@ Three simulated engines, a shim each with one slot and no queue (``--max-concurr
 The calls that fill slots hold them until the test closes their connections, and each step
 waits for the shims' own in-flight gauges to show the state it needs: no step depends on how
 fast the machine is. (How often a fleet under a real overload refuses while a replica is free
-is measured by bench/bench_fleet.py, docs/benchmarks.md.) Bounded: a few seconds per test;
+is measured by the scoreboard's fleet scenario, docs/benchmarks.md.) Bounded: a few seconds per test;
 nothing leaves loopback.
 """
 
