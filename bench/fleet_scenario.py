@@ -2,7 +2,8 @@
 
     flock /tmp/llm-backoff-bench.lock .venv/bin/python bench/scoreboard.py --engine sim --scenarios fleet
 
-Three simulated engines (8 slots each), a shim beside each, behind Debian's nginx and HAProxy
+Three simulated engines (8 slots each), a shim beside each (sharing a Redis with
+``--fleet-retry-after``, as docs/deploy.md sets a fleet up), behind Debian's nginx and HAProxy
 running the shipped configurations (:class:`~llm_backoff_shim.lab.fleet.Fleet`), on one seeded
 trace at 2x the fleet's capacity (``real_vllm.mix.chat_scenario``: 70 % interactive with a 5 s
 time-to-first-token budget, 20 s deadline). Always simulated engines, also with ``--engine vllm``:
@@ -31,11 +32,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import shutil
+import socket
+import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,7 +67,7 @@ from llm_backoff_shim.lab.fleet_measures import (
 )
 from llm_backoff_shim.lab.load_records import Progress, RunResult
 from llm_backoff_shim.lab.loadgen import LoadRun, run_load
-from llm_backoff_shim.lab.procs import shim_server, sim_server
+from llm_backoff_shim.lab.procs import free_port, shim_server, sim_server
 from llm_backoff_shim.lab.prometheus import SHIPPED_RULES, prometheus_binary
 from llm_backoff_shim.lab.scenario import Arrival, EngineShape, Scenario, Setup, arrivals
 from llm_backoff_shim.serve.observe.access_log import json_records
@@ -261,6 +265,35 @@ def _load_run(
     )
 
 
+@contextlib.contextmanager
+def fleet_redis() -> Iterator[list[str]]:
+    """A Redis for the fleet's shims, as docs/deploy.md sets a fleet up ("The fleet's
+    Retry-After"): the shim flags that use it, or none when redis-server is not installed
+    (the figures then count balancer tries, as a fleet without it does)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        yield []
+        return
+    port = free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield ["--fleet-retry-after", "--redis-url", f"redis://127.0.0.1:{port}/0"]
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+
+
 def drive_fleet(
     lb: str,
     caller: str,
@@ -275,9 +308,16 @@ def drive_fleet(
     the shipped rules) or with the faults of :func:`inject`."""
     rule = None if faulted else shipped_rejected_share_rule()
     watch = rule is not None and prometheus_binary() is not None
-    with Fleet(
-        REPLICAS, lb, sim_flags=shape.sim_flags(), shim_flags=[*flags, *LOG_FLAGS], prometheus=watch
-    ) as fleet:
+    with (
+        fleet_redis() as shared,
+        Fleet(
+            REPLICAS,
+            lb,
+            sim_flags=shape.sim_flags(),
+            shim_flags=[*flags, *shared, *LOG_FLAGS],
+            prometheus=watch,
+        ) as fleet,
+    ):
         if fleet.prometheus is not None:
             fleet.prometheus.client.wait_up([r.address for r in fleet.replicas], timeout=30)
         kind = "engine kill, rolling restart" if faulted else "clean"
