@@ -111,6 +111,12 @@ def test_the_recipes_rely_on_what_the_docs_say() -> None:
     assert re.search(r"^\s*retry-on conn-failure empty-response 503$", haproxy, re.MULTILINE)
     assert re.search(r"^\s*option httpchk GET /ready$", haproxy, re.MULTILINE)
     assert re.search(r"^\s*option http-buffer-request$", haproxy, re.MULTILINE)
+    # Every replica in turn, enough retries to reach each (docs/deploy.md has the measurement).
+    assert re.search(r"^\s*balance roundrobin$", haproxy, re.MULTILINE)
+    assert re.search(r"^\s*retries 8$", haproxy, re.MULTILINE)
+    # Logs reach the journal or `docker logs` without a syslog socket.
+    assert re.search(r"^\s*log stdout format raw local0$", haproxy, re.MULTILINE)
+    assert "/dev/log" not in haproxy
     # HAProxy retries only a 503: its shims refuse with 503 (the fleet passes the flag).
     assert LB_SHIM_FLAGS["haproxy"] == ("--reject-status", "503")
 
