@@ -116,7 +116,7 @@ def test_the_recipes_rely_on_what_the_docs_say() -> None:
     assert re.search(r"^\s*retries 8$", haproxy, re.MULTILINE)
     # Logs reach the journal or `docker logs` without a syslog socket.
     assert re.search(r"^\s*log stdout format raw local0$", haproxy, re.MULTILINE)
-    assert "/dev/log" not in haproxy
+    assert not re.search(r"^\s*log /dev/log", haproxy, re.MULTILINE)
     # HAProxy retries only a 503: its shims refuse with 503 (the fleet passes the flag).
     assert LB_SHIM_FLAGS["haproxy"] == ("--reject-status", "503")
 
