@@ -654,6 +654,54 @@ def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
     assert not about_unit, about_unit
 
 
+def _seconds(text: str) -> float:
+    """``35s``, ``1m`` or ``60`` (seconds) as a number of seconds."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(s|m)?", str(text).strip())
+    assert match, text
+    return float(match.group(1)) * (60 if match.group(2) == "m" else 1)
+
+
+def test_every_stop_timeout_leaves_the_shim_its_drain() -> None:
+    """On SIGTERM the shim finishes the calls it holds for up to its graceful limit: systemd,
+    compose and Kubernetes must wait longer than that before they kill it."""
+    from llm_backoff_shim.serve.command import uvicorn_options
+
+    drain = float(uvicorn_options(ShimSettings())["timeout_graceful_shutdown"])
+    unit = dict(systemd_sections(UNIT.read_text())["Service"])
+    (deployment,) = find(k8s_objects(), "Deployment")
+    waits = {
+        "systemd TimeoutStopSec": _seconds(unit["TimeoutStopSec"]),
+        "compose stop_grace_period": _seconds(compose()["services"]["shim"]["stop_grace_period"]),
+        "terminationGracePeriodSeconds": float(
+            deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        ),
+    }
+    assert all(wait > drain for wait in waits.values()), (drain, waits)
+
+
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed (apt-get install prometheus)"
+)
+@pytest.mark.parametrize("interval", ["1s", "5s", "15s", "60s"])
+def test_the_prometheus_config_holds_at_any_scrape_interval(interval: str, tmp_path: Path) -> None:
+    """An operator shortens or lengthens the scrape interval: the scrape config stays valid."""
+    shipped = DEPLOY / "prometheus"
+    text = (shipped / "prometheus.yml").read_text()
+    assert "scrape_interval: 15s" in text
+    (tmp_path / "prometheus.yml").write_text(
+        text.replace("scrape_interval: 15s", f"scrape_interval: {interval}")
+    )
+    shutil.copy(shipped / "llm-backoff-rules.yml", tmp_path / "llm-backoff-rules.yml")
+    result = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # --------------------------------------------------------------------------- Kubernetes and KEDA
 
 

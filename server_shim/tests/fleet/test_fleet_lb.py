@@ -109,8 +109,8 @@ def test_n_calls_are_admitted_and_the_next_is_refused_at_once(fleet: Fleet, lb: 
     error = refused.json()["error"]
     assert error["code"] == "queue_full"
     assert error["retry_after_seconds"] > 0
-    # Every replica was asked (HAProxy may ask one twice: it avoids only the one it just asked),
-    # and refused.
+    # Every replica was asked (HAProxy may ask one more than once: a retry avoids only the
+    # replica just asked), and refused.
     logged(fleet)
     asked = asked_by(fleet, "extra")
     assert {r["replica"] for r in asked} == {0, 1, 2}
@@ -297,12 +297,10 @@ def test_the_fleet_answers_the_soonest_replicas_wait(fleet_shared_hints: Fleet, 
     for delivered, places, _ in rows:
         print(f"  delivered {delivered:.3f}   places {[round(p, 3) for p in places]}")
     for delivered, places, since in rows:
-        # Every replica asked recorded its place: all three behind nginx; HAProxy's redispatch
-        # may ask one twice and another not at all (6-12 % of refusals, docs/deploy.md).
-        assert len(places) == 3 or (lb == "haproxy" and len(places) == 2), places
+        # Every replica asked recorded its place: all three, behind either load balancer.
+        assert len(places) == 3, places
         # The soonest place, told at most ``since`` before the record was read (whole ms).
         assert places[0] - 0.002 <= delivered <= places[0] + since + 0.002, (delivered, places, since)
-    assert any(len(places) == 3 for _, places, _ in rows), rows
     # The replicas' places differed: a last replica's answer would often have been later.
     assert any(places[-1] > 2 * places[0] for _, places, _ in rows), rows
 
@@ -398,3 +396,125 @@ def test_whole_answer_calls_on_a_crashed_engine_are_served_by_another_replica(lb
     served = {r["request_id"] for r in records[1] if r["outcome"] == "completed"}
     assert {r["request_id"] for r in cut} <= served
     print(f"\n{lb}: {len(cut)} calls on the killed engine, all served by the other replica")
+
+
+def _queued(metrics_text: str) -> float:
+    """Calls waiting for a slot, all classes together, from a shim's /metrics."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        if family.name == "llm_backoff_shim_queue_depth"
+        for sample in family.samples
+    )
+
+
+def queued(urls: list[str]) -> list[float]:
+    """Calls waiting for a slot at each shim at ``urls`` (its own queue gauge)."""
+    return [_queued(httpx.get(f"{u}/metrics", timeout=5).text) for u in urls]
+
+
+def wait_queued(urls: list[str], done: Callable[[list[float]], bool], timeout: float = 30.0) -> list[float]:
+    """Until the shims' queue gauges pass ``done``; ``timeout`` only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        waiting = queued(urls)
+        if done(waiting):
+            return waiting
+        assert time.monotonic() < deadline, f"calls queued at the shims: {waiting}"
+        time.sleep(0.02)
+
+
+#: One slot and one queue place per replica; a queued call waits as long as the test may run.
+SLOT_AND_PLACE = ("--max-concurrency", "1", "--max-queue", "1", "--max-queue-wait", str(HELD), *JSON_LOGS)
+
+
+def test_a_call_reaches_the_one_replica_with_a_queue_place(lb: str) -> None:
+    """Two replicas full (slot and queue place held by calls sent to their shims directly), the
+    third holding one call the load balancer sent it, its queue place free: the load balancer
+    counts one connection there and none at the full two, yet a call through it must reach the
+    third and wait there for its slot, not be refused after asking only the full two."""
+    pool = cf.ThreadPoolExecutor(1)
+    with Fleet(3, lb, sim_flags=SIM_FLAGS, shim_flags=SLOT_AND_PLACE) as fleet:
+        urls = fleet.shim_urls
+        held = [held_call(fleet.url, HELD, request_id="through-lb")]
+        try:
+            holding = wait_in_flight(urls, lambda n: sum(n) == 1)
+            room = holding.index(1)
+            full = [i for i in range(3) if i != room]
+            for i in full:
+                held.append(held_call(urls[i], HELD))
+            wait_in_flight(urls, lambda n: all(n[i] == 1 for i in full))
+            for i in full:
+                held.append(held_call(urls[i], HELD))
+            wait_queued(urls, lambda q: all(q[i] == 1 for i in full))
+            call = pool.submit(
+                httpx.post,
+                f"{fleet.url}/v1/chat/completions",
+                json=body(0.05),
+                headers={"x-request-id": "room"},
+                timeout=60,
+            )
+            # Queued at the replica with room, or answered at once (refused).
+            deadline = time.monotonic() + 30
+            while not call.done() and queued(urls)[room] < 1:
+                assert time.monotonic() < deadline, "the call neither queued nor was answered"
+                time.sleep(0.02)
+            waiting = queued(urls)
+            answered = call.result() if call.done() else None
+        finally:
+            for sock in held:
+                sock.close()
+    pool.shutdown(wait=True)  # the queued call ends with the fleet
+    assert answered is None, (answered.status_code, answered.text)
+    assert waiting == [1, 1, 1], waiting
+    print(f"\n{lb}: the call waits at replica {room}, the one with a queue place")
+
+
+def test_nginx_answers_a_refusal_when_some_replica_refused_and_the_last_was_unreachable(
+    need: Callable[[str], None],
+) -> None:
+    """One replica's shim stopped (its port refuses connections), the other two full: every call
+    through nginx is a refusal (429 queue_full, the shim's format), also when nginx tried the
+    stopped replica last, never "no replica of the fleet is reachable"."""
+    need("nginx")
+    with Fleet(3, "nginx", sim_flags=SIM_FLAGS, shim_flags=ONE_SLOT) as fleet:
+        fleet.stop_shim(2)
+        held = [held_call(u, HELD) for u in fleet.shim_urls[:2]]
+        try:
+            wait_holding(fleet.shim_urls[:2])
+            answers: list[tuple[str, httpx.Response, list[str]]] = []
+            last_unreachable = 0
+            with httpx.Client(base_url=fleet.url, timeout=30) as client:
+                # nginx takes the replicas in turn (none holds a call through it): within a few
+                # calls one ends at the stopped replica.
+                for k in range(9):
+                    rid = f"down{k}"
+                    r = client.post("/v1/chat/completions", json=body(1.0), headers={"x-request-id": rid})
+                    tries = _nginx_tries(fleet, rid)
+                    answers.append((rid, r, tries))
+                    last_unreachable += tries[-1] == "502"
+                    if last_unreachable:
+                        break
+        finally:
+            for sock in held:
+                sock.close()
+    assert last_unreachable, "no call ended at the stopped replica"
+    for rid, r, tries in answers:
+        assert r.status_code == 429, (rid, r.status_code, r.text, tries)
+        assert r.json()["error"]["code"] == "queue_full"
+        assert r.headers["x-llm-backoff-refusal"] == "retry-queue-full"
+        assert float(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["retry_after_seconds"] > 0
+    print(f"\nnginx: tries of each call {[tries for _, _, tries in answers]}, each answered a refusal")
+
+
+def _nginx_tries(fleet: Fleet, request_id: str) -> list[str]:
+    """Each try's status of ``request_id``, in order, from nginx's access log (``upstatus=``)."""
+    deadline = time.monotonic() + 10
+    while True:
+        for line in fleet.lb_log().splitlines():
+            if f"rid={request_id} " in line:
+                statuses = line.split("upstatus=", 1)[1].split(" rt=", 1)[0]
+                return [s.strip() for s in statuses.replace(":", ",").split(",")]
+        assert time.monotonic() < deadline, f"nginx logged no line for {request_id}"
+        time.sleep(0.05)

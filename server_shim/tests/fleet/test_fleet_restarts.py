@@ -13,16 +13,24 @@ served a few more calls, not for a set time, so every stage sees calls on any ma
 - each replica serves calls again once it answers; with HAProxy its runtime API shows the
   replica DOWN after its /ready failed and UP again after it answers.
 
+And HAProxy itself reloaded the documented way (master-worker, SIGUSR2) with a stream and a
+whole answer in flight: both end whole.
+
 How long each step took (from this test's own clock) is printed (``pytest -s``), never
 asserted: the machine is shared. Bounded: about 15 s per load balancer, loopback only.
 """
 
 from __future__ import annotations
 
+import re
+import signal
+import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -270,3 +278,91 @@ class MidStreamError(Exception):
         super().__init__(f"after {chunks} chunks (begun: {began}): {type(cause).__name__}: {cause}")
         self.chunks = chunks
         self.began = began
+
+
+def test_an_haproxy_reload_keeps_the_calls_in_flight(need: Callable[[str], None], tmp_path: Path) -> None:
+    """The documented way to apply a new HAProxy configuration (docs/deploy.md): HAProxy in
+    master-worker mode (`haproxy -W`, as Debian's unit runs it) reloaded with SIGUSR2 while a
+    stream and a whole answer are in flight through it. Both end whole: the old worker finishes
+    them while the new one takes new calls (one is served during the reload)."""
+    need("haproxy")
+    with Fleet(1, "haproxy", sim_flags=SIM_FLAGS, shim_flags=SHIM_FLAGS) as fleet:
+        assert fleet.lb is not None
+        port = free_port()
+        text = fleet.lb.config_path.read_text()
+        text = re.sub(r"(?m)^(\s*)bind \S+", rf"\g<1>bind 127.0.0.1:{port}", text)
+        text = re.sub(r"(?m)^(\s*)stats socket \S+", rf"\g<1>stats socket {tmp_path / 'mw.sock'}", text)
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(text)
+        url = f"http://127.0.0.1:{port}"
+        with (tmp_path / "haproxy.log").open("wb") as log:
+            master = subprocess.Popen(["haproxy", "-W", "-db", "-f", str(config)], stdout=log, stderr=log)
+        try:
+            wait_for(lambda: _answers(f"{url}/lb/health"))
+            wait_for(lambda: _answers(f"{url}/v1/models"))  # the replica is up in HAProxy's view
+            request = {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 100,
+            }
+            started = threading.Event()
+            results: dict[str, Any] = {}
+
+            def stream() -> None:
+                got = b""
+                try:
+                    with httpx.stream(
+                        "POST", f"{url}/v1/chat/completions", json={**request, "stream": True}, timeout=30
+                    ) as r:
+                        for chunk in r.iter_bytes():
+                            got += chunk
+                            started.set()
+                    results["stream"] = (r.status_code, got)
+                except httpx.HTTPError as exc:  # a cut stream: the failure this test looks for
+                    results["stream"] = (type(exc).__name__, got)
+
+            def whole() -> None:
+                try:
+                    r = httpx.post(f"{url}/v1/chat/completions", json=request, timeout=30)
+                    results["whole"] = (r.status_code, r.json())
+                except httpx.HTTPError as exc:
+                    results["whole"] = (type(exc).__name__, None)
+
+            threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+            for t in threads:
+                t.start()
+            assert started.wait(10), "the stream never began"
+            master.send_signal(signal.SIGUSR2)
+            during = httpx.post(f"{url}/v1/chat/completions", json={**request, "max_tokens": 2}, timeout=30)
+            for t in threads:
+                t.join(30)
+        finally:
+            master.terminate()
+            master.wait(10)
+    status, got = results["stream"]
+    assert status == 200, (status, got[-200:])
+    assert got.rstrip().endswith(b"data: [DONE]"), got[-200:]
+    assert results["whole"][0] == 200, results["whole"]
+    assert results["whole"][1]["usage"]["completion_tokens"] == 100
+    assert during.status_code == 200, during.text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_for(done: Callable[[], bool], timeout: float = 10) -> None:
+    """Until ``done()``; ``timeout`` only bounds a broken run."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "not ready in time"
+        time.sleep(0.05)

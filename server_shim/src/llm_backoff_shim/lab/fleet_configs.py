@@ -10,8 +10,8 @@ what the tests exercise is what is shipped:
   file is an http-context file; :func:`nginx_main_config` wraps it in a minimal ``nginx.conf``
   whose pid, logs and temporary paths are in the run's directory.
 - HAProxy: the backend's ``server`` lines become one per replica (``replica1``...), ``bind``
-  becomes the loopback address, the ``log`` target is stdout (the child's log) and the
-  runtime API's ``stats socket`` is in the run's directory.
+  becomes the loopback address and the runtime API's ``stats socket`` is in the run's
+  directory (the shipped file logs to stdout: the child's log).
 
 A line the renderer expects and does not find raises :class:`ConfigShapeError`, so a change
 to a shipped file that would make the fleet run something else fails loudly.
@@ -134,7 +134,7 @@ def render_haproxy(
         out = _replace_once(
             r"^([ \t]*)stats socket[ \t]+\S+", rf"\g<1>stats socket {stats_socket}", out, "stats socket"
         )
-    return _replace_once(r"^([ \t]*)log[ \t]+/dev/log\b", r"\g<1>log stdout format raw", out, "log")
+    return out
 
 
 __all__ = [
