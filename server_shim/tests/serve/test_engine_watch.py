@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -265,28 +266,37 @@ def slow_poll_sim() -> Iterator[ServerThread]:
 def test_through_the_shim_admissions_between_scrapes_do_not_queue_in_the_engine(
     slow_poll_sim: ServerThread, make_shim: Callable[..., Any], waiter: Callable[..., None]
 ) -> None:
-    """The simulator has 1 slot, the shim a cap of 4 and a scrape every 0.3 s. Once the shim has
-    seen the engine full (its slots), 4 requests at once send 1 to the engine and queue 3 in the
-    shim, scrapes or not; counted on the scrapes alone, all 4 went."""
+    """The simulator has 1 slot, the shim a cap of 4. Once the shim has seen the engine full (its
+    slots), 4 requests at once send 1 to the engine and queue 3 in the shim with no scrape
+    between them; counted on the scrapes alone, all 4 went. The test scrapes when it means to
+    (the shim's own poll is an hour away): a poll that lands while an admitted request is still
+    on its way to the engine reads it as idle, a race of the poll's timing, not the count's."""
     sim = slow_poll_sim
     shim = make_shim(
         sim.url,
         max_concurrency=4,
         engine_metrics=True,
-        tuning=Tuning(engine_poll_interval=0.3, engine_stale_polls=100),  # stale after 30 s
+        tuning=Tuning(engine_poll_interval=3600.0, engine_stale_polls=100),
     )
     policy = shim.runtime.policy
     assert policy is not None
     assert policy.detector is not None
-    detector = policy.detector
+    assert policy.watch is not None
+    detector, watch, loop = policy.detector, policy.watch, shim.server.loop
+    assert loop is not None
+
+    def scraped() -> bool:
+        asyncio.run_coroutine_threadsafe(watch.scrape_once(), loop).result(5)
+        return True
+
     with ThreadPoolExecutor(4) as pool:
         direct = [pool.submit(post, sim.url) for _ in range(2)]  # someone fills the engine once
-        waiter(lambda: detector.engine_slots == 1, what="the engine's slots learned")
+        waiter(lambda: scraped() and detector.engine_slots == 1, what="the engine's slots learned")
         assert all(f.result().status_code == 200 for f in direct)
 
     def idle() -> bool:
         last = detector.last
-        return last is not None and (last.running, last.waiting) == (0, 0)
+        return scraped() and last is not None and (last.running, last.waiting) == (0, 0)
 
     waiter(idle, what="a scrape of the idle engine")
     with ThreadPoolExecutor(4) as pool:
