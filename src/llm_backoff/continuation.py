@@ -427,7 +427,7 @@ class Continued:
         whitespace held back and the wait before it. A cut that is not continued is recorded
         (and ``error``, when it is an exception, annotated) only when the call's rules decided it."""
         transcript = self._transcript
-        if transcript.ended or transcript.finished or not transcript.continuable or not transcript.text:
+        if self._nothing_to_continue():
             return None
         policy = self._state.policy
         hint = None
@@ -463,6 +463,11 @@ class Continued:
         )
         mark_retry(continuation)
         return continuation, held, decision.wait
+
+    def _nothing_to_continue(self) -> bool:
+        """The stream ended whole, or what it carried cannot be continued."""
+        t = self._transcript
+        return t.ended or t.finished or not t.continuable or not t.text
 
     def _give_up(self, error: BaseException | ErrorEvent | None) -> None:
         reason = self._state.final_reason
@@ -502,9 +507,7 @@ class Continued:
                     break
         except Exception as exc:
             error = exc
-        if error is None and (
-            transcript.ended or transcript.finished or not transcript.continuable or not transcript.text
-        ):
+        if error is None and self._nothing_to_continue():
             yield events.rest()
             return
         decided = self._cut(error)
@@ -529,12 +532,9 @@ class Continued:
                 return
             response.close()
             self._give_up(error)
-        if isinstance(error, ErrorEvent):
-            yield last
-        elif error is None:
-            raise self._ended_error()
-        else:
-            raise error
+        if not isinstance(error, ErrorEvent):
+            raise self._ended_error() if error is None else error
+        yield last
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         events = _Events()
@@ -553,9 +553,7 @@ class Continued:
                     break
         except Exception as exc:
             error = exc
-        if error is None and (
-            transcript.ended or transcript.finished or not transcript.continuable or not transcript.text
-        ):
+        if error is None and self._nothing_to_continue():
             yield events.rest()
             return
         decided = self._cut(error)
@@ -582,9 +580,6 @@ class Continued:
                 return
             await response.aclose()
             self._give_up(error)
-        if isinstance(error, ErrorEvent):
-            yield last
-        elif error is None:
-            raise self._ended_error()
-        else:
-            raise error
+        if not isinstance(error, ErrorEvent):
+            raise self._ended_error() if error is None else error
+        yield last
